@@ -1,0 +1,221 @@
+"""One writer interface for both backends: records in, atomically published shards out.
+
+`CacheWriter` owns what both backends share: manifest creation or the compatibility check,
+resume (records whose key is already committed are skipped), shard naming by rank and sequence,
+and the per-rank journal that commits each published shard. A backend only knows how to turn a
+run of records into one complete shard (`ShardSink`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import save as st_save
+
+from wandistill.cache import manifest as mf
+from wandistill.cache.schema import SHARED_NAME, Record, dtype_name
+from wandistill.errors import CacheError, UsageError
+from wandistill.fsutil import fsync_dir, temp_name
+
+SHARD_DIR = "shards"
+_SHARD_RE = re.compile(r"r(\d{5})-(\d{6})")
+
+
+class ShardSink(Protocol):
+    """Writes one shard: `begin`, `add` per record, then `end` (publish) or `abort`."""
+
+    suffix: str
+
+    def begin(self, name: str) -> None: ...
+
+    def add(self, record: Record) -> None: ...
+
+    def end(self) -> dict[str, Any]:
+        """Make the shard durable and visible; return its entry (bytes, sha256, locations)."""
+        ...
+
+    def abort(self) -> None: ...
+
+
+def shard_name(rank: int, seq: int) -> str:
+    return f"r{rank:05d}-{seq:06d}"
+
+
+def _make_sink(backend: str, cache: Path) -> ShardSink:
+    if backend == "webdataset":
+        from wandistill.cache.wds import WebDatasetSink
+
+        return WebDatasetSink(cache)
+    if backend == "zarr":
+        from wandistill.cache.zarr_backend import ZarrSink
+
+        return ZarrSink(cache)
+    raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
+
+
+def shared_blob(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, Any]]:
+    """Serialise cache-level tensors (negative embedding, schedule) and describe them."""
+    clean = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    blob = st_save(clean)
+    desc = {
+        "file": SHARED_NAME,
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "tensors": {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)} for k, v in clean.items()},
+    }
+    return blob, desc
+
+
+class CacheWriter:
+    """Append records to a cache as rank `rank` of `world_size` concurrent writers.
+
+    Open it with the full header of the run (teacher fingerprint, sampler settings, field specs).
+    A new directory becomes a cache; an existing cache must agree on the header, and then every
+    key it already holds is skipped, which is how an interrupted precompute resumes.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        backend: str,
+        teacher: dict[str, Any],
+        settings: dict[str, Any],
+        fields: list[dict[str, str]],
+        shared: dict[str, torch.Tensor] | None = None,
+        rank: int = 0,
+        shard_records: int = 64,
+    ) -> None:
+        if shard_records <= 0:
+            raise UsageError(f"shard_records={shard_records} must be positive")
+        self.path = Path(path)
+        self.rank = rank
+        self.shard_records = shard_records
+        self.sink = _make_sink(backend, self.path)
+        self._open_cache(backend, teacher, settings, fields, shared or {})
+        committed = mf.committed_shards(self.path, self.manifest)
+        self._keys = {k for s in committed for k in s["keys"]}
+        self._mine = [s for s in mf.read_journals(self.path) if s["rank"] == rank]
+        seqs = [int(m.group(2)) for s in committed if (m := _SHARD_RE.fullmatch(s["name"]))
+                and int(m.group(1)) == rank]
+        self._seq = max(seqs, default=-1) + 1
+        self._open: list[str] = []
+        self.records_written = 0
+        self.records_skipped = 0
+        self.bytes_written = 0
+
+    def _open_cache(
+        self,
+        backend: str,
+        teacher: dict[str, Any],
+        settings: dict[str, Any],
+        fields: list[dict[str, str]],
+        shared: dict[str, torch.Tensor],
+    ) -> None:
+        try:
+            (self.path / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(
+                f"cannot create cache directory {str(self.path)!r}: {e.strerror}",
+                fix="choose a writable --out directory",
+            ) from None
+        new = mf.Manifest(backend=backend, teacher=teacher, settings=settings, fields=fields)
+        if shared:
+            blob, new.shared = shared_blob(shared)
+        if mf.manifest_path(self.path).exists() or not mf.create_manifest_exclusive(self.path, new):
+            existing = mf.read_manifest(self.path)
+            mf.check_compatible(self.path, existing, new)
+            self.manifest = existing
+        else:
+            self.manifest = new
+        if shared:
+            target = self.path / SHARED_NAME
+            if not target.exists():
+                tmp = temp_name(target)
+                with open(tmp, "wb") as f:
+                    f.write(blob)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target)
+                fsync_dir(self.path)
+
+    # ------------------------------------------------------------------ writing
+
+    def has(self, key: str) -> bool:
+        """True if a committed shard already holds `key` (resume skips it)."""
+        return key in self._keys
+
+    @property
+    def existing_keys(self) -> frozenset[str]:
+        return frozenset(self._keys)
+
+    def write(self, record: Record) -> bool:
+        """Add one record; returns False when it was already in the cache."""
+        if record.key in self._keys or record.key in self._open:
+            self.records_skipped += 1
+            return False
+        if not self._open:
+            self.sink.begin(shard_name(self.rank, self._seq))
+        self.sink.add(record)
+        self._open.append(record.key)
+        if len(self._open) >= self.shard_records:
+            self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Publish the open shard now (a partial one is fine); then commit it in the journal."""
+        if not self._open:
+            return
+        entry = self.sink.end()
+        entry.update(
+            name=shard_name(self.rank, self._seq),
+            rank=self.rank,
+            records=len(self._open),
+            keys=list(self._open),
+        )
+        self._mine.append(entry)
+        mf.write_journal(self.path, self.rank, self._mine)
+        self._keys.update(self._open)
+        self.records_written += len(self._open)
+        self.bytes_written += int(entry["bytes"])
+        self._open = []
+        self._seq += 1
+
+    def abort(self) -> None:
+        """Drop the open shard: its records were never committed and will be redone on resume."""
+        if self._open:
+            self.sink.abort()
+            self._open = []
+
+    def close(self, *, finalize: bool = False, complete: bool = False) -> None:
+        """Publish what is open. `finalize` folds journals into the manifest: call it from one
+        process only, after every rank has closed (precompute does this after a barrier)."""
+        self.flush()
+        if finalize:
+            self.manifest = mf.finalize(self.path, complete=complete)
+
+    def __enter__(self) -> CacheWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def open_writer(path: str | Path, **kwargs: Any) -> CacheWriter:
+    try:
+        return CacheWriter(path, **kwargs)
+    except OSError as e:
+        raise CacheError(f"cannot write cache {str(path)!r}: {e}") from None

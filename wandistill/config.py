@@ -1,0 +1,393 @@
+"""Typed recipes: TOML files in `pipelines/` loaded strictly into dataclasses, plus `--set` overrides.
+
+One recipe drives both stages (`[precompute.*]` and `[train.*]` sections), the way torchtitan's job
+config does. Loading is strict: an unknown key is an error naming the closest valid key, and a
+value of the wrong type is an error naming the key, the value and the type it needs. Overrides
+(`--set precompute.sampler.num_inference_steps=4`, or `sampler.num_inference_steps=4` inside a
+stage command) are applied to the raw TOML before validation, so they are checked the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from wandistill.errors import ConfigError
+
+T = TypeVar("T")
+
+DTYPES = ("fp32", "fp16", "bf16")
+BACKENDS = ("webdataset", "zarr")
+NAMED_PLACEMENTS = (
+    "cpu",
+    "cuda",
+    "gpu0",
+    "balanced",
+    "balanced_low_0",
+    "sequential",
+    "auto",
+    "model-offload",
+    "group-offload",
+    "disk-offload",
+)
+
+
+def _problems(*checks: tuple[bool, str]) -> None:
+    """Raise once with every failed check, so a user fixes a recipe in one pass."""
+    bad = [msg for ok, msg in checks if not ok]
+    if bad:
+        raise ConfigError("; ".join(bad))
+
+
+def placement_is_valid(p: str) -> bool:
+    return p in NAMED_PLACEMENTS or p.startswith("cuda:") or p.endswith(".json")
+
+
+@dataclass(kw_only=True, slots=True)
+class TeacherConfig:
+    path: str = ""
+    """Local diffusers Wan folder (Wan 2.1: `transformer`; Wan 2.2 A14B: also `transformer_2`)."""
+    placement: str = "cpu"
+    """cpu, cuda, cuda:N, gpu0, balanced, balanced_low_0, sequential, auto, a device-map .json,
+    model-offload, group-offload or disk-offload."""
+    dtype: str = "fp32"
+    """Compute dtype of the teacher; layers Wan keeps in fp32 stay fp32."""
+    offload_folder: str = ""
+    """Where disk-offload spills weights; each component/rank/run gets its own subfolder."""
+    group_offload_level: str = "block_level"
+    """group-offload granularity: block_level or leaf_level."""
+    max_memory: dict[str, str] = field(default_factory=dict)
+    """Per-device caps for accelerate device maps, e.g. {"0": "70GiB", "cpu": "200GiB"}."""
+
+    def __post_init__(self) -> None:
+        _problems(
+            (self.dtype in DTYPES, f"teacher.dtype={self.dtype!r} must be one of {DTYPES}"),
+            (
+                placement_is_valid(self.placement),
+                f"teacher.placement={self.placement!r} must be one of {NAMED_PLACEMENTS}, "
+                "cuda:N or a device-map .json file",
+            ),
+            (
+                self.group_offload_level in ("block_level", "leaf_level"),
+                "teacher.group_offload_level must be block_level or leaf_level",
+            ),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplerConfig:
+    height: int = 480
+    """Pixel height; divisible by 16 (VAE factor 8 x patch 2)."""
+    width: int = 832
+    """Pixel width; divisible by 16."""
+    num_frames: int = 81
+    """Frames; 4k+1 (the Wan VAE compresses time by 4)."""
+    num_inference_steps: int = 50
+    guidance_scale: float = 5.0
+    """CFG scale g in uncond + g * (cond - uncond); 1.0 disables the uncond pass."""
+    guidance_scale_2: float | None = None
+    """Wan 2.2 A14B: scale for the low-noise expert (transformer_2); defaults to guidance_scale."""
+    flow_shift: float | None = None
+    """Override of the scheduler's flow shift; None keeps the teacher folder's value."""
+    negative_prompt: str = ""
+    max_sequence_length: int = 512
+    """Text length the pipeline pads to; embeddings are stored trimmed and re-padded on read."""
+    record_steps: list[int] = field(default_factory=list)
+    """Step indices whose (x_t, t, teacher output) are recorded; empty means every step."""
+    features: list[str] = field(default_factory=list)
+    """Named teacher blocks whose outputs are recorded, e.g. ["blocks.3", "blocks.7"]."""
+    seed: int = 0
+    """Base seed; a prompt without its own seed gets seed + its line index."""
+    batch_size: int = 1
+    """Prompts denoised together."""
+
+    def __post_init__(self) -> None:
+        _problems(
+            (self.height > 0 and self.height % 16 == 0,
+             f"sampler.height={self.height} must be a positive multiple of 16"),
+            (self.width > 0 and self.width % 16 == 0,
+             f"sampler.width={self.width} must be a positive multiple of 16"),
+            (self.num_frames > 0 and self.num_frames % 4 == 1,
+             f"sampler.num_frames={self.num_frames} must be 4k+1 (1, 5, 9, ... 81)"),
+            (self.num_inference_steps > 0,
+             f"sampler.num_inference_steps={self.num_inference_steps} must be positive"),
+            (self.max_sequence_length > 0,
+             f"sampler.max_sequence_length={self.max_sequence_length} must be positive"),
+            (self.batch_size > 0, f"sampler.batch_size={self.batch_size} must be positive"),
+            (all(0 <= s < self.num_inference_steps for s in self.record_steps),
+             f"sampler.record_steps={self.record_steps} must lie in "
+             f"[0, {self.num_inference_steps})"),
+            (len(set(self.record_steps)) == len(self.record_steps),
+             f"sampler.record_steps={self.record_steps} has duplicates"),
+        )
+
+    def recorded_steps(self) -> list[int]:
+        return sorted(self.record_steps) or list(range(self.num_inference_steps))
+
+
+@dataclass(kw_only=True, slots=True)
+class CacheConfig:
+    path: str = "cache/default"
+    """Cache directory (local path)."""
+    backend: str = "webdataset"
+    """webdataset (tar shards) or zarr (v3 group)."""
+    shard_records: int = 64
+    """Records per shard: the unit of atomic publication, resume and follow mode."""
+    holdout_fraction: float = 0.0
+    """Share of prompts marked held-out (by key hash) for eval; train skips them."""
+
+    def __post_init__(self) -> None:
+        _problems(
+            (self.backend in BACKENDS, f"cache.backend={self.backend!r} must be one of {BACKENDS}"),
+            (self.shard_records > 0, f"cache.shard_records={self.shard_records} must be positive"),
+            (0.0 <= self.holdout_fraction < 1.0,
+             f"cache.holdout_fraction={self.holdout_fraction} must be in [0, 1)"),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class PrecomputeConfig:
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    prompts: str = ""
+    """Prompt file: .txt (one per line) or .jsonl ({"prompt", "seed"?, "negative_prompt"?})."""
+    previews: int = 0
+    """VAE-decode this many teacher samples to PNG for eval."""
+
+
+@dataclass(kw_only=True, slots=True)
+class StudentConfig:
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    attention_head_dim: int = 12
+    ffn_dim: int = 32
+    config_file: str = ""
+    """Optional JSON with a full WanTransformer3DModel config; recipe fields above override it."""
+    init_from_teacher: str = ""
+    """Teacher folder whose chosen blocks initialise the student (read lazily)."""
+    init_blocks: list[int] = field(default_factory=list)
+    """Teacher block indices copied into student blocks 0..k-1."""
+
+    def __post_init__(self) -> None:
+        _problems(
+            (self.num_layers > 0, f"student.num_layers={self.num_layers} must be positive"),
+            (self.num_attention_heads > 0,
+             f"student.num_attention_heads={self.num_attention_heads} must be positive"),
+            (self.attention_head_dim > 0,
+             f"student.attention_head_dim={self.attention_head_dim} must be positive"),
+            (self.ffn_dim > 0, f"student.ffn_dim={self.ffn_dim} must be positive"),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    ema_decay: float = 0.999
+
+    def __post_init__(self) -> None:
+        _problems(
+            (self.lr > 0, f"optim.lr={self.lr} must be positive"),
+            (len(self.betas) == 2, f"optim.betas={self.betas} needs two values"),
+            (self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0"),
+            (0.0 <= self.ema_decay < 1.0, f"optim.ema_decay={self.ema_decay} must be in [0, 1)"),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    output: float = 1.0
+    """Weight of teacher-output matching at recorded (x_t, t)."""
+    final_latent: float = 0.0
+    """Weight of x0 matching against the teacher's final latent."""
+    feature: float = 0.0
+    """Weight of projected feature matching (needs features in the cache)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    cache: str = ""
+    """Cache directory written by `wandistill precompute`."""
+    out: str = ""
+    """Run directory: checkpoints, metrics, the final student."""
+    steps: int = 100
+    batch_size: int = 1
+    """Per-rank micro-batch of (record, step) samples."""
+    grad_accum: int = 1
+    seed: int = 0
+    mixed_precision: str = "no"
+    """no or bf16 (autocast)."""
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    data_threads: int = 4
+    student: StudentConfig = field(default_factory=StudentConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def __post_init__(self) -> None:
+        _problems(
+            (self.steps > 0, f"train.steps={self.steps} must be positive"),
+            (self.batch_size > 0, f"train.batch_size={self.batch_size} must be positive"),
+            (self.grad_accum > 0, f"train.grad_accum={self.grad_accum} must be positive"),
+            (self.mixed_precision in ("no", "bf16"),
+             f"train.mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'"),
+            (self.checkpoint_every > 0,
+             f"train.checkpoint_every={self.checkpoint_every} must be positive"),
+            (self.keep_checkpoints > 0,
+             f"train.keep_checkpoints={self.keep_checkpoints} must be positive"),
+            (self.data_threads > 0, f"train.data_threads={self.data_threads} must be positive"),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class Recipe:
+    name: str = ""
+    description: str = ""
+    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# --------------------------------------------------------------------------- strict loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against annotation `tp`; ints widen to float, nothing else is converted."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table ([{where}]), got {value!r}")
+        return from_dict(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}={value!r} must be {_type_name(tp)}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}={value!r} must be a list")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}={value!r} must be a table")
+        return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is Any:
+        return value
+    if tp in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{where}={value!r} must be {tp.__name__}, not a boolean")
+    if not isinstance(value, tp):
+        raise ConfigError(
+            f"{where}={value!r} must be {_type_name(tp)}, got {type(value).__name__}"
+        )
+    return value
+
+
+def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
+    name = f"{where}.{key}" if where else key
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"did you mean {(where + '.' if where else '')}{close[0]}?" if close else (
+        f"valid keys here: {', '.join(valid)}"
+    )
+    return ConfigError(f"unknown key {name!r}: {hint}")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass `cls` from a TOML table, refusing unknown keys and wrong types."""
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise _unknown_key(key, fields, where)
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}" if where else key)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _parse_value(text: str) -> Any:
+    """`--set` values are TOML literals (4, 1e-4, true, [0, 2], "x"); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(data: dict[str, Any], assignment: str, stage: str | None = None) -> None:
+    """Apply one `key.path=value` to the raw recipe dict, resolving keys relative to `stage`."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r} must look like section.key=value")
+    dotted, text = assignment.split("=", 1)
+    parts = [p.strip() for p in dotted.strip().split(".") if p.strip()]
+    if not parts:
+        raise ConfigError(f"--set {assignment!r} has an empty key")
+    root_fields = [f.name for f in dataclasses.fields(Recipe)]
+    if stage is not None and parts[0] not in root_fields:
+        parts = [stage, *parts]
+    # Walk the dataclass tree alongside the dict so a typo is reported with a suggestion.
+    cls: Any = Recipe
+    node = data
+    for i, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            raise _unknown_key(part, names, ".".join(parts[:i]))
+        tp = typing.get_type_hints(cls)[part]
+        if i == len(parts) - 1:
+            node[part] = _parse_value(text.strip())
+            return
+        if not dataclasses.is_dataclass(tp):
+            raise ConfigError(f"--set {dotted}: {'.'.join(parts[: i + 1])} is not a section")
+        node = node.setdefault(part, {})
+        cls = tp
+
+
+def load_recipe(
+    path: str | Path | None = None, overrides: list[str] | None = None, stage: str | None = None
+) -> Recipe:
+    """Read a TOML recipe (or start from defaults), apply overrides, then validate once."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(
+                f"recipe {str(p)!r} does not exist",
+                fix="pass a TOML file, e.g. pipelines/tiny.toml",
+            )
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"recipe {str(p)!r} is not valid TOML: {e}") from None
+    for assignment in overrides or []:
+        apply_override(data, assignment, stage)
+    try:
+        return from_dict(Recipe, data)
+    except TypeError as e:  # a missing kw-only field would land here; keep it one line
+        raise ConfigError(f"recipe {path}: {e}") from None

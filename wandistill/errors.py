@@ -1,0 +1,38 @@
+"""Error types the CLI turns into one clear line and an exit code, never a traceback.
+
+A user error (bad flag, missing path, wrong recipe key) exits 2; a runtime failure (corrupt cache,
+disk full, out of memory) exits 1. Everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class WandistillError(Exception):
+    """Base class: `str(err)` is the whole message shown to the user."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        self.message = message
+        self.fix = fix
+        super().__init__(message if fix is None else f"{message}\n  fix: {fix}")
+
+
+class UsageError(WandistillError):
+    """The input is wrong: a path, a flag, a recipe key or value."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """A recipe or `--set` override does not fit the typed config."""
+
+
+class CacheError(WandistillError):
+    """A cache is missing, corrupt, or disagrees with what is asked of it."""
+
+
+class CacheMismatchError(CacheError):
+    """Writing into a cache made by another teacher or other sampler settings."""
+
+    exit_code = 2

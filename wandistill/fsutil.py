@@ -1,0 +1,74 @@
+"""Atomic file writes: a file is either absent or complete, never half-written.
+
+Every durable artefact (shards, manifests, journals, checkpoints) goes through these helpers:
+write to a temp name in the same directory, fsync, rename, fsync the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename durable; silently skipped where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def temp_name(path: Path) -> Path:
+    """A sibling temp name that readers ignore (leading dot, `.tmp` suffix, pid-unique)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temp sibling for writing; on success fsync and rename it onto `path`."""
+    path = Path(path)
+    tmp = temp_name(path)
+    f = open(tmp, mode)  # noqa: SIM115 - closed below in every branch
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+
+
+def publish(tmp: str | Path, final: str | Path) -> None:
+    """Rename a fully written and fsynced temp file (or directory) into place."""
+    os.replace(tmp, final)
+    fsync_dir(Path(final).parent)
+
+
+def make_temp_dir(parent: Path, prefix: str) -> Path:
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{prefix}.", suffix=".tmp", dir=parent))
