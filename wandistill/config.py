@@ -1,4 +1,4 @@
-"""Typed recipes: TOML files in `pipelines/` loaded strictly into dataclasses, plus `--set` overrides.
+"""Typed recipes: strict TOML loading into dataclasses, with `--set` overrides.
 
 One recipe drives both stages (`[precompute.*]` and `[train.*]` sections), the way torchtitan's job
 config does. Loading is strict: an unknown key is an error naming the closest valid key, and a
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+import tomllib
 
 from wandistill.errors import ConfigError
 
@@ -109,22 +110,36 @@ class SamplerConfig:
 
     def __post_init__(self) -> None:
         _problems(
-            (self.height > 0 and self.height % 16 == 0,
-             f"sampler.height={self.height} must be a positive multiple of 16"),
-            (self.width > 0 and self.width % 16 == 0,
-             f"sampler.width={self.width} must be a positive multiple of 16"),
-            (self.num_frames > 0 and self.num_frames % 4 == 1,
-             f"sampler.num_frames={self.num_frames} must be 4k+1 (1, 5, 9, ... 81)"),
-            (self.num_inference_steps > 0,
-             f"sampler.num_inference_steps={self.num_inference_steps} must be positive"),
-            (self.max_sequence_length > 0,
-             f"sampler.max_sequence_length={self.max_sequence_length} must be positive"),
+            (
+                self.height > 0 and self.height % 16 == 0,
+                f"sampler.height={self.height} must be a positive multiple of 16",
+            ),
+            (
+                self.width > 0 and self.width % 16 == 0,
+                f"sampler.width={self.width} must be a positive multiple of 16",
+            ),
+            (
+                self.num_frames > 0 and self.num_frames % 4 == 1,
+                f"sampler.num_frames={self.num_frames} must be 4k+1 (1, 5, 9, ... 81)",
+            ),
+            (
+                self.num_inference_steps > 0,
+                f"sampler.num_inference_steps={self.num_inference_steps} must be positive",
+            ),
+            (
+                self.max_sequence_length > 0,
+                f"sampler.max_sequence_length={self.max_sequence_length} must be positive",
+            ),
             (self.batch_size > 0, f"sampler.batch_size={self.batch_size} must be positive"),
-            (all(0 <= s < self.num_inference_steps for s in self.record_steps),
-             f"sampler.record_steps={self.record_steps} must lie in "
-             f"[0, {self.num_inference_steps})"),
-            (len(set(self.record_steps)) == len(self.record_steps),
-             f"sampler.record_steps={self.record_steps} has duplicates"),
+            (
+                all(0 <= s < self.num_inference_steps for s in self.record_steps),
+                f"sampler.record_steps={self.record_steps} must lie in "
+                f"[0, {self.num_inference_steps})",
+            ),
+            (
+                len(set(self.record_steps)) == len(self.record_steps),
+                f"sampler.record_steps={self.record_steps} has duplicates",
+            ),
         )
 
     def recorded_steps(self) -> list[int]:
@@ -146,8 +161,10 @@ class CacheConfig:
         _problems(
             (self.backend in BACKENDS, f"cache.backend={self.backend!r} must be one of {BACKENDS}"),
             (self.shard_records > 0, f"cache.shard_records={self.shard_records} must be positive"),
-            (0.0 <= self.holdout_fraction < 1.0,
-             f"cache.holdout_fraction={self.holdout_fraction} must be in [0, 1)"),
+            (
+                0.0 <= self.holdout_fraction < 1.0,
+                f"cache.holdout_fraction={self.holdout_fraction} must be in [0, 1)",
+            ),
         )
 
 
@@ -178,10 +195,14 @@ class StudentConfig:
     def __post_init__(self) -> None:
         _problems(
             (self.num_layers > 0, f"student.num_layers={self.num_layers} must be positive"),
-            (self.num_attention_heads > 0,
-             f"student.num_attention_heads={self.num_attention_heads} must be positive"),
-            (self.attention_head_dim > 0,
-             f"student.attention_head_dim={self.attention_head_dim} must be positive"),
+            (
+                self.num_attention_heads > 0,
+                f"student.num_attention_heads={self.num_attention_heads} must be positive",
+            ),
+            (
+                self.attention_head_dim > 0,
+                f"student.attention_head_dim={self.attention_head_dim} must be positive",
+            ),
             (self.ffn_dim > 0, f"student.ffn_dim={self.ffn_dim} must be positive"),
         )
 
@@ -241,12 +262,18 @@ class TrainConfig:
             (self.steps > 0, f"train.steps={self.steps} must be positive"),
             (self.batch_size > 0, f"train.batch_size={self.batch_size} must be positive"),
             (self.grad_accum > 0, f"train.grad_accum={self.grad_accum} must be positive"),
-            (self.mixed_precision in ("no", "bf16"),
-             f"train.mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'"),
-            (self.checkpoint_every > 0,
-             f"train.checkpoint_every={self.checkpoint_every} must be positive"),
-            (self.keep_checkpoints > 0,
-             f"train.keep_checkpoints={self.keep_checkpoints} must be positive"),
+            (
+                self.mixed_precision in ("no", "bf16"),
+                f"train.mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'",
+            ),
+            (
+                self.checkpoint_every > 0,
+                f"train.checkpoint_every={self.checkpoint_every} must be positive",
+            ),
+            (
+                self.keep_checkpoints > 0,
+                f"train.keep_checkpoints={self.keep_checkpoints} must be positive",
+            ),
             (self.data_threads > 0, f"train.data_threads={self.data_threads} must be positive"),
         )
 
@@ -302,17 +329,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{where}={value!r} must be {tp.__name__}, not a boolean")
     if not isinstance(value, tp):
-        raise ConfigError(
-            f"{where}={value!r} must be {_type_name(tp)}, got {type(value).__name__}"
-        )
+        raise ConfigError(f"{where}={value!r} must be {_type_name(tp)}, got {type(value).__name__}")
     return value
 
 
 def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
     name = f"{where}.{key}" if where else key
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"did you mean {(where + '.' if where else '')}{close[0]}?" if close else (
-        f"valid keys here: {', '.join(valid)}"
+    hint = (
+        f"did you mean {(where + '.' if where else '')}{close[0]}?"
+        if close
+        else (f"valid keys here: {', '.join(valid)}")
     )
     return ConfigError(f"unknown key {name!r}: {hint}")
 

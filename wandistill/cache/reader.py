@@ -130,7 +130,9 @@ class CacheStore:
         for entry in self.entries:
             for key in entry["keys"]:
                 if key in seen:
-                    problems.append(f"record {key} appears in shards {seen[key]} and {entry['name']}")
+                    problems.append(
+                        f"record {key} appears in shards {seen[key]} and {entry['name']}"
+                    )
                 seen[key] = entry["name"]
         if self.manifest.shared:
             import hashlib

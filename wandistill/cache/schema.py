@@ -130,7 +130,9 @@ def record_key(prompt: str, seed: int, settings: dict[str, Any]) -> str:
 
     32 hex chars, no dots (webdataset splits member names at the first dot).
     """
-    payload = canonical_json({"prompt": prompt, "seed": seed, "settings": settings_digest(settings)})
+    payload = canonical_json(
+        {"prompt": prompt, "seed": seed, "settings": settings_digest(settings)}
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 

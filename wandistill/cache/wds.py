@@ -99,8 +99,13 @@ class WebDatasetSink:
 
 
 _ST_DTYPES = {
-    "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
-    "I64": "int64", "I32": "int32", "U8": "uint8",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "U8": "uint8",
 }
 
 

@@ -66,7 +66,9 @@ def shared_blob(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, Any]
     desc = {
         "file": SHARED_NAME,
         "sha256": hashlib.sha256(blob).hexdigest(),
-        "tensors": {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)} for k, v in clean.items()},
+        "tensors": {
+            k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)} for k, v in clean.items()
+        },
     }
     return blob, desc
 
@@ -101,8 +103,11 @@ class CacheWriter:
         committed = mf.committed_shards(self.path, self.manifest)
         self._keys = {k for s in committed for k in s["keys"]}
         self._mine = [s for s in mf.read_journals(self.path) if s["rank"] == rank]
-        seqs = [int(m.group(2)) for s in committed if (m := _SHARD_RE.fullmatch(s["name"]))
-                and int(m.group(1)) == rank]
+        seqs = [
+            int(m.group(2))
+            for s in committed
+            if (m := _SHARD_RE.fullmatch(s["name"])) and int(m.group(1)) == rank
+        ]
         self._seq = max(seqs, default=-1) + 1
         self._open: list[str] = []
         self.records_written = 0

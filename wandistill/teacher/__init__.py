@@ -1,1 +1,1 @@
-"""Teacher models: loading real diffusers Wan 2.1/2.2 folders and building tiny offline stand-ins."""
+"""Teacher models: real diffusers Wan 2.1/2.2 folders and tiny offline stand-ins."""

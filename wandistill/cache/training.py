@@ -1,0 +1,296 @@
+"""The training reader: (record, recorded step) samples from a cache, built for DDP.
+
+Why not stock webdataset streaming: uneven shards give ranks different batch counts and DDP hangs
+at the last all-reduce, order depends on worker count, and a sample would read a whole record to
+use one step of it. Here the sample space is every (record, step) pair of the committed records,
+sorted by key, so it does not depend on how the cache was sharded or by how many writers:
+
+- epoch order is one permutation of that space per (seed, epoch), independent of world size;
+- global batch g is `perm[g*B*W : (g+1)*B*W]` and rank r takes its r-th slice of B, so every rank
+  yields exactly `len(space) // (B*W)` batches (the tail is dropped, as DDP requires);
+- the state is (epoch, global batches consumed): resuming mid-epoch is exact;
+- each sample is a few positioned reads (the step's rows of x_t and the teacher output, the
+  embedding) done by a thread pool, a couple of batches ahead of the consumer.
+
+Follow mode trains on a cache that is still being written: shards are taken in "generations" as
+they are committed, each generation shuffled on its own, and batches are emitted as soon as a
+whole global batch is available, until the manifest says complete and the data is exhausted.
+Ranks agree on what they have seen through a `sync` collective supplied by the caller, so this
+module stays free of torch.distributed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wandistill.cache.reader import CacheStore
+from wandistill.cache.schema import is_holdout
+from wandistill.errors import CacheError, UsageError
+
+DEFAULT_FIELDS = ("prompt_embeds", "xt", "timesteps", "teacher_out")
+SyncFn = Callable[[list[str], bool], tuple[list[str], bool]]
+"""(shard names this rank sees, manifest complete?) -> what every rank agrees on."""
+
+Sample = tuple[dict[str, Any], int, int]
+"""(shard entry, row in shard, recorded-step slot)."""
+
+
+def _seed_for(*parts: Any) -> int:
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _local_sync(names: list[str], complete: bool) -> tuple[list[str], bool]:
+    return names, complete
+
+
+class TrainingReader:
+    """Iterate per-rank batches of (record, step) samples; see the module docstring."""
+
+    def __init__(
+        self,
+        cache: str | Path | CacheStore,
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        fields: tuple[str, ...] | list[str] = DEFAULT_FIELDS,
+        follow: bool = False,
+        poll_interval: float = 1.0,
+        follow_timeout: float | None = None,
+        sync: SyncFn | None = None,
+        num_threads: int = 4,
+        prefetch_batches: int = 2,
+        include_holdout: bool = False,
+        skip_corrupt: bool = False,
+    ) -> None:
+        if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
+            raise UsageError(
+                f"bad reader layout: batch_size={batch_size}, rank={rank}, world_size={world_size}"
+            )
+        self.store = cache if isinstance(cache, CacheStore) else CacheStore(cache)
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.fields = list(fields)
+        self.follow = follow
+        self.poll_interval = poll_interval
+        self.follow_timeout = follow_timeout
+        self.sync = sync or _local_sync
+        self.num_threads = num_threads
+        self.prefetch_batches = max(1, prefetch_batches)
+        self.holdout = (
+            0.0
+            if include_holdout
+            else float(self.store.manifest.settings.get("holdout_fraction", 0.0))
+        )
+        self.skip_corrupt = skip_corrupt
+        self.corrupt: list[str] = []
+        self.wait_seconds = 0.0
+        # Position: epoch and global batches consumed in it (normal mode), or the list of
+        # follow generations and batches consumed overall (follow mode).
+        self.epoch = 0
+        self.batches_done = 0
+        self.generations: list[list[str]] = []
+
+    # ------------------------------------------------------------------ sample space
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def _space(self, entries: list[dict[str, Any]]) -> list[Sample]:
+        """Every (record, step) of these shards, sorted by key so sharding does not matter."""
+        rows = sorted(
+            (key, e, i)
+            for e in entries
+            for i, key in enumerate(e["keys"])
+            if not is_holdout(key, self.holdout)
+        )
+        steps = len(self.store.manifest.settings.get("record_steps", [0]))
+        return [(e, i, s) for _, e, i in rows for s in range(steps)]
+
+    def batches_per_epoch(self) -> int:
+        return len(self._space(self.store.entries)) // self.global_batch
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "follow": self.follow,
+        }
+        if self.follow:
+            state["generations"] = [list(g) for g in self.generations]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("follow", False) != self.follow:
+            raise UsageError("reader state was saved with a different follow setting")
+        self.epoch = int(state["epoch"])
+        self.batches_done = int(state["batches_done"])
+        if (state.get("batch_size"), state.get("world_size")) != (self.batch_size, self.world_size):
+            # Same global batch, different layout: convert position through samples consumed.
+            old_global = int(state["batch_size"]) * int(state["world_size"])
+            consumed = self.batches_done * old_global
+            if consumed % self.global_batch:
+                raise UsageError(
+                    f"cannot resume: {consumed} samples consumed is not a multiple of the new "
+                    f"global batch {self.global_batch}",
+                    fix="resume with the same batch_size x world_size as the checkpoint",
+                )
+            self.batches_done = consumed // self.global_batch
+        self.generations = [list(g) for g in state.get("generations", [])]
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Yield this rank's batches; the planner runs ahead by `prefetch_batches`."""
+        plan = self._follow_plan() if self.follow else self._epoch_plan()
+        with ThreadPoolExecutor(self.num_threads, thread_name_prefix="wandistill-read") as pool:
+            pending: deque[tuple[tuple[int, int], list[Sample], list[Future[Any]]]] = deque()
+            exhausted = False
+            while True:
+                while not exhausted and len(pending) < self.prefetch_batches:
+                    try:
+                        position, samples = next(plan)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    pending.append(
+                        (position, samples, [pool.submit(self._read, *s) for s in samples])
+                    )
+                if not pending:
+                    return
+                position, samples, futures = pending.popleft()
+                t0 = time.perf_counter()
+                results = [f.result() for f in futures]
+                self.wait_seconds += time.perf_counter() - t0
+                batch = self._collate(results, samples)
+                # The position advances only when a batch is handed over, so a checkpoint taken
+                # now resumes right after it, whatever was prefetched.
+                self.epoch, self.batches_done = position
+                yield batch
+
+    def _permutation(self, n: int, *tag: Any) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(_seed_for(self.seed, *tag))
+        return torch.randperm(n, generator=gen)
+
+    def _rank_slice(self, space: list[Sample], order: torch.Tensor, g: int) -> list[Sample]:
+        start = g * self.global_batch + self.rank * self.batch_size
+        return [space[j] for j in order[start : start + self.batch_size].tolist()]
+
+    def _epoch_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]]]:
+        space = self._space(self.store.entries)
+        n = len(space) // self.global_batch
+        if n == 0:
+            raise CacheError(
+                f"cache {str(self.store.path)!r} has {len(space)} training samples, fewer than "
+                f"one global batch ({self.batch_size} per rank x {self.world_size} ranks)",
+                fix="lower train.batch_size or precompute more prompts",
+            )
+        epoch, g = self.epoch, self.batches_done
+        while True:
+            if g >= n:
+                epoch, g = epoch + 1, 0
+            order = self._permutation(len(space), "epoch", epoch)
+            while g < n:
+                yield (epoch, g + 1), self._rank_slice(space, order, g)
+                g += 1
+
+    def _follow_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]]]:
+        """Batches over generations of newly committed shards, until complete and exhausted."""
+        by_name: dict[str, dict[str, Any]] = {}
+        pool: list[Sample] = []
+        emitted = 0
+        resume_at = self.batches_done
+        replay = [list(g) for g in self.generations]
+        self.generations = []
+        idle_since = time.monotonic()
+        complete = False
+        while True:
+            if replay:
+                names = replay.pop(0)
+                self.store.refresh()
+                by_name.update({e["name"]: e for e in self.store.entries})
+                missing = [n for n in names if n not in by_name]
+                if missing:
+                    raise CacheError(f"cannot resume follow mode: shards {missing} vanished")
+            else:
+                self.store.refresh()
+                by_name.update({e["name"]: e for e in self.store.entries})
+                seen = {n for gen in self.generations for n in gen}
+                fresh = sorted(n for n in by_name if n not in seen)
+                names, complete = self.sync(fresh, self.store.complete)
+            if names:
+                idle_since = time.monotonic()
+                gen_index = len(self.generations)
+                self.generations.append(list(names))
+                chunk = self._space([by_name[n] for n in names])
+                order = self._permutation(len(chunk), "follow", gen_index)
+                pool.extend(chunk[j] for j in order.tolist())
+            while len(pool) - emitted * self.global_batch >= self.global_batch:
+                if emitted >= resume_at:
+                    base = emitted * self.global_batch + self.rank * self.batch_size
+                    yield (0, emitted + 1), pool[base : base + self.batch_size]
+                emitted += 1
+            if replay or names:
+                continue
+            if complete:
+                return
+            if (
+                self.follow_timeout is not None
+                and time.monotonic() - idle_since > self.follow_timeout
+            ):
+                raise CacheError(
+                    f"follow mode: no new shard in {str(self.store.path)!r} for "
+                    f"{self.follow_timeout:.0f} s and the manifest is not complete",
+                    fix="check that precompute is still running",
+                )
+            time.sleep(self.poll_interval)
+
+    # ------------------------------------------------------------------ reading
+
+    def _read(self, entry: dict[str, Any], row: int, slot: int) -> dict[str, torch.Tensor] | None:
+        try:
+            return self.store.read_sample(entry, row, slot, self.fields)
+        except Exception as e:
+            msg = f"corrupt record {entry['keys'][row]} in shard {entry['name']}: {e}"
+            if not self.skip_corrupt:
+                raise CacheError(
+                    msg, fix="run `wandistill cache verify`, or pass --skip-corrupt"
+                ) from None
+            self.corrupt.append(msg)
+            return None
+
+    def _collate(
+        self, results: list[dict[str, torch.Tensor] | None], samples: list[Sample]
+    ) -> dict[str, Any]:
+        good = [(r, s) for r, s in zip(results, samples, strict=True) if r is not None]
+        if not good:
+            raise CacheError(
+                f"every sample of a batch was corrupt: {self.corrupt[-len(samples) :]}"
+            )
+        # Keep the batch shape by repeating good samples in place of skipped ones.
+        while len(good) < len(samples):
+            good.append(good[len(good) % max(1, len(good))])
+        batch: dict[str, Any] = {
+            name: torch.stack([r[name] for r, _ in good]) for name in good[0][0]
+        }
+        batch["key"] = [e["keys"][i] for _, (e, i, _) in good]
+        batch["step_slot"] = torch.tensor([slot for _, (_, _, slot) in good])
+        return batch

@@ -1,0 +1,183 @@
+"""The `wandistill` command line: parse, build a config, call the room that does the work.
+
+`main()` is the only place that turns exceptions into exit codes: a `WandistillError` prints one
+line (and its fix) and exits 2 for usage errors or 1 for runtime failures; `--debug` (or
+WANDISTILL_DEBUG=1) shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import click
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from wandistill import __version__
+from wandistill.errors import UsageError, WandistillError
+
+app = typer.Typer(
+    name="wandistill",
+    help="Distil Wan 2.1/2.2 video diffusion teachers into small students through a cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+teacher_app = typer.Typer(
+    help="Teacher folders: build the tiny offline teachers.", no_args_is_help=True
+)
+cache_app = typer.Typer(help="Inspect and check caches.", no_args_is_help=True)
+app.add_typer(teacher_app, name="teacher")
+app.add_typer(cache_app, name="cache")
+
+out = Console()
+err = Console(stderr=True)
+_debug = bool(os.environ.get("WANDISTILL_DEBUG"))
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"wandistill {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    global _debug
+    _debug = _debug or debug
+
+
+# --------------------------------------------------------------------------- teacher
+
+
+@teacher_app.command("make-tiny")
+def teacher_make_tiny(
+    path: Annotated[Path, typer.Argument(help="Folder to create (diffusers layout).")],
+    wan22: Annotated[
+        bool, typer.Option("--wan22", help="Wan 2.2 A14B layout: two experts + boundary_ratio.")
+    ] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing teacher at PATH.")] = False,
+) -> None:
+    """Write a tiny random-weight Wan teacher that WanPipeline loads and runs on CPU."""
+    from wandistill.teacher.tiny import make_tiny_teacher
+
+    try:
+        made = make_tiny_teacher(path, wan22=wan22, seed=seed, overwrite=overwrite)
+    except FileExistsError as e:
+        raise UsageError(str(e), fix="pass --overwrite, or choose another PATH") from None
+    out.print(f"wrote tiny {'Wan 2.2 A14B' if wan22 else 'Wan 2.1'} teacher to {made}")
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+@cache_app.command("info")
+def cache_info(
+    path: Annotated[Path, typer.Argument(help="Cache directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
+) -> None:
+    """Records, bytes, fields, sampler settings and shards of a cache."""
+    from wandistill.cache.manifest import load_committed
+
+    m = load_committed(path)
+    if as_json:
+        out.print_json(json.dumps(m.to_json()))
+        return
+    head = Table(title=f"cache {path}", show_header=False)
+    head.add_row("backend", m.backend)
+    head.add_row("complete", str(m.complete))
+    head.add_row("records", str(m.num_records))
+    head.add_row("shards", str(len(m.shards)))
+    head.add_row("bytes", _human(m.num_bytes))
+    head.add_row("teacher", str(m.teacher.get("fingerprint", "?"))[:16])
+    head.add_row("schema", f"v{m.schema_version} (wandistill {m.wandistill_version})")
+    out.print(head)
+    fields = Table(title="fields")
+    for col in ("name", "dtype", "shape"):
+        fields.add_column(col)
+    for f in m.fields:
+        fields.add_row(f["name"], f["dtype"], f["shape"])
+    out.print(fields)
+    settings = Table(title="sampler settings", show_header=False)
+    for k, v in m.settings.items():
+        settings.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
+    out.print(settings)
+    shards = Table(title="shards")
+    for col in ("name", "records", "bytes", "sha256"):
+        shards.add_column(col)
+    for s in m.shards:
+        sha = s["sha256"] if isinstance(s["sha256"], str) else f"{len(s['sha256'])} files"
+        shards.add_row(s["name"], str(s["records"]), _human(s["bytes"]), sha[:16])
+    out.print(shards)
+
+
+@cache_app.command("verify")
+def cache_verify(path: Annotated[Path, typer.Argument(help="Cache directory.")]) -> None:
+    """Check every shard's checksum and decode every record; exit 1 if anything is wrong."""
+    from wandistill.cache.reader import open_cache
+
+    with open_cache(path) as store:
+        problems = store.verify()
+        n, shards = len(store), len(store.entries)
+    if problems:
+        for p in problems:
+            err.print(f"[red]BAD[/red] {p}", highlight=False)
+        err.print(f"{len(problems)} problem(s) in cache {path}", highlight=False)
+        raise typer.Exit(1)
+    out.print(f"OK: {n} records in {shards} shards of {path} verified", highlight=False)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _fail(message: str, code: int, fix: str | None = None) -> None:
+    err.print(f"[bold red]error:[/bold red] {message}", highlight=False)
+    if fix:
+        err.print(f"  [bold]fix:[/bold] {fix}", highlight=False)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point; see the module docstring for the exit-code contract."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except WandistillError as e:
+        if _debug:
+            raise
+        _fail(e.message, e.exit_code, e.fix)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        _fail("interrupted", 130)
+    except KeyboardInterrupt:
+        _fail("interrupted; re-run the same command to resume", 130)
+    except OSError as e:
+        if _debug:
+            raise
+        if e.errno == errno.ENOSPC:
+            _fail(f"disk full while writing {e.filename or ''}".strip(), 1,
+                  "free space or choose another output directory; re-run to resume")
+        _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 1)
