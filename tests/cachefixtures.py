@@ -38,7 +38,9 @@ def make_record(
         teacher_out=lat(steps, 16, 1, 4, 4),
         final_latent=lat(16, 1, 4, 4),
         features={name: lat(steps, 8, 12) for name in features},
-        negative_prompt_embeds=torch.randn(4, 32, generator=g).to(embed_dtype) if negative else None,
+        negative_prompt_embeds=(
+            torch.randn(4, 32, generator=g).to(embed_dtype) if negative else None
+        ),
     )
 
 
