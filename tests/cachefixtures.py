@@ -8,8 +8,20 @@ import torch
 
 from wandistill.cache import CacheWriter, Record, record_key
 from wandistill.cache.schema import field_specs
+from wandistill.teacher.tiny import TRANSFORMER_CONFIG
 
 SETTINGS = {"max_sequence_length": 24, "record_steps": [0, 2, 3], "num_inference_steps": 4}
+DIMS = {
+    "text_dim": 32,
+    "latent_channels": 16,
+    "latent_shape": [16, 1, 4, 4],
+    "num_recorded_steps": 3,
+}
+TEACHER = {
+    "fingerprint": "f" * 64,
+    "components": {},
+    "transformer_config": dict(TRANSFORMER_CONFIG),
+}
 
 
 def make_record(
@@ -60,8 +72,9 @@ def write_cache(
     writer = CacheWriter(
         path,
         backend=backend,
-        teacher={"fingerprint": "f" * 64, "components": {}},
+        teacher=TEACHER,
         settings=settings or SETTINGS,
+        dims=DIMS,
         fields=field_specs(
             latent_dtype=record_kw.get("latent_dtype", torch.float32),  # type: ignore[arg-type]
             embed_dtype=record_kw.get("embed_dtype", torch.bfloat16),  # type: ignore[arg-type]

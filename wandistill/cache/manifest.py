@@ -33,6 +33,8 @@ class Manifest:
     settings: dict[str, Any]
     """Sampler settings: everything that changes the teacher's output for a given prompt+seed."""
     fields: list[dict[str, str]]
+    dims: dict[str, Any] = field(default_factory=dict)
+    """Sizes a student must match: text_dim, latent_channels, latent_shape, num_recorded_steps."""
     shards: list[dict[str, Any]] = field(default_factory=list)
     complete: bool = False
     shared: dict[str, Any] = field(default_factory=dict)
@@ -51,6 +53,7 @@ class Manifest:
             "teacher": self.teacher,
             "settings": self.settings,
             "fields": self.fields,
+            "dims": self.dims,
             "shared": self.shared,
             "shards": self.shards,
         }
@@ -71,6 +74,7 @@ class Manifest:
                 teacher=data["teacher"],
                 settings=data["settings"],
                 fields=data["fields"],
+                dims=dict(data.get("dims", {})),
                 shards=list(data.get("shards", [])),
                 complete=bool(data.get("complete", False)),
                 shared=dict(data.get("shared", {})),

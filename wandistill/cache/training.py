@@ -163,19 +163,30 @@ class TrainingReader:
         plan = self._follow_plan() if self.follow else self._epoch_plan()
         with ThreadPoolExecutor(self.num_threads, thread_name_prefix="wandistill-read") as pool:
             pending: deque[tuple[tuple[int, int], list[Sample], list[Future[Any]]]] = deque()
-            exhausted = False
+            exhausted = blocked = False
             while True:
+                # Fill the prefetch queue, except that a planner about to poll the cache (follow
+                # mode) waits until everything already planned has been handed over: polls then
+                # happen at the same batch index on every rank, which keeps `sync` in lockstep.
                 while not exhausted and len(pending) < self.prefetch_batches:
+                    if blocked and pending:
+                        break
+                    blocked = False
                     try:
-                        position, samples = next(plan)
+                        item = next(plan)
                     except StopIteration:
                         exhausted = True
                         break
-                    pending.append(
-                        (position, samples, [pool.submit(self._read, *s) for s in samples])
-                    )
+                    if item is None:
+                        blocked = True
+                        continue
+                    position, samples = item
+                    futures = [pool.submit(self._read, *s) for s in samples]
+                    pending.append((position, samples, futures))
                 if not pending:
-                    return
+                    if exhausted:
+                        return
+                    continue
                 position, samples, futures = pending.popleft()
                 t0 = time.perf_counter()
                 results = [f.result() for f in futures]
@@ -212,7 +223,7 @@ class TrainingReader:
                 yield (epoch, g + 1), self._rank_slice(space, order, g)
                 g += 1
 
-    def _follow_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]]]:
+    def _follow_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]] | None]:
         """Batches over generations of newly committed shards, until complete and exhausted."""
         by_name: dict[str, dict[str, Any]] = {}
         pool: list[Sample] = []
@@ -231,6 +242,7 @@ class TrainingReader:
                 if missing:
                     raise CacheError(f"cannot resume follow mode: shards {missing} vanished")
             else:
+                yield None  # about to poll: let the consumer drain what is planned first
                 self.store.refresh()
                 by_name.update({e["name"]: e for e in self.store.entries})
                 seen = {n for gen in self.generations for n in gen}

@@ -89,6 +89,7 @@ class CacheWriter:
         teacher: dict[str, Any],
         settings: dict[str, Any],
         fields: list[dict[str, str]],
+        dims: dict[str, Any] | None = None,
         shared: dict[str, torch.Tensor] | None = None,
         rank: int = 0,
         shard_records: int = 64,
@@ -99,7 +100,7 @@ class CacheWriter:
         self.rank = rank
         self.shard_records = shard_records
         self.sink = _make_sink(backend, self.path)
-        self._open_cache(backend, teacher, settings, fields, shared or {})
+        self._open_cache(backend, teacher, settings, fields, dims or {}, shared or {})
         committed = mf.committed_shards(self.path, self.manifest)
         self._keys = {k for s in committed for k in s["keys"]}
         self._mine = [s for s in mf.read_journals(self.path) if s["rank"] == rank]
@@ -120,6 +121,7 @@ class CacheWriter:
         teacher: dict[str, Any],
         settings: dict[str, Any],
         fields: list[dict[str, str]],
+        dims: dict[str, Any],
         shared: dict[str, torch.Tensor],
     ) -> None:
         try:
@@ -129,7 +131,9 @@ class CacheWriter:
                 f"cannot create cache directory {str(self.path)!r}: {e.strerror}",
                 fix="choose a writable --out directory",
             ) from None
-        new = mf.Manifest(backend=backend, teacher=teacher, settings=settings, fields=fields)
+        new = mf.Manifest(
+            backend=backend, teacher=teacher, settings=settings, fields=fields, dims=dims
+        )
         if shared:
             blob, new.shared = shared_blob(shared)
         if mf.manifest_path(self.path).exists() or not mf.create_manifest_exclusive(self.path, new):

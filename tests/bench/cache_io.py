@@ -1,0 +1,686 @@
+#!/usr/bin/env python
+"""Cache I/O benchmark: wandistill's cache writers and training reader against the baselines.
+
+    python tests/bench/cache_io.py --records 256 --out /tmp/cache-io
+
+Generates N records with Wan 2.1 480p shapes (latent 16x1x60x104, 8 recorded steps, a ~100-token
+x 4096 UMT5 embedding), once, in memory, then times:
+
+write  CacheWriter(backend="webdataset"), CacheWriter(backend="zarr") (skipped, with the reason,
+       when the zarr backend does not import or fails), and the per-record safetensors-files
+       baseline (musubi-tuner's layout: one `save_file` per record), with and without fsync.
+read   one epoch of (record, recorded step) training samples per backend through TrainingReader,
+       against (i) `cat` of the same files (the physical limit), (ii) stock
+       `webdataset.WebDataset` + DataLoader(num_workers) decoding the `.safetensors` member with
+       `safetensors.torch.load`, each record yielding its 8 samples, and (iii) the per-record
+       files read with `safe_open`, slicing one step.
+
+Before every leg the page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`); where
+that is not permitted, every file of the leg gets `posix_fadvise(DONTNEED)`; the table says which
+was used. All data lives under --out and is deleted at the end unless --keep.
+
+Not a pytest test (tests/bench is excluded from collection).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, Dataset
+
+from wandistill.cache import CacheWriter, Record, record_key
+from wandistill.cache.schema import field_specs, pad_embeds
+from wandistill.cache.training import TrainingReader
+
+C, F, H, W = 16, 1, 60, 104  # Wan 2.1 VAE latent of one 480x832 frame
+EMBED_DIM = 4096
+MAX_LEN = 512
+STEPS = 8
+FIELDS = ("prompt_embeds", "xt", "timesteps", "teacher_out")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+TEACHER = {"fingerprint": "b" * 64, "components": {}, "path": "benchmark"}
+MB = 1e6
+
+
+def settings_for(steps: int) -> dict[str, Any]:
+    return {
+        "max_sequence_length": MAX_LEN,
+        "num_inference_steps": 40,
+        "record_steps": [round(i * 40 / steps) for i in range(steps)],
+        "guidance_scale": 5.0,
+        "height": H * 8,
+        "width": W * 8,
+        "num_frames": 4 * (F - 1) + 1,
+    }
+
+
+# --------------------------------------------------------------------------------- records
+
+
+def make_records(n: int, steps: int, dtype: torch.dtype, seed: int) -> list[Record]:
+    g = torch.Generator().manual_seed(seed)
+    settings = settings_for(steps)
+
+    def lat(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    out = []
+    for i in range(n):
+        length = 88 + (i * 7) % 25  # 88..112 tokens
+        out.append(
+            Record(
+                key=record_key(f"benchmark prompt {i}", i, settings),
+                prompt=f"benchmark prompt {i}",
+                seed=i,
+                prompt_embeds=torch.randn(length, EMBED_DIM, generator=g).to(torch.bfloat16),
+                noise=lat(C, F, H, W),
+                timesteps=torch.linspace(999.0, 25.0, steps) - i % 7,
+                xt=lat(steps, C, F, H, W),
+                teacher_out=lat(steps, C, F, H, W),
+                final_latent=lat(C, F, H, W),
+            )
+        )
+    return out
+
+
+def record_bytes(r: Record) -> int:
+    return sum(t.numel() * t.element_size() for t in r.tensors().values())
+
+
+# --------------------------------------------------------------------------------- system
+
+
+def device_of(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return os.major(st.st_dev), os.minor(st.st_dev)
+
+
+def disk_read_bytes(dev: tuple[int, int]) -> int | None:
+    """Bytes read from the block device holding the data (/proc/diskstats), None if unknown."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/diskstats").read_text().splitlines():
+            f = line.split()
+            if (int(f[0]), int(f[1])) == dev:
+                return int(f[5]) * 512
+    return None
+
+
+def files_under(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def total_size(files: list[Path]) -> int:
+    return sum(p.stat().st_size for p in files)
+
+
+class CacheDropper:
+    """Evict a leg's files from the page cache: drop_caches if permitted, else fadvise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.can_drop: bool | None = None
+        self.drop_error = ""
+
+    def __call__(self, files: list[Path]) -> str:
+        if not self.enabled:
+            return "warm (--warm)"
+        os.sync()
+        if self.can_drop is not False:
+            try:
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("3\n")
+                self.can_drop = True
+                return "cold (drop_caches)"
+            except OSError as e:
+                self.can_drop = False
+                self.drop_error = f"{type(e).__name__}: {e}"
+                print(
+                    f"page cache could NOT be dropped ({self.drop_error}); trying "
+                    "posix_fadvise(DONTNEED) per file, else results are warm-cache",
+                    flush=True,
+                )
+        if not hasattr(os, "posix_fadvise"):
+            return "WARM (no drop_caches, no fadvise)"
+        failed = 0
+        for p in files:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)  # dirty pages are not dropped by DONTNEED
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+            except OSError:
+                failed += 1
+        if failed:
+            return f"WARM? (fadvise failed on {failed}/{len(files)} files)"
+        return "cold (fadvise DONTNEED)"
+
+
+def resident_bytes(files: list[Path]) -> int | None:
+    """Page-cache-resident bytes of these files, via util-linux fincore when available."""
+    exe = shutil.which("fincore")
+    if exe is None or not files:
+        return None
+    total = 0
+    for i in range(0, len(files), 500):
+        chunk = [str(p) for p in files[i : i + 500]]
+        try:
+            out = subprocess.run(
+                [exe, "--bytes", "--noheadings", "--raw", "--output", "RES", *chunk],
+                capture_output=True, text=True, check=True,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        total += sum(int(x) for x in out.split())
+    return total
+
+
+def machine_info(out: Path) -> dict[str, str]:
+    info: dict[str, str] = {}
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = "?"
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+        mem = f"{kb / 1024**2:.1f} GiB"
+    fs = "?"
+    with contextlib.suppress(OSError):
+        best = ""
+        for line in Path("/proc/mounts").read_text().splitlines():
+            dev, mnt, typ = line.split()[:3]
+            if str(out.resolve()).startswith(mnt) and len(mnt) >= len(best):
+                best, fs = mnt, f"{typ} on {dev} (mounted at {mnt})"
+    versions = []
+    for mod in ("webdataset", "safetensors", "zarr", "numpy"):
+        try:
+            versions.append(f"{mod} {__import__(mod).__version__}")
+        except Exception:
+            versions.append(f"{mod} ?")
+    info["cpu"] = f"{cpu}, nproc={len(os.sched_getaffinity(0))}"
+    info["ram"] = mem
+    info["os"] = f"{platform.system()} {platform.release()}"
+    info["python"] = platform.python_version()
+    info["torch"] = f"{torch.__version__} (intra-op threads {torch.get_num_threads()})"
+    info["libs"] = ", ".join(versions)
+    info["filesystem"] = fs
+    return info
+
+
+# --------------------------------------------------------------------------------- results
+
+
+@dataclass
+class Leg:
+    name: str
+    seconds: float
+    samples: int = 0
+    payload: int = 0
+    """Bytes the leg had to get from storage: tensor bytes delivered (write) or needed (read)."""
+    disk: int | None = None
+    """Bytes the block device actually read during the leg (/proc/diskstats)."""
+    cache: str = ""
+    note: str = ""
+
+    @property
+    def mbps(self) -> float:
+        return self.payload / MB / self.seconds if self.seconds else 0.0
+
+    @property
+    def sps(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    @property
+    def disk_mbps(self) -> float | None:
+        return None if self.disk is None else self.disk / MB / self.seconds
+
+
+def timed_read(
+    name: str, files: list[Path], drop: CacheDropper, dev: tuple[int, int],
+    body: Callable[[], tuple[int, int]], repeats: int,
+) -> Leg:
+    """Run `body` (returns samples, payload bytes) `repeats` times from a cold cache; median."""
+    runs = []
+    for _ in range(repeats):
+        cache = drop(files)
+        resident = resident_bytes(files)
+        if resident is not None and resident > 0.05 * max(1, total_size(files)):
+            cache += f", {resident / MB:.0f} MB still resident"
+        d0 = disk_read_bytes(dev)
+        t0 = time.perf_counter()
+        samples, payload = body()
+        dt = time.perf_counter() - t0
+        d1 = disk_read_bytes(dev)
+        disk = None if d0 is None or d1 is None else d1 - d0
+        runs.append(Leg(name, dt, samples, payload, disk, cache))
+        print(f"  {name}: {dt:.2f} s, {samples} samples, {payload / MB:.0f} MB", flush=True)
+    runs.sort(key=lambda leg: leg.seconds)
+    return runs[len(runs) // 2]
+
+
+# --------------------------------------------------------------------------------- writers
+
+
+def write_cache(records: list[Record], path: Path, backend: str, dtype: torch.dtype,
+                shard_records: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    writer = CacheWriter(
+        path,
+        backend=backend,
+        teacher=TEACHER,
+        settings=settings_for(records[0].xt.shape[0]),
+        fields=field_specs(latent_dtype=dtype, embed_dtype=torch.bfloat16, features=[]),
+        shared={"negative_prompt_embeds": torch.zeros(8, EMBED_DIM, dtype=torch.bfloat16)},
+        shard_records=shard_records,
+    )
+    for r in records:
+        writer.write(r)
+    writer.close(finalize=True, complete=True)
+    return time.perf_counter() - t0, writer.bytes_written
+
+
+def write_files(records: list[Record], path: Path) -> tuple[float, float]:
+    """musubi-tuner-style cache: one safetensors file per record. Returns (save, fsync) seconds."""
+    path.mkdir(parents=True)
+    t0 = time.perf_counter()
+    for r in records:
+        save_file(r.tensors(), str(path / f"{r.key}.safetensors"), metadata={"key": r.key})
+    t1 = time.perf_counter()
+    for p in sorted(path.iterdir()):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return t1 - t0, time.perf_counter() - t1
+
+
+# --------------------------------------------------------------------------------- readers
+
+
+def batch_payload(batch: dict[str, Any]) -> int:
+    """Bytes of one batch that came from the cache (the embedding without its zero padding)."""
+    emb = batch["prompt_embeds"]
+    n = int(batch["prompt_len"].sum()) * emb.shape[-1] * emb.element_size()
+    for name in ("xt", "teacher_out", "timesteps"):
+        t = batch[name]
+        n += t.numel() * t.element_size()
+    return n
+
+
+class Checker:
+    """Spot-checks delivered samples against the generated records (outside the byte count)."""
+
+    def __init__(self, records: list[Record]) -> None:
+        self.by_key = {r.key: r for r in records}
+        self.checked = 0
+
+    def __call__(self, batch: dict[str, Any], leg: str) -> None:
+        if self.checked >= 4:  # a few per leg is enough; cheap relative to a batch
+            return
+        key, slot = batch["key"][0], int(batch["step_slot"][0])
+        r = self.by_key[key]
+        length = int(batch["prompt_len"][0])
+        ok = (
+            torch.equal(batch["xt"][0], r.xt[slot])
+            and torch.equal(batch["teacher_out"][0], r.teacher_out[slot])
+            and torch.equal(batch["prompt_embeds"][0, :length], r.prompt_embeds)
+            and not bool(batch["prompt_embeds"][0, length:].any())
+            and float(batch["timesteps"][0]) == float(r.timesteps[slot])
+        )
+        if not ok:
+            raise AssertionError(f"{leg}: sample {key} step {slot} does not match its record")
+        self.checked += 1
+
+
+def read_training(path: Path, batch_size: int, threads: int, check: Checker) -> tuple[int, int]:
+    reader = TrainingReader(path, batch_size=batch_size, fields=FIELDS, num_threads=threads)
+    n_batches = reader.batches_per_epoch()
+    samples = payload = 0
+    check.checked = 0
+    it = iter(reader)
+    try:
+        for k, batch in enumerate(it):
+            samples += len(batch["key"])
+            payload += batch_payload(batch)
+            check(batch, f"TrainingReader {path.name}")
+            if k + 1 == n_batches:
+                break
+    finally:
+        it.close()
+        reader.store.close()
+    return samples, payload
+
+
+def _stock_decode(sample: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    # Decode the member bytes ourselves: webdataset's default decoders would unpickle.
+    return st_load(sample["safetensors"]), json.loads(sample["json"])
+
+
+def _stock_steps(src: Iterator[tuple[dict[str, torch.Tensor], dict[str, Any]]]) -> Iterator[dict]:
+    for tensors, meta in src:
+        emb = tensors["prompt_embeds"]
+        padded = pad_embeds(emb, MAX_LEN)
+        for s in range(tensors["xt"].shape[0]):
+            yield {
+                "key": meta["key"],
+                "step_slot": s,
+                "prompt_embeds": padded,
+                "prompt_len": emb.shape[0],
+                "xt": tensors["xt"][s],
+                "timesteps": tensors["timesteps"][s],
+                "teacher_out": tensors["teacher_out"][s],
+            }
+
+
+def read_stock_wds(urls: list[str], batch_size: int, workers: int, check: Checker
+                   ) -> tuple[int, int]:
+    import webdataset as wds
+
+    ds = (
+        wds.WebDataset(urls, shardshuffle=False, empty_check=False)
+        .map(_stock_decode)
+        .compose(_stock_steps)
+    )
+    loader = DataLoader(ds, batch_size=batch_size, num_workers=workers)
+    samples = payload = 0
+    check.checked = 0
+    for batch in loader:
+        samples += len(batch["key"])
+        payload += batch_payload(batch)
+        check(batch, "stock webdataset")
+    return samples, payload
+
+
+class PerFileSteps(Dataset):
+    """The per-record-files baseline: one safetensors file per record, `safe_open` per sample."""
+
+    def __init__(self, files: list[Path], keys: list[str], steps: int) -> None:
+        pairs = zip(files, keys, strict=True)
+        self.items = [(str(p), k, s) for p, k in pairs for s in range(steps)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, j: int) -> dict[str, Any]:
+        path, key, s = self.items[j]
+        with safe_open(path, framework="pt") as f:
+            emb = f.get_tensor("prompt_embeds")
+            return {
+                "key": key,
+                "step_slot": s,
+                "prompt_embeds": pad_embeds(emb, MAX_LEN),
+                "prompt_len": emb.shape[0],
+                "xt": f.get_slice("xt")[s],
+                "timesteps": f.get_slice("timesteps")[s],
+                "teacher_out": f.get_slice("teacher_out")[s],
+            }
+
+
+def read_files(path: Path, keys: list[str], steps: int, batch_size: int, workers: int,
+               check: Checker) -> tuple[int, int]:
+    ds = PerFileSteps([path / f"{k}.safetensors" for k in keys], keys, steps)
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()
+    loader = DataLoader(ds, batch_size=batch_size, sampler=order, num_workers=workers,
+                        drop_last=True)
+    samples = payload = 0
+    check.checked = 0
+    for batch in loader:
+        samples += len(batch["key"])
+        payload += batch_payload(batch)
+        check(batch, "per-file safetensors")
+    return samples, payload
+
+
+def read_raw(files: list[Path]) -> tuple[int, int]:
+    """`cat` every file to /dev/null: the sequential-read limit of the storage."""
+    with open(os.devnull, "wb") as null:
+        for i in range(0, len(files), 500):
+            subprocess.run(["cat", "--", *map(str, files[i : i + 500])], stdout=null, check=True)
+    return 0, total_size(files)
+
+
+# --------------------------------------------------------------------------------- report
+
+
+def fmt(x: float | None, spec: str = ".0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(title: str, legs: list[Leg], *, read: bool) -> None:
+    print(f"\n{title}")
+    head = f"  {'leg':<34} {'time s':>7} {'MB/s':>7}"
+    if read:
+        head += f" {'samples/s':>9} {'disk MB/s':>9}"
+    print(head + "  cache / notes")
+    for leg in legs:
+        row = f"  {leg.name:<34} {leg.seconds:7.2f} {leg.mbps:7.0f}"
+        if read:
+            row += f" {fmt(leg.sps if leg.samples else None):>9} {fmt(leg.disk_mbps):>9}"
+        print(row + "  " + "; ".join(x for x in (leg.cache, leg.note) if x))
+
+
+def verdict(ratio: float, target: float) -> str:
+    return f"{ratio:5.2f}x (target >= {target:g}x: {'met' if ratio >= target else 'MISSED'})"
+
+
+# --------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--records", type=int, default=256, help="records to generate (default 256)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="scratch directory (created; default a temp dir under /tmp)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="latent dtype (embeddings are always bf16); default bf16")
+    p.add_argument("--steps", type=int, default=STEPS, help="recorded steps per record")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--shard-records", type=int, default=64, help="records per cache shard")
+    p.add_argument("--threads", type=int, default=4, help="TrainingReader num_threads")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers of the baselines")
+    p.add_argument("--repeats", type=int, default=1, help="runs per read leg (median reported)")
+    p.add_argument("--backends", default="webdataset,zarr",
+                   help="comma-separated cache backends to benchmark")
+    p.add_argument("--warm", action="store_true", help="do not drop the page cache")
+    p.add_argument("--keep", action="store_true", help="keep the generated data")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.records * args.steps < args.batch_size:
+        p.error("need records x steps >= batch size")
+
+    if args.out is None:
+        out = Path(tempfile.mkdtemp(prefix="wandistill-cache-io-"))
+    else:
+        out = args.out
+        if out.exists() and any(out.iterdir()):
+            p.error(f"--out {out} exists and is not empty")
+        out.mkdir(parents=True, exist_ok=True)
+
+    dtype = DTYPES[args.dtype]
+    info = machine_info(out)
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable.rsplit("/", 1)[-1], *sys.argv])
+    print(f"command: {cmd}")
+    for k, v in info.items():
+        print(f"{k:>10}: {v}")
+    free = shutil.disk_usage(out).free
+
+    t0 = time.perf_counter()
+    records = make_records(args.records, args.steps, dtype, seed=0)
+    per_record = record_bytes(records[0])
+    payload = sum(record_bytes(r) for r in records)
+    print(f"generated {len(records)} records x {per_record / MB:.2f} MB ({args.dtype} latents) "
+          f"= {payload / MB:.0f} MB in {time.perf_counter() - t0:.1f} s (not timed below)")
+    backends = [b for b in args.backends.split(",") if b]
+    need = payload * (len(backends) + 1) * 1.1
+    if need > free:
+        p.error(f"need ~{need / 1e9:.1f} GB under {out}, {free / 1e9:.1f} GB free")
+
+    dev = device_of(out)
+    drop = CacheDropper(enabled=not args.warm)
+    check = Checker(records)
+    keys = [r.key for r in records]
+    writes: list[Leg] = []
+    reads: list[Leg] = []
+    skipped: dict[str, str] = {}
+    caches: dict[str, Path] = {}
+    try:
+        # ---- writes (flush and drop before each, so no leg pays for another's writeback)
+        print("\nwriting", flush=True)
+        for backend in backends:
+            path = out / backend
+            if backend == "zarr":
+                try:
+                    import wandistill.cache.zarr_backend  # noqa: F401
+                except Exception as e:
+                    skipped[backend] = f"wandistill.cache.zarr_backend does not import: {e!r}"
+                    print(f"zarr: skipped ({skipped[backend]})", flush=True)
+                    continue
+            drop([])
+            try:
+                secs, nbytes = write_cache(records, path, backend, dtype, args.shard_records)
+            except Exception as e:
+                skipped[backend] = f"writing failed: {type(e).__name__}: {e}"
+                print(f"{backend}: skipped ({skipped[backend]})", flush=True)
+                traceback.print_exc(limit=4)
+                shutil.rmtree(path, ignore_errors=True)
+                continue
+            caches[backend] = path
+            writes.append(Leg(f"CacheWriter {backend}", secs, payload=payload,
+                              note=f"{nbytes / MB:.0f} MB on disk, fsync per shard"))
+            print(f"  {writes[-1].name}: {secs:.2f} s", flush=True)
+        drop([])
+        save_s, fsync_s = write_files(records, out / "files")
+        writes.append(Leg("per-file save_file (no fsync)", save_s, payload=payload,
+                          note="musubi-tuner layout, as it runs: page cache only"))
+        writes.append(Leg("per-file save_file + fsync", save_s + fsync_s, payload=payload,
+                          note="same, durable like CacheWriter"))
+        print(f"  per-file: {save_s:.2f} s + fsync {fsync_s:.2f} s", flush=True)
+
+        # ---- reads
+        print("\nreading", flush=True)
+        file_files = files_under(out / "files")
+        tars: list[Path] = []
+        for backend, path in caches.items():
+            files = files_under(path)
+            reads.append(timed_read(f"raw cat {backend} files", files, drop, dev,
+                                    lambda f=files: read_raw(f), args.repeats))
+            try:
+                reads.append(timed_read(
+                    f"TrainingReader {backend}", files, drop, dev,
+                    lambda p=path: read_training(p, args.batch_size, args.threads, check),
+                    args.repeats))
+            except Exception as e:
+                skipped[backend] = f"reading failed: {type(e).__name__}: {e}"
+                print(f"{backend}: read skipped ({skipped[backend]})", flush=True)
+                traceback.print_exc(limit=6)
+                reads.pop()
+            if backend == "webdataset":
+                tars = [f for f in files if f.suffix == ".tar"]
+        if tars:
+            urls = [str(t) for t in tars]
+            if len(tars) < args.workers:
+                print(f"  note: {len(tars)} shards < {args.workers} workers; some workers idle")
+            reads.append(timed_read(
+                "stock WebDataset+DataLoader", tars, drop, dev,
+                lambda: read_stock_wds(urls, args.batch_size, args.workers, check), args.repeats))
+            reads[-1].note = f"{args.workers} workers, shard order, whole records"
+        reads.append(timed_read("raw cat per-file files", file_files, drop, dev,
+                                lambda: read_raw(file_files), args.repeats))
+        reads.append(timed_read(
+            "per-file safe_open+DataLoader", file_files, drop, dev,
+            lambda: read_files(out / "files", keys, args.steps, args.batch_size, args.workers,
+                               check), args.repeats))
+        reads[-1].note = f"{args.workers} workers, shuffled (record, step)"
+        for leg in reads:
+            if leg.name.startswith("TrainingReader"):
+                leg.note = f"{args.threads} threads, shuffled (record, step)"
+    finally:
+        if not args.keep:
+            for sub in ("webdataset", "zarr", "files"):
+                shutil.rmtree(out / sub, ignore_errors=True)
+            if args.out is None or not any(out.iterdir()):
+                shutil.rmtree(out, ignore_errors=True)
+
+    # ---- report
+    n_samples = args.records * args.steps
+    print(f"\nCache I/O: {args.records} records x {args.steps} steps = {n_samples} samples, "
+          f"{per_record / MB:.2f} MB/record ({args.dtype} latents, bf16 embeds), "
+          f"batch {args.batch_size}, {len(backends)} backend(s)")
+    print(f"page cache before each read leg: {reads[0].cache if reads else '-'}"
+          + (f" [{drop.drop_error}]" if drop.drop_error else ""))
+    print_table("write (MB/s of record tensor bytes)", writes, read=False)
+    print_table("read (MB/s of bytes a sample needs; raw: file bytes)", reads, read=True)
+    by = {leg.name: leg for leg in reads}
+    wby = {leg.name: leg for leg in writes}
+    print("\nratios")
+
+    def line(backend: str, label: str, value: str) -> None:
+        print(f"  {backend + ' ' + label:<48} {value}")
+
+    ratios: dict[str, float] = {}
+    for backend in backends:
+        if backend in skipped or backend not in caches:
+            print(f"  {backend}: skipped ({skipped.get(backend, 'not run')})")
+            continue
+        w = wby[f"CacheWriter {backend}"]
+        base, durable = wby["per-file save_file (no fsync)"], wby["per-file save_file + fsync"]
+        ratios[f"{backend}.write_vs_files"] = r1 = base.seconds / w.seconds
+        ratios[f"{backend}.write_vs_files_fsync"] = r2 = durable.seconds / w.seconds
+        line(backend, "write vs per-file (no fsync)", verdict(r1, 1.0))
+        line(backend, "write vs per-file + fsync", verdict(r2, 1.0))
+        tr = by.get(f"TrainingReader {backend}")
+        if tr is None:
+            continue
+        raw = by[f"raw cat {backend} files"]
+        ratios[f"{backend}.read_vs_raw"] = r = tr.mbps / raw.mbps
+        line(backend, "read MB/s vs raw cat", verdict(r, 0.9))
+        if tr.disk_mbps is not None and raw.disk_mbps:
+            ratios[f"{backend}.read_disk_vs_raw"] = r = tr.disk_mbps / raw.disk_mbps
+            line(backend, "read device MB/s vs raw cat", f"{r:5.2f}x (info)")
+        stock = by.get("stock WebDataset+DataLoader")
+        if stock is not None:
+            ratios[f"{backend}.read_vs_stock_wds"] = r = tr.sps / stock.sps
+            line(backend, "read samples/s vs stock webdataset", verdict(r, 1.5))
+        files_leg = by["per-file safe_open+DataLoader"]
+        ratios[f"{backend}.read_vs_files"] = r = tr.sps / files_leg.sps
+        line(backend, "read samples/s vs per-file safe_open", f"{r:5.2f}x (info)")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "command": cmd, "machine": info, "args": {k: str(v) for k, v in vars(args).items()},
+            "writes": [vars(x) for x in writes], "reads": [vars(x) for x in reads],
+            "ratios": ratios, "skipped": skipped,
+        }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

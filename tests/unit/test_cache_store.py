@@ -1,0 +1,187 @@
+"""Cache contract through the webdataset backend (the zarr backend has its own module too)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from wandistill.cache import CacheWriter, open_cache
+from wandistill.cache.manifest import read_manifest
+from wandistill.cache.schema import field_specs
+from wandistill.errors import CacheMismatchError, UsageError
+
+from cachefixtures import SETTINGS, make_record, write_cache
+
+BACKENDS = ["webdataset", "zarr"]
+
+
+def _assert_same(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+    assert a.dtype == b.dtype, name
+    assert a.shape == b.shape, name
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.numel() else True, name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("latent_dtype", "embed_dtype"),
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),
+    ],
+)
+def test_every_field_round_trips_bit_exact(
+    tmp_path: Path, backend: str, latent_dtype: torch.dtype, embed_dtype: torch.dtype
+) -> None:
+    kw = dict(
+        latent_dtype=latent_dtype, embed_dtype=embed_dtype, features=("blocks.1",), negative=True
+    )
+    write_cache(tmp_path, range(7), backend=backend, shard_records=3, **kw)
+    with open_cache(tmp_path) as store:
+        assert len(store) == 7
+        got = {r.key: r for r in store.records()}
+        for i in range(7):
+            want = make_record(i, **kw)
+            rec = got[want.key]
+            assert (rec.prompt, rec.seed) == (want.prompt, want.seed)
+            for name, t in want.tensors().items():
+                _assert_same(rec.tensors()[name], t, name)
+        # A training sample reads one step only, bit-exact too.
+        entry = store.entries[1]
+        want = make_record(4, **kw)  # written in order: record 4 is row 1 of shard 1
+        sample = store.read_sample(
+            entry, 1, 2, ["xt", "teacher_out", "timesteps", "feature.blocks.1"]
+        )
+        _assert_same(sample["xt"], want.xt[2], "xt")
+        _assert_same(sample["teacher_out"], want.teacher_out[2], "teacher_out")
+        _assert_same(sample["feature.blocks.1"], want.features["blocks.1"][2], "feature")
+        assert float(sample["timesteps"]) == float(want.timesteps[2])
+        shared = store.read_shared()
+        assert set(shared) == {"negative_prompt_embeds", "sigmas"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reopening_a_cache_skips_records_it_already_holds(tmp_path: Path, backend: str) -> None:
+    write_cache(
+        tmp_path, range(5), backend=backend, shard_records=2, finalize=False, complete=False
+    )
+    w = write_cache(tmp_path, range(9), backend=backend, shard_records=2)
+    assert (w.records_written, w.records_skipped) == (4, 5)
+    m = read_manifest(tmp_path)
+    keys = [k for s in m.shards for k in s["keys"]]
+    assert len(keys) == len(set(keys)) == 9
+    assert m.complete
+    with open_cache(tmp_path) as store:
+        assert store.verify() == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cache_of_other_settings_or_teacher_is_refused_naming_the_fields(
+    tmp_path: Path, backend: str
+) -> None:
+    write_cache(tmp_path, range(2), backend=backend)
+    other = dict(SETTINGS, num_inference_steps=8)
+    with pytest.raises(CacheMismatchError, match=r"settings\.num_inference_steps: cache has 4"):
+        write_cache(tmp_path, range(2), backend=backend, settings=other)
+    with pytest.raises(CacheMismatchError, match="teacher.fingerprint"):
+        CacheWriter(
+            tmp_path,
+            backend=backend,
+            teacher={"fingerprint": "0" * 64, "components": {}},
+            settings=SETTINGS,
+            fields=field_specs(latent_dtype=torch.float32, embed_dtype=torch.bfloat16, features=[]),
+        )
+
+
+def test_a_killed_writer_leaves_no_visible_partial_shard(tmp_path: Path) -> None:
+    w = CacheWriter(
+        tmp_path,
+        backend="webdataset",
+        teacher={"fingerprint": "f" * 64},
+        settings=SETTINGS,
+        fields=field_specs(latent_dtype=torch.float32, embed_dtype=torch.bfloat16, features=[]),
+        shard_records=4,
+    )
+    for i in range(6):
+        w.write(make_record(i))
+    # Simulate kill -9: the open shard is a temp file, never renamed and never committed.
+    temps = list((tmp_path / "shards").glob(".*.tmp"))
+    assert len(temps) == 1
+    with open_cache(tmp_path) as store:
+        assert len(store) == 4 and store.verify() == []
+    w2 = write_cache(tmp_path, range(8), shard_records=4)
+    assert w2.records_written == 4
+    with open_cache(tmp_path) as store:
+        assert sorted(r.seed for r in store.records()) == list(range(8))
+
+
+def _corrupt(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_names_the_shard_of_a_truncated_file(tmp_path: Path) -> None:
+    write_cache(tmp_path, range(6), shard_records=3)
+    m = read_manifest(tmp_path)
+    victim = tmp_path / m.shards[1]["file"]
+    os.truncate(victim, victim.stat().st_size // 2)
+    with open_cache(tmp_path) as store:
+        problems = store.verify()
+    assert any(m.shards[1]["name"] in p and "bytes on disk" in p for p in problems)
+    assert any(m.shards[1]["keys"][-1] in p for p in problems)
+
+
+def test_verify_names_shard_and_record_of_a_flipped_byte(tmp_path: Path) -> None:
+    write_cache(tmp_path, range(6), shard_records=3)
+    m = read_manifest(tmp_path)
+    entry = m.shards[0]
+    off, length = entry["offsets"][2][:2]
+    _corrupt(tmp_path / entry["file"], off + 8)  # inside record 2's safetensors header
+    with open_cache(tmp_path) as store:
+        problems = store.verify()
+    assert any("sha256 mismatch" in p and entry["name"] in p for p in problems)
+    assert any(entry["keys"][2] in p for p in problems)
+
+
+def test_manifest_lists_offsets_that_match_the_tar_members(tmp_path: Path) -> None:
+    import tarfile
+
+    write_cache(tmp_path, range(5), shard_records=5)
+    entry = read_manifest(tmp_path).shards[0]
+    with tarfile.open(tmp_path / entry["file"]) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    for key, (st_off, st_len, j_off, j_len) in zip(entry["keys"], entry["offsets"], strict=True):
+        assert (members[f"{key}.safetensors"].offset_data, members[f"{key}.safetensors"].size) == (
+            st_off,
+            st_len,
+        )
+        assert (members[f"{key}.json"].offset_data, members[f"{key}.json"].size) == (j_off, j_len)
+
+
+def test_shards_are_byte_identical_across_runs(tmp_path: Path) -> None:
+    write_cache(tmp_path / "a", range(5), shard_records=2)
+    write_cache(tmp_path / "b", range(5), shard_records=2)
+    for f in sorted((tmp_path / "a" / "shards").iterdir()):
+        assert f.read_bytes() == (tmp_path / "b" / "shards" / f.name).read_bytes()
+
+
+def test_unknown_backend_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="unknown cache backend 'lmdb'"):
+        write_cache(tmp_path, range(1), backend="lmdb")
+
+
+def test_corrupt_manifest_is_reported(tmp_path: Path) -> None:
+    from wandistill.errors import CacheError
+
+    write_cache(tmp_path, range(2))
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(CacheError, match="manifest.json.*corrupt"):
+        open_cache(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"hello": 1}))
+    with pytest.raises(CacheError, match="not a wandistill cache manifest"):
+        open_cache(tmp_path)

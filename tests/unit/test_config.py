@@ -1,0 +1,80 @@
+"""Recipes load strictly: typos name the closest key, types are checked, overrides apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from wandistill.config import Recipe, load_recipe
+from wandistill.errors import ConfigError
+
+PIPELINES = sorted((Path(__file__).parents[2] / "pipelines").glob("*.toml"))
+
+
+def test_the_tiny_recipe_exists() -> None:
+    assert any(p.name == "tiny.toml" for p in PIPELINES)
+
+
+@pytest.mark.parametrize("recipe", PIPELINES, ids=lambda p: p.name)
+def test_every_recipe_in_pipelines_parses(recipe: Path) -> None:
+    r = load_recipe(recipe)
+    assert isinstance(r, Recipe) and r.name
+
+
+def test_set_overrides_apply_relative_to_the_stage_and_from_the_root(tmp_path: Path) -> None:
+    r = load_recipe(
+        PIPELINES[0].parent / "tiny.toml",
+        ["sampler.num_inference_steps=4", "train.optim.lr=3e-4", 'cache.backend="zarr"'],
+        stage="precompute",
+    )
+    assert r.precompute.sampler.num_inference_steps == 4
+    assert r.precompute.cache.backend == "zarr"
+    assert r.train.optim.lr == pytest.approx(3e-4)
+    r = load_recipe(None, ["sampler.record_steps=[0, 3]", "teacher.dtype=bf16"], stage="precompute")
+    assert r.precompute.sampler.record_steps == [0, 3] and r.precompute.teacher.dtype == "bf16"
+
+
+def test_an_unknown_key_names_the_closest_valid_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[precompute.sampler]\nnum_inferance_steps = 4\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"precompute.sampler.num_inferance_steps.*did you mean "
+        r"precompute.sampler.num_inference_steps",
+    ):
+        load_recipe(bad)
+    with pytest.raises(ConfigError, match="did you mean precompute.teacher.placement"):
+        load_recipe(None, ["teacher.placment=cpu"], stage="precompute")
+    with pytest.raises(ConfigError, match="unknown key 'trian'"):
+        load_recipe(None, ["trian.steps=3"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("precompute.sampler.height=33", "multiple of 16"),
+        ("precompute.sampler.num_frames=4", "4k\\+1"),
+        ("precompute.sampler.num_inference_steps=0", "must be positive"),
+        ("precompute.sampler.height=true", "must be int"),
+        ('train.optim.lr="fast"', "must be float"),
+        ("precompute.teacher.placement=everywhere", "placement"),
+        ("precompute.cache.backend=lmdb", "backend"),
+        ("precompute.sampler.record_steps=[0, 99]", "record_steps"),
+        ("train.steps=-1", "must be positive"),
+        ("precompute.sampler=3", "is not a section|must be a table"),
+        ("precompute.sampler.height", "section.key=value"),
+    ],
+)
+def test_bad_values_are_one_clear_error(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(None, [override])
+
+
+def test_a_missing_or_broken_recipe_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_recipe(tmp_path / "nope.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[precompute\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_recipe(broken)

@@ -1,0 +1,160 @@
+"""The training reader: equal batches per rank, deterministic order, exact resume, follow mode."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from wandistill.cache.training import TrainingReader
+from wandistill.errors import CacheError
+
+from cachefixtures import write_cache
+
+
+def _take(reader: TrainingReader, n: int) -> list[list[tuple[str, int]]]:
+    it = iter(reader)
+    out = []
+    for _ in range(n):
+        b = next(it)
+        out.append(list(zip(b["key"], b["step_slot"].tolist(), strict=True)))
+    return out
+
+
+def _epoch(path: Path, rank: int, world: int, batch: int = 2, seed: int = 0) -> list:
+    r = TrainingReader(path, batch_size=batch, rank=rank, world_size=world, seed=seed)
+    return list(_take(r, r.batches_per_epoch()))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_rank_gets_the_same_number_of_batches_from_uneven_shards(
+    tmp_path: Path, world: int
+) -> None:
+    # 11 records in shards of 4, 4, 3: 33 samples; uneven however it is split.
+    write_cache(tmp_path, range(11), shard_records=4)
+    epochs = [_epoch(tmp_path, r, world) for r in range(world)]
+    assert len({len(e) for e in epochs}) == 1
+    assert len(epochs[0]) == 33 // (2 * world)
+    seen = [s for e in epochs for b in e for s in b]
+    assert len(seen) == len(set(seen)), "a sample was given to two ranks"
+    # The rank slices of one global batch, concatenated, are the same whatever the world size.
+    single = [s for b in _epoch(tmp_path, 0, 1, batch=2 * world) for s in b]
+    interleaved = [s for g in zip(*epochs, strict=True) for b in g for s in b]
+    assert interleaved == single[: len(interleaved)]
+
+
+def test_order_is_deterministic_and_depends_on_seed_and_epoch(tmp_path: Path) -> None:
+    write_cache(tmp_path, range(6), shard_records=4)
+    a = _take(TrainingReader(tmp_path, batch_size=3, seed=1), 12)
+    b = _take(TrainingReader(tmp_path, batch_size=3, seed=1), 12)
+    c = _take(TrainingReader(tmp_path, batch_size=3, seed=2), 12)
+    assert a == b and a != c
+    assert a[:6] != a[6:12], "epoch 1 must be reshuffled"
+    assert sorted(s for bt in a[:6] for s in bt) == sorted(s for bt in a[6:12] for s in bt)
+
+
+def test_order_does_not_depend_on_how_the_cache_was_sharded(tmp_path: Path) -> None:
+    write_cache(tmp_path / "a", range(7), shard_records=2)
+    write_cache(tmp_path / "b", range(7), shard_records=5)
+    assert _take(TrainingReader(tmp_path / "a", batch_size=2), 10) == _take(
+        TrainingReader(tmp_path / "b", batch_size=2), 10
+    )
+
+
+def test_mid_epoch_resume_continues_exactly(tmp_path: Path) -> None:
+    write_cache(tmp_path, range(6), shard_records=4)
+    full = _take(TrainingReader(tmp_path, batch_size=4, prefetch_batches=3), 9)
+    first = TrainingReader(tmp_path, batch_size=4, prefetch_batches=3)
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    assert state["batches_done"] == 3  # not what was prefetched
+    resumed = TrainingReader(tmp_path, batch_size=4)
+    resumed.load_state_dict(state)
+    assert _take(resumed, 6) == full[3:]
+
+
+def test_resume_with_another_layout_of_the_same_global_batch(tmp_path: Path) -> None:
+    write_cache(tmp_path, range(8), shard_records=4)
+    one = TrainingReader(tmp_path, batch_size=4)
+    it = iter(one)
+    for _ in range(2):
+        next(it)
+    two = [TrainingReader(tmp_path, batch_size=2, rank=r, world_size=2) for r in range(2)]
+    for r in two:
+        r.load_state_dict(one.state_dict())
+    rest_single = _take(one, 3)
+    rest_pair = [sum(g, []) for g in zip(*(_take(r, 3) for r in two), strict=True)]
+    assert rest_pair == rest_single
+
+
+def test_batches_hold_padded_embeddings_and_one_step(tmp_path: Path) -> None:
+    write_cache(tmp_path, range(4), shard_records=4)
+    batch = next(iter(TrainingReader(tmp_path, batch_size=3)))
+    assert batch["prompt_embeds"].shape == (3, 24, 32)
+    assert batch["xt"].shape == batch["teacher_out"].shape == (3, 16, 1, 4, 4)
+    assert batch["timesteps"].shape == (3,)
+    for emb, n in zip(batch["prompt_embeds"], batch["prompt_len"], strict=True):
+        assert bool((emb[n:] == 0).all()) and bool((emb[n - 1] != 0).any())
+
+
+def test_too_small_a_cache_for_one_global_batch_is_an_error(tmp_path: Path) -> None:
+    write_cache(tmp_path, range(1), shard_records=4)
+    with pytest.raises(CacheError, match="fewer than one global batch"):
+        next(iter(TrainingReader(tmp_path, batch_size=2, world_size=2)))
+
+
+def test_follow_mode_picks_up_a_shard_published_after_the_reader_started(tmp_path: Path) -> None:
+    write_cache(tmp_path, range(4), shard_records=4, finalize=False, complete=False)
+    reader = TrainingReader(tmp_path, batch_size=3, follow=True, poll_interval=0.05)
+    got: list[str] = []
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            for b in reader:
+                got.extend(b["key"])
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    deadline = time.monotonic() + 20
+    while len(got) < 12 and time.monotonic() < deadline:  # first shard: 4 records x 3 steps
+        time.sleep(0.02)
+    assert len(got) == 12
+    write_cache(tmp_path, range(4, 7), shard_records=4, rank=1, finalize=False, complete=False)
+    write_cache(tmp_path, [], shard_records=4, rank=0, finalize=True, complete=True)
+    t.join(20)
+    assert not t.is_alive() and not errors
+    assert len(got) == 21 and len(set(got)) == 7
+    assert len(reader.generations) == 2
+
+
+def test_follow_mode_times_out_on_a_stalled_cache(tmp_path: Path) -> None:
+    write_cache(tmp_path, range(1), shard_records=4, finalize=False, complete=False)
+    reader = TrainingReader(
+        tmp_path, batch_size=8, follow=True, poll_interval=0.02, follow_timeout=0.2
+    )
+    with pytest.raises(CacheError, match="no new shard"):
+        next(iter(reader))
+
+
+def test_a_corrupt_record_fails_loudly_or_is_skipped_and_counted(tmp_path: Path) -> None:
+    from wandistill.cache.manifest import read_manifest
+
+    write_cache(tmp_path, range(4), shard_records=4)
+    entry = read_manifest(tmp_path).shards[0]
+    path = tmp_path / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offsets"][1][0] : entry["offsets"][1][0] + 8] = b"\xff" * 8  # header length
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=f"corrupt record {entry['keys'][1]}"):
+        _take(TrainingReader(tmp_path, batch_size=4), 3)
+    skipping = TrainingReader(tmp_path, batch_size=4, skip_corrupt=True)
+    batches = _take(skipping, 3)
+    assert all(len(b) == 4 for b in batches)
+    assert skipping.corrupt and all(entry["keys"][1] in m for m in skipping.corrupt)

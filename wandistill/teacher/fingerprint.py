@@ -1,0 +1,66 @@
+"""Identify a teacher folder without hashing its weights.
+
+A 14B teacher is ~60 GB; hashing it would take minutes for every precompute. The configs plus
+every safetensors header (tensor names, dtypes, shapes, byte offsets) and file size pin down the
+architecture and the checkpoint layout; two different fine-tunes of one architecture differ in
+size-identical bytes only, which is why the header digest also covers the first and last 64 KiB
+of every weight file (cheap, and it catches a swapped checkpoint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from wandistill.errors import UsageError
+
+_SAMPLE = 64 * 1024
+_CONFIG_SUFFIXES = (".json", ".txt", ".model")
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    if path.suffix == ".safetensors":
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            hlen = int.from_bytes(f.read(8), "little")
+            h.update(f.read(hlen))
+            h.update(size.to_bytes(8, "little"))
+            h.update(f.read(_SAMPLE))
+            f.seek(max(8 + hlen, size - _SAMPLE))
+            h.update(f.read(_SAMPLE))
+    else:
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def teacher_fingerprint(path: str | Path) -> dict[str, Any]:
+    """{"fingerprint": hex, "components": {name: {file: digest}}, "path": str}."""
+    root = Path(path)
+    index = root / "model_index.json"
+    if not index.is_file():
+        raise UsageError(
+            f"teacher {str(root)!r} is not a diffusers folder (no model_index.json)",
+            fix="pass a local Wan diffusers folder (e.g. from `wandistill teacher make-tiny`)",
+        )
+    model_index = json.loads(index.read_text(encoding="utf-8"))
+    components: dict[str, dict[str, str]] = {
+        "model_index": {"model_index.json": hashlib.sha256(index.read_bytes()).hexdigest()}
+    }
+    for name, spec in sorted(model_index.items()):
+        sub = root / name
+        if name.startswith("_") or not isinstance(spec, list) or not sub.is_dir():
+            continue
+        files = sorted(
+            p for p in sub.rglob("*")
+            if p.is_file() and (p.suffix == ".safetensors" or p.suffix in _CONFIG_SUFFIXES)
+        )
+        components[name] = {str(p.relative_to(sub)): _file_digest(p) for p in files}
+    blob = json.dumps(components, sort_keys=True).encode()
+    return {
+        "fingerprint": hashlib.sha256(blob).hexdigest(),
+        "components": components,
+        "path": str(root.resolve()),
+    }
