@@ -147,6 +147,57 @@ def cache_verify(path: Annotated[Path, typer.Argument(help="Cache directory.")])
     out.print(f"OK: {n} records in {shards} shards of {path} verified", highlight=False)
 
 
+# --------------------------------------------------------------------------- precompute
+
+RecipeArg = Annotated[
+    Path | None, typer.Argument(help="TOML recipe (e.g. pipelines/tiny.toml); flags override it.")
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a recipe key: section.key=value (repeatable)."),
+]
+
+
+@app.command("precompute")
+def precompute_cmd(
+    recipe: RecipeArg = None,
+    teacher: Annotated[str | None, typer.Option(help="Local diffusers Wan folder.")] = None,
+    prompts: Annotated[str | None, typer.Option(help="Prompt file (.txt or .jsonl).")] = None,
+    out_dir: Annotated[str | None, typer.Option("--out", help="Cache directory to write.")] = None,
+    backend: Annotated[str | None, typer.Option(help="webdataset or zarr.")] = None,
+    placement: Annotated[str | None, typer.Option(help="Where the teacher runs.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="fp32, fp16 or bf16.")] = None,
+    overrides: SetOpt = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the resolved config and stop.")
+    ] = False,
+) -> None:
+    """Run the teacher once over a prompt list and write a reusable cache."""
+    from wandistill.config import load_recipe, to_dict
+
+    flags = {
+        "teacher.path": teacher,
+        "prompts": prompts,
+        "cache.path": out_dir,
+        "cache.backend": backend,
+        "teacher.placement": placement,
+        "teacher.dtype": dtype,
+    }
+    sets = [*(overrides or []), *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v)]
+    cfg = load_recipe(recipe, sets, stage="precompute").precompute
+    if dry_run:
+        out.print_json(json.dumps(to_dict(cfg)))
+        return
+    from wandistill.precompute import run
+
+    s = run(cfg)
+    out.print(
+        f"cache {s.cache}: {s.records_written} records written, {s.records_skipped} already "
+        f"there, {_human(s.bytes_written)} in {s.seconds:.1f} s",
+        highlight=False,
+    )
+
+
 # --------------------------------------------------------------------------- entry point
 
 
@@ -178,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
         if _debug:
             raise
         if e.errno == errno.ENOSPC:
-            _fail(f"disk full while writing {e.filename or ''}".strip(), 1,
-                  "free space or choose another output directory; re-run to resume")
+            _fail(
+                f"disk full while writing {e.filename or ''}".strip(),
+                1,
+                "free space or choose another output directory; re-run to resume",
+            )
         _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 1)

@@ -27,7 +27,8 @@ class FieldSpec:
     shape: str
     """Comma-separated shape pattern, e.g. "S,C,F,H,W"."""
     kind: str
-    """Which dtype the field carries: "latent" (the teacher's dtype), "embed", or a fixed one."""
+    """Which dtype the field carries: "latent" (the sampler's latents, fp32 in WanPipeline),
+    "model" (what the denoiser sees and returns: the teacher's dtype), "embed", or a fixed one."""
     doc: str
 
 
@@ -35,8 +36,8 @@ FIELDS: tuple[FieldSpec, ...] = (
     FieldSpec("prompt_embeds", "L,D", "embed", "UMT5 embedding trimmed to its true length L"),
     FieldSpec("noise", "C,F,H,W", "latent", "initial latent noise x_T"),
     FieldSpec("timesteps", "S", "float32", "scheduler timestep at each recorded step"),
-    FieldSpec("xt", "S,C,F,H,W", "latent", "latent x_t fed to the denoiser at each recorded step"),
-    FieldSpec("teacher_out", "S,C,F,H,W", "latent", "guided teacher output at each recorded step"),
+    FieldSpec("xt", "S,C,F,H,W", "model", "latent x_t fed to the denoiser at each recorded step"),
+    FieldSpec("teacher_out", "S,C,F,H,W", "model", "guided teacher output at each recorded step"),
     FieldSpec("final_latent", "C,F,H,W", "latent", "the sampler's final latent x_0"),
 )
 FIELD_NAMES = tuple(f.name for f in FIELDS)
@@ -144,10 +145,15 @@ def is_holdout(key: str, fraction: float) -> bool:
 
 
 def field_specs(
-    *, latent_dtype: torch.dtype, embed_dtype: torch.dtype, features: list[str]
+    *,
+    latent_dtype: torch.dtype,
+    embed_dtype: torch.dtype,
+    features: list[str],
+    model_dtype: torch.dtype | None = None,
 ) -> list[dict[str, str]]:
     """The manifest's `fields` list for a cache with these dtypes and feature names."""
-    kinds = {"latent": dtype_name(latent_dtype), "embed": dtype_name(embed_dtype)}
+    model = dtype_name(model_dtype or latent_dtype)
+    kinds = {"latent": dtype_name(latent_dtype), "model": model, "embed": dtype_name(embed_dtype)}
     specs = [
         {"name": f.name, "dtype": kinds.get(f.kind, f.kind), "shape": f.shape, "doc": f.doc}
         for f in FIELDS
@@ -156,7 +162,7 @@ def field_specs(
         specs.append(
             {
                 "name": FEATURE_PREFIX + name,
-                "dtype": dtype_name(latent_dtype),
+                "dtype": model,
                 "shape": "S,*",
                 "doc": f"output of teacher block {name} at each recorded step",
             }

@@ -280,6 +280,9 @@ class ZarrSink:
                 "token_block": self.token_block,
                 "note": "rows are committed only via manifest.json / journal entries",
             }
+            _hash_file(self.root / "zarr.json", fsync=True)
+            fsync_dir(self.root)
+            fsync_dir(self.root.parent)
         return group
 
     def _require(

@@ -1,0 +1,139 @@
+"""Prompt files: `.txt` (one prompt per line) or `.jsonl` ({"prompt", "seed"?, "negative_prompt"?}).
+
+Bad lines never stop a 100k-prompt run: empty lines, duplicates (same prompt and seed), invalid
+UTF-8 and malformed JSON are skipped and counted in a report that names their line numbers. Only a
+missing file, or a file with no usable prompt at all, is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from wandistill.errors import UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    text: str
+    seed: int
+    line: int
+    """1-based line number in the prompt file (stable identity for reports)."""
+    negative_prompt: str | None = None
+    """This prompt's own negative prompt; None uses the recipe's."""
+
+
+@dataclass(slots=True)
+class PromptReport:
+    path: str
+    lines: int = 0
+    kept: int = 0
+    empty: list[int] = field(default_factory=list)
+    duplicate: list[int] = field(default_factory=list)
+    bad_utf8: list[int] = field(default_factory=list)
+    bad_json: list[int] = field(default_factory=list)
+    truncated: list[int] = field(default_factory=list)
+    """Filled by the encode phase: prompts longer than max_sequence_length tokens."""
+
+    def lines_of(self, items: list[int], limit: int = 8) -> str:
+        shown = ", ".join(map(str, items[:limit]))
+        return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
+
+    def summary(self) -> list[str]:
+        """Human lines for everything that was not used as written."""
+        out = [f"{self.kept} prompts from {self.lines} lines of {self.path}"]
+        for label, items in (
+            ("empty lines skipped", self.empty),
+            ("duplicates (same prompt and seed) skipped", self.duplicate),
+            ("lines with invalid UTF-8 skipped", self.bad_utf8),
+            ("malformed JSON lines skipped", self.bad_json),
+            ("prompts truncated to max_sequence_length tokens", self.truncated),
+        ):
+            if items:
+                out.append(f"{len(items)} {label}: lines {self.lines_of(items)}")
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "path": self.path,
+            "lines": self.lines,
+            "kept": self.kept,
+            "empty": self.empty,
+            "duplicate": self.duplicate,
+            "bad_utf8": self.bad_utf8,
+            "bad_json": self.bad_json,
+            "truncated": self.truncated,
+        }
+
+
+def _parse_jsonl(line: str, lineno: int, base_seed: int) -> Prompt | None:
+    obj = json.loads(line)
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+        raise ValueError("needs a string 'prompt'")
+    seed = obj.get("seed", base_seed + lineno - 1)
+    neg = obj.get("negative_prompt")
+    if (
+        not isinstance(seed, int)
+        or isinstance(seed, bool)
+        or (neg is not None and not isinstance(neg, str))
+    ):
+        raise ValueError("'seed' must be an integer and 'negative_prompt' a string")
+    text = obj["prompt"].strip()
+    return Prompt(text, seed, lineno, neg) if text else None
+
+
+def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt], PromptReport]:
+    """Parse a prompt file; a prompt without a seed gets `base_seed + (line - 1)`."""
+    p = Path(path)
+    if not str(path):
+        raise UsageError("no prompt file given", fix="pass --prompts FILE (.txt or .jsonl)")
+    if not p.is_file():
+        raise UsageError(
+            f"prompt file {str(p)!r} does not exist", fix="pass --prompts FILE (.txt or .jsonl)"
+        )
+    if p.suffix not in (".txt", ".jsonl"):
+        raise UsageError(
+            f"prompt file {str(p)!r} must end in .txt or .jsonl",
+            fix="one prompt per line (.txt) or one JSON object per line (.jsonl)",
+        )
+    report = PromptReport(path=str(p))
+    prompts: list[Prompt] = []
+    seen: set[tuple[str, int, str | None]] = set()
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            report.lines = lineno
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                report.bad_utf8.append(lineno)
+                continue
+            if not line:
+                report.empty.append(lineno)
+                continue
+            if p.suffix == ".jsonl":
+                try:
+                    prompt = _parse_jsonl(line, lineno, base_seed)
+                except (json.JSONDecodeError, ValueError):
+                    report.bad_json.append(lineno)
+                    continue
+                if prompt is None:
+                    report.empty.append(lineno)
+                    continue
+            else:
+                prompt = Prompt(line, base_seed + lineno - 1, lineno)
+            ident = (prompt.text, prompt.seed, prompt.negative_prompt)
+            if ident in seen:
+                report.duplicate.append(lineno)
+                continue
+            seen.add(ident)
+            prompts.append(prompt)
+    report.kept = len(prompts)
+    if not prompts:
+        raise UsageError(
+            f"prompt file {str(p)!r} has no usable prompt ({report.lines} lines: "
+            f"{len(report.empty)} empty, {len(report.bad_utf8)} invalid UTF-8, "
+            f"{len(report.bad_json)} malformed JSON)",
+            fix='put one prompt per line (.txt) or {"prompt": ...} per line (.jsonl)',
+        )
+    return prompts, report

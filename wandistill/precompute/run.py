@@ -1,0 +1,426 @@
+"""`wandistill precompute`: the only place the teacher is ever loaded.
+
+Phases, so that at most one big model is resident at a time:
+1. encode: tokenizer + UMT5 over this rank's prompts (and the negative prompts), then freed;
+2. denoise: the transformer (Wan 2.2: `transformer` for the high-noise steps of a group of
+   batches, then `transformer_2` for their low-noise steps), records written as batches finish;
+3. previews: optionally, the VAE decodes the first few final latents to PNG for eval.
+
+Work is split in global batches of `sampler.batch_size` prompts in file order; rank r of W takes
+batches r, r+W, ... so a batch is computed identically whatever W, and the records are the same
+bytes as a single-process run. Resume is per batch: a batch whose keys are all committed is
+skipped; any other batch is recomputed whole (same inputs, same bits) and the writer drops keys
+that were already committed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wandistill import dist
+from wandistill.cache import manifest as mf
+from wandistill.cache.schema import dtype_name, field_specs, record_key
+from wandistill.cache.writer import CacheWriter
+from wandistill.config import PrecomputeConfig
+from wandistill.errors import UsageError
+from wandistill.fsutil import atomic_write_json
+from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
+from wandistill.progress import Progress
+from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+CPU_PLACEMENTS = ("cpu", "disk-offload")
+
+
+@dataclass(slots=True)
+class Summary:
+    cache: str
+    records_written: int
+    records_skipped: int
+    bytes_written: int
+    seconds: float
+    prompts: int
+
+
+@dataclass(slots=True)
+class Teacher:
+    """What precompute knows of a teacher folder before loading any weights."""
+
+    path: Path
+    model_index: dict[str, Any]
+    transformer_config: dict[str, Any]
+    vae_config: dict[str, Any]
+    scheduler: Any
+    experts: tuple[str, ...]
+    boundary_ratio: float | None
+    expand_timesteps: bool
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(
+            f"teacher folder is missing {str(path)!r}",
+            fix="pass a complete diffusers Wan folder to --teacher",
+        ) from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{str(path)!r} is not valid JSON ({e})") from None
+
+
+def inspect_teacher(path: str | Path, flow_shift: float | None) -> Teacher:
+    root = Path(path)
+    if not str(path) or not root.is_dir():
+        raise UsageError(
+            f"teacher folder {str(root)!r} does not exist",
+            fix="pass a local diffusers Wan folder with --teacher (nothing is downloaded)",
+        )
+    index = _read_json(root / "model_index.json")
+    if index.get("_class_name") not in ("WanPipeline", None):
+        raise UsageError(
+            f"teacher {str(root)!r} is a {index.get('_class_name')}, not a WanPipeline folder",
+            fix="pass a Wan 2.1 / 2.2 text-to-video diffusers folder",
+        )
+    custom = [p.name for p in root.rglob("*.py")]
+    if custom:
+        raise UsageError(
+            f"teacher {str(root)!r} contains custom code ({', '.join(custom[:3])}); wandistill "
+            "never runs code from model folders",
+            fix="remove the .py files or use an official diffusers Wan folder",
+        )
+    import diffusers
+
+    sched_cfg = _read_json(root / "scheduler" / "scheduler_config.json")
+    sched_cls = getattr(diffusers, sched_cfg.get("_class_name", ""), None)
+    if sched_cls is None:
+        raise UsageError(f"unknown scheduler class {sched_cfg.get('_class_name')!r} in {root}")
+    overrides = {} if flow_shift is None else {"flow_shift": flow_shift}
+    scheduler = sched_cls.from_config(sched_cfg, **overrides)
+    has_two = isinstance(index.get("transformer_2"), list) and index["transformer_2"][0] is not None
+    boundary = index.get("boundary_ratio")
+    return Teacher(
+        path=root,
+        model_index=index,
+        transformer_config=_read_json(root / "transformer" / "config.json"),
+        vae_config=_read_json(root / "vae" / "config.json"),
+        scheduler=scheduler,
+        experts=("transformer", "transformer_2")
+        if has_two and boundary is not None
+        else ("transformer",),
+        boundary_ratio=float(boundary) if boundary is not None and has_two else None,
+        expand_timesteps=bool(index.get("expand_timesteps", False)),
+    )
+
+
+def latent_shape(teacher: Teacher, cfg: PrecomputeConfig) -> tuple[int, int, int, int]:
+    vae = teacher.vae_config
+    t_down = 2 ** sum(vae.get("temperal_downsample", [False, True, True]))
+    s_down = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
+    s = cfg.sampler
+    return (
+        int(teacher.transformer_config["in_channels"]),
+        (s.num_frames - 1) // t_down + 1,
+        s.height // s_down,
+        s.width // s_down,
+    )
+
+
+def sampler_settings(teacher: Teacher, cfg: PrecomputeConfig) -> dict[str, Any]:
+    """Everything that changes the teacher's output for a prompt and seed (the cache key)."""
+    s = cfg.sampler
+    g2 = s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale
+    return {
+        "scheduler": type(teacher.scheduler).__name__,
+        "scheduler_config": json.loads(json.dumps(dict(teacher.scheduler.config), default=str)),
+        "num_inference_steps": s.num_inference_steps,
+        "flow_shift": teacher.scheduler.config.get("flow_shift"),
+        "guidance_scale": s.guidance_scale,
+        "guidance_scale_2": g2 if teacher.boundary_ratio is not None else None,
+        "boundary_ratio": teacher.boundary_ratio,
+        "cfg_formula": CFG_FORMULA if s.guidance_scale > 1.0 else "cond (guidance_scale <= 1)",
+        "negative_prompt": s.negative_prompt,
+        "height": s.height,
+        "width": s.width,
+        "num_frames": s.num_frames,
+        "dtype": cfg.teacher.dtype,
+        "max_sequence_length": s.max_sequence_length,
+        "record_steps": s.recorded_steps(),
+        "features": list(s.features),
+        "holdout_fraction": cfg.cache.holdout_fraction,
+        "expand_timesteps": teacher.expand_timesteps,
+    }
+
+
+def _key(p: Prompt, settings: dict[str, Any]) -> str:
+    own = {} if p.negative_prompt is None else {"negative_prompt": p.negative_prompt}
+    return record_key(p.text, p.seed, {**settings, **own})
+
+
+def _device_kind(placement: str) -> str:
+    return "cpu" if placement in CPU_PLACEMENTS or placement.endswith(".json") else "auto"
+
+
+def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) -> Summary:
+    """Run precompute as this process's rank; rank 0 finalizes the manifest at the end."""
+    t0 = time.perf_counter()
+    teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
+    prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed)
+    info = dist.init(_device_kind(cfg.teacher.placement))
+    try:
+        return _run(cfg, teacher, prompts, report, info, null_sink=null_sink, quiet=quiet, t0=t0)
+    finally:
+        dist.cleanup()
+
+
+def _run(
+    cfg: PrecomputeConfig,
+    teacher: Teacher,
+    prompts: list[Prompt],
+    report: PromptReport,
+    info: dist.DistInfo,
+    *,
+    null_sink: bool,
+    quiet: bool,
+    t0: float,
+) -> Summary:
+    from wandistill.teacher import placement as pl
+    from wandistill.teacher.fingerprint import teacher_fingerprint
+
+    dtype = DTYPES[cfg.teacher.dtype]
+    settings = sampler_settings(teacher, cfg)
+    fingerprint = teacher_fingerprint(teacher.path)
+    fingerprint["transformer_config"] = teacher.transformer_config
+    shape = latent_shape(teacher, cfg)
+    cache = Path(cfg.cache.path)
+    header = mf.Manifest(
+        backend=cfg.cache.backend,
+        teacher=fingerprint,
+        settings=settings,
+        fields=field_specs(
+            latent_dtype=torch.float32,
+            model_dtype=dtype,
+            embed_dtype=dtype,
+            features=list(cfg.sampler.features),
+        ),
+    )
+    done: set[str] = set()
+    if not null_sink and mf.manifest_path(cache).exists():
+        existing = mf.load_committed(cache)
+        mf.check_compatible(cache, existing, header)  # fail before loading any weights
+        done = {k for s in existing.shards for k in s["keys"]}
+
+    keys = [_key(p, settings) for p in prompts]
+    bs = cfg.sampler.batch_size
+    batches = [list(range(i, min(i + bs, len(prompts)))) for i in range(0, len(prompts), bs)]
+    mine = batches[info.rank :: info.world_size]
+    todo = [b for b in mine if not all(keys[i] in done for i in b)]
+    placement = pl.resolve_placement(
+        cfg.teacher.placement,
+        folder=teacher.path,
+        dtype=dtype,
+        sampler=cfg.sampler,
+        world_size=info.world_size,
+        local_rank=info.local_rank,
+    )
+    load_kw: dict[str, Any] = dict(
+        dtype=dtype,
+        placement=placement,
+        offload_dir=Path(cfg.teacher.offload_folder or cache / ".offload") / f"rank{info.rank}",
+        max_memory=cfg.teacher.max_memory or None,
+        group_offload_level=cfg.teacher.group_offload_level,
+    )
+
+    # Phase 1: text embeddings for the prompts still to do, then free the encoder.
+    from transformers import AutoTokenizer
+
+    from wandistill.teacher.encode import encode_trimmed
+
+    tokenizer = AutoTokenizer.from_pretrained(teacher.path / "tokenizer", local_files_only=True)
+    needed = sorted({i for b in todo for i in b})
+    negatives = sorted(
+        {cfg.sampler.negative_prompt}
+        | {prompts[i].negative_prompt for i in needed if prompts[i].negative_prompt is not None}
+    )
+    encoder = pl.load_component(teacher.path, "text_encoder", **load_kw)
+    try:
+        msl = cfg.sampler.max_sequence_length
+        embeds: dict[int, torch.Tensor] = {}
+        for start in range(0, len(needed), bs):
+            chunk = needed[start : start + bs]
+            enc = encode_trimmed(
+                tokenizer,
+                encoder,
+                [prompts[i].text for i in chunk],
+                max_sequence_length=msl,
+                dtype=dtype,
+            )
+            embeds.update(zip(chunk, enc.embeds, strict=True))
+            report.truncated.extend(
+                prompts[i].line for i, tr in zip(chunk, enc.truncated, strict=True) if tr
+            )
+        neg = encode_trimmed(tokenizer, encoder, negatives, max_sequence_length=msl, dtype=dtype)
+        neg_embeds = dict(zip(negatives, neg.embeds, strict=True))
+    finally:
+        pl.unload(encoder)
+
+    timesteps, sigmas = RecordingSampler(teacher.scheduler, _spec(cfg, teacher, shape)).schedule()
+    writer = (
+        None
+        if null_sink
+        else CacheWriter(
+            cache,
+            backend=cfg.cache.backend,
+            teacher=fingerprint,
+            settings=settings,
+            fields=header.fields,
+            dims=_dims(teacher, shape, settings),
+            shared={
+                "negative_prompt_embeds": neg_embeds[cfg.sampler.negative_prompt],
+                "timesteps": timesteps,
+                "sigmas": sigmas,
+            },
+            rank=info.rank,
+            shard_records=cfg.cache.shard_records,
+        )
+    )
+
+    def job(i: int) -> Job:
+        p = prompts[i]
+        own = p.negative_prompt is not None
+        return Job(
+            key=keys[i],
+            prompt=p.text,
+            seed=p.seed,
+            embeds=embeds[i],
+            negative=neg_embeds[p.negative_prompt if own else cfg.sampler.negative_prompt],
+            own_negative=own,
+            extra={"line": p.line, **({"negative_prompt": p.negative_prompt} if own else {})},
+        )
+
+    sampler = RecordingSampler(teacher.scheduler, _spec(cfg, teacher, shape))
+    progress = Progress(
+        total=sum(len(b) for b in mine),
+        description="precompute",
+        enabled=info.is_main and not quiet,
+        unit="prompts",
+    )
+    progress.advance(sum(len(b) for b in mine) - sum(len(b) for b in todo))
+    group = max(1, cfg.sampler.expert_group_batches) if len(teacher.experts) > 1 else len(todo)
+    resident: dict[str, torch.nn.Module] = {}
+    try:
+        with progress:
+            for g0 in range(0, len(todo), max(1, group)):
+                states = None
+                for expert in teacher.experts:
+                    model = resident.get(expert)
+                    if model is None:
+                        for other in list(resident):  # one expert in memory at a time
+                            pl.unload(resident.pop(other))
+                        model = resident[expert] = pl.load_component(
+                            teacher.path, expert, **load_kw
+                        )
+                    device = pl.execution_device(model)
+                    if states is None:
+                        states = [
+                            sampler.start([job(i) for i in b], device)
+                            for b in todo[g0 : g0 + group]
+                        ]
+                    for st in states:
+                        sampler.advance(st, model, expert, device)
+                assert states is not None
+                for st in states:
+                    for rec in sampler.finish(st):
+                        if writer is not None:
+                            writer.write(rec)
+                    progress.advance(
+                        len(st.jobs), bytes_total=writer.bytes_written if writer else 0
+                    )
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        for m in resident.values():
+            pl.unload(m)
+    if writer is not None:
+        writer.close()
+        if cfg.previews > 0:
+            _previews(cfg, teacher, prompts, keys, load_kw, info)
+    dist.barrier(info)
+    if writer is not None and info.is_main:
+        mf.finalize(cache, complete=True)
+        atomic_write_json(cache / "prompts_report.json", report.to_json())
+    written = writer.records_written if writer else sum(len(b) for b in todo)
+    return Summary(
+        cache=str(cache),
+        records_written=written,
+        records_skipped=writer.records_skipped if writer else 0,
+        bytes_written=writer.bytes_written if writer else 0,
+        seconds=time.perf_counter() - t0,
+        prompts=len(prompts),
+    )
+
+
+def _spec(cfg: PrecomputeConfig, teacher: Teacher, shape: tuple[int, int, int, int]) -> SamplerSpec:
+    s = cfg.sampler
+    boundary = (
+        teacher.boundary_ratio * teacher.scheduler.config.num_train_timesteps
+        if teacher.boundary_ratio is not None
+        else None
+    )
+    return SamplerSpec(
+        num_inference_steps=s.num_inference_steps,
+        guidance_scale=s.guidance_scale,
+        guidance_scale_2=s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale,
+        boundary_timestep=boundary,
+        expand_timesteps=teacher.expand_timesteps,
+        record_steps=tuple(s.recorded_steps()),
+        features=tuple(s.features),
+        latent_shape=shape,
+        max_sequence_length=s.max_sequence_length,
+    )
+
+
+def _dims(teacher: Teacher, shape: tuple[int, ...], settings: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "text_dim": int(teacher.transformer_config["text_dim"]),
+        "latent_channels": int(shape[0]),
+        "latent_shape": list(shape),
+        "num_recorded_steps": len(settings["record_steps"]),
+        "teacher_dtype": dtype_name(DTYPES[settings["dtype"]]),
+    }
+
+
+def _previews(
+    cfg: PrecomputeConfig,
+    teacher: Teacher,
+    prompts: list[Prompt],
+    keys: list[str],
+    load_kw: dict[str, Any],
+    info: dist.DistInfo,
+) -> None:
+    """Decode the first `previews` prompts' final latents (whichever rank wrote them)."""
+    from wandistill.cache.reader import CacheStore
+    from wandistill.teacher import placement as pl
+    from wandistill.teacher.decode import decode_to_png
+
+    out = Path(cfg.cache.path) / "previews"
+    wanted = [k for k in keys[: cfg.previews] if not (out / f"{k}.png").exists()]
+    with CacheStore(cfg.cache.path) as store:
+        located = store.locate()
+        mine = [k for k in wanted if k in located and located[k][0]["rank"] == info.rank]
+        if not mine:
+            return
+        vae = pl.load_component(teacher.path, "vae", **load_kw)
+        try:
+            for k in mine:
+                rec = store.read_record(*located[k])
+                decode_to_png(vae, rec.final_latent, out / f"{k}.png")
+        finally:
+            pl.unload(vae)
