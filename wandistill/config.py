@@ -107,9 +107,16 @@ class SamplerConfig:
     """Base seed; a prompt without its own seed gets seed + its line index."""
     batch_size: int = 1
     """Prompts denoised together."""
+    expert_group_batches: int = 16
+    """Wan 2.2: batches that run their high-noise steps before the swap to transformer_2
+    (bigger groups mean fewer expert loads, more latents held in memory)."""
 
     def __post_init__(self) -> None:
         _problems(
+            (
+                self.expert_group_batches > 0,
+                f"sampler.expert_group_batches={self.expert_group_batches} must be positive",
+            ),
             (
                 self.height > 0 and self.height % 16 == 0,
                 f"sampler.height={self.height} must be a positive multiple of 16",
@@ -180,47 +187,98 @@ class PrecomputeConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class StudentConfig:
-    num_layers: int = 2
-    num_attention_heads: int = 2
-    attention_head_dim: int = 12
-    ffn_dim: int = 32
-    config_file: str = ""
-    """Optional JSON with a full WanTransformer3DModel config; recipe fields above override it."""
-    init_from_teacher: str = ""
-    """Teacher folder whose chosen blocks initialise the student (read lazily)."""
-    init_blocks: list[int] = field(default_factory=list)
-    """Teacher block indices copied into student blocks 0..k-1."""
+class TeacherInitConfig:
+    path: str = ""
+    """Teacher folder (or its transformer folder, or a .safetensors file) whose tensors initialise
+    the student; empty: random init. Read lazily with safetensors, never the whole teacher."""
+    component: str = "transformer"
+    """Which transformer of the teacher folder (Wan 2.2 A14B: transformer or transformer_2)."""
+    blocks: list[int] = field(default_factory=list)
+    """Teacher block indices copied into student blocks 0..k-1 (k <= student.num_layers); the
+    embedders and output head are copied too. Empty: only those non-block tensors."""
 
     def __post_init__(self) -> None:
         _problems(
-            (self.num_layers > 0, f"student.num_layers={self.num_layers} must be positive"),
             (
-                self.num_attention_heads > 0,
-                f"student.num_attention_heads={self.num_attention_heads} must be positive",
+                all(b >= 0 for b in self.blocks),
+                f"student.init_from_teacher.blocks={self.blocks} must be >= 0",
             ),
             (
-                self.attention_head_dim > 0,
-                f"student.attention_head_dim={self.attention_head_dim} must be positive",
+                not self.blocks or bool(self.path),
+                "student.init_from_teacher.blocks is set but init_from_teacher.path is empty",
             ),
-            (self.ffn_dim > 0, f"student.ffn_dim={self.ffn_dim} must be positive"),
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class StudentConfig:
+    num_layers: int | None = None
+    """Transformer blocks. None: from config_file, else the teacher's (the cache records the
+    teacher's transformer config; the student starts from it)."""
+    num_attention_heads: int | None = None
+    attention_head_dim: int | None = None
+    """Per-head width; even (Wan's 3-axis RoPE splits it). Width = heads x head_dim."""
+    ffn_dim: int | None = None
+    config_file: str = ""
+    """Optional JSON with WanTransformer3DModel config keys; the four fields above override it.
+    text_dim, in_channels and out_channels must match the cache."""
+    init_from_teacher: TeacherInitConfig = field(default_factory=TeacherInitConfig)
+    """Optional init from teacher tensors: `init_from_teacher = {path = "...", blocks = [0, 4]}`."""
+
+    def __post_init__(self) -> None:
+        sizes = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
+        _problems(
+            *(
+                (
+                    getattr(self, n) is None or getattr(self, n) > 0,
+                    f"student.{n}={getattr(self, n)} must be positive",
+                )
+                for n in sizes
+            ),
+            (
+                self.attention_head_dim is None or self.attention_head_dim % 2 == 0,
+                f"student.attention_head_dim={self.attention_head_dim} must be even "
+                "(Wan's RoPE splits each head over frames, height and width)",
+            ),
+            (
+                self.num_layers is None or len(self.init_from_teacher.blocks) <= self.num_layers,
+                f"student.init_from_teacher.blocks lists {len(self.init_from_teacher.blocks)} "
+                f"blocks but the student has num_layers={self.num_layers}",
+            ),
         )
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
     lr: float = 1e-4
+    """Peak learning rate of AdamW (reached after warmup, then cosine decay)."""
     weight_decay: float = 0.01
+    """Applied to matrices only; biases, norms and modulation tables are not decayed."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
+    """Linear warmup from lr/warmup_steps to lr."""
+    min_lr_ratio: float = 0.0
+    """Cosine decay ends at lr * min_lr_ratio on the last step."""
     grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
     ema_decay: float = 0.999
+    """EMA of the student's weights, updated after every optimizer step; 0 keeps a plain copy."""
 
     def __post_init__(self) -> None:
         _problems(
             (self.lr > 0, f"optim.lr={self.lr} must be positive"),
+            (self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0"),
             (len(self.betas) == 2, f"optim.betas={self.betas} needs two values"),
+            (
+                all(0.0 <= b < 1.0 for b in self.betas),
+                f"optim.betas={self.betas} must lie in [0, 1)",
+            ),
             (self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0"),
+            (
+                0.0 <= self.min_lr_ratio <= 1.0,
+                f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]",
+            ),
+            (self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0: off)"),
             (0.0 <= self.ema_decay < 1.0, f"optim.ema_decay={self.ema_decay} must be in [0, 1)"),
         )
 
@@ -228,31 +286,67 @@ class OptimConfig:
 @dataclass(kw_only=True, slots=True)
 class LossConfig:
     output: float = 1.0
-    """Weight of teacher-output matching at recorded (x_t, t)."""
+    """Weight of teacher-output matching: MSE between the student's prediction at a recorded
+    (x_t, t) and the teacher's guided (CFG) output there."""
     final_latent: float = 0.0
-    """Weight of x0 matching against the teacher's final latent."""
+    """Weight of final-latent matching: MSE between x0 = x_t - sigma_t * v_student and the
+    teacher's final latent."""
     feature: float = 0.0
-    """Weight of projected feature matching (needs features in the cache)."""
+    """Weight of feature matching through learned student-to-teacher-width projections."""
+    feature_map: dict[str, str] = field(default_factory=dict)
+    """Teacher feature (recorded by precompute) -> student block, e.g. {"blocks.8" = "blocks.1"}."""
+
+    def __post_init__(self) -> None:
+        weights = {"output": self.output, "final_latent": self.final_latent}
+        _problems(
+            *((w >= 0, f"loss.{n}={w} must be >= 0") for n, w in weights.items()),
+            (self.feature >= 0, f"loss.feature={self.feature} must be >= 0"),
+            (
+                self.output + self.final_latent + self.feature > 0,
+                "loss: every weight is 0, so nothing would be trained; set loss.output = 1.0",
+            ),
+            (
+                self.feature == 0 or bool(self.feature_map),
+                f"loss.feature={self.feature} needs loss.feature_map "
+                '(e.g. feature_map = {"blocks.8" = "blocks.1"})',
+            ),
+        )
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     cache: str = ""
-    """Cache directory written by `wandistill precompute`."""
+    """Cache directory written by `wandistill precompute` (the only input besides this recipe)."""
     out: str = ""
-    """Run directory: checkpoints, metrics, the final student."""
+    """Run directory: checkpoints/, metrics.jsonl, student/ and student_ema/ at the end."""
     steps: int = 100
+    """Optimizer steps (each = grad_accum micro-batches on every rank)."""
     batch_size: int = 1
-    """Per-rank micro-batch of (record, step) samples."""
+    """Per-rank micro-batch of (record, recorded step) samples."""
     grad_accum: int = 1
+    """Micro-batches per optimizer step; gradients are synchronised on the last one only."""
     seed: int = 0
+    """Student init and data order."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK when there is a GPU, else cpu), cpu or cuda."""
     mixed_precision: str = "no"
-    """no or bf16 (autocast)."""
+    """no or bf16 (autocast; weights, optimizer state and EMA stay fp32)."""
     gradient_checkpointing: bool = False
+    """Recompute each transformer block in backward: less activation memory, ~30% slower."""
     checkpoint_every: int = 50
+    """Write checkpoints/checkpoint-<step>/ every this many steps (and at the last step)."""
     keep_checkpoints: int = 2
+    """Keep only the newest this many checkpoints."""
     log_every: int = 10
+    """Write a metrics.jsonl row (losses averaged over ranks) every this many steps."""
+    tensorboard: bool = True
+    """Also write TensorBoard events to <out>/tensorboard when tensorboard is installed."""
     data_threads: int = 4
+    """Reader threads per rank."""
+    follow_poll_interval: float = 2.0
+    """--follow: seconds between looks for newly committed shards."""
+    follow_timeout: float = 3600.0
+    """--follow: give up after this many seconds without a new shard; 0 waits forever."""
     student: StudentConfig = field(default_factory=StudentConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -262,6 +356,10 @@ class TrainConfig:
             (self.steps > 0, f"train.steps={self.steps} must be positive"),
             (self.batch_size > 0, f"train.batch_size={self.batch_size} must be positive"),
             (self.grad_accum > 0, f"train.grad_accum={self.grad_accum} must be positive"),
+            (
+                self.device in ("auto", "cpu", "cuda"),
+                f"train.device={self.device!r} must be auto, cpu or cuda",
+            ),
             (
                 self.mixed_precision in ("no", "bf16"),
                 f"train.mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'",
@@ -274,7 +372,16 @@ class TrainConfig:
                 self.keep_checkpoints > 0,
                 f"train.keep_checkpoints={self.keep_checkpoints} must be positive",
             ),
+            (self.log_every > 0, f"train.log_every={self.log_every} must be positive"),
             (self.data_threads > 0, f"train.data_threads={self.data_threads} must be positive"),
+            (
+                self.follow_poll_interval > 0,
+                f"train.follow_poll_interval={self.follow_poll_interval} must be positive",
+            ),
+            (
+                self.follow_timeout >= 0,
+                f"train.follow_timeout={self.follow_timeout} must be >= 0 (0: wait forever)",
+            ),
         )
 
 

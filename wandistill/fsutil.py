@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -31,7 +32,7 @@ def fsync_dir(path: str | Path) -> None:
 
 def temp_name(path: Path) -> Path:
     """A sibling temp name that readers ignore (leading dot, `.tmp` suffix, pid-unique)."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
 
 
 @contextlib.contextmanager

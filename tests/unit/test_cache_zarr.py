@@ -26,16 +26,19 @@ def make_record(
     *,
     latent: torch.dtype = torch.float32,
     embed: torch.dtype = torch.bfloat16,
+    model: torch.dtype | None = None,
     negative: bool | None = None,
 ) -> Record:
     """Deterministic record i: embedding length varies (0 included), -0.0 and extremes included."""
     g = torch.Generator().manual_seed(1000 + i)
 
-    def lat(*shape: int) -> torch.Tensor:
+    def lat(*shape: int, dtype: torch.dtype = latent) -> torch.Tensor:
         t = torch.randn(*shape, generator=g) * 3
         t.view(-1)[0] = -0.0
-        t.view(-1)[-1] = 60000.0 if latent == torch.float16 else 1e30
-        return t.to(latent)
+        t.view(-1)[-1] = 60000.0 if dtype == torch.float16 else 1e30
+        return t.to(dtype)
+
+    mod = model or latent
 
     length = (i * 7) % 20  # 0, 7, 14, 1, 8, ...
     neg = (i % 3 == 1) if negative is None else negative
@@ -47,23 +50,25 @@ def make_record(
         prompt_embeds=torch.randn(length, 8, generator=g).to(embed),
         noise=lat(C, F, H, W),
         timesteps=torch.linspace(999, 100, S) + i,
-        xt=lat(S, C, F, H, W),
-        teacher_out=lat(S, C, F, H, W),
+        xt=lat(S, C, F, H, W, dtype=mod),
+        teacher_out=lat(S, C, F, H, W, dtype=mod),
         final_latent=lat(C, F, H, W),
-        features={"block_5": lat(*FEATURE_SHAPE)},
+        features={"block_5": lat(*FEATURE_SHAPE, dtype=mod)},
         negative_prompt_embeds=torch.randn(3 + i % 5, 8, generator=g).to(embed) if neg else None,
         extra={"line": i} if i % 2 else {},
     )
 
 
 def writer(path: Path, *, rank: int = 0, shard_records: int = 3, latent=torch.float32,
-           embed=torch.bfloat16):
+           embed=torch.bfloat16, model=None):
     return open_writer(
         path,
         backend="zarr",
         teacher={"fingerprint": "f" * 64, "components": {}},
         settings=SETTINGS,
-        fields=field_specs(latent_dtype=latent, embed_dtype=embed, features=["block_5"]),
+        fields=field_specs(
+            latent_dtype=latent, embed_dtype=embed, model_dtype=model, features=["block_5"]
+        ),
         rank=rank,
         shard_records=shard_records,
     )
@@ -96,22 +101,27 @@ def all_rows(store) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "latent,embed",
+    "latent,embed,model",
     [
-        (torch.float32, torch.bfloat16),
-        (torch.float16, torch.float32),
-        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16, None),
+        (torch.float16, torch.float32, None),
+        (torch.bfloat16, torch.bfloat16, None),
+        (torch.float32, torch.bfloat16, torch.bfloat16),  # fp32 sampler latents, bf16 model I/O
     ],
 )
-def test_round_trip_bit_exact(tmp_path: Path, latent: torch.dtype, embed: torch.dtype) -> None:
-    records = [make_record(i, latent=latent, embed=embed) for i in range(7)]
-    with writer(tmp_path, latent=latent, embed=embed) as w:
+def test_round_trip_bit_exact(
+    tmp_path: Path, latent: torch.dtype, embed: torch.dtype, model: torch.dtype | None
+) -> None:
+    records = [make_record(i, latent=latent, embed=embed, model=model) for i in range(7)]
+    with writer(tmp_path, latent=latent, embed=embed, model=model) as w:
         for r in records:
             assert w.write(r)
     # Readable from the journals before finalize, and identical after.
     for finalize in (False, True):
         if finalize:
-            writer(tmp_path, latent=latent, embed=embed).close(finalize=True, complete=True)
+            writer(tmp_path, latent=latent, embed=embed, model=model).close(
+                finalize=True, complete=True
+            )
         with open_cache(tmp_path) as store:
             assert len(store) == 7
             assert [e["records"] for e in store.entries] == [3, 3, 1]
@@ -204,7 +214,7 @@ def test_uncommitted_rows_are_ignored(tmp_path: Path) -> None:
 
 def _write_rank(path: str, rank: int, indices: list[int], block: int) -> None:
     zb.BLOCK_RECORDS = block  # module default, read when a sink creates the group
-    with writer(Path(path), rank=rank, shard_records=3) as w:
+    with writer(Path(path), rank=rank, shard_records=block) as w:
         for i in indices:
             w.write(make_record(i))
 
@@ -222,7 +232,7 @@ def test_concurrent_writer_threads_lose_no_rows(
 
     def run(rank: int) -> None:
         try:
-            with writer(tmp_path, rank=rank, shard_records=3) as w:
+            with writer(tmp_path, rank=rank, shard_records=block) as w:
                 for i in jobs[rank]:
                     w.write(make_record(i))
         except BaseException as e:  # surfaced below

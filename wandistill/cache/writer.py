@@ -47,7 +47,7 @@ def shard_name(rank: int, seq: int) -> str:
     return f"r{rank:05d}-{seq:06d}"
 
 
-def _make_sink(backend: str, cache: Path) -> ShardSink:
+def _make_sink(backend: str, cache: Path, shard_records: int) -> ShardSink:
     if backend == "webdataset":
         from wandistill.cache.wds import WebDatasetSink
 
@@ -55,7 +55,7 @@ def _make_sink(backend: str, cache: Path) -> ShardSink:
     if backend == "zarr":
         from wandistill.cache.zarr_backend import ZarrSink
 
-        return ZarrSink(cache)
+        return ZarrSink(cache, block_records=shard_records)
     raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
 
 
@@ -99,7 +99,7 @@ class CacheWriter:
         self.path = Path(path)
         self.rank = rank
         self.shard_records = shard_records
-        self.sink = _make_sink(backend, self.path)
+        self.sink = _make_sink(backend, self.path, shard_records)
         self._open_cache(backend, teacher, settings, fields, dims or {}, shared or {})
         committed = mf.committed_shards(self.path, self.manifest)
         self._keys = {k for s in committed for k in s["keys"]}
