@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -141,8 +140,8 @@ def cache_verify(path: Annotated[Path, typer.Argument(help="Cache directory.")])
         n, shards = len(store), len(store.entries)
     if problems:
         for p in problems:
-            err.print(f"[red]BAD[/red] {p}", highlight=False)
-        err.print(f"{len(problems)} problem(s) in cache {path}", highlight=False)
+            err.print(f"[red]BAD[/red] {p}", highlight=False, soft_wrap=True)
+        err.print(f"{len(problems)} problem(s) in cache {path}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     out.print(f"OK: {n} records in {shards} shards of {path} verified", highlight=False)
 
@@ -202,27 +201,31 @@ def precompute_cmd(
 
 
 def _fail(message: str, code: int, fix: str | None = None) -> None:
-    err.print(f"[bold red]error:[/bold red] {message}", highlight=False)
+    err.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
     if fix:
-        err.print(f"  [bold]fix:[/bold] {fix}", highlight=False)
+        err.print(f"  [bold]fix:[/bold] {fix}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point; see the module docstring for the exit-code contract."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
     except WandistillError as e:
         if _debug:
             raise
         _fail(e.message, e.exit_code, e.fix)
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except typer.Abort:
         _fail("interrupted", 130)
+    except typer.TyperException as e:  # click usage errors: unknown command, bad option
+        show = getattr(e, "show", None)
+        if callable(show):
+            show()
+        else:
+            err.print(f"error: {e}", highlight=False, soft_wrap=True)
+        sys.exit(int(getattr(e, "exit_code", 2)))
     except KeyboardInterrupt:
         _fail("interrupted; re-run the same command to resume", 130)
     except OSError as e:
@@ -235,3 +238,5 @@ def main(argv: list[str] | None = None) -> None:
                 "free space or choose another output directory; re-run to resume",
             )
         _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 1)
+    if isinstance(code, int) and code:
+        sys.exit(code)
