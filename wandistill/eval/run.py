@@ -1,0 +1,266 @@
+"""`wandistill eval`: run the student's sampler from cached noise and embeddings, compare.
+
+For each held-out record (by the cache's `holdout_fraction`, or every record of a separate cache)
+the student denoises the record's own initial noise with the cache's scheduler, one forward per
+step (it learned the guided output, so no CFG pass), and its final latent is compared with the
+teacher's cached final latent: MSE and PSNR. It also scores the student on every recorded
+(x_t, t) of those records (output-matching loss). Given the teacher folder, both final latents
+are decoded with the VAE for an image PSNR and a teacher | student PNG grid. Deterministic: no
+randomness is drawn anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from wandistill.cache.reader import CacheStore
+from wandistill.cache.schema import Record, is_holdout, pad_embeds
+from wandistill.errors import UsageError
+from wandistill.eval.metrics import image_psnr, mse, psnr
+from wandistill.fsutil import atomic_write_bytes, atomic_write_json
+
+
+@dataclass(slots=True)
+class EvalResult:
+    records: int
+    steps: int
+    latent_mse: float
+    latent_psnr: float
+    noise_mse: float
+    """MSE of the initial noise against the teacher's final latent: the do-nothing baseline."""
+    step_loss: float
+    image_psnr: float | None = None
+    per_record: list[dict[str, Any]] = field(default_factory=list)
+    grid: str | None = None
+
+    def table(self) -> str:
+        rows = [
+            ("held-out records", f"{self.records}"),
+            ("student steps", f"{self.steps}"),
+            ("latent MSE vs teacher", f"{self.latent_mse:.5f}"),
+            ("latent PSNR vs teacher (dB)", f"{self.latent_psnr:.2f}"),
+            ("baseline: noise MSE vs teacher", f"{self.noise_mse:.5f}"),
+            ("output-matching loss (recorded steps)", f"{self.step_loss:.5f}"),
+        ]
+        if self.image_psnr is not None:
+            rows.append(("decoded image PSNR vs teacher (dB)", f"{self.image_psnr:.2f}"))
+        width = max(len(r[0]) for r in rows)
+        lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
+        lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
+        return "\n".join(lines)
+
+
+def make_scheduler(settings: dict[str, Any]) -> Any:
+    """The teacher's scheduler, rebuilt from the cache manifest (no teacher folder needed)."""
+    import diffusers
+
+    cls = getattr(diffusers, settings["scheduler"], None)
+    if cls is None:
+        raise UsageError(f"cache names an unknown scheduler {settings['scheduler']!r}")
+    return cls.from_config(settings["scheduler_config"])
+
+
+@torch.no_grad()
+def student_sample(
+    student: torch.nn.Module,
+    scheduler: Any,
+    noise_BCFHW: torch.Tensor,
+    embeds_BLD: torch.Tensor,
+    steps: int,
+) -> torch.Tensor:
+    """The student's sampler: one forward per step, its output used as the guided prediction."""
+    device = next(student.parameters()).device
+    dtype = next(student.parameters()).dtype
+    scheduler.set_timesteps(steps, device=device)
+    scheduler.set_begin_index(0)
+    latents = noise_BCFHW.to(device=device, dtype=torch.float32)
+    cond = embeds_BLD.to(device=device, dtype=dtype)
+    for t in scheduler.timesteps:
+        pred = student(
+            hidden_states=latents.to(dtype),
+            timestep=t.expand(latents.shape[0]),
+            encoder_hidden_states=cond,
+            return_dict=False,
+        )[0]
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+    return latents.cpu()
+
+
+def _held_out(store: CacheStore, split: str, limit: int | None) -> list[Record]:
+    frac = float(store.manifest.settings.get("holdout_fraction", 0.0))
+    located = sorted(store.locate().items())  # by key: deterministic
+    if split == "holdout":
+        if frac <= 0:
+            raise UsageError(
+                f"cache {str(store.path)!r} has no held-out records (holdout_fraction = 0)",
+                fix="pass --split all with a separate eval cache, or precompute with "
+                "--set cache.holdout_fraction=0.1",
+            )
+        located = [(k, v) for k, v in located if is_holdout(k, frac)]
+    if limit is not None:
+        located = located[:limit]
+    if not located:
+        raise UsageError(f"cache {str(store.path)!r} has no records in split {split!r}")
+    return [store.read_record(*v) for _, v in located]
+
+
+def evaluate(
+    cache: str | Path,
+    student_path: str | Path,
+    out_dir: str | Path,
+    *,
+    teacher: str | Path | None = None,
+    steps: int | None = None,
+    split: str = "holdout",
+    max_records: int | None = None,
+    grid_records: int = 8,
+    device: str = "cpu",
+) -> EvalResult:
+    from diffusers import WanTransformer3DModel
+
+    if not Path(student_path).is_dir():
+        raise UsageError(
+            f"student {str(student_path)!r} does not exist",
+            fix="pass the student folder written by `wandistill train` (<out>/student)",
+        )
+    torch.manual_seed(0)
+    student = WanTransformer3DModel.from_pretrained(student_path, local_files_only=True)
+    student = student.to(device).eval().requires_grad_(False)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with CacheStore(cache) as store:
+        settings = store.manifest.settings
+        msl = int(settings["max_sequence_length"])
+        _check_fit(student, store.manifest.dims, cache)
+        records = _held_out(store, split, max_records)
+    n_steps = steps or int(settings["num_inference_steps"])
+    scheduler = make_scheduler(settings)
+    finals, per_record, step_losses = [], [], []
+    for rec in records:
+        emb = pad_embeds(rec.prompt_embeds, msl).unsqueeze(0)
+        final = student_sample(student, scheduler, rec.noise.unsqueeze(0), emb, n_steps)[0]
+        finals.append(final)
+        with torch.no_grad():
+            dtype = next(student.parameters()).dtype
+            pred = student(
+                hidden_states=rec.xt.to(device=device, dtype=dtype),
+                timestep=rec.timesteps.to(device),
+                encoder_hidden_states=emb.expand(rec.xt.shape[0], -1, -1).to(device, dtype),
+                return_dict=False,
+            )[0].cpu()
+        step_losses.append(mse(pred, rec.teacher_out))
+        per_record.append(
+            {
+                "key": rec.key,
+                "prompt": rec.prompt,
+                "latent_mse": mse(final, rec.final_latent),
+                "latent_psnr": min(psnr(final, rec.final_latent), 100.0),
+                "step_loss": step_losses[-1],
+            }
+        )
+    result = EvalResult(
+        records=len(records),
+        steps=n_steps,
+        latent_mse=float(np.mean([r["latent_mse"] for r in per_record])),
+        latent_psnr=float(np.mean([r["latent_psnr"] for r in per_record])),
+        noise_mse=float(np.mean([mse(r.noise, r.final_latent) for r in records])),
+        step_loss=float(np.mean(step_losses)),
+        per_record=per_record,
+    )
+    decoded = _decode(teacher, records, finals, result) if teacher is not None else None
+    write_grid(records, finals, decoded, out / "grid.png", grid_records)
+    result.grid = str(out / "grid.png")
+    atomic_write_json(out / "eval.json", asdict(result))
+    atomic_write_bytes(out / "eval.md", (result.table() + "\n").encode())
+    return result
+
+
+def _check_fit(student: torch.nn.Module, dims: dict[str, Any], cache: str | Path) -> None:
+    cfg = student.config
+    if dims and (cfg.text_dim != dims["text_dim"] or cfg.in_channels != dims["latent_channels"]):
+        raise UsageError(
+            f"student (text_dim {cfg.text_dim}, in_channels {cfg.in_channels}) does not fit cache "
+            f"{str(cache)!r} (text_dim {dims['text_dim']}, latent channels "
+            f"{dims['latent_channels']})",
+            fix="evaluate the student on a cache of the teacher it was distilled from",
+        )
+
+
+def latent_rgb(latent_CFHW: torch.Tensor, ref_CFHW: torch.Tensor) -> np.ndarray:
+    """First three channels of frame 0 as RGB, scaled by the reference's range (shared scale)."""
+    ref = ref_CFHW[:3, 0].float()
+    lo, hi = float(ref.min()), float(ref.max())
+    x = (latent_CFHW[:3, 0].float() - lo) / max(hi - lo, 1e-6)
+    return (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+
+
+def _upscale(img: np.ndarray, height: int) -> np.ndarray:
+    from PIL import Image
+
+    h, w = img.shape[:2]
+    scale = max(1, height // h)
+    return np.asarray(Image.fromarray(img).resize((w * scale, h * scale), Image.Resampling.NEAREST))
+
+
+def write_grid(
+    records: list[Record],
+    finals: list[torch.Tensor],
+    decoded: tuple[np.ndarray, np.ndarray] | None,
+    path: Path,
+    rows: int,
+    cell: int = 96,
+) -> None:
+    """One row per record: teacher | student latents (channels 0-2), then decoded frames."""
+    from PIL import Image
+
+    from wandistill.teacher.decode import frames_strip, save_png
+
+    lines = []
+    for i, (rec, fin) in enumerate(list(zip(records, finals, strict=True))[:rows]):
+        cells = [latent_rgb(rec.final_latent, rec.final_latent), latent_rgb(fin, rec.final_latent)]
+        if decoded is not None:
+            cells += [
+                np.asarray(frames_strip(decoded[0][i])),
+                np.asarray(frames_strip(decoded[1][i])),
+            ]
+        cells = [_upscale(c, cell) for c in cells]
+        height = max(c.shape[0] for c in cells)
+        gap = np.full((height, 6, 3), 255, np.uint8)
+        padded = [
+            np.pad(c, ((0, height - c.shape[0]), (0, 0), (0, 0)), constant_values=255)
+            for c in cells
+        ]
+        lines.append(np.concatenate([x for c in padded for x in (c, gap)][:-1], axis=1))
+    width = max(line.shape[1] for line in lines)
+    lines = [
+        np.pad(line, ((0, 6), (0, width - line.shape[1]), (0, 0)), constant_values=255)
+        for line in lines
+    ]
+    save_png(Image.fromarray(np.concatenate(lines, axis=0)), path)
+
+
+def _decode(
+    teacher: str | Path, records: list[Record], finals: list[torch.Tensor], result: EvalResult
+) -> tuple[np.ndarray, np.ndarray]:
+    from diffusers import AutoencoderKLWan
+
+    from wandistill.teacher.decode import decode_latents
+
+    vae_dir = Path(teacher) / "vae"
+    if not vae_dir.is_dir():
+        raise UsageError(
+            f"teacher {str(teacher)!r} has no vae/ folder", fix="pass the teacher folder"
+        )
+    vae = AutoencoderKLWan.from_pretrained(vae_dir, local_files_only=True).eval()
+    t_img = decode_latents(vae, torch.stack([r.final_latent for r in records]))
+    s_img = decode_latents(vae, torch.stack(finals))
+    scores = [min(image_psnr(s, t), 100.0) for s, t in zip(s_img, t_img, strict=True)]
+    result.image_psnr = float(np.mean(scores))
+    for row, x in zip(result.per_record, scores, strict=True):
+        row["image_psnr"] = x
+    return t_img, s_img
