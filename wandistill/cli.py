@@ -197,6 +197,146 @@ def precompute_cmd(
     )
 
 
+# --------------------------------------------------------------------------- train
+
+
+@app.command("train")
+def train_cmd(
+    recipe: RecipeArg = None,
+    cache: Annotated[str | None, typer.Option(help="Cache directory (precompute --out).")] = None,
+    out_dir: Annotated[str | None, typer.Option("--out", help="Run directory to write.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (train.steps).")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the newest checkpoint in --out.")
+    ] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", help="Train on a cache still being written.")
+    ] = False,
+    skip_corrupt: Annotated[
+        bool, typer.Option("--skip-corrupt", help="Skip (and count) unreadable records.")
+    ] = False,
+    overrides: SetOpt = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the resolved config and stop.")
+    ] = False,
+) -> None:
+    """Distil the cached teacher into a small student (alone or under torchrun)."""
+    from wandistill.config import load_recipe, to_dict
+
+    flags = {"cache": cache, "out": out_dir, "steps": steps}
+    sets = [*(overrides or []), *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v)]
+    cfg = load_recipe(recipe, sets, stage="train").train
+    if dry_run:
+        out.print_json(json.dumps(to_dict(cfg)))
+        return
+    from wandistill.train import run
+
+    r = run(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
+    if not r.is_main:
+        return
+    if r.corrupt:
+        err.print(f"skipped {len(r.corrupt)} corrupt sample(s):", highlight=False)
+        for line in r.corrupt[:20]:
+            err.print(f"  {line}", highlight=False)
+    out.print(
+        f"trained {r.steps} steps in {r.seconds:.1f} s; student: {r.student}, EMA: {r.student_ema}",
+        highlight=False,
+    )
+
+
+# --------------------------------------------------------------------------- eval / sample
+
+
+@app.command("eval")
+def eval_cmd(
+    cache: Annotated[Path, typer.Option(help="Cache with held-out records (or a separate one).")],
+    student: Annotated[Path, typer.Option(help="Student folder (<train out>/student).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Where eval.md/json and grid.png go.")],
+    teacher: Annotated[
+        Path | None, typer.Option(help="Teacher folder: adds VAE-decoded PSNR and images.")
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option(help="Student sampler steps (default: teacher's).")
+    ] = None,
+    split: Annotated[str, typer.Option(help="holdout (default) or all.")] = "holdout",
+    max_records: Annotated[int | None, typer.Option(help="Evaluate at most N records.")] = None,
+) -> None:
+    """Compare the student's samples with the teacher's cached final latents."""
+    from wandistill.eval.run import evaluate
+
+    if split not in ("holdout", "all"):
+        raise UsageError(f"--split {split!r} must be holdout or all")
+    result = evaluate(
+        cache, student, out_dir, teacher=teacher, steps=steps, split=split, max_records=max_records
+    )
+    out.print(result.table(), highlight=False)
+    out.print(f"wrote {out_dir / 'eval.md'}, {out_dir / 'eval.json'}, {result.grid}")
+
+
+@app.command("sample")
+def sample_cmd(
+    teacher: Annotated[Path, typer.Option(help="Teacher folder (text encoder, VAE, scheduler).")],
+    prompts: Annotated[Path, typer.Option(help="Prompt file (.txt or .jsonl).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Where the PNGs and grid.png go.")],
+    student: Annotated[
+        Path | None, typer.Option(help="Student folder; omit to sample the teacher.")
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Sampler steps.")] = 8,
+    height: Annotated[int, typer.Option()] = 32,
+    width: Annotated[int, typer.Option()] = 32,
+    num_frames: Annotated[int, typer.Option()] = 1,
+    guidance_scale: Annotated[float, typer.Option(help="Teacher only.")] = 5.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    max_sequence_length: Annotated[
+        int, typer.Option(help="Text padding length; use the cache's (512 for real Wan).")
+    ] = 512,
+    limit: Annotated[int, typer.Option(help="At most N prompts.")] = 16,
+) -> None:
+    """Generate images from prompts with the student (or the teacher, for comparison)."""
+    from wandistill.config import SamplerConfig
+    from wandistill.eval.sample import sample
+    from wandistill.precompute.prompts import read_prompts
+
+    SamplerConfig(height=height, width=width, num_frames=num_frames, num_inference_steps=steps)
+    items, _ = read_prompts(prompts)
+    paths = sample(
+        teacher,
+        [p.text for p in items[:limit]],
+        out_dir,
+        student=student,
+        steps=steps,
+        guidance_scale=guidance_scale,
+        max_sequence_length=max_sequence_length,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        seed=seed,
+    )
+    out.print(f"wrote {len(paths)} images and {out_dir / 'grid.png'}")
+
+
+@app.command("demo")
+def demo_cmd(
+    root: Annotated[Path, typer.Option(help="Folder for everything the demo makes.")] = Path(
+        "cache/demo"
+    ),
+    recipe: Annotated[Path, typer.Option(help="Recipe to run.")] = Path("pipelines/tiny.toml"),
+    overrides: SetOpt = None,
+) -> None:
+    """Tiny offline teacher -> precompute -> train -> eval; prints a table, writes PNGs."""
+    from wandistill.demo import run_demo
+
+    result = run_demo(root, recipe, overrides)
+    out.print()
+    out.print(result.eval.table(), highlight=False)
+    out.print(
+        f"\nteacher | student grid: {result.grid}\nloss curve: {result.loss_plot}\n"
+        f"student: {result.root / 'run' / 'student'} (loads with "
+        "WanTransformer3DModel.from_pretrained)",
+        highlight=False,
+    )
+
+
 # --------------------------------------------------------------------------- entry point
 
 
