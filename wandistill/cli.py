@@ -16,6 +16,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from wandistill import __version__
@@ -140,7 +141,7 @@ def cache_verify(path: Annotated[Path, typer.Argument(help="Cache directory.")])
         n, shards = len(store), len(store.entries)
     if problems:
         for p in problems:
-            err.print(f"[red]BAD[/red] {p}", highlight=False, soft_wrap=True)
+            err.print(f"[red]BAD[/red] {escape(p)}", highlight=False, soft_wrap=True)
         err.print(f"{len(problems)} problem(s) in cache {path}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     out.print(f"OK: {n} records in {shards} shards of {path} verified", highlight=False)
@@ -337,13 +338,77 @@ def demo_cmd(
     )
 
 
+# --------------------------------------------------------------------------- plan
+
+
+@app.command("plan")
+def plan_cmd(
+    recipe: RecipeArg = None,
+    teacher: Annotated[
+        str | None, typer.Option(help="Local diffusers Wan folder (sizes from its headers).")
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config", help="Published teacher, no weights: wan2.1-1.3b, wan2.1-14b, wan2.2-a14b."
+        ),
+    ] = None,
+    placement: Annotated[str | None, typer.Option(help="Placement to check.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="fp32, fp16 or bf16.")] = None,
+    overrides: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Memory each placement needs per phase and device here, what fits, and auto's pick."""
+    from wandistill.config import load_recipe
+    from wandistill.teacher.placement import check_placement
+    from wandistill.teacher.plan import (
+        Inventory,
+        SamplerSizes,
+        config_folder,
+        dtype_from_name,
+        make_plan,
+        render_plan,
+    )
+
+    if teacher and config:
+        raise UsageError("--teacher and --config both given", fix="pass one of them")
+    flags = {"teacher.path": teacher, "teacher.placement": placement, "teacher.dtype": dtype}
+    sets = [*(overrides or []), *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v)]
+    cfg = load_recipe(recipe, sets, stage="precompute").precompute
+    if config is None and not cfg.teacher.path:
+        raise UsageError(
+            "no teacher to plan",
+            fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
+        )
+    source = config_folder(config) if config else Path(cfg.teacher.path)
+    inventory = Inventory.detect(cfg.teacher.offload_folder or cfg.cache.path)
+    plan = make_plan(
+        config or source,
+        dtype=dtype_from_name(cfg.teacher.dtype),
+        sizes=SamplerSizes.from_config(cfg),
+        inventory=inventory,
+        placement=cfg.teacher.placement,
+        group_offload_level=cfg.teacher.group_offload_level,
+        max_memory=cfg.teacher.max_memory or None,
+    )
+    if as_json:
+        out.print_json(json.dumps(plan.to_json()))
+        return
+    for renderable in render_plan(plan):
+        out.print(renderable)
+    try:
+        check_placement(cfg.teacher.placement, gpus=len(inventory.gpus))
+    except UsageError as e:
+        err.print(f"[yellow]requested placement:[/yellow] {e.message}", highlight=False)
+
+
 # --------------------------------------------------------------------------- entry point
 
 
 def _fail(message: str, code: int, fix: str | None = None) -> None:
-    err.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
     if fix:
-        err.print(f"  [bold]fix:[/bold] {fix}", highlight=False, soft_wrap=True)
+        err.print(f"  [bold]fix:[/bold] {escape(fix)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 

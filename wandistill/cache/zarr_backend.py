@@ -99,8 +99,13 @@ _WRITE_CONFIG: dict[str, Any] = {"write_empty_chunks": True}
 exists and holds every row it wrote (verify relies on it). Not persisted by zarr."""
 
 _NP_DTYPES = {
-    "float32": np.float32, "float16": np.float16, "float64": np.float64,
-    "int64": np.int64, "int32": np.int32, "uint8": np.uint8, "bfloat16": np.uint16,
+    "float32": np.float32,
+    "float16": np.float16,
+    "float64": np.float64,
+    "int64": np.int64,
+    "int32": np.int32,
+    "uint8": np.uint8,
+    "bfloat16": np.uint16,
 }
 
 
@@ -286,8 +291,14 @@ class ZarrSink:
         return group
 
     def _require(
-        self, group: Any, path: str, item: tuple[int, ...], dtype: str, chunks: tuple[int, ...],
-        shards: tuple[int, ...], fill: Any,
+        self,
+        group: Any,
+        path: str,
+        item: tuple[int, ...],
+        dtype: str,
+        chunks: tuple[int, ...],
+        shards: tuple[int, ...],
+        fill: Any,
     ) -> Any:
         """Open array `path`, re-reading its metadata, or create it with zero rows."""
         np_dtype = np.dtype(_NP_DTYPES[dtype])
@@ -346,8 +357,13 @@ class ZarrSink:
             for name, vals in self._ragged.items():
                 width = next(v for v in vals if v is not None).shape[1]
                 values = self._require(
-                    group, f"{name}/values", (width,), self._dtypes[name],
-                    (tchunk, max(1, width)), (tblock, max(1, width)), 0,
+                    group,
+                    f"{name}/values",
+                    (width,),
+                    self._dtypes[name],
+                    (tchunk, max(1, width)),
+                    (tblock, max(1, width)),
+                    0,
                 )
                 offsets = self._require(
                     group, f"{name}/offsets", (2,), "int64", (block, 2), (block, 2), -1
@@ -595,4 +611,3 @@ class ZarrSource:
             self._arrays.clear()
             self._offsets.clear()
             self._group = None
-

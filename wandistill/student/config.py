@@ -22,7 +22,7 @@ SIZE_KEYS = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim
 
 @cache
 def init_params() -> frozenset[str]:
-    """Names WanTransformer3DModel.__init__ accepts (teacher configs also carry `_class_name`...)."""
+    """Keys WanTransformer3DModel.__init__ takes (teacher configs also carry `_class_name`)."""
     from diffusers import WanTransformer3DModel
 
     return frozenset(inspect.signature(WanTransformer3DModel.__init__).parameters) - {"self"}
@@ -128,4 +128,3 @@ def describe(config: dict[str, Any]) -> str:
         f"({config['num_attention_heads']} heads x {config['attention_head_dim']}), "
         f"ffn {config['ffn_dim']}, patch {tuple(config.get('patch_size', (1, 2, 2)))}"
     )
-

@@ -32,7 +32,11 @@ class DistillModule(nn.Module):
     """Student + feature projections; `forward` returns (prediction, projected features)."""
 
     def __init__(
-        self, student: nn.Module, feature_map: dict[str, str], student_width: int, teacher_width: int
+        self,
+        student: nn.Module,
+        feature_map: dict[str, str],
+        student_width: int,
+        teacher_width: int,
     ) -> None:
         super().__init__()
         self.student = student
@@ -77,9 +81,7 @@ class DistillModule(nn.Module):
             )
         finally:
             self._capturing = False
-        feats = {
-            t: self.projections[_key(t)](self._taken[s]) for t, s in self.feature_map.items()
-        }
+        feats = {t: self.projections[_key(t)](self._taken[s]) for t, s in self.feature_map.items()}
         self._taken = {}
         return pred, feats
 

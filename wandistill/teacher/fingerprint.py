@@ -54,7 +54,8 @@ def teacher_fingerprint(path: str | Path) -> dict[str, Any]:
         if name.startswith("_") or not isinstance(spec, list) or not sub.is_dir():
             continue
         files = sorted(
-            p for p in sub.rglob("*")
+            p
+            for p in sub.rglob("*")
             if p.is_file() and (p.suffix == ".safetensors" or p.suffix in _CONFIG_SUFFIXES)
         )
         components[name] = {str(p.relative_to(sub)): _file_digest(p) for p in files}

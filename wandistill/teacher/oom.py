@@ -1,0 +1,141 @@
+"""Out-of-memory errors that say where, how much, and what to try next.
+
+A bare `torch.OutOfMemoryError` tells a user that one allocation failed; it does not say which
+placement was in use or what would fit instead. `oom_guard` turns any out-of-memory failure
+(CUDA `torch.OutOfMemoryError`, CPU `MemoryError`, or the allocator's RuntimeError "not enough
+memory") into a `WandistillError` (exit 1, no traceback) naming the device, its allocated /
+reserved / total / free figures (torch.cuda on GPUs, /proc/meminfo on the CPU, no psutil), the
+strategy, and the next strategies to try as exact flags, in the order that frees the most
+accelerator memory for the least speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from wandistill.errors import WandistillError
+from wandistill.teacher.plan import GiB, read_meminfo
+
+__all__ = ["is_oom", "memory_figures", "next_strategies", "oom_error", "oom_guard"]
+
+_OOM_TEXT = (
+    "out of memory",
+    "not enough memory",
+    "can't allocate memory",
+    "cannot allocate memory",
+)
+_LEAF = "--placement group-offload --set precompute.teacher.group_offload_level=leaf_level"
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for CUDA OOM, Python MemoryError and the CPU allocator's "not enough memory"."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc).lower()
+        return any(t in text for t in _OOM_TEXT)
+    return False
+
+
+def _oom_device(exc: BaseException, device: torch.device) -> torch.device:
+    """The device that ran out: CUDA errors name their GPU; CPU allocator failures are the CPU."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        m = re.search(r"GPU (\d+)", str(exc))
+        return torch.device("cuda", int(m.group(1))) if m else device
+    if isinstance(exc, MemoryError) or "cpu" in str(exc).lower():
+        return torch.device("cpu")
+    return device
+
+
+def _process_rss() -> int:
+    """Resident memory of this process (VmRSS), 0 where /proc is missing."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_figures(device: torch.device) -> str:
+    """ "allocated X GiB, reserved Y GiB, total Z GiB, free W GiB" for a GPU or the CPU."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            free, total = torch.cuda.mem_get_info(index)
+            alloc = torch.cuda.memory_allocated(index)
+            reserved = torch.cuda.memory_reserved(index)
+        except RuntimeError:  # a broken context; say so rather than fail while reporting
+            return "memory figures unavailable"
+        return (
+            f"allocated {alloc / GiB:.2f} GiB, reserved {reserved / GiB:.2f} GiB, "
+            f"total {total / GiB:.2f} GiB, free {free / GiB:.2f} GiB"
+        )
+    info = read_meminfo()
+    total, free = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+    return (
+        f"process resident {_process_rss() / GiB:.2f} GiB, total {total / GiB:.2f} GiB, "
+        f"available {free / GiB:.2f} GiB"
+    )
+
+
+_MODEL = "--placement model-offload"
+_GROUP = "--placement group-offload"
+_DISK = "--placement disk-offload"
+_AFTER: dict[str, list[str]] = {
+    "model-offload": [_GROUP, _LEAF, _DISK],
+    "group-offload": [_LEAF, _DISK],
+    "group-offload (leaf_level)": [_DISK],
+    "disk-offload": [],
+}
+
+
+def next_strategies(strategy: str, device: torch.device) -> list[str]:
+    """Flags to try after `strategy` ran out of memory on `device`, most promising first."""
+    if device.type == "cpu":
+        # CPU RAM ran out: offloading to the CPU makes it worse; only the disk relieves it.
+        return [] if strategy == "disk-offload" else [_DISK]
+    if strategy == "gpu0" or strategy.startswith("cuda"):
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return (["--placement balanced"] if gpus > 1 else []) + [_MODEL, _GROUP, _DISK]
+    # balanced / sequential / balanced_low_0 / a device-map file spread weights already: stream.
+    return _AFTER.get(strategy, [_GROUP, _LEAF, _DISK])
+
+
+def oom_error(
+    exc: BaseException,
+    *,
+    device: torch.device | str,
+    strategy: str,
+    component: str | None = None,
+) -> WandistillError:
+    """The `WandistillError` to raise for out-of-memory `exc` (see the module docstring).
+
+    `strategy` is the placement in use ("group-offload (leaf_level)" for leaf-level groups).
+    """
+    where = _oom_device(exc, torch.device(device))
+    what = f" running {component}" if component else ""
+    message = f"out of memory on {where}{what} with placement {strategy!r}: {memory_figures(where)}"
+    steps = next_strategies(strategy, where)
+    smaller = "lower sampler.batch_size, height/width or num_frames"
+    fix = f"try {', then '.join(steps)}; or {smaller}" if steps else smaller
+    if where.type == "cpu":
+        fix += "; or use a machine with more RAM"
+    return WandistillError(message, fix=fix)
+
+
+@contextlib.contextmanager
+def oom_guard(
+    device: torch.device | str, strategy: str, *, component: str | None = None
+) -> Iterator[None]:
+    """Run a block; turn an out-of-memory failure inside it into `oom_error(...)`."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        if not is_oom(e):
+            raise
+        raise oom_error(e, device=device, strategy=strategy, component=component) from e

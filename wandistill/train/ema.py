@@ -1,0 +1,37 @@
+"""Exponential moving average of the student's weights (fp32, on the training device)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class EMA:
+    """`shadow = decay * shadow + (1 - decay) * weights`, after every optimizer step."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.names = [n for n, p in model.named_parameters()]
+        self.shadow = [p.detach().float().clone() for p in model.parameters()]
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        current = [p.detach().float() for p in model.parameters()]
+        torch._foreach_lerp_(self.shadow, current, 1.0 - self.decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.shadow, strict=True))
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.names if n not in state]
+        if missing:
+            raise KeyError(f"EMA state lacks {missing[:3]}")
+        for name, t in zip(self.names, self.shadow, strict=True):
+            t.copy_(state[name])
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module) -> None:
+        """Write the averaged weights into `model` (a copy of the student)."""
+        for p, t in zip(model.parameters(), self.shadow, strict=True):
+            p.copy_(t)

@@ -1,0 +1,58 @@
+"""The run's result: `save_pretrained` folders that diffusers loads directly.
+
+`<out>/student/` holds the trained weights and `<out>/student_ema/` their EMA, each a diffusers
+`WanTransformer3DModel` folder (config.json + diffusion_pytorch_model.safetensors), so
+`WanTransformer3DModel.from_pretrained(out / "student")` loads it and
+`WanPipeline.from_pretrained(teacher, transformer=student)` samples with it. Each folder is
+written under a temp name and swapped into place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from wandistill.dist import DistInfo, barrier
+from wandistill.fsutil import fsync_dir, make_temp_dir, publish
+from wandistill.train.ema import EMA
+
+STUDENT = "student"
+STUDENT_EMA = "student_ema"
+
+
+def _save_folder(model: nn.Module, final: Path) -> None:
+    tmp = make_temp_dir(final.parent, final.name)
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        if final.exists():  # park the old result, swap, then delete it
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, old)
+            publish(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@torch.no_grad()
+def export_pretrained(student: nn.Module, ema: EMA, out: Path, info: DistInfo) -> tuple[Path, Path]:
+    """Rank 0 writes student/ then student_ema/ (the student's weights are replaced by the EMA
+    for the second save: training is over, and no second copy of the model is needed)."""
+    paths = (out / STUDENT, out / STUDENT_EMA)
+    if info.is_main:
+        _save_folder(student, paths[0])
+        ema.copy_to(student)
+        _save_folder(student, paths[1])
+    barrier(info)
+    return paths

@@ -1,0 +1,552 @@
+"""`wandistill train`: distil the cached teacher into a small student. Read top to bottom.
+
+    run(cfg) = validate (manifest + recipe only, no device work) -> dist.init -> setup -> fit
+               -> export (save_pretrained of the student and its EMA)
+
+The loop needs the cache and the recipe, nothing else: it never imports `wandistill.teacher`,
+never opens the teacher's folder (except `student.init_from_teacher`, which reads the chosen
+tensors lazily with safetensors), and works with the teacher deleted. One step = `grad_accum`
+micro-batches per rank; DDP syncs gradients on the last one only (`no_sync` on the others), so
+N ranks x accumulation A trains the same as 1 rank x accumulation N*A up to float reordering.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import inspect
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from wandistill import dist
+from wandistill.cache.manifest import Manifest, load_committed, manifest_path
+from wandistill.cache.reader import CacheStore
+from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader
+from wandistill.config import TrainConfig, to_dict
+from wandistill.errors import CacheError, UsageError, WandistillError
+from wandistill.fsutil import atomic_write_json
+from wandistill.progress import Progress
+from wandistill.student.config import (
+    check_against_cache,
+    describe,
+    resolve_student_config,
+    width,
+)
+from wandistill.student.init import init_from_teacher
+from wandistill.student.losses import SigmaTable, distill_losses
+from wandistill.student.model import DistillModule, build_student
+from wandistill.train import checkpoint as ckpt_io
+from wandistill.train.ema import EMA
+from wandistill.train.export import export_pretrained
+from wandistill.train.failures import (
+    collective_error,
+    injected_failure,
+    is_collective_failure,
+    is_oom,
+    oom_error,
+)
+from wandistill.train.metrics import MetricsLog, peak_memory, truncate_after
+from wandistill.train.optim import build_optimizer, build_scheduler
+
+console = Console(stderr=True, highlight=False)
+NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}  # torch >= 2.13 name
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What validation resolved from the recipe and the cache manifest."""
+
+    cache: Path
+    out: Path
+    manifest: Manifest
+    student_config: dict[str, Any]
+    teacher_width: int
+    fields: list[str]
+
+
+@dataclass(slots=True)
+class Trainer:
+    """Everything `setup` builds and `fit` uses."""
+
+    cfg: TrainConfig
+    info: dist.DistInfo
+    plan: Plan
+    model: DistillModule
+    ddp: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: EMA
+    reader: TrainingReader
+    sigmas: SigmaTable
+    metrics: MetricsLog
+    start_step: int
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    out: Path
+    steps: int
+    """Optimizer steps done when the run ended (== cfg.steps unless --follow ran out of data)."""
+    student: Path
+    student_ema: Path
+    seconds: float
+    corrupt: list[str] = field(default_factory=list)
+    is_main: bool = True
+
+
+# --------------------------------------------------------------------------- run
+
+
+def run(
+    cfg: TrainConfig, *, resume: bool = False, follow: bool = False, skip_corrupt: bool = False
+) -> TrainResult:
+    """Train a student on `cfg.cache` into `cfg.out`; under torchrun, one call per rank."""
+    if follow:
+        wait_for_manifest(cfg)
+    plan = validate(cfg, resume=resume)
+    info = dist.init(cfg.device)
+    started = time.perf_counter()
+    trainer: Trainer | None = None
+    ok = False
+    try:
+        trainer = setup(cfg, plan, info, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
+        steps = fit(trainer)
+        student, ema = export_pretrained(trainer.model.student, trainer.ema, plan.out, info)
+        corrupt = gather_corrupt(trainer)
+        trainer.metrics.write({"event": "end", "step": steps, "corrupt": len(corrupt)})
+        ok = True
+    except Exception as e:
+        friendly = explain_failure(e, cfg, info, trainer)
+        if friendly is None:
+            raise
+        raise friendly from e
+    finally:
+        if trainer is not None:
+            trainer.metrics.close()
+            # Drop DDP before the process group: a Reducer destroyed later, with the GIL held,
+            # can deadlock against gloo's worker threads (seen with torch 2.13 at exit).
+            trainer.ddp = trainer.model
+        if ok or info.backend == "gloo":  # nccl error path: exit at once, never wait on peers
+            dist.cleanup()
+    return TrainResult(
+        out=plan.out,
+        steps=steps,
+        student=student,
+        student_ema=ema,
+        seconds=time.perf_counter() - started,
+        corrupt=corrupt,
+        is_main=info.is_main,
+    )
+
+
+def wait_for_manifest(cfg: TrainConfig) -> None:
+    """--follow may start before precompute has created the cache: wait for its manifest."""
+    path = manifest_path(cfg.cache) if cfg.cache else None
+    start = time.monotonic()
+    told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
+    while path is not None and not path.is_file():
+        if not told:
+            console.print(f"train: waiting for {path} (has precompute started?)")
+            told = True
+        if cfg.follow_timeout and time.monotonic() - start > cfg.follow_timeout:
+            raise CacheError(
+                f"--follow: {str(path)!r} did not appear within {cfg.follow_timeout:.0f} s",
+                fix="start `wandistill precompute` with --out pointing at this cache",
+            )
+        time.sleep(cfg.follow_poll_interval)
+
+
+def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
+    """Every check that needs only the recipe and the manifest, all problems in one error."""
+    if not cfg.cache:
+        raise UsageError("train needs a cache", fix="pass --cache DIR (or set train.cache)")
+    if not cfg.out:
+        raise UsageError("train needs an output directory", fix="pass --out DIR (or train.out)")
+    manifest = load_committed(cfg.cache)
+    tconf = manifest.teacher.get("transformer_config") or {}
+    student_config = resolve_student_config(cfg.student, tconf, manifest.dims)
+    problems = check_against_cache(student_config, manifest.dims, cfg.cache)
+    cached = {f["name"] for f in manifest.fields}
+    fields = list(DEFAULT_FIELDS)
+    if cfg.loss.final_latent > 0:
+        fields.append("final_latent")
+    if cfg.loss.feature > 0:
+        recorded = sorted(n.removeprefix("feature.") for n in cached if n.startswith("feature."))
+        for name in cfg.loss.feature_map:
+            if f"feature.{name}" not in cached:
+                problems.append(
+                    f"loss.feature_map names teacher feature {name!r}, but the cache recorded "
+                    f"{recorded or 'no features'}; add it to precompute.sampler.features or "
+                    "drop it from feature_map"
+                )
+            fields.append(f"feature.{name}")
+    out = Path(cfg.out)
+    if not resume and ckpt_io.resolve_latest(out / "checkpoints") is not None:
+        problems.append(
+            f"--out {cfg.out!r} holds checkpoints of an earlier run; pass --resume to continue "
+            "it, or choose a new --out"
+        )
+    if problems:
+        raise UsageError("; ".join(problems))
+    teacher_width = width(tconf) if tconf else width(student_config)
+    return Plan(Path(cfg.cache), out, manifest, student_config, teacher_width, fields)
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def setup(
+    cfg: TrainConfig,
+    plan: Plan,
+    info: dist.DistInfo,
+    *,
+    resume: bool,
+    follow: bool,
+    skip_corrupt: bool,
+) -> Trainer:
+    plan.out.mkdir(parents=True, exist_ok=True)
+    student = build_student(plan.student_config, seed=cfg.seed)
+    if cfg.student.init_from_teacher.path:
+        init_from_teacher(student, cfg.student.init_from_teacher)
+    if cfg.gradient_checkpointing:
+        student.enable_gradient_checkpointing()
+    feature_map = cfg.loss.feature_map if cfg.loss.feature > 0 else {}
+    model = DistillModule(student, feature_map, width(plan.student_config), plan.teacher_width)
+    model.to(info.device).train()
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
+    ema = EMA(model.student, cfg.optim.ema_decay)
+
+    store = CacheStore(plan.cache)
+    reader = TrainingReader(
+        store,
+        batch_size=cfg.batch_size,
+        rank=info.rank,
+        world_size=info.world_size,
+        seed=cfg.seed,
+        fields=plan.fields,
+        follow=follow,
+        poll_interval=cfg.follow_poll_interval,
+        follow_timeout=cfg.follow_timeout or None,
+        sync=dist.follow_sync(info) if follow and info.distributed else None,
+        num_threads=cfg.data_threads,
+        skip_corrupt=skip_corrupt,
+    )
+    meta = {
+        "student_config": plan.student_config,
+        "teacher_fingerprint": plan.manifest.teacher.get("fingerprint"),
+        "world_size": info.world_size,
+        "batch_size": cfg.batch_size,
+        "grad_accum": cfg.grad_accum,
+    }
+    start = restore(plan, info, meta, model, ema, optimizer, scheduler, reader) if resume else 0
+    trainer = Trainer(
+        cfg=cfg,
+        info=info,
+        plan=plan,
+        model=model,
+        ddp=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ema=ema,
+        reader=reader,
+        sigmas=SigmaTable.from_cache(store.manifest.settings, store.read_shared()),
+        metrics=MetricsLog(plan.out, enabled=False, tensorboard=False),
+        start_step=start,
+        meta=meta,
+    )
+    if info.distributed:  # after restore: DDP broadcasts rank 0's (restored) weights
+        trainer.ddp = DistributedDataParallel(
+            model,
+            device_ids=[info.device.index] if info.device.type == "cuda" else None,
+            **NO_BUFFER_SYNC,  # the only buffers are RoPE tables, equal on every rank
+        )
+    trainer.metrics = MetricsLog(plan.out, enabled=info.is_main, tensorboard=cfg.tensorboard)
+    if info.is_main:
+        atomic_write_json(
+            plan.out / "config.json",
+            {"train": to_dict(cfg), "student_config": plan.student_config, **meta},
+        )
+        announce(trainer, store, follow)
+    return trainer
+
+
+def restore(
+    plan: Plan,
+    info: dist.DistInfo,
+    meta: dict[str, Any],
+    model: DistillModule,
+    ema: EMA,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    reader: TrainingReader,
+) -> int:
+    """Load the newest checkpoint (rank 0 picks it, every rank reads it); return its step."""
+    root = plan.out / "checkpoints"
+    latest = ckpt_io.resolve_latest(root)
+    name = dist.broadcast_json(info, latest.name if latest else None)
+    if name is None:
+        if info.is_main:
+            console.print(f"train: no checkpoint in {root}, starting at step 0")
+        return 0
+    ck = ckpt_io.load_checkpoint(root / name)
+    saved = ck.state.get("meta", {})
+    if saved.get("student_config") != meta["student_config"]:
+        raise UsageError(
+            f"checkpoint {str(root / name)!r} holds a student with another config",
+            fix="resume with the recipe it was trained with, or choose a new --out",
+        )
+    if saved.get("teacher_fingerprint") != meta["teacher_fingerprint"]:
+        raise UsageError(
+            f"checkpoint {str(root / name)!r} was trained on a cache of another teacher",
+            fix="resume with the same --cache, or choose a new --out",
+        )
+    model.student.load_state_dict(ck.student)
+    model.projections.load_state_dict(
+        {k.removeprefix("projections."): v for k, v in ck.projections.items()}
+    )
+    ema.load_state_dict(ck.ema)
+    optimizer.load_state_dict(ck.optimizer)
+    scheduler.load_state_dict(ck.state["scheduler"])
+    reader.load_state_dict(ck.state["reader"])
+    set_rng(ck.rng, info)
+    if info.is_main:
+        truncate_after(plan.out, ck.step)
+        console.print(f"train: resumed from {root / name} at step {ck.step}")
+    return ck.step
+
+
+def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
+    cfg, info = t.cfg, t.info
+    n_params = sum(p.numel() for p in t.model.student.parameters())
+    global_batch = cfg.batch_size * cfg.grad_accum * info.world_size
+    state = "complete" if store.complete else "still being written"
+    console.print(
+        f"train: student {describe(t.plan.student_config)}, {n_params / 1e6:.2f}M params; "
+        f"{info.world_size} rank(s) on {info.device.type} x batch {cfg.batch_size} x accum "
+        f"{cfg.grad_accum} = {global_batch} samples/step; cache {t.plan.cache} "
+        f"({len(store)} records, {state})"
+    )
+    if not store.complete and not follow:
+        console.print(
+            "[yellow]train: the cache is not complete; training on the records committed so "
+            "far (pass --follow to wait for more)[/yellow]"
+        )
+
+
+# --------------------------------------------------------------------------- fit
+
+
+def fit(t: Trainer) -> int:
+    """The loop: accumulate, clip, step, EMA, log, checkpoint. Returns the steps done."""
+    cfg, info = t.cfg, t.info
+    samples_per_step = cfg.batch_size * cfg.grad_accum * info.world_size
+    batches = iter(t.reader)
+    step = saved = t.start_step
+    window = Window()
+    shown: dict[str, float] = {}
+    t.metrics.write({"event": "start", "step": step, "world_size": info.world_size})
+    with Progress(total=cfg.steps, description="train", enabled=info.is_main, unit="step") as bar:
+        bar.advance(step)
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            wait = 0.0
+            terms: dict[str, torch.Tensor] = {}
+            batch: dict[str, Any] | None = None
+            for micro in range(cfg.grad_accum):
+                w0 = time.perf_counter()
+                batch = next(batches, None)
+                wait += time.perf_counter() - w0
+                if batch is None:
+                    break
+                last = micro == cfg.grad_accum - 1
+                no_sync = info.distributed and not last
+                with t.ddp.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
+                    losses = forward(t, batch)
+                    (losses["loss"] / cfg.grad_accum).backward()
+                for k, v in losses.items():
+                    terms[k] = terms.get(k, 0.0) + v.detach() / cfg.grad_accum
+            if batch is None:  # --follow: the cache is complete and every batch is used
+                t.optimizer.zero_grad(set_to_none=True)
+                if info.is_main:
+                    console.print(f"train: the cache is complete and exhausted at step {step}")
+                break
+            lr = t.optimizer.param_groups[0]["lr"]
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                t.model.parameters(), cfg.optim.grad_clip or float("inf")
+            )
+            t.optimizer.step()
+            t.scheduler.step()
+            t.optimizer.zero_grad(set_to_none=True)
+            t.ema.update(t.model.student)
+            step += 1
+            injected_failure(info.rank, step)
+
+            window.add(terms, grad_norm, lr, time.perf_counter() - t0, wait)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                shown = log_window(t, step, window, samples_per_step)
+            bar.advance(1, **shown)
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                save(t, step)
+                saved = step
+    if step != saved:
+        if window.steps:
+            log_window(t, step, window, samples_per_step)
+        save(t, step)
+    return step
+
+
+def forward(t: Trainer, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One micro-batch through the student; every loss term, in fp32."""
+    dev = t.info.device
+    on = {k: v.to(dev, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=t.cfg.mixed_precision == "bf16"):
+        pred, feats = t.ddp(on["xt"].float(), on["timesteps"].float(), on["prompt_embeds"].float())
+    sigma = t.sigmas(on["step_slot"], on["timesteps"]) if t.cfg.loss.final_latent > 0 else None
+    return distill_losses(pred, feats, on, t.cfg.loss, sigma)
+
+
+# --------------------------------------------------------------------------- logging
+
+
+@dataclass(slots=True)
+class Window:
+    """Sums over the steps since the last metrics row."""
+
+    steps: int = 0
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_norm: float | torch.Tensor = 0.0
+    lr: float = 0.0
+    seconds: float = 0.0
+    wait: float = 0.0
+
+    def add(
+        self,
+        terms: dict[str, torch.Tensor],
+        grad_norm: torch.Tensor,
+        lr: float,
+        seconds: float,
+        wait: float,
+    ) -> None:
+        self.steps += 1
+        for k, v in terms.items():
+            self.terms[k] = self.terms.get(k, 0.0) + v
+        self.grad_norm = self.grad_norm + grad_norm
+        self.lr, self.seconds, self.wait = lr, self.seconds + seconds, self.wait + wait
+
+
+def log_window(t: Trainer, step: int, w: Window, samples_per_step: int) -> dict[str, float]:
+    """Average the window over ranks (a collective: every rank calls it), write one row."""
+    local = {
+        "terms": {k: float(v) / w.steps for k, v in w.terms.items()},
+        "seconds": w.seconds,
+        "wait": w.wait,
+        "corrupt": len(t.reader.corrupt),
+        **peak_memory(t.info.device),
+    }
+    views = dist.all_gather_json(t.info, local)
+    seconds = max(v["seconds"] for v in views)
+    row: dict[str, Any] = {"step": step, "epoch": t.reader.epoch}
+    for k in local["terms"]:
+        mean = sum(v["terms"][k] for v in views) / len(views)
+        row["loss" if k == "loss" else f"loss_{k}"] = mean
+    row |= {
+        "lr": w.lr,
+        "grad_norm": float(w.grad_norm) / w.steps,
+        "samples_per_s": samples_per_step * w.steps / max(seconds, 1e-9),
+        "step_time_s": seconds / w.steps,
+        "data_wait_frac": max(v["wait"] / max(v["seconds"], 1e-9) for v in views),
+        "peak_mem_bytes": max(v["peak_mem_bytes"] for v in views),
+        "peak_rss_bytes": max(v["peak_rss_bytes"] for v in views),
+        "corrupt": sum(v["corrupt"] for v in views),
+    }
+    t.metrics.write(row)
+    w.steps, w.terms, w.grad_norm, w.seconds, w.wait = 0, {}, 0.0, 0.0, 0.0
+    return {
+        "loss": row["loss"],
+        "samples/s": row["samples_per_s"],
+        "data_wait": row["data_wait_frac"],
+    }
+
+
+def gather_corrupt(t: Trainer) -> list[str]:
+    """Every rank's skipped records (reported once, by rank 0)."""
+    return [m for view in dist.all_gather_json(t.info, t.reader.corrupt) for m in view]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def rng_states(info: dist.DistInfo) -> dict[str, torch.Tensor]:
+    """Every rank's torch RNG states, gathered to all ranks as uint8 tensors."""
+    mine = {"cpu": torch.get_rng_state()}
+    if info.device.type == "cuda":
+        mine["cuda"] = torch.cuda.get_rng_state(info.device)
+    encoded = {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in mine.items()}
+    out: dict[str, torch.Tensor] = {}
+    for rank, view in enumerate(dist.all_gather_json(info, encoded)):
+        for k, text in view.items():
+            raw = bytearray(base64.b64decode(text))
+            out[f"rank{rank}.{k}"] = torch.frombuffer(raw, dtype=torch.uint8).clone()
+    return out
+
+
+def set_rng(states: dict[str, torch.Tensor], info: dist.DistInfo) -> None:
+    rank = info.rank if f"rank{info.rank}.cpu" in states else 0
+    torch.set_rng_state(states[f"rank{rank}.cpu"])
+    if info.device.type == "cuda" and f"rank{rank}.cuda" in states:
+        torch.cuda.set_rng_state(states[f"rank{rank}.cuda"], info.device)
+
+
+def save(t: Trainer, step: int) -> None:
+    rng = rng_states(t.info)  # a collective: every rank takes part
+    if not t.info.is_main:
+        return
+    ckpt_io.save_checkpoint(
+        t.plan.out / "checkpoints",
+        ckpt_io.Checkpoint(
+            step=step,
+            student=t.model.student.state_dict(),
+            ema=t.ema.state_dict(),
+            projections=t.model.projection_state(),
+            optimizer=t.optimizer.state_dict(),
+            rng=rng,
+            state={
+                "step": step,
+                "scheduler": t.scheduler.state_dict(),
+                "reader": t.reader.state_dict(),
+                "meta": t.meta,
+            },
+        ),
+        keep=t.cfg.keep_checkpoints,
+    )
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def explain_failure(
+    e: Exception, cfg: TrainConfig, info: dist.DistInfo, t: Trainer | None
+) -> WandistillError | None:
+    """OOM and lost peers become one clear error; anything else keeps its traceback."""
+    if isinstance(e, WandistillError):
+        return None
+    if is_oom(e):
+        n = sum(p.numel() for p in t.model.student.parameters()) if t is not None else 0
+        return oom_error(cfg, info, n, e)
+    if info.distributed and is_collective_failure(e):
+        return collective_error(info, e)
+    return None

@@ -1,0 +1,89 @@
+"""Metrics: one JSON object per line in `<out>/metrics.jsonl` (and TensorBoard when installed).
+
+Rows written every `log_every` steps hold `step`, `loss` and each term as `loss_<term>` (averaged
+over the log window and over ranks), `lr`, `grad_norm`, `samples_per_s` (global), `step_time_s`,
+`data_wait_frac` (share of step time spent waiting for the reader, max over ranks),
+`peak_mem_bytes` (CUDA max allocated, max over ranks; 0 on CPU), `peak_rss_bytes`, `corrupt`
+(records skipped so far) and `epoch`. The first row of a run has `"event": "start"`, the last
+`"event": "end"`. A bench reads these figures from this file.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wandistill.fsutil import atomic_write_bytes
+
+METRICS = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Append-only JSONL on the main rank; a no-op elsewhere."""
+
+    def __init__(self, out: Path, *, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.path = out / METRICS
+        self._file = open(self.path, "a", encoding="utf-8") if enabled else None  # noqa: SIM115
+        self._tb: Any = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self._tb = None
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        self._file.write(json.dumps({**row, "time": round(time.time(), 3)}) + "\n")
+        self._file.flush()
+        if self._tb is not None and "step" in row:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def truncate_after(out: Path, step: int) -> None:
+    """On resume: drop rows a killed run logged after the checkpoint it resumes from."""
+    path = out / METRICS
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a half-written last line
+        if row.get("step", 0) <= step and row.get("event") != "end":
+            kept.append(line)
+    atomic_write_bytes(path, "".join(k + "\n" for k in kept).encode())
+
+
+def read_metrics(out: str | Path) -> list[dict[str, Any]]:
+    """Every row of a run's metrics.jsonl (for benches and tests)."""
+    path = Path(out) / METRICS
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """Peak accelerator memory (CUDA max allocated) and peak host RSS of this process, in bytes."""
+    gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024
+    return {"peak_mem_bytes": int(gpu), "peak_rss_bytes": int(rss_bytes)}
