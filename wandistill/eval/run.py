@@ -207,6 +207,19 @@ def _upscale(img: np.ndarray, height: int) -> np.ndarray:
     return np.asarray(Image.fromarray(img).resize((w * scale, h * scale), Image.Resampling.NEAREST))
 
 
+def _stretch(teacher_u8: np.ndarray, student_u8: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Contrast-stretch both images by the teacher's range so small differences show (a random
+    tiny VAE decodes to nearly flat colour); the metrics use the raw pixels."""
+    axes = tuple(range(teacher_u8.ndim - 1))  # per colour channel
+    lo = teacher_u8.min(axis=axes).astype(np.float64)
+    scale = 255.0 / np.maximum(teacher_u8.max(axis=axes) - lo, 1.0)
+
+    def f(x: np.ndarray) -> np.ndarray:
+        return np.clip((x.astype(np.float64) - lo) * scale, 0, 255).round().astype(np.uint8)
+
+    return f(teacher_u8), f(student_u8)
+
+
 def write_grid(
     records: list[Record],
     finals: list[torch.Tensor],
@@ -224,10 +237,8 @@ def write_grid(
     for i, (rec, fin) in enumerate(list(zip(records, finals, strict=True))[:rows]):
         cells = [latent_rgb(rec.final_latent, rec.final_latent), latent_rgb(fin, rec.final_latent)]
         if decoded is not None:
-            cells += [
-                np.asarray(frames_strip(decoded[0][i])),
-                np.asarray(frames_strip(decoded[1][i])),
-            ]
+            t_img, s_img = _stretch(decoded[0][i], decoded[1][i])
+            cells += [np.asarray(frames_strip(t_img)), np.asarray(frames_strip(s_img))]
         cells = [_upscale(c, cell) for c in cells]
         height = max(c.shape[0] for c in cells)
         gap = np.full((height, 6, 3), 255, np.uint8)

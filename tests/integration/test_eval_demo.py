@@ -1,0 +1,120 @@
+"""Eval, sample and the demo on the tiny teacher: what a user sees first."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from wandistill.config import load_recipe
+from wandistill.errors import UsageError
+from wandistill.eval.run import evaluate
+from wandistill.eval.sample import sample
+from wandistill.precompute import run as precompute
+from wandistill.teacher.tiny import make_tiny_teacher
+from wandistill.train import run as train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    teacher = make_tiny_teacher(root / "teacher")
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(f"prompt {i} about a cat" for i in range(24)) + "\n")
+    cfg = load_recipe(
+        Path("pipelines/tiny.toml"),
+        [
+            f'precompute.teacher.path="{teacher}"',
+            f'precompute.prompts="{prompts}"',
+            f'precompute.cache.path="{root / "cache"}"',
+            f'train.cache="{root / "cache"}"',
+            f'train.out="{root / "run"}"',
+            "precompute.sampler.height=32",
+            "precompute.sampler.width=32",
+            "precompute.cache.holdout_fraction=0.25",
+            "train.steps=30",
+            "train.batch_size=8",
+            "train.checkpoint_every=30",
+            'train.device="cpu"',
+        ],
+    )
+    precompute(cfg.precompute, quiet=True)
+    result = train(cfg.train)
+    return {
+        "teacher": teacher,
+        "cache": root / "cache",
+        "student": result.student,
+        "prompts": prompts,
+        "root": root,
+    }
+
+
+def test_eval_writes_a_deterministic_table_json_and_grid(
+    trained: dict[str, Path], tmp_path: Path
+) -> None:
+    a = evaluate(trained["cache"], trained["student"], tmp_path / "a", teacher=trained["teacher"])
+    evaluate(trained["cache"], trained["student"], tmp_path / "b", teacher=trained["teacher"])
+    assert a.records > 0 and a.image_psnr is not None
+    ja = json.loads((tmp_path / "a" / "eval.json").read_text())
+    jb = json.loads((tmp_path / "b" / "eval.json").read_text())
+    ja.pop("grid"), jb.pop("grid")
+    assert ja == jb
+    table = (tmp_path / "a" / "eval.md").read_text()
+    for row in ("latent MSE vs teacher", "latent PSNR", "output-matching loss", "image PSNR"):
+        assert row in table
+    with Image.open(tmp_path / "a" / "grid.png") as img:
+        assert img.size[0] > img.size[1] / a.records  # four panels per row
+    # Only held-out records are scored: none of them was trained on.
+    assert a.records == len(ja["per_record"]) < 24
+
+
+def test_eval_refuses_a_cache_without_held_out_records(
+    trained: dict[str, Path], tmp_path: Path
+) -> None:
+    from cachefixtures import write_cache
+
+    write_cache(tmp_path / "c", range(3))
+    with pytest.raises(UsageError, match="no held-out records"):
+        evaluate(tmp_path / "c", trained["student"], tmp_path / "out")
+
+
+def test_sample_writes_pngs_with_the_student_and_with_the_teacher(
+    trained: dict[str, Path], tmp_path: Path
+) -> None:
+    for who, student in (("student", trained["student"]), ("teacher", None)):
+        paths = sample(
+            trained["teacher"],
+            ["a cat", "a dog", "a car"],
+            tmp_path / who,
+            student=student,
+            steps=3,
+            max_sequence_length=32,
+        )
+        assert len(paths) == 3 and (tmp_path / who / "grid.png").is_file()
+        with Image.open(paths[0]) as img:
+            assert img.size == (32, 32)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "COLUMNS": "120"}
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end_and_a_rerun_reuses_everything(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "wandistill", "demo", "--root", str(tmp_path / "demo")]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "latent PSNR vs teacher" in first.stdout
+    for name in ("grid.png", "loss.png", "eval/eval.json", "run/student/config.json"):
+        assert (tmp_path / "demo" / name).is_file(), name
+    manifest = json.loads((tmp_path / "demo" / "cache" / "manifest.json").read_text())
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = json.loads((tmp_path / "demo" / "cache" / "manifest.json").read_text())
+    assert after["shards"] == manifest["shards"]  # the cache was reused, not rewritten
+    assert json.loads((tmp_path / "demo" / "eval" / "eval.json").read_text())["records"] > 0
