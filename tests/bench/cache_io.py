@@ -4,7 +4,7 @@
     python tests/bench/cache_io.py --records 256 --out /tmp/cache-io
 
 Generates N records with Wan 2.1 480p shapes (latent 16x1x60x104, 8 recorded steps, a ~100-token
-x 4096 UMT5 embedding), once, in memory, then times:
+x 4096 UMT5 embedding; teacher dtype bf16 by default), once, in memory, then times:
 
 write  CacheWriter(backend="webdataset"), CacheWriter(backend="zarr") (skipped, with the reason,
        when the zarr backend does not import or fails), and the per-record safetensors-files
@@ -15,9 +15,17 @@ read   one epoch of (record, recorded step) training samples per backend through
        `safetensors.torch.load`, each record yielding its 8 samples, and (iii) the per-record
        files read with `safe_open`, slicing one step.
 
-Before every leg the page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`); where
-that is not permitted, every file of the leg gets `posix_fadvise(DONTNEED)`; the table says which
-was used. All data lives under --out and is deleted at the end unless --keep.
+Before every read leg the page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`);
+where that is not permitted, every file of the leg gets `posix_fadvise(DONTNEED)` (and `fincore`,
+when installed, checks what stayed resident); the table says which was used. Write legs start
+after a `sync`. Every leg runs --repeats times, interleaved, and the median is reported with its
+CPU seconds and the cores other processes used meanwhile (this machine may be shared). All data
+lives under --out and is deleted at the end unless --keep.
+
+Columns: MB/s is record tensor bytes per second (write), bytes the delivered samples needed from
+the cache (read: the unpadded embedding + one step of xt/teacher_out + one timestep; a record's
+embedding is read once per recorded step), or file bytes (raw cat); dev MB/s is what the block
+device read during the leg (/proc/diskstats: device-wide, so other processes' reads count too).
 
 Not a pytest test (tests/bench is excluded from collection).
 """
@@ -26,18 +34,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import platform
+import resource
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +88,8 @@ def settings_for(steps: int) -> dict[str, Any]:
 
 
 def make_records(n: int, steps: int, dtype: torch.dtype, seed: int) -> list[Record]:
+    """Records typed as precompute writes them: x_t, teacher output and the embedding in the
+    teacher's dtype, noise and final latent float32, timesteps float32."""
     g = torch.Generator().manual_seed(seed)
     settings = settings_for(steps)
 
@@ -91,12 +104,12 @@ def make_records(n: int, steps: int, dtype: torch.dtype, seed: int) -> list[Reco
                 key=record_key(f"benchmark prompt {i}", i, settings),
                 prompt=f"benchmark prompt {i}",
                 seed=i,
-                prompt_embeds=torch.randn(length, EMBED_DIM, generator=g).to(torch.bfloat16),
-                noise=lat(C, F, H, W),
+                prompt_embeds=lat(length, EMBED_DIM),
+                noise=torch.randn(C, F, H, W, generator=g),
                 timesteps=torch.linspace(999.0, 25.0, steps) - i % 7,
                 xt=lat(steps, C, F, H, W),
                 teacher_out=lat(steps, C, F, H, W),
-                final_latent=lat(C, F, H, W),
+                final_latent=torch.randn(C, F, H, W, generator=g),
             )
         )
     return out
@@ -187,7 +200,9 @@ def resident_bytes(files: list[Path]) -> int | None:
         try:
             out = subprocess.run(
                 [exe, "--bytes", "--noheadings", "--raw", "--output", "RES", *chunk],
-                capture_output=True, text=True, check=True,
+                capture_output=True,
+                text=True,
+                check=True,
             ).stdout
         except (OSError, subprocess.CalledProcessError):
             return None
@@ -233,17 +248,40 @@ def machine_info(out: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------------- results
 
 
+def _busy_seconds() -> float:
+    """CPU seconds every process on the machine has used so far (/proc/stat)."""
+    with contextlib.suppress(OSError, ValueError):
+        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f[1:9])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return float("nan")
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process (all threads) and its reaped children (workers, cat)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 @dataclass
 class Leg:
     name: str
     seconds: float
     samples: int = 0
     payload: int = 0
-    """Bytes the leg had to get from storage: tensor bytes delivered (write) or needed (read)."""
+    """Bytes the leg moved: record tensor bytes (write), bytes the samples need (read), file
+    bytes (raw cat)."""
     disk: int | None = None
-    """Bytes the block device actually read during the leg (/proc/diskstats)."""
+    """Bytes the block device read during the leg (/proc/diskstats, device-wide)."""
+    cpu: float = 0.0
+    """CPU seconds used by the leg (this process, its threads and its reaped children)."""
+    others: float = 0.0
+    """Cores busy outside this benchmark during the leg: other processes, kernel threads (e.g.
+    writeback) and hypervisor steal (/proc/stat minus our own rusage)."""
     cache: str = ""
     note: str = ""
+    runs: list[float] = field(default_factory=list)
 
     @property
     def mbps(self) -> float:
@@ -258,69 +296,104 @@ class Leg:
         return None if self.disk is None else self.disk / MB / self.seconds
 
 
-def timed_read(
-    name: str, files: list[Path], drop: CacheDropper, dev: tuple[int, int],
-    body: Callable[[], tuple[int, int]], repeats: int,
+def measure(
+    name: str, body: Callable[[], tuple[int, int]], dev: tuple[int, int], cache: str = ""
 ) -> Leg:
-    """Run `body` (returns samples, payload bytes) `repeats` times from a cold cache; median."""
-    runs = []
-    for _ in range(repeats):
-        cache = drop(files)
-        resident = resident_bytes(files)
-        if resident is not None and resident > 0.05 * max(1, total_size(files)):
-            cache += f", {resident / MB:.0f} MB still resident"
-        d0 = disk_read_bytes(dev)
-        t0 = time.perf_counter()
-        samples, payload = body()
-        dt = time.perf_counter() - t0
-        d1 = disk_read_bytes(dev)
-        disk = None if d0 is None or d1 is None else d1 - d0
-        runs.append(Leg(name, dt, samples, payload, disk, cache))
-        print(f"  {name}: {dt:.2f} s, {samples} samples, {payload / MB:.0f} MB", flush=True)
-    runs.sort(key=lambda leg: leg.seconds)
-    return runs[len(runs) // 2]
+    """Time `body` (returns samples, bytes) with its CPU, device reads and others' CPU."""
+    d0, b0, c0 = disk_read_bytes(dev), _busy_seconds(), _own_seconds()
+    t0 = time.perf_counter()
+    samples, payload = body()
+    dt = time.perf_counter() - t0
+    d1, b1, c1 = disk_read_bytes(dev), _busy_seconds(), _own_seconds()
+    disk = None if d0 is None or d1 is None else d1 - d0
+    others = max(0.0, (b1 - b0) - (c1 - c0)) / dt if dt else 0.0
+    leg = Leg(name, dt, samples, payload, disk, c1 - c0, others, cache)
+    print(
+        f"  {name}: {dt:.2f} s, cpu {c1 - c0:.1f} s, others {others:.1f} cores"
+        + (f", {samples} samples" if samples else ""),
+        flush=True,
+    )
+    return leg
+
+
+def median_leg(runs: list[Leg]) -> Leg:
+    ordered = sorted(runs, key=lambda leg: leg.seconds)
+    mid = ordered[len(ordered) // 2]
+    mid.runs = [round(leg.seconds, 2) for leg in runs]
+    return mid
+
+
+def cold(drop: CacheDropper, files: list[Path]) -> str:
+    """Evict the leg's files and say how; flag what the eviction left resident."""
+    how = drop(files)
+    if not drop.enabled:
+        return how
+    resident = resident_bytes(files)
+    if resident is not None and resident > 0.05 * max(1, total_size(files)):
+        how += f", {resident / MB:.0f} MB still resident"
+    return how
 
 
 # --------------------------------------------------------------------------------- writers
 
 
-def write_cache(records: list[Record], path: Path, backend: str, dtype: torch.dtype,
-                shard_records: int) -> tuple[float, int]:
-    t0 = time.perf_counter()
+def write_cache(
+    records: list[Record], path: Path, backend: str, dtype: torch.dtype, shard_records: int
+) -> tuple[int, int]:
+    """Everything a precompute rank does with its records: open, write, publish, finalize."""
+    steps = records[0].xt.shape[0]
+    kw: dict[str, Any] = {}
+    if "dims" in inspect.signature(CacheWriter).parameters:  # manifest dims, as precompute does
+        kw["dims"] = {
+            "text_dim": EMBED_DIM,
+            "latent_channels": C,
+            "latent_shape": [C, F, H, W],
+            "num_recorded_steps": steps,
+            "teacher_dtype": {
+                torch.bfloat16: "bfloat16",
+                torch.float32: "float32",
+                torch.float16: "float16",
+            }[dtype],
+        }
     writer = CacheWriter(
         path,
         backend=backend,
         teacher=TEACHER,
-        settings=settings_for(records[0].xt.shape[0]),
-        fields=field_specs(latent_dtype=dtype, embed_dtype=torch.bfloat16, features=[]),
-        shared={"negative_prompt_embeds": torch.zeros(8, EMBED_DIM, dtype=torch.bfloat16)},
+        settings=settings_for(steps),
+        fields=field_specs(
+            latent_dtype=torch.float32, model_dtype=dtype, embed_dtype=dtype, features=[]
+        ),
+        shared={
+            "negative_prompt_embeds": torch.zeros(8, EMBED_DIM, dtype=dtype),
+            "timesteps": torch.linspace(999.0, 0.0, 40),
+            "sigmas": torch.linspace(1.0, 0.0, 41),
+        },
         shard_records=shard_records,
+        **kw,
     )
     for r in records:
         writer.write(r)
     writer.close(finalize=True, complete=True)
-    return time.perf_counter() - t0, writer.bytes_written
+    return 0, sum(record_bytes(r) for r in records)
 
 
-def write_files(records: list[Record], path: Path) -> tuple[float, float]:
-    """musubi-tuner-style cache: one safetensors file per record. Returns (save, fsync) seconds."""
+def write_files(records: list[Record], path: Path) -> tuple[int, int]:
+    """musubi-tuner-style cache: one safetensors file per record, as it runs (no fsync)."""
     path.mkdir(parents=True)
-    t0 = time.perf_counter()
     for r in records:
         save_file(r.tensors(), str(path / f"{r.key}.safetensors"), metadata={"key": r.key})
-    t1 = time.perf_counter()
-    for p in sorted(path.iterdir()):
+    return 0, sum(record_bytes(r) for r in records)
+
+
+def fsync_tree(path: Path) -> tuple[int, int]:
+    """What the per-file baseline would need to be as durable as CacheWriter's shards."""
+    for p in [*files_under(path), path]:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return t1 - t0, time.perf_counter() - t1
+    return 0, 0
 
 
 # --------------------------------------------------------------------------------- readers
@@ -401,8 +474,9 @@ def _stock_steps(src: Iterator[tuple[dict[str, torch.Tensor], dict[str, Any]]]) 
             }
 
 
-def read_stock_wds(urls: list[str], batch_size: int, workers: int, check: Checker
-                   ) -> tuple[int, int]:
+def read_stock_wds(
+    urls: list[str], batch_size: int, workers: int, check: Checker
+) -> tuple[int, int]:
     import webdataset as wds
 
     ds = (
@@ -445,12 +519,14 @@ class PerFileSteps(Dataset):
             }
 
 
-def read_files(path: Path, keys: list[str], steps: int, batch_size: int, workers: int,
-               check: Checker) -> tuple[int, int]:
+def read_files(
+    path: Path, keys: list[str], steps: int, batch_size: int, workers: int, check: Checker
+) -> tuple[int, int]:
     ds = PerFileSteps([path / f"{k}.safetensors" for k in keys], keys, steps)
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()
-    loader = DataLoader(ds, batch_size=batch_size, sampler=order, num_workers=workers,
-                        drop_last=True)
+    loader = DataLoader(
+        ds, batch_size=batch_size, sampler=order, num_workers=workers, drop_last=True
+    )
     samples = payload = 0
     check.checked = 0
     for batch in loader:
@@ -477,15 +553,19 @@ def fmt(x: float | None, spec: str = ".0f") -> str:
 
 def print_table(title: str, legs: list[Leg], *, read: bool) -> None:
     print(f"\n{title}")
-    head = f"  {'leg':<34} {'time s':>7} {'MB/s':>7}"
+    head = f"  {'leg':<30} {'time s':>6} {'MB/s':>6}"
     if read:
-        head += f" {'samples/s':>9} {'disk MB/s':>9}"
-    print(head + "  cache / notes")
+        head += f" {'samp/s':>6} {'dev MB/s':>8}"
+    print(head + f" {'CPU s':>6} {'others':>6}  cache; notes")
     for leg in legs:
-        row = f"  {leg.name:<34} {leg.seconds:7.2f} {leg.mbps:7.0f}"
+        row = f"  {leg.name:<30} {leg.seconds:6.2f} {leg.mbps:6.0f}"
         if read:
-            row += f" {fmt(leg.sps if leg.samples else None):>9} {fmt(leg.disk_mbps):>9}"
-        print(row + "  " + "; ".join(x for x in (leg.cache, leg.note) if x))
+            row += f" {fmt(leg.sps if leg.samples else None):>6} {fmt(leg.disk_mbps):>8}"
+        row += f" {leg.cpu:6.1f} {leg.others:6.2f}"
+        extra = [x for x in (leg.cache, leg.note) if x]
+        if len(leg.runs) > 1:
+            extra.append("runs " + "/".join(f"{x:g}" for x in leg.runs) + " s")
+        print(row + "  " + "; ".join(extra))
 
 
 def verdict(ratio: float, target: float) -> str:
@@ -498,18 +578,33 @@ def verdict(ratio: float, target: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--records", type=int, default=256, help="records to generate (default 256)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="scratch directory (created; default a temp dir under /tmp)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                   help="latent dtype (embeddings are always bf16); default bf16")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="scratch directory (created; default a temp dir under /tmp)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="teacher dtype: x_t, teacher_out and the embedding (noise and final "
+        "latent are float32, as precompute writes them); default bf16",
+    )
     p.add_argument("--steps", type=int, default=STEPS, help="recorded steps per record")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--shard-records", type=int, default=64, help="records per cache shard")
     p.add_argument("--threads", type=int, default=4, help="TrainingReader num_threads")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers of the baselines")
-    p.add_argument("--repeats", type=int, default=1, help="runs per read leg (median reported)")
-    p.add_argument("--backends", default="webdataset,zarr",
-                   help="comma-separated cache backends to benchmark")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds of every leg, interleaved; the median is reported (default 3)",
+    )
+    p.add_argument(
+        "--backends", default="webdataset,zarr", help="comma-separated cache backends to benchmark"
+    )
     p.add_argument("--warm", action="store_true", help="do not drop the page cache")
     p.add_argument("--keep", action="store_true", help="keep the generated data")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -519,12 +614,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.out is None:
         out = Path(tempfile.mkdtemp(prefix="wandistill-cache-io-"))
+        created = True
     else:
         out = args.out
-        if out.exists() and any(out.iterdir()):
-            p.error(f"--out {out} exists and is not empty")
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            p.error(f"--out {out} exists and is not an empty directory")
+        created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
 
+    # SIGTERM (e.g. a CI timeout) unwinds like Ctrl-C, so the data under --out is removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     dtype = DTYPES[args.dtype]
     info = machine_info(out)
     cmd = " ".join(shlex.quote(a) for a in [sys.executable.rsplit("/", 1)[-1], *sys.argv])
@@ -537,8 +636,10 @@ def main(argv: list[str] | None = None) -> int:
     records = make_records(args.records, args.steps, dtype, seed=0)
     per_record = record_bytes(records[0])
     payload = sum(record_bytes(r) for r in records)
-    print(f"generated {len(records)} records x {per_record / MB:.2f} MB ({args.dtype} latents) "
-          f"= {payload / MB:.0f} MB in {time.perf_counter() - t0:.1f} s (not timed below)")
+    print(
+        f"generated {len(records)} records x {per_record / MB:.2f} MB ({args.dtype}) "
+        f"= {payload / MB:.0f} MB in {time.perf_counter() - t0:.1f} s (not timed below)"
+    )
     backends = [b for b in args.backends.split(",") if b]
     need = payload * (len(backends) + 1) * 1.1
     if need > free:
@@ -548,100 +649,157 @@ def main(argv: list[str] | None = None) -> int:
     drop = CacheDropper(enabled=not args.warm)
     check = Checker(records)
     keys = [r.key for r in records]
-    writes: list[Leg] = []
-    reads: list[Leg] = []
     skipped: dict[str, str] = {}
+    if "zarr" in backends:
+        try:
+            import wandistill.cache.zarr_backend  # noqa: F401
+        except Exception as e:
+            skipped["zarr"] = f"wandistill.cache.zarr_backend does not import: {e!r}"
+            print(f"zarr: skipped ({skipped['zarr']})", flush=True)
+    w_runs: dict[str, list[Leg]] = {}
+    r_runs: dict[str, list[Leg]] = {}
+    notes: dict[str, str] = {}
     caches: dict[str, Path] = {}
-    try:
-        # ---- writes (flush and drop before each, so no leg pays for another's writeback)
-        print("\nwriting", flush=True)
-        for backend in backends:
-            path = out / backend
-            if backend == "zarr":
-                try:
-                    import wandistill.cache.zarr_backend  # noqa: F401
-                except Exception as e:
-                    skipped[backend] = f"wandistill.cache.zarr_backend does not import: {e!r}"
-                    print(f"zarr: skipped ({skipped[backend]})", flush=True)
-                    continue
-            drop([])
-            try:
-                secs, nbytes = write_cache(records, path, backend, dtype, args.shard_records)
-            except Exception as e:
-                skipped[backend] = f"writing failed: {type(e).__name__}: {e}"
-                print(f"{backend}: skipped ({skipped[backend]})", flush=True)
-                traceback.print_exc(limit=4)
-                shutil.rmtree(path, ignore_errors=True)
-                continue
-            caches[backend] = path
-            writes.append(Leg(f"CacheWriter {backend}", secs, payload=payload,
-                              note=f"{nbytes / MB:.0f} MB on disk, fsync per shard"))
-            print(f"  {writes[-1].name}: {secs:.2f} s", flush=True)
-        drop([])
-        save_s, fsync_s = write_files(records, out / "files")
-        writes.append(Leg("per-file save_file (no fsync)", save_s, payload=payload,
-                          note="musubi-tuner layout, as it runs: page cache only"))
-        writes.append(Leg("per-file save_file + fsync", save_s + fsync_s, payload=payload,
-                          note="same, durable like CacheWriter"))
-        print(f"  per-file: {save_s:.2f} s + fsync {fsync_s:.2f} s", flush=True)
+    on_disk: dict[str, int] = {}
 
-        # ---- reads
-        print("\nreading", flush=True)
-        file_files = files_under(out / "files")
-        tars: list[Path] = []
-        for backend, path in caches.items():
-            files = files_under(path)
-            reads.append(timed_read(f"raw cat {backend} files", files, drop, dev,
-                                    lambda f=files: read_raw(f), args.repeats))
-            try:
-                reads.append(timed_read(
-                    f"TrainingReader {backend}", files, drop, dev,
-                    lambda p=path: read_training(p, args.batch_size, args.threads, check),
-                    args.repeats))
-            except Exception as e:
-                skipped[backend] = f"reading failed: {type(e).__name__}: {e}"
-                print(f"{backend}: read skipped ({skipped[backend]})", flush=True)
-                traceback.print_exc(limit=6)
-                reads.pop()
-            if backend == "webdataset":
-                tars = [f for f in files if f.suffix == ".tar"]
-        if tars:
-            urls = [str(t) for t in tars]
-            if len(tars) < args.workers:
-                print(f"  note: {len(tars)} shards < {args.workers} workers; some workers idle")
-            reads.append(timed_read(
-                "stock WebDataset+DataLoader", tars, drop, dev,
-                lambda: read_stock_wds(urls, args.batch_size, args.workers, check), args.repeats))
-            reads[-1].note = f"{args.workers} workers, shard order, whole records"
-        reads.append(timed_read("raw cat per-file files", file_files, drop, dev,
-                                lambda: read_raw(file_files), args.repeats))
-        reads.append(timed_read(
-            "per-file safe_open+DataLoader", file_files, drop, dev,
-            lambda: read_files(out / "files", keys, args.steps, args.batch_size, args.workers,
-                               check), args.repeats))
-        reads[-1].note = f"{args.workers} workers, shuffled (record, step)"
-        for leg in reads:
-            if leg.name.startswith("TrainingReader"):
-                leg.note = f"{args.threads} threads, shuffled (record, step)"
+    def run_write(name: str, path: Path, body: Callable[[], tuple[int, int]]) -> Leg | None:
+        shutil.rmtree(path, ignore_errors=True)
+        os.sync()  # no leg pays for another's writeback
+        try:
+            leg = measure(name, body, dev)
+        except Exception as e:
+            backend = path.name
+            skipped[backend] = f"writing failed: {type(e).__name__}: {e}"
+            print(f"{backend}: skipped ({skipped[backend]})", flush=True)
+            traceback.print_exc(limit=6)
+            shutil.rmtree(path, ignore_errors=True)
+            return None
+        w_runs.setdefault(name, []).append(leg)
+        return leg
+
+    def run_read(name: str, files: list[Path], body: Callable[[], tuple[int, int]]) -> None:
+        how = cold(drop, files)
+        r_runs.setdefault(name, []).append(measure(name, body, dev, how))
+
+    try:
+        # Repeats are interleaved (every leg once per round) so that drift and other load on
+        # the machine spread over all legs instead of hitting one; the median is reported.
+        for rnd in range(args.repeats):
+            print(f"\nround {rnd + 1}/{args.repeats}: write", flush=True)
+            for backend in backends:
+                if backend in skipped:
+                    continue
+                path = out / backend
+                leg = run_write(
+                    f"CacheWriter {backend}",
+                    path,
+                    lambda p=path, b=backend: write_cache(records, p, b, dtype, args.shard_records),
+                )
+                if leg is not None:
+                    caches[backend] = path
+                    on_disk[backend] = total_size(files_under(path))
+                else:
+                    caches.pop(backend, None)
+            leg = run_write(
+                "per-file save_file", out / "files", lambda: write_files(records, out / "files")
+            )
+            sync = measure("  + fsync of every file", lambda: fsync_tree(out / "files"), dev)
+            assert leg is not None
+            w_runs.setdefault("per-file save_file + fsync", []).append(
+                Leg(
+                    "per-file save_file + fsync",
+                    leg.seconds + sync.seconds,
+                    0,
+                    leg.payload,
+                    None,
+                    leg.cpu + sync.cpu,
+                    (leg.others * leg.seconds + sync.others * sync.seconds)
+                    / max(1e-9, leg.seconds + sync.seconds),
+                )
+            )
+            on_disk["files"] = total_size(files_under(out / "files"))
+
+            print(f"round {rnd + 1}/{args.repeats}: read", flush=True)
+            tars: list[Path] = []
+            for backend, path in list(caches.items()):
+                files = files_under(path)
+                run_read(f"raw cat {backend} files", files, lambda f=files: read_raw(f))
+                try:
+                    run_read(
+                        f"TrainingReader {backend}",
+                        files,
+                        lambda p=path: read_training(p, args.batch_size, args.threads, check),
+                    )
+                    notes[f"TrainingReader {backend}"] = (
+                        f"{args.threads} threads, shuffled (record, step)"
+                    )
+                except Exception as e:
+                    skipped[backend] = f"reading failed: {type(e).__name__}: {e}"
+                    print(f"{backend}: read skipped ({skipped[backend]})", flush=True)
+                    traceback.print_exc(limit=6)
+                    caches.pop(backend)
+                if backend == "webdataset":
+                    tars = [f for f in files if f.suffix == ".tar"]
+            if tars:
+                if len(tars) < args.workers:
+                    print(f"  note: {len(tars)} shards < {args.workers} workers: idle workers")
+                urls = [str(t) for t in tars]
+                run_read(
+                    "stock WebDataset+DataLoader",
+                    tars,
+                    lambda u=urls: read_stock_wds(u, args.batch_size, args.workers, check),
+                )
+                notes["stock WebDataset+DataLoader"] = (
+                    f"{args.workers} workers, shard order, whole records"
+                )
+            ffiles = files_under(out / "files")
+            run_read("raw cat per-file files", ffiles, lambda f=ffiles: read_raw(f))
+            run_read(
+                "per-file safe_open+DataLoader",
+                ffiles,
+                lambda: read_files(
+                    out / "files", keys, args.steps, args.batch_size, args.workers, check
+                ),
+            )
+            notes["per-file safe_open+DataLoader"] = f"{args.workers} workers, shuffled"
     finally:
         if not args.keep:
             for sub in ("webdataset", "zarr", "files"):
                 shutil.rmtree(out / sub, ignore_errors=True)
-            if args.out is None or not any(out.iterdir()):
-                shutil.rmtree(out, ignore_errors=True)
+            if created and not any(out.iterdir()):
+                out.rmdir()
+
+    writes = [median_leg(v) for v in w_runs.values()]
+    reads = [median_leg(v) for v in r_runs.values()]
+    for leg in writes:
+        backend = leg.name.split()[-1] if leg.name.startswith("CacheWriter") else "files"
+        if leg.name.startswith("CacheWriter"):
+            leg.note = f"{on_disk.get(backend, 0) / MB:.0f} MB on disk, fsync per shard"
+        elif "fsync" in leg.name:
+            leg.note = "durable like CacheWriter"
+        else:
+            leg.note = f"musubi-tuner layout, as it runs (page cache only); {len(keys)} files"
+    for leg in reads:
+        leg.note = notes.get(leg.name, "")
 
     # ---- report
     n_samples = args.records * args.steps
-    print(f"\nCache I/O: {args.records} records x {args.steps} steps = {n_samples} samples, "
-          f"{per_record / MB:.2f} MB/record ({args.dtype} latents, bf16 embeds), "
-          f"batch {args.batch_size}, {len(backends)} backend(s)")
-    print(f"page cache before each read leg: {reads[0].cache if reads else '-'}"
-          + (f" [{drop.drop_error}]" if drop.drop_error else ""))
+    print(
+        f"\n== Cache I/O: {args.records} records x {args.steps} steps = {n_samples} samples, "
+        f"{per_record / MB:.2f} MB/record ({args.dtype} teacher dtype), "
+        f"batch {args.batch_size}, median of {args.repeats} run(s)"
+    )
+    print(f"command: {cmd}")
+    print("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()))
+    print(
+        f"page cache before each read leg: {reads[0].cache if reads else '-'}"
+        + (f" [drop_caches: {drop.drop_error}]" if drop.drop_error else "")
+    )
     print_table("write (MB/s of record tensor bytes)", writes, read=False)
-    print_table("read (MB/s of bytes a sample needs; raw: file bytes)", reads, read=True)
+    print_table("read (MB/s: bytes the samples need; raw cat: file bytes)", reads, read=True)
     by = {leg.name: leg for leg in reads}
     wby = {leg.name: leg for leg in writes}
-    print("\nratios")
+    print("\nratios (same run)")
 
     def line(backend: str, label: str, value: str) -> None:
         print(f"  {backend + ' ' + label:<48} {value}")
@@ -652,11 +810,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {backend}: skipped ({skipped.get(backend, 'not run')})")
             continue
         w = wby[f"CacheWriter {backend}"]
-        base, durable = wby["per-file save_file (no fsync)"], wby["per-file save_file + fsync"]
+        base, durable = wby["per-file save_file"], wby["per-file save_file + fsync"]
         ratios[f"{backend}.write_vs_files"] = r1 = base.seconds / w.seconds
         ratios[f"{backend}.write_vs_files_fsync"] = r2 = durable.seconds / w.seconds
+        ratios[f"{backend}.write_cpu_vs_files"] = r3 = base.cpu / w.cpu
         line(backend, "write vs per-file (no fsync)", verdict(r1, 1.0))
         line(backend, "write vs per-file + fsync", verdict(r2, 1.0))
+        line(backend, "write CPU-s vs per-file (no fsync)", f"{r3:5.2f}x (info: CPU efficiency)")
         tr = by.get(f"TrainingReader {backend}")
         if tr is None:
             continue
@@ -673,12 +833,27 @@ def main(argv: list[str] | None = None) -> int:
         files_leg = by["per-file safe_open+DataLoader"]
         ratios[f"{backend}.read_vs_files"] = r = tr.sps / files_leg.sps
         line(backend, "read samples/s vs per-file safe_open", f"{r:5.2f}x (info)")
+    contended = [leg.name for leg in [*writes, *reads] if leg.others > 0.25]
+    if contended:
+        print(
+            f"\nWARNING: other processes used > 0.25 core during: {', '.join(contended)} "
+            "(see the 'others' column); those figures are noisy"
+        )
     if args.json:
-        args.json.write_text(json.dumps({
-            "command": cmd, "machine": info, "args": {k: str(v) for k, v in vars(args).items()},
-            "writes": [vars(x) for x in writes], "reads": [vars(x) for x in reads],
-            "ratios": ratios, "skipped": skipped,
-        }, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": cmd,
+                    "machine": info,
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "writes": [vars(x) for x in writes],
+                    "reads": [vars(x) for x in reads],
+                    "ratios": ratios,
+                    "skipped": skipped,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -36,11 +36,29 @@ from wandistill.cache.schema import is_holdout
 from wandistill.errors import CacheError, UsageError
 
 DEFAULT_FIELDS = ("prompt_embeds", "xt", "timesteps", "teacher_out")
+RAGGED = ("prompt_embeds", "negative_prompt_embeds")
+"""Fields stored trimmed; batches zero-pad them (bit-exact with the pipeline's own padding)."""
 SyncFn = Callable[[list[str], bool], tuple[list[str], bool]]
 """(shard names this rank sees, manifest complete?) -> what every rank agrees on."""
 
 Sample = tuple[dict[str, Any], int, int]
 """(shard entry, row in shard, recorded-step slot)."""
+
+
+def _pad_stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Stack [L_i, D] rows into one zero-padded [B, length, D] tensor (one copy per row)."""
+    out = rows[0].new_zeros((len(rows), length, rows[0].shape[1]))
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r
+    return out
+
+
+def pad_to(embeds_BLD: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad a batch padded to its own longest prompt up to `length` (e.g. on the GPU)."""
+    extra = length - embeds_BLD.shape[1]
+    if extra < 0:
+        raise ValueError(f"embeddings of length {embeds_BLD.shape[1]} exceed {length}")
+    return torch.nn.functional.pad(embeds_BLD, (0, 0, 0, extra)) if extra else embeds_BLD
 
 
 def _seed_for(*parts: Any) -> int:
@@ -72,6 +90,7 @@ class TrainingReader:
         prefetch_batches: int = 2,
         include_holdout: bool = False,
         skip_corrupt: bool = False,
+        pad: str = "max_sequence_length",
     ) -> None:
         if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
             raise UsageError(
@@ -95,6 +114,9 @@ class TrainingReader:
             else float(self.store.manifest.settings.get("holdout_fraction", 0.0))
         )
         self.skip_corrupt = skip_corrupt
+        if pad not in ("max_sequence_length", "batch"):
+            raise UsageError(f"pad={pad!r} must be 'max_sequence_length' or 'batch'")
+        self.pad = pad
         self.corrupt: list[str] = []
         self.wait_seconds = 0.0
         # Position: epoch and global batches consumed in it (normal mode), or the list of
@@ -277,9 +299,14 @@ class TrainingReader:
 
     # ------------------------------------------------------------------ reading
 
+    def _pad_len(self, rows: list[torch.Tensor]) -> int:
+        if self.pad == "batch":
+            return max(r.shape[0] for r in rows)
+        return self.store.max_sequence_length
+
     def _read(self, entry: dict[str, Any], row: int, slot: int) -> dict[str, torch.Tensor] | None:
         try:
-            return self.store.read_sample(entry, row, slot, self.fields)
+            return self.store.read_sample(entry, row, slot, self.fields, pad=False)
         except Exception as e:
             msg = f"corrupt record {entry['keys'][row]} in shard {entry['name']}: {e}"
             if not self.skip_corrupt:
@@ -300,9 +327,14 @@ class TrainingReader:
         # Keep the batch shape by repeating good samples in place of skipped ones.
         while len(good) < len(samples):
             good.append(good[len(good) % max(1, len(good))])
-        batch: dict[str, Any] = {
-            name: torch.stack([r[name] for r, _ in good]) for name in good[0][0]
-        }
+        batch: dict[str, Any] = {}
+        for name in good[0][0]:
+            rows = [r[name] for r, _ in good]
+            batch[name] = (
+                _pad_stack(rows, self._pad_len(rows)) if name in RAGGED else torch.stack(rows)
+            )
+        if "prompt_embeds" in batch:
+            batch["prompt_len"] = torch.tensor([r["prompt_embeds"].shape[0] for r, _ in good])
         batch["key"] = [e["keys"][i] for _, (e, i, _) in good]
         batch["step_slot"] = torch.tensor([slot for _, (_, _, slot) in good])
         return batch

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from wandistill import dist
 from wandistill.cache.manifest import Manifest, load_committed, manifest_path
 from wandistill.cache.reader import CacheStore
-from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader
+from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
 from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
 from wandistill.fsutil import atomic_write_json
@@ -244,6 +244,7 @@ def setup(
         sync=dist.follow_sync(info) if follow and info.distributed else None,
         num_threads=cfg.data_threads,
         skip_corrupt=skip_corrupt,
+        pad="batch",  # padded to max_sequence_length on the device, in forward()
     )
     meta = {
         "student_config": plan.student_config,
@@ -414,7 +415,8 @@ def forward(t: Trainer, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     dev = t.info.device
     on = {k: v.to(dev, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=t.cfg.mixed_precision == "bf16"):
-        pred, feats = t.ddp(on["xt"].float(), on["timesteps"].float(), on["prompt_embeds"].float())
+        embeds = pad_to(on["prompt_embeds"], t.reader.store.max_sequence_length)
+        pred, feats = t.ddp(on["xt"].float(), on["timesteps"].float(), embeds.float())
     sigma = t.sigmas(on["step_slot"], on["timesteps"]) if t.cfg.loss.final_latent > 0 else None
     return distill_losses(pred, feats, on, t.cfg.loss, sigma)
 
