@@ -38,6 +38,8 @@ def _cfg(teacher: Path, prompts: Path, cache: Path, *extra: str):
         f'cache.path="{cache}"',
         "sampler.num_inference_steps=6",
         "sampler.record_steps=[0, 2, 5]",
+        "sampler.height=32",
+        "sampler.width=32",
         "cache.shard_records=2",
         "cache.holdout_fraction=0.0",
         "previews=0",
@@ -219,6 +221,10 @@ def _cmd(teacher: Path, prompts: Path, cache: Path, *extra: str) -> list[str]:
         "sampler.batch_size=2",
         "--set",
         "cache.shard_records=2",
+        "--set",
+        "sampler.height=32",
+        "--set",
+        "sampler.width=32",
         *extra,
     ]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import threading
 from pathlib import Path
 
@@ -369,3 +370,264 @@ def test_verify_reports_flipped_byte(tmp_path: Path) -> None:
             store.read_record(entry, 0)
     assert any("sha256 mismatch" in p and entry["name"] in p and rel in p for p in problems)
     assert any(entry["keys"][0] in p and "checksum" in p for p in problems), problems
+
+
+# --------------------------------------------------------------------------- fast read path
+
+ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+              torch.int32, torch.uint8]
+
+
+def _all_dtype_record(i: int) -> Record:
+    """A record whose features cover every storable dtype (step fields and per-row shapes)."""
+    r = make_record(i, latent=torch.bfloat16)
+    g = torch.Generator().manual_seed(7 + i)
+    for dt in ALL_DTYPES:
+        raw = torch.randint(0, 255, (S, 2, 5), generator=g) if not dt.is_floating_point else (
+            torch.randn(S, 2, 5, generator=g) * 100
+        )
+        r.features[str(dt).split(".")[1]] = raw.to(dt)
+    r.features["flat"] = torch.randn(S, generator=g).to(torch.bfloat16)  # (S,): one chunk a row
+    return r
+
+
+def _sink_entries(path: Path, records: list[Record], per_shard: int, **kw) -> list[dict]:
+    """Write `records` with ZarrSink directly; entries as CacheWriter would journal them."""
+    sink = zb.ZarrSink(path, **kw)
+    entries = []
+    for k in range(0, len(records), per_shard):
+        sink.begin(f"r00000-{k:06d}")
+        part = records[k : k + per_shard]
+        for r in part:
+            sink.add(r)
+        entry = sink.end()
+        entry.update(name=f"r00000-{k:06d}", rank=0, records=len(part),
+                     keys=[r.key for r in part])
+        entries.append(entry)
+    return entries
+
+
+def _steps_of(name: str, t: torch.Tensor) -> list[int | None]:
+    from wandistill.cache.schema import is_step_field
+
+    return [None, 0, t.shape[0] - 1, -1] if is_step_field(name) and t.dim() else [None]
+
+
+def test_fast_path_is_bit_exact_with_zarr_python_for_every_dtype(tmp_path: Path) -> None:
+    records = [_all_dtype_record(i) for i in range(7)]
+    entries = _sink_entries(tmp_path, records, 3, block_records=2, token_chunk=4, token_block=8)
+    fast, slow = zb.ZarrSource(tmp_path), zb.ZarrSource(tmp_path, fast=False)
+    # Every array the fast path can serve is served by it (the layout ZarrSink writes).
+    for path in ["xt", "noise", "timesteps", "feature.flat", "prompt_embeds/values",
+                 "prompt_embeds/offsets", *(f"feature.{str(d).split('.')[1]}" for d in ALL_DTYPES)]:
+        assert fast._array(path, 0)[2] is not None, path
+    k = 0
+    for entry in entries:
+        for i in range(entry["records"]):
+            want = records[k]
+            k += 1
+            got_fast, got_slow = fast.read_record(entry, i), slow.read_record(entry, i)
+            assert_same_record(got_fast, want)
+            assert_same_record(got_slow, want)
+            for name, t in want.tensors().items():
+                for step in _steps_of(name, t):
+                    a = fast.read_tensors(entry, i, {name: step})[name]
+                    b = slow.read_tensors(entry, i, {name: step})[name]
+                    assert_same(a, b, f"{name} step {step}")
+                    assert_same(a, t if step is None else t[step].contiguous(), name)
+                    assert a.is_contiguous() and a.dtype == t.dtype
+            for name in RAGGED_NAMES:
+                if name in want.tensors():
+                    assert_same(
+                        torch.from_numpy(fast.offsets(entry, name)),
+                        torch.from_numpy(slow.offsets(entry, name)),
+                    )
+    fast.close()
+    slow.close()
+
+
+RAGGED_NAMES = ("prompt_embeds", "negative_prompt_embeds")
+
+
+def test_fast_path_threads_and_evicted_files(tmp_path: Path) -> None:
+    """Many threads, a cache of open shard files smaller than the files in use: every read is
+    still bit-exact and every file is closed in the end."""
+    records = [make_record(i, latent=torch.bfloat16) for i in range(12)]
+    entries = _sink_entries(tmp_path, records, 4, block_records=2, token_chunk=4, token_block=8)
+    src = zb.ZarrSource(tmp_path, max_open=2)
+    jobs = [(e, i, records[n * 4 + i], s) for n, e in enumerate(entries)
+            for i in range(e["records"]) for s in range(S)] * 4
+    errors: list[BaseException] = []
+
+    def run(part: list) -> None:
+        try:
+            for e, i, r, s in part:
+                got = src.read_tensors(e, i, {"xt": s, "teacher_out": s, "prompt_embeds": None,
+                                              "noise": None, "timesteps": s})
+                assert_same(got["xt"], r.xt[s].contiguous())
+                assert_same(got["teacher_out"], r.teacher_out[s].contiguous())
+                assert_same(got["prompt_embeds"], r.prompt_embeds)
+                assert_same(got["noise"], r.noise)
+                assert_same(got["timesteps"], r.timesteps[s])
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(jobs[k::6],)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(src._files) <= 2
+    fds = [f.fd for f in src._files.values()]
+    src.close()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def _shard_file(tmp_path: Path, entry: dict, prefix: str) -> tuple[str, Path]:
+    rel = next(k for k in entry["sha256"] if k.startswith(prefix))
+    return rel, tmp_path / "data.zarr" / rel
+
+
+def test_fast_path_reads_a_missing_inner_chunk_as_the_fill_value(tmp_path: Path) -> None:
+    records = [make_record(i) for i in range(4)]
+    (entry,) = _sink_entries(tmp_path, records, 4, block_records=4)
+    # Let zarr itself drop one inner chunk: write fill values with write_empty_chunks off.
+    g = zarr.open_group(tmp_path / "data.zarr", mode="r+")
+    row = entry["rows"][0] + 2
+    g["xt"].with_config({"write_empty_chunks": False})[row, 1] = 0
+    g["noise"].with_config({"write_empty_chunks": False})[row] = 0
+    fast, slow = zb.ZarrSource(tmp_path), zb.ZarrSource(tmp_path, fast=False)
+    geom = fast._array("xt", 0)[2]
+    _, path = _shard_file(tmp_path, entry, "xt/")
+    index = zb._open_shard(tmp_path / "data.zarr", path.relative_to(tmp_path / "data.zarr")
+                           .as_posix(), geom)
+    os.close(index.fd)
+    assert (index.index == zb._MISSING).all(axis=1).sum() == 1  # the chunk is really gone
+    for i, r in enumerate(records):
+        got, ref = fast.read_record(entry, i), slow.read_record(entry, i)
+        assert_same_record(got, ref)
+        want_xt = r.xt.clone()
+        want_noise = r.noise.clone()
+        if i == 2:
+            want_xt[1] = 0
+            want_noise.zero_()
+        assert_same(got.xt, want_xt)
+        assert_same(got.noise, want_noise)
+        for s in range(S):
+            assert_same(fast.read_tensors(entry, i, {"xt": s})["xt"], want_xt[s].contiguous())
+    fast.close()
+    slow.close()
+
+
+def test_fast_path_missing_shard_file_names_shard_record_and_file(tmp_path: Path) -> None:
+    records, entry = _written(tmp_path)
+    rel, path = _shard_file(tmp_path, entry, "teacher_out/")
+    path.unlink()
+    with open_cache(tmp_path) as store:
+        with pytest.raises(zb.ZarrChunkError) as info:
+            store.read_sample(entry, 1, 0, ["teacher_out"])
+        msg = str(info.value)
+        assert entry["name"] in msg and entry["keys"][1] in msg and rel in msg and "missing" in msg
+        assert store.read_sample(entry, 1, 0, ["xt"])["xt"].shape == (C, F, H, W)  # others fine
+
+
+@pytest.mark.parametrize("how", ["half", "data"])
+def test_fast_path_truncated_shard_file_names_the_record(tmp_path: Path, how: str) -> None:
+    """`half`: cut in the middle (the index at the end is gone); `data`: the index survives but
+    the chunks it points to do not."""
+    records, entry = _written(tmp_path)
+    rel, path = _shard_file(tmp_path, entry, "xt/")
+    data = path.read_bytes()
+    if how == "half":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        geom = zb.ZarrSource(tmp_path)._array("xt", 0)[2]
+        cut = geom.index_nbytes
+        path.write_bytes(data[: (len(data) - cut) // 2] + data[-cut:])
+    with open_cache(tmp_path) as store:
+        key = entry["keys"][2]
+        with pytest.raises(zb.ZarrChunkError, match="truncated") as info:
+            store.read_sample(entry, 2, 1, ["xt", "prompt_embeds"])
+        assert entry["name"] in str(info.value) and key in str(info.value) and rel in str(info.value)
+        with pytest.raises(ValueError, match=key):  # also a ValueError, like zarr's checksum error
+            store.read_record(entry, 2)
+        problems = store.verify()
+        assert any(rel in p and "sha256 mismatch" in p for p in problems), problems
+        assert any(key in p for p in problems), problems
+
+
+def test_fast_path_checksum_guards_the_hot_path(tmp_path: Path) -> None:
+    records, entry = _written(tmp_path)
+    rel, path = _shard_file(tmp_path, entry, "xt/")
+    src = zb.ZarrSource(tmp_path)
+    geom = src._array("xt", 0)[2]
+    sh = zb._open_shard(tmp_path / "data.zarr", rel, geom)
+    os.close(sh.fd)
+    local = 1 * geom.strides[0] + 2 * geom.strides[1]  # record 1, step 2
+    off = int(sh.index[local, 0])
+    raw = bytearray(path.read_bytes())
+    raw[off + 3] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"{entry['keys'][1]}.*checksum"):
+        src.read_tensors(entry, 1, {"xt": 2})
+    assert_same(src.read_tensors(entry, 1, {"xt": 1})["xt"], records[4].xt[1].contiguous())
+    src.close()
+
+
+def test_geometry_falls_back_for_unknown_layouts(tmp_path: Path) -> None:
+    g = zarr.open_group(tmp_path / "g.zarr", mode="w")
+    plain = g.create_array("plain", shape=(4, 3), chunks=(1, 3), dtype="float32")  # no sharding
+    packed = g.create_array("packed", shape=(4, 3), chunks=(1, 3), shards=(2, 3),
+                            dtype="float32", compressors=[zarr.codecs.ZstdCodec()])
+    odd = g.create_array("odd", shape=(4, 6), chunks=(2, 3), shards=(2, 6), dtype="float32")
+    for arr in (plain, packed, odd):
+        assert zb._geometry(arr.path, arr, "float32") is None
+    ok = g.create_array("ok", shape=(4, 3), chunks=(1, 3), shards=(2, 3), dtype="float32",
+                        compressors=[zarr.codecs.Crc32cCodec()])
+    assert zb._geometry(ok.path, ok, "float32") is not None
+
+
+def test_sink_hashes_what_it_wrote_and_reuses_its_blocks(tmp_path: Path) -> None:
+    """Sizes and sha256 in the entry come from the bytes zarr wrote (no read-back): they must
+    match the files. A shard larger than the block and a reused block stay intact."""
+    records = [make_record(i) for i in range(9)]
+    entries = _sink_entries(tmp_path, records, 5, block_records=2)  # 5 > 2: blocks grow
+    total = 0
+    for entry in entries:
+        size = 0
+        for rel, digest in entry["sha256"].items():
+            got_size, got = zb._hash_file(tmp_path / "data.zarr" / rel)
+            assert got == digest, rel
+            size += got_size
+        assert size == entry["bytes"]
+        total += entry["records"]
+    assert total == 9
+    src = zb.ZarrSource(tmp_path)
+    k = 0
+    for entry in entries:
+        for i in range(entry["records"]):
+            assert_same_record(src.read_record(entry, i), records[k])
+            k += 1
+        assert src.verify(entry) == []
+    src.close()
+
+
+def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None:
+    sink = zb.ZarrSink(tmp_path, block_records=4)
+    sink.begin("r00000-000000")
+    good = [make_record(0), make_record(1)]
+    sink.add(good[0])
+    bad = make_record(5)
+    bad.xt = bad.xt.to(torch.float16)  # dtype differs from the first record's
+    with pytest.raises(Exception, match="xt"):
+        sink.add(bad)
+    sink.add(good[1])
+    entry = sink.end()
+    entry.update(name="r00000-000000", rank=0, records=2, keys=[r.key for r in good])
+    src = zb.ZarrSource(tmp_path)
+    for i, r in enumerate(good):
+        assert_same_record(src.read_record(entry, i), r)
+    src.close()

@@ -471,6 +471,13 @@ def test_group_offload_oom_suggests_leaf_level_then_disk() -> None:
     assert (err.fix or "").index("leaf_level") < (err.fix or "").index("disk-offload")
 
 
+def test_a_loaded_component_guards_its_own_forward(teacher: Path) -> None:
+    model = pl.load_component(teacher, "transformer", dtype=torch.float32, placement="cpu")
+    with pytest.raises(WandistillError) as info, pl.oom_guard_for(model):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 9 GB")
+    assert "on cpu running transformer with placement 'cpu'" in info.value.message
+
+
 def test_non_memory_errors_pass_through_the_guard() -> None:
     assert is_oom(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate"))
     assert not is_oom(RuntimeError("shape mismatch"))

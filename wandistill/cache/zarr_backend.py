@@ -29,21 +29,24 @@ Row ownership and concurrency. zarr 3.1 rewrites a whole zarr shard on every wri
 it (read-modify-write with no locking), so two partial writes into one zarr shard lose rows, and
 `resize` is a metadata rewrite that concurrent processes race on. Hence:
 
-* the sink buffers one writer shard (`begin..end`) in memory; `end()` takes an exclusive
+* the sink buffers one writer shard (`begin..end`) in memory, each record copied once into its
+  row of a preallocated block per field (reused from shard to shard); `end()` takes an exclusive
   `fcntl.flock` on `<cache>/data.zarr.lock`, creates missing arrays, re-reads each array's
   metadata, claims the next free row range (rounded up to whole zarr shards of `block` rows) and
   token range per ragged field (rounded up to whole zarr shards of `token_block` tokens), grows
   the arrays (never shrinks) and fsyncs their metadata, then releases the lock;
-* outside the lock, it writes each array with a single `arr[a:b] = data`; the row/token ranges are
-  disjoint and zarr-shard aligned, so no other writer ever touches those shard files;
-* the written shard files are fsynced, hashed, and listed in the entry; the CacheWriter then
+* outside the lock, it writes each array with a single `arr[a:b] = block`; the row/token ranges
+  are disjoint and zarr-shard aligned, so no other writer ever touches those shard files;
+* zarr writes through `_SealingStore`, a LocalStore that fsyncs every file it writes and hashes
+  the bytes zarr hands it (so no shard file is read back to hash it); the written shard files
+  are listed with size and sha256 in the entry; the CacheWriter then
   commits the entry in its journal. Rows reserved but never committed (a writer killed
   mid-shard, `abort()`, a failed `end()`) are simply never listed, and readers ignore them.
 
-`block` cannot come from the writer (`_make_sink` passes no shard_records), so it is a constant,
-BLOCK_RECORDS = 64 = CacheWriter's default shard_records. It only sets the zarr shard (file)
-size: a writer shard of n records claims ceil(n/block) zarr shards, and unwritten rows of its
-last one cost array shape only, no disk. Once the group exists, its recorded block wins.
+`block` is the sink's `block_records` (CacheWriter passes its shard_records; the default is
+BLOCK_RECORDS = 64). It only sets the zarr shard (file) size: a writer shard of n records claims
+ceil(n/block) zarr shards, and unwritten rows of its last one cost array shape only, no disk.
+Once the group exists, its recorded block wins.
 
 Shard manifest entry (CacheWriter adds name, rank, records, keys)::
 
@@ -58,27 +61,59 @@ take record i of shard entry e at row `e["rows"][0] + i`; `s, n = g["prompt_embe
 then `g["prompt_embeds/values"][s:s+n]`; an array with attrs wandistill_dtype == "bfloat16" is
 `torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)`.
 
+Fast read path. zarr-python funnels every read through its single event-loop thread (~1 ms
+each), which serialises a threaded reader. `ZarrSource` therefore reads the layout above itself:
+a sharded array's shard file ends with (index_location "end"; "start" is handled too) an index of
+little-endian uint64 (offset, nbytes) pairs, one per inner chunk in C order of the chunk's
+position in the shard, then the index's crc32c; an inner chunk is the raw little-endian items
+followed by their crc32c. Each shard file's index is read once and cached (a committed shard file
+is never rewritten), and inner chunks are `os.preadv`-ed straight into the `torch.empty` tensor
+that is returned (no intermediate buffer), coalescing chunks that are adjacent in the file into
+one call. Checksums: every whole inner chunk read is verified against its crc32c (google_crc32c,
+~8 GB/s, read into a 4-byte side buffer by the same preadv). A *partial* inner chunk (the first
+and last 32-token chunk of a ragged embedding, a timestep out of a record's row) is not verified
+on the training hot path, since that would mean reading the whole chunk; `read_record` (and so
+`verify`, which also checks every shard file's sha256) reads and verifies whole chunks. An
+inner chunk absent from the index (offset = nbytes = 2**64-1) reads as the fill value, as in
+zarr. A missing, truncated or corrupt shard file raises `ZarrChunkError` naming the shard entry,
+record key and file. Arrays whose codecs are not exactly this layout (e.g. compressed by another
+tool) are read through zarr-python as before; so is everything with `ZarrSource(fast=False)`.
+Stock zarr reads the same files unchanged: nothing about the format differs.
+
 This module never pickles and does not import webdataset. `fcntl` makes it POSIX-only; on a
 network filesystem the cache directory must support flock (NFSv4 does; Lustre needs -o flock).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
 import os
+import sys
 import threading
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import torch
 import zarr
 from zarr.codecs import Crc32cCodec
+from zarr.storage import LocalStore
 
-from wandistill.cache.schema import DTYPE_NAMES, FORMAT_NAME, Record, is_step_field
+from wandistill.cache.schema import (
+    DTYPE_NAMES,
+    DTYPES_BY_NAME,
+    FORMAT_NAME,
+    Record,
+    is_step_field,
+)
 from wandistill.errors import CacheError
 from wandistill.fsutil import fsync_dir
 
@@ -93,6 +128,8 @@ TOKEN_BLOCK = 4096
 RAGGED = ("prompt_embeds", "negative_prompt_embeds")
 DTYPE_ATTR = "wandistill_dtype"
 GROUP_ATTR = "wandistill"
+MAX_OPEN_SHARDS = 256
+"""Shard files a ZarrSource keeps open (with their decoded index); least recently used first out."""
 
 _WRITE_CONFIG: dict[str, Any] = {"write_empty_chunks": True}
 """Store every chunk, even one equal to the fill value, so each shard file this writer claims
@@ -107,6 +144,18 @@ _NP_DTYPES = {
     "uint8": np.uint8,
     "bfloat16": np.uint16,
 }
+_MISSING = 2**64 - 1
+"""Index entry (offset and nbytes) of an inner chunk that was never written: read the fill value."""
+_IOV_MAX = 512
+"""Buffers per preadv call (Linux allows 1024)."""
+_MAX_GAP = 4096
+"""Bytes between two chunk reads of one shard file worth reading (and discarding) to merge them."""
+
+
+class ZarrChunkError(CacheError, ValueError):
+    """A zarr shard file is missing, truncated, or fails a crc32c check (fast read path).
+
+    Also a ValueError, like zarr-python's own checksum error on the same data."""
 
 
 def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -128,6 +177,18 @@ def to_torch(a: np.ndarray, dtype: str) -> torch.Tensor:
     if dtype == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
+
+
+def _torch_view(a: np.ndarray, dtype: str) -> torch.Tensor:
+    """A tensor sharing `a`'s memory, typed as `dtype` (bf16 over the uint16 bits)."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a fresh, contiguous tensor as a writable flat uint8 numpy array (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _array_dtype(arr: Any) -> str:
@@ -173,6 +234,14 @@ def _hash_file(path: Path, *, fsync: bool = False) -> tuple[int, str]:
     return size, sha.hexdigest()
 
 
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _parents_below(path: Path, root: Path) -> list[Path]:
     """Directories from `path`'s parent up to and including `root` (to fsync new entries)."""
     out = []
@@ -186,6 +255,29 @@ def _parents_below(path: Path, root: Path) -> list[Path]:
 def _check_node_name(name: str) -> None:
     if not name or "/" in name or name.startswith("__") or name in (".", ".."):
         raise CacheError(f"tensor name {name!r} cannot be a zarr array name")
+
+
+class _SealingStore(LocalStore):
+    """A LocalStore that fsyncs every file zarr writes through it and remembers the file's size
+    and sha256, hashed from the bytes zarr handed over: no shard file is read back to hash it.
+
+    zarr's LocalStore writes each value with one `write` into a temp file that it renames over
+    the key, so the file holds exactly `value`. Hashing and fsync run in a worker thread
+    (hashlib releases the GIL), like zarr's own file write."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.sealed: dict[str, tuple[int, str]] = {}
+
+    async def set(self, key: str, value: Any) -> None:
+        await super().set(key, value)
+        self.sealed[key] = await asyncio.to_thread(self._seal, key, value)
+
+    def _seal(self, key: str, value: Any) -> tuple[int, str]:
+        data = value.as_buffer_like()
+        digest = hashlib.sha256(data).hexdigest()
+        _fsync_path(self.root / key)
+        return memoryview(data).nbytes, digest
 
 
 class ZarrSink:
@@ -214,69 +306,124 @@ class ZarrSink:
         self.block_records = block_records
         self.token_chunk = token_chunk
         self.token_block = token_block
+        self._pool: dict[str, np.ndarray] = {}
+        """Per-field block buffers, reused from shard to shard (fresh memory costs page faults)."""
         self._reset(None)
 
     def _reset(self, name: str | None) -> None:
         self.name = name
         self._meta: list[dict[str, Any]] = []
-        self._dense: dict[str, list[np.ndarray]] = {}
-        self._ragged: dict[str, list[np.ndarray | None]] = {}
         self._dtypes: dict[str, str] = {}
+        self._items: dict[str, tuple[int, ...]] = {}
+        """Dense field -> item shape; ragged field -> (width,)."""
+        self._dense: dict[str, np.ndarray] = {}
+        """Dense field -> (capacity, *item) block; rows [0, records) are filled."""
+        self._tokens: dict[str, np.ndarray] = {}
+        """Ragged field -> (capacity, width) block; its records' tokens back to back."""
+        self._spans: dict[str, list[tuple[int, int] | None]] = {}
+        """Ragged field -> per record (first token in the block, length), None when absent."""
+        self._used: dict[str, int] = {}
 
     # ----------------------------------------------------------------- buffering
 
     def begin(self, name: str) -> None:
         self._reset(name)
 
+    def _block(self, key: str, rows: int, item: tuple[int, ...], dtype: str) -> np.ndarray:
+        """A (>= rows, *item) buffer for field `key`, from the pool when one fits."""
+        np_dtype = np.dtype(_NP_DTYPES[dtype])
+        buf = self._pool.get(key)
+        if buf is None or buf.shape[0] < rows or buf.shape[1:] != item or buf.dtype != np_dtype:
+            buf = np.empty((rows, *item), dtype=np_dtype)
+            self._pool[key] = buf
+        return buf
+
+    def _grow_block(
+        self, key: str, buf: np.ndarray, used: int, rows: int, dtype: str
+    ) -> np.ndarray:
+        """`buf` with room for `rows` rows, keeping its first `used` rows."""
+        if buf.shape[0] >= rows:
+            return buf
+        self._pool.pop(key, None)
+        new = self._block(key, max(rows, 2 * buf.shape[0]), buf.shape[1:], dtype)
+        new[:used] = buf[:used]
+        return new
+
     def add(self, record: Record) -> None:
         where = f"record {record.key}"
         tensors = record.tensors()
-        dense = {k: v for k, v in tensors.items() if k not in RAGGED}
-        if self._meta and set(dense) != set(self._dense):
+        dense = {k for k in tensors if k not in RAGGED}
+        n = len(self._meta)
+        if n and dense != set(self._dense):
             raise CacheError(
                 f"{where} has tensors {sorted(dense)}, the shard's first record had "
                 f"{sorted(self._dense)}"
             )
-        converted: dict[str, np.ndarray] = {}
+        # Check everything first: a rejected record leaves the buffered shard as it was.
+        checked: list[tuple[str, torch.Tensor, str]] = []
         for name, t in tensors.items():
             _check_node_name(name)
-            a, dtype = to_numpy(t)
-            known = self._dtypes.setdefault(name, dtype)
+            dtype = DTYPE_NAMES.get(t.dtype)
+            if dtype is None:
+                raise CacheError(f"the zarr cache cannot store dtype {t.dtype}")
+            known = self._dtypes.get(name, dtype)
             if known != dtype:
                 raise CacheError(f"{where}: {name} is {dtype}, earlier records have {known}")
+            shape = tuple(int(d) for d in t.shape)
+            item = self._items.get(name)
             if name in RAGGED:
-                if a.ndim != 2:
-                    raise CacheError(f"{where}: {name} must be (L, D), got {list(a.shape)}")
-                first = next((x for x in self._ragged.get(name, []) if x is not None), None)
-                if first is not None and first.shape[1] != a.shape[1]:
-                    raise CacheError(f"{where}: {name} width {a.shape[1]} != {first.shape[1]}")
-            else:
-                rows = self._dense.get(name)
-                if rows and rows[0].shape != a.shape:
-                    raise CacheError(
-                        f"{where}: {name} has shape {list(a.shape)}, earlier records have "
-                        f"{list(rows[0].shape)}"
+                if len(shape) != 2:
+                    raise CacheError(f"{where}: {name} must be (L, D), got {list(shape)}")
+                if item is not None and item[0] != shape[1]:
+                    raise CacheError(f"{where}: {name} width {shape[1]} != {item[0]}")
+            elif item is not None and item != shape:
+                raise CacheError(
+                    f"{where}: {name} has shape {list(shape)}, earlier records have {list(item)}"
+                )
+            checked.append((name, t.detach(), dtype))
+        # Copy each tensor once, straight into its row of the shard's block (copy_ also moves
+        # it off the GPU and makes it contiguous).
+        for name, t, dtype in checked:
+            self._dtypes[name] = dtype
+            if name in RAGGED:
+                length, width = (int(d) for d in t.shape)
+                self._items.setdefault(name, (width,))
+                spans = self._spans.setdefault(name, [None] * n)
+                pos = self._used.get(name, 0)
+                buf = self._tokens.get(name)
+                if buf is None:
+                    buf = self._block(
+                        name, max(pos + length, 4 * self.block_records), (width,), dtype
                     )
-            converted[name] = a
-        n = len(self._meta)
-        for name in RAGGED:
-            if name in converted:
-                self._ragged.setdefault(name, [None] * n).append(converted[name])
-            elif name in self._ragged:
-                self._ragged[name].append(None)
-        for name, a in converted.items():
-            if name not in RAGGED:
-                self._dense.setdefault(name, []).append(a)
+                buf = self._grow_block(name, buf, pos, pos + length, dtype)
+                self._tokens[name] = buf
+                _torch_view(buf[pos : pos + length], dtype).copy_(t)
+                spans.append((pos, length))
+                self._used[name] = pos + length
+            else:
+                self._items.setdefault(name, tuple(t.shape))
+                buf = self._dense.get(name)
+                if buf is None:
+                    buf = self._block(name, self.block_records, self._items[name], dtype)
+                buf = self._grow_block(name, buf, n, n + 1, dtype)
+                self._dense[name] = buf
+                _torch_view(buf[n], dtype).copy_(t)
+        for spans in self._spans.values():
+            if len(spans) == n:  # this record has no such tensor
+                spans.append(None)
         self._meta.append(record.meta())
 
     def abort(self) -> None:
-        """Drop the buffered records; nothing was claimed, or what was stays unused."""
+        """Drop the buffered records (and the buffers); nothing was claimed, or what was stays
+        unused."""
+        self._pool.clear()
         self._reset(None)
 
     # ----------------------------------------------------------------- publishing
 
-    def _open_group(self) -> Any:
-        group = zarr.open_group(str(self.root), mode="a", zarr_format=3)
+    def _open_group(self) -> tuple[Any, _SealingStore]:
+        store = _SealingStore(self.root)
+        group = zarr.open_group(store=store, mode="a", zarr_format=3)
         if GROUP_ATTR not in group.attrs:
             group.attrs[GROUP_ATTR] = {
                 "format": FORMAT_NAME,
@@ -285,10 +432,10 @@ class ZarrSink:
                 "token_block": self.token_block,
                 "note": "rows are committed only via manifest.json / journal entries",
             }
-            _hash_file(self.root / "zarr.json", fsync=True)
+            _fsync_path(self.root / "zarr.json")
             fsync_dir(self.root)
             fsync_dir(self.root.parent)
-        return group
+        return group, store
 
     def _require(
         self,
@@ -342,20 +489,20 @@ class ZarrSink:
             raise CacheError("ZarrSink.end() with no records")
         self.root.parent.mkdir(parents=True, exist_ok=True)
         with _flock(self.lock_path):
-            group = self._open_group()
+            group, store = self._open_group()
             cfg = dict(group.attrs[GROUP_ATTR])
             block = int(cfg["block_records"])
             tchunk, tblock = int(cfg["token_chunk"]), int(cfg["token_block"])
             dense: dict[str, Any] = {}
-            for name, rows in self._dense.items():
-                item = tuple(rows[0].shape)
+            for name in self._dense:
+                item = self._items[name]
                 chunks, shards = self._dense_layout(name, item, block)
                 dense[name] = self._require(
                     group, name, item, self._dtypes[name], chunks, shards, 0
                 )
             ragged: dict[str, tuple[Any, Any]] = {}
-            for name, vals in self._ragged.items():
-                width = next(v for v in vals if v is not None).shape[1]
+            for name in self._spans:
+                (width,) = self._items[name]
                 values = self._require(
                     group,
                     f"{name}/values",
@@ -376,36 +523,32 @@ class ZarrSink:
             to_grow = [*dense.values(), *(off for _, off in ragged.values())]
             token_rows: dict[str, list[int]] = {}
             for name, (values, _) in ragged.items():
-                total = sum(int(v.shape[0]) for v in self._ragged[name] if v is not None)
+                total = self._used.get(name, 0)
                 t0 = _ceil_to(int(values.shape[0]), tblock)
                 token_rows[name] = [t0, t0 + total]
                 if total:
-                    self._grow(values, t0 + _ceil_to(total, tblock))
+                    self._grow(values, t0 + _ceil_to(total, tblock), store)
             for arr in to_grow:
-                self._grow(arr, reserved)
+                self._grow(arr, reserved, store)
             fsync_dir(self.root)
 
-        # Outside the lock: these zarr shards belong to this writer alone. One write per array.
+        # Outside the lock: these zarr shards belong to this writer alone. One write per array,
+        # straight from the shard's block (zarr copies it into its shard files).
         written: list[tuple[Any, str, int, int]] = []  # (array, path, first, stop) on axis 0
         try:
             for name, arr in dense.items():
-                data = np.stack(self._dense[name])
-                self._dense[name] = []
-                arr[start : start + n] = data
-                del data
+                arr[start : start + n] = self._dense[name][:n]
                 written.append((arr, name, start, start + n))
             for name, (values, offsets) in ragged.items():
                 t0, t1 = token_rows[name]
                 offs = np.full((n, 2), -1, dtype=np.int64)
-                pos = t0
-                for i, v in enumerate(self._ragged[name]):
-                    if v is not None:
-                        offs[i] = (pos, v.shape[0])
-                        pos += v.shape[0]
+                for i, span in enumerate(self._spans[name]):
+                    if span is not None:
+                        offs[i] = (t0 + span[0], span[1])
                 offsets[start : start + n] = offs
                 written.append((offsets, f"{name}/offsets", start, start + n))
                 if t1 > t0:
-                    values[t0:t1] = np.concatenate([v for v in self._ragged[name] if v is not None])
+                    values[t0:t1] = self._tokens[name][: t1 - t0]
                     written.append((values, f"{name}/values", t0, t1))
             sha: dict[str, str] = {}
             total_bytes = 0
@@ -413,14 +556,19 @@ class ZarrSink:
             for arr, path, a, b in written:
                 for key in _shard_keys(arr, a, b):
                     rel = f"{path}/{key}"
-                    size, sha[rel] = _hash_file(self.root / rel, fsync=True)
+                    sealed = store.sealed.get(rel)
+                    if sealed is None:  # not written through the store's set(): read it back
+                        sealed = _hash_file(self.root / rel, fsync=True)
+                    size, sha[rel] = sealed
                     total_bytes += size
                     dirs.update(_parents_below(self.root / rel, self.root))
             for d in sorted(dirs, key=lambda p: -len(p.parts)):
                 fsync_dir(d)
-            fields = sorted([*self._dense, *self._ragged])
+            fields = sorted([*self._dense, *self._spans])
             meta = self._meta
         finally:
+            if n < self.block_records:  # a short shard is usually a writer's last: free memory
+                self._pool.clear()
             self._reset(None)
         return {
             "file": DATA_NAME,
@@ -441,28 +589,231 @@ class ZarrSink:
                 out.append(group[f"{name}/offsets"])
         return out
 
-    def _grow(self, arr: Any, rows: int) -> None:
+    def _grow(self, arr: Any, rows: int, store: _SealingStore) -> None:
         """Grow axis 0 to `rows` (never shrink) and make the new metadata durable."""
         if int(arr.shape[0]) >= rows:
             return
         arr.resize((rows, *arr.shape[1:]))
         meta = self.root / arr.path / "zarr.json"
-        _hash_file(meta, fsync=True)
+        if f"{arr.path}/zarr.json" not in store.sealed:  # (the store fsyncs what it writes)
+            _fsync_path(meta)
         for d in _parents_below(meta, self.root):
             fsync_dir(d)
 
 
-class ZarrSource:
-    """Reads committed rows. Arrays are opened once (and re-opened only when a writer has grown
-    one past what this reader saw); zarr array reads are safe from many threads."""
+# ------------------------------------------------------------------------------ fast reads
 
-    def __init__(self, cache: str | Path) -> None:
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    """Where one array's items live in its shard files, for reads without zarr-python.
+
+    Supported chunkings (what ZarrSink writes), with the trailing axes whole in every chunk:
+    one inner chunk per `chunks[0]` rows (`per_step` False), or per (row, step) (`per_step`)."""
+
+    path: str
+    tail: tuple[int, ...]
+    """shape[1:] (one row)."""
+    tdtype: torch.dtype
+    itemsize: int
+    cps: tuple[int, ...]
+    """Inner chunks per shard, per axis."""
+    strides: tuple[int, ...]
+    """C-order strides of `cps`: an inner chunk's position in its shard's index."""
+    rows_per_chunk: int
+    per_step: bool
+    chunk_nbytes: int
+    """Payload bytes of one inner chunk (its crc32c excluded)."""
+    crc: bool
+    index_nbytes: int
+    index_crc: bool
+    index_at_end: bool
+    fill: bytes
+    """One item of the fill value."""
+    encode_key: Callable[[tuple[int, ...]], str]
+
+
+def _endian_ok(codec: Any) -> bool:
+    if not isinstance(codec, dict) or codec.get("name") != "bytes":
+        return False
+    return (codec.get("configuration") or {}).get("endian", "little") == "little"
+
+
+def _crc_suffix(codecs: Any) -> bool | None:
+    """For [bytes(little)] or [bytes(little), crc32c]: whether crc32c is there; else None."""
+    if not isinstance(codecs, list | tuple) or not 1 <= len(codecs) <= 2:
+        return None
+    if not _endian_ok(codecs[0]):
+        return None
+    if len(codecs) == 1:
+        return False
+    return True if isinstance(codecs[1], dict) and codecs[1].get("name") == "crc32c" else None
+
+
+def _geometry(path: str, arr: Any, dtype: str) -> _Geometry | None:
+    """The fast-path geometry of `arr`, or None to read it through zarr-python."""
+    try:
+        meta = arr.metadata.to_dict()
+        tdtype = DTYPES_BY_NAME.get(dtype)
+        np_dtype = np.dtype(arr.dtype)
+        codecs = meta.get("codecs")
+        grid = meta.get("chunk_grid") or {}
+        if (
+            sys.byteorder != "little"
+            or tdtype is None
+            or np_dtype.byteorder not in "=<|"
+            or torch.empty((), dtype=tdtype).element_size() != np_dtype.itemsize
+            or not isinstance(codecs, list | tuple)
+            or len(codecs) != 1
+            or codecs[0].get("name") != "sharding_indexed"
+            or grid.get("name") != "regular"
+        ):
+            return None
+        cfg = codecs[0].get("configuration") or {}
+        crc, index_crc = _crc_suffix(cfg.get("codecs")), _crc_suffix(cfg.get("index_codecs"))
+        location = cfg.get("index_location", "end")
+        shape = tuple(int(d) for d in arr.shape)
+        chunks = tuple(int(d) for d in cfg["chunk_shape"])
+        shards = tuple(int(d) for d in grid["configuration"]["chunk_shape"])
+        if (
+            crc is None
+            or index_crc is None
+            or location not in ("start", "end")
+            or not len(shape) == len(chunks) == len(shards) >= 1
+            or any(c <= 0 or s % c for s, c in zip(shards, chunks, strict=True))
+            or prod(shape[1:]) == 0
+        ):
+            return None
+        tail = shape[1:]
+        if chunks[1:] == tail:
+            per_step = False
+        elif len(shape) >= 2 and chunks[:2] == (1, 1) and chunks[2:] == tail[1:]:
+            per_step = True
+        else:
+            return None
+        cps = tuple(s // c for s, c in zip(shards, chunks, strict=True))
+        strides = tuple(prod(cps[j + 1 :]) for j in range(len(cps)))
+        fill = np.array(arr.metadata.fill_value, dtype=np_dtype).tobytes()
+        n_chunks = prod(cps)
+        return _Geometry(
+            path=path,
+            tail=tail,
+            tdtype=tdtype,
+            itemsize=np_dtype.itemsize,
+            cps=cps,
+            strides=strides,
+            rows_per_chunk=chunks[0],
+            per_step=per_step,
+            chunk_nbytes=prod(chunks) * np_dtype.itemsize,
+            crc=crc,
+            index_nbytes=16 * n_chunks + 4 * index_crc,
+            index_crc=index_crc,
+            index_at_end=location == "end",
+            fill=fill,
+            encode_key=arr.metadata.encode_chunk_key,
+        )
+    except Exception:  # anything unexpected in the metadata: zarr-python knows best
+        return None
+
+
+Piece = tuple[tuple[int, ...], int, int, int]
+"""(inner chunk coords, byte offset in the chunk's payload, length, byte offset in the output)."""
+
+
+def _row_pieces(g: _Geometry, a: int, b: int) -> list[Piece]:
+    """Rows [a, b) of the array, into an output of shape (b - a, *tail)."""
+    zeros = (0,) * (len(g.tail) - (1 if g.per_step else 0))
+    if g.per_step:
+        steps = g.tail[0]
+        size = g.chunk_nbytes
+        return [
+            ((r, t, *zeros), 0, size, ((r - a) * steps + t) * size)
+            for r in range(a, b)
+            for t in range(steps)
+        ]
+    per = g.rows_per_chunk
+    row = g.chunk_nbytes // per
+    out = []
+    for c in range(a // per, -(-b // per)):
+        lo, hi = max(a, c * per), min(b, (c + 1) * per)
+        out.append(((c, *zeros), (lo - c * per) * row, (hi - lo) * row, (lo - a) * row))
+    return out
+
+
+def _step_pieces(g: _Geometry, r: int, t: int) -> list[Piece]:
+    """Item [r, t] of the array, into an output of shape tail[1:]."""
+    if g.per_step:
+        return [((r, t, *(0,) * (len(g.tail) - 1)), 0, g.chunk_nbytes, 0)]
+    per = g.rows_per_chunk
+    row = g.chunk_nbytes // per
+    step = row // g.tail[0]
+    c = r // per
+    return [((c, *(0,) * len(g.tail)), (r - c * per) * row + t * step, step, 0)]
+
+
+class _ShardFile:
+    """One open shard file and its decoded index; closed once evicted and no longer in use."""
+
+    __slots__ = ("data_end", "data_start", "dropped", "fd", "index", "rel", "users")
+
+    def __init__(self, rel: str, fd: int, index: np.ndarray, start: int, end: int) -> None:
+        self.rel = rel
+        self.fd = fd
+        self.index = index
+        self.data_start = start
+        self.data_end = end
+        self.users = 0
+        self.dropped = False
+
+
+def _open_shard(root: Path, rel: str, g: _Geometry) -> _ShardFile:
+    where = f"{DATA_NAME}/{rel}"
+    try:
+        fd = os.open(root / rel, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ZarrChunkError(f"{where} is missing") from None
+    try:
+        size = os.fstat(fd).st_size
+        need = g.index_nbytes
+        if size < need:
+            raise ZarrChunkError(
+                f"{where} is truncated: {size} bytes, its shard index alone is {need}"
+            )
+        raw = os.pread(fd, need, size - need if g.index_at_end else 0)
+        if len(raw) != need:
+            raise ZarrChunkError(f"{where}: short read of its shard index (file truncated?)")
+        if g.index_crc and google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            raise ZarrChunkError(
+                f"{where}: shard index crc32c checksum mismatch (file truncated or corrupt)"
+            )
+        index = np.frombuffer(raw, dtype="<u8", count=need // 16 * 2).reshape(-1, 2)
+        start, end = (0, size - need) if g.index_at_end else (need, size)
+        return _ShardFile(rel, fd, index, start, end)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class ZarrSource:
+    """Reads committed rows, thread-safe.
+
+    The fast path (see the module docstring) preads inner chunks straight into fresh tensors;
+    `fast=False`, or an array in a layout it does not know, reads through zarr-python. Arrays
+    are opened once (and re-opened only when a writer has grown one past what this reader saw);
+    shard files stay open, with their decoded index, up to `max_open` of them."""
+
+    def __init__(
+        self, cache: str | Path, *, fast: bool = True, max_open: int | None = None
+    ) -> None:
         self.cache = Path(cache)
         self.root = self.cache / DATA_NAME
+        self.fast = fast
+        self.max_open = max(1, MAX_OPEN_SHARDS if max_open is None else max_open)
         self._lock = threading.Lock()
         self._group: Any = None
-        self._arrays: dict[str, tuple[Any, str]] = {}
+        self._arrays: dict[str, tuple[Any, str, _Geometry | None]] = {}
         self._offsets: dict[tuple[str, int, str], np.ndarray] = {}
+        self._files: OrderedDict[str, _ShardFile] = OrderedDict()
 
     def _open_group(self) -> Any:
         if self._group is None:
@@ -471,8 +822,8 @@ class ZarrSource:
             self._group = zarr.open_group(str(self.root), mode="r", zarr_format=3)
         return self._group
 
-    def _array(self, path: str, rows: int) -> tuple[Any, str]:
-        """Array `path` with at least `rows` rows, and its stored dtype name."""
+    def _array(self, path: str, rows: int) -> tuple[Any, str, _Geometry | None]:
+        """Array `path` with at least `rows` rows, its stored dtype name and fast geometry."""
         got = self._arrays.get(path)
         if got is None or got[0].shape[0] < rows:
             with self._lock:
@@ -482,7 +833,9 @@ class ZarrSource:
                     if path not in group:
                         raise KeyError(f"{DATA_NAME} has no array {path!r}")
                     arr = group[path]
-                    got = (arr, _array_dtype(arr))
+                    dtype = _array_dtype(arr)
+                    geom = _geometry(path, arr, dtype) if self.fast else None
+                    got = (arr, dtype, geom)
                     self._arrays[path] = got
             if got[0].shape[0] < rows:
                 raise CacheError(
@@ -490,19 +843,169 @@ class ZarrSource:
                 )
         return got
 
+    # -------------------------------------------------------------- shard files
+
+    def _acquire(self, rel: str, g: _Geometry) -> _ShardFile:
+        with self._lock:
+            f = self._files.get(rel)
+            if f is not None:
+                self._files.move_to_end(rel)
+                f.users += 1
+                return f
+        new = _open_shard(self.root, rel, g)  # outside the lock: this is I/O
+        with self._lock:
+            f = self._files.get(rel)
+            if f is not None:  # another thread opened it meanwhile
+                os.close(new.fd)
+                self._files.move_to_end(rel)
+                f.users += 1
+                return f
+            new.users = 1
+            self._files[rel] = new
+            while len(self._files) > self.max_open:
+                _, old = self._files.popitem(last=False)
+                old.dropped = True
+                if old.users == 0:
+                    os.close(old.fd)
+            return new
+
+    def _release(self, f: _ShardFile) -> None:
+        with self._lock:
+            f.users -= 1
+            if f.dropped and f.users == 0:
+                os.close(f.fd)
+
+    def _fill(self, g: _Geometry, pieces: list[Piece], out: np.ndarray, whole: bool) -> None:
+        """Read the pieces' bytes into `out` (flat uint8). With `whole`, a piece that is part of
+        an inner chunk reads the whole chunk, to verify its crc32c."""
+        by_shard: dict[tuple[int, ...], list[tuple[int, int, int, int]]] = {}
+        for coords, skip, size, dest in pieces:
+            if size == 0:
+                continue
+            shard = tuple(c // k for c, k in zip(coords, g.cps, strict=True))
+            local = sum((c % k) * s for c, k, s in zip(coords, g.cps, g.strides, strict=True))
+            by_shard.setdefault(shard, []).append((local, skip, size, dest))
+        for shard, items in by_shard.items():
+            f = self._acquire(f"{g.path}/{g.encode_key(shard)}", g)
+            try:
+                self._read_shard(f, g, items, out, whole)
+            finally:
+                self._release(f)
+
+    def _read_shard(
+        self,
+        f: _ShardFile,
+        g: _Geometry,
+        items: list[tuple[int, int, int, int]],
+        out: np.ndarray,
+        whole: bool,
+    ) -> None:
+        where = f"{DATA_NAME}/{f.rel}"
+        stored = g.chunk_nbytes + 4 * g.crc
+        reads: list[tuple[int, list[np.ndarray]]] = []  # (file offset, buffers filled in order)
+        checks: list[tuple[int, np.ndarray, np.ndarray]] = []  # (chunk, payload, its crc32c)
+        copies: list[tuple[np.ndarray, np.ndarray]] = []  # (destination, part of a whole chunk)
+        for local, skip, size, dest in items:
+            off, nbytes = (int(x) for x in f.index[local])
+            target = out[dest : dest + size]
+            if off == _MISSING and nbytes == _MISSING:  # never written: the fill value
+                target[:] = np.frombuffer(g.fill * (size // g.itemsize), dtype=np.uint8)
+                continue
+            if nbytes != stored or off < f.data_start or off + nbytes > f.data_end:
+                raise ZarrChunkError(
+                    f"{where}: inner chunk {local} is {nbytes} bytes at offset {off}, expected "
+                    f"{stored} bytes within [{f.data_start}, {f.data_end}) (file truncated, or "
+                    "not the layout this reader knows)"
+                )
+            if skip == 0 and size == g.chunk_nbytes:
+                if g.crc:
+                    crc = np.empty(4, dtype=np.uint8)
+                    reads.append((off, [target, crc]))
+                    checks.append((local, target, crc))
+                else:
+                    reads.append((off, [target]))
+            elif whole and g.crc:
+                scratch = np.empty(stored, dtype=np.uint8)
+                reads.append((off, [scratch]))
+                checks.append((local, scratch[:-4], scratch[-4:]))
+                copies.append((target, scratch[skip : skip + size]))
+            else:  # part of a chunk, on the hot path: read just that part, unverified
+                reads.append((off + skip, [target]))
+        reads.sort(key=lambda r: r[0])
+        run_off, run_end, run = 0, 0, []  # coalesce reads that are (nearly) adjacent in the file
+        for off, bufs in reads:
+            length = sum(b.nbytes for b in bufs)
+            if run and 0 <= off - run_end <= _MAX_GAP and len(run) + len(bufs) < _IOV_MAX:
+                if off > run_end:
+                    run.append(np.empty(off - run_end, dtype=np.uint8))
+                run.extend(bufs)
+                run_end = off + length
+                continue
+            if run:
+                self._preadv(f, run, run_off, run_end - run_off, where)
+            run_off, run_end, run = off, off + length, list(bufs)
+        if run:
+            self._preadv(f, run, run_off, run_end - run_off, where)
+        for local, payload, crc in checks:
+            if google_crc32c.value(payload) != int(crc.view("<u4")[0]):
+                raise ZarrChunkError(f"{where}: inner chunk {local} fails its crc32c checksum")
+        for target, part in copies:
+            target[:] = part
+
+    @staticmethod
+    def _preadv(f: _ShardFile, bufs: list[np.ndarray], off: int, size: int, where: str) -> None:
+        got = os.preadv(f.fd, bufs, off)
+        if got != size:
+            raise ZarrChunkError(
+                f"{where}: short read ({got} of {size} bytes at {off}; file truncated?)"
+            )
+
+    # -------------------------------------------------------------- tensors
+
+    def _rows(self, path: str, a: int, b: int, whole: bool) -> torch.Tensor:
+        """Rows [a, b) of array `path`."""
+        arr, dtype, g = self._array(path, b)
+        if g is None:
+            return to_torch(arr[a:b], dtype)
+        t = torch.empty((b - a, *g.tail), dtype=g.tdtype)
+        self._fill(g, _row_pieces(g, a, b), _bytes_of(t), whole)
+        return t
+
+    def _item(self, path: str, row: int, step: int | None, whole: bool) -> torch.Tensor:
+        """Row `row` of array `path`, or only its step `step` (index on axis 1)."""
+        arr, dtype, g = self._array(path, row + 1)
+        if g is None:
+            return to_torch(arr[row] if step is None else arr[row, step], dtype)
+        if step is None:
+            t = torch.empty(g.tail, dtype=g.tdtype)
+            self._fill(g, _row_pieces(g, row, row + 1), _bytes_of(t), whole)
+            return t
+        steps = g.tail[0] if g.tail else 0
+        if not -steps <= step < steps:
+            raise IndexError(f"step {step} is out of range for {path} with {steps} steps")
+        t = torch.empty(g.tail[1:], dtype=g.tdtype)
+        self._fill(g, _step_pieces(g, row, step % steps), _bytes_of(t), whole)
+        return t
+
     def offsets(self, entry: dict[str, Any], name: str) -> np.ndarray:
         """(records, 2) [start, length] of ragged field `name` for one shard entry."""
         start, stop = entry["rows"]
         key = (entry["name"], int(start), name)
         got = self._offsets.get(key)
         if got is None:
-            arr, _ = self._array(f"{name}/offsets", stop)
-            got = np.asarray(arr[start:stop], dtype=np.int64)
+            got = self._rows(f"{name}/offsets", int(start), int(stop), True).numpy()
+            got = np.asarray(got, dtype=np.int64)
             self._offsets[key] = got
         return got
 
     def _read(
-        self, entry: dict[str, Any], i: int, wanted: dict[str, int | None], *, missing_ok: bool
+        self,
+        entry: dict[str, Any],
+        i: int,
+        wanted: dict[str, int | None],
+        *,
+        missing_ok: bool,
+        whole: bool = False,
     ) -> dict[str, torch.Tensor]:
         n = int(entry["records"])
         if not 0 <= i < n:
@@ -513,19 +1016,23 @@ class ZarrSource:
         for name, step in wanted.items():
             if name not in fields:
                 raise KeyError(f"shard {entry['name']} record {entry['keys'][i]} has no {name!r}")
-            if name in RAGGED:
-                s, length = (int(x) for x in self.offsets(entry, name)[i])
-                if length < 0:
-                    if missing_ok:
-                        continue
-                    raise KeyError(
-                        f"shard {entry['name']} record {entry['keys'][i]} has no {name!r}"
-                    )
-                arr, dtype = self._array(f"{name}/values", s + length)
-                out[name] = to_torch(arr[s : s + length], dtype)
-            else:
-                arr, dtype = self._array(name, row + 1)
-                out[name] = to_torch(arr[row] if step is None else arr[row, step], dtype)
+            try:
+                if name in RAGGED:
+                    s, length = (int(x) for x in self.offsets(entry, name)[i])
+                    if length < 0:
+                        if missing_ok:
+                            continue
+                        raise KeyError(
+                            f"shard {entry['name']} record {entry['keys'][i]} has no {name!r}"
+                        )
+                    out[name] = self._rows(f"{name}/values", s, s + length, whole)
+                else:
+                    out[name] = self._item(name, row, step, whole)
+            except (ZarrChunkError, OSError) as e:
+                msg = e.message if isinstance(e, ZarrChunkError) else f"{type(e).__name__}: {e}"
+                raise ZarrChunkError(
+                    f"shard {entry['name']} record {entry['keys'][i]}: {name}: {msg}"
+                ) from None
         return out
 
     def read_tensors(
@@ -534,7 +1041,7 @@ class ZarrSource:
         return self._read(entry, i, wanted, missing_ok=False)
 
     def read_record(self, entry: dict[str, Any], i: int) -> Record:
-        tensors = self._read(entry, i, dict.fromkeys(entry["fields"]), missing_ok=True)
+        tensors = self._read(entry, i, dict.fromkeys(entry["fields"]), missing_ok=True, whole=True)
         return Record.from_parts(entry["meta"][i], tensors)
 
     def _affected(self, entry: dict[str, Any], rel: str) -> list[int]:
@@ -544,7 +1051,7 @@ class ZarrSource:
         path, sep, coords = rel.partition("/c/")
         try:
             k = int(coords.split("/")[0])
-            arr, _ = self._array(path, 0)
+            arr = self._array(path, 0)[0]
             lo, hi = k * int(arr.shards[0]), (k + 1) * int(arr.shards[0])
             if path.endswith("/values"):
                 offs = self.offsets(entry, path.rsplit("/", 1)[0])
@@ -608,6 +1115,11 @@ class ZarrSource:
 
     def close(self) -> None:
         with self._lock:
+            for f in self._files.values():
+                f.dropped = True
+                if f.users == 0:
+                    os.close(f.fd)
+            self._files.clear()
             self._arrays.clear()
             self._offsets.clear()
             self._group = None

@@ -35,7 +35,7 @@ from wandistill.progress import Progress
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-CPU_PLACEMENTS = ("cpu", "disk-offload")
+CPU_PLACEMENTS = ("cpu",)
 
 
 @dataclass(slots=True)
@@ -163,7 +163,12 @@ def _key(p: Prompt, settings: dict[str, Any]) -> str:
 
 
 def _device_kind(placement: str) -> str:
-    return "cpu" if placement in CPU_PLACEMENTS or placement.endswith(".json") else "auto"
+    """The device torchrun ranks bind to: CPU placements use gloo, the rest the rank's GPU."""
+    import torch
+
+    if placement in CPU_PLACEMENTS or not torch.cuda.is_available():
+        return "cpu"
+    return "auto"
 
 
 def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) -> Summary:
@@ -253,13 +258,14 @@ def _run(
         embeds: dict[int, torch.Tensor] = {}
         for start in range(0, len(needed), bs):
             chunk = needed[start : start + bs]
-            enc = encode_trimmed(
-                tokenizer,
-                encoder,
-                [prompts[i].text for i in chunk],
-                max_sequence_length=msl,
-                dtype=dtype,
-            )
+            with pl.oom_guard_for(encoder):
+                enc = encode_trimmed(
+                    tokenizer,
+                    encoder,
+                    [prompts[i].text for i in chunk],
+                    max_sequence_length=msl,
+                    dtype=dtype,
+                )
             embeds.update(zip(chunk, enc.embeds, strict=True))
             report.truncated.extend(
                 prompts[i].line for i, tr in zip(chunk, enc.truncated, strict=True) if tr
@@ -331,8 +337,9 @@ def _run(
                             sampler.start([job(i) for i in b], device)
                             for b in todo[g0 : g0 + group]
                         ]
-                    for st in states:
-                        sampler.advance(st, model, expert, device)
+                    with pl.oom_guard_for(model):
+                        for st in states:
+                            sampler.advance(st, model, expert, device)
                 assert states is not None
                 for st in states:
                     for rec in sampler.finish(st):

@@ -65,6 +65,7 @@ __all__ = [
     "execution_device",
     "load_component",
     "needs_cuda",
+    "oom_guard_for",
     "park",
     "placement_of",
     "read_device_map_file",
@@ -106,6 +107,15 @@ class Placed:
     """model-offload: accelerate's UserCpuOffloadHook (`park` calls its offload())."""
     cleanup: Callable[[], Any] | None = None
     """Removes the offload folder; also runs when the module is garbage-collected or at exit."""
+    group_level: str | None = None
+    """group-offload: block_level or leaf_level."""
+
+    @property
+    def label(self) -> str:
+        """The strategy as error messages name it."""
+        if self.strategy == "group-offload" and self.group_level == "leaf_level":
+            return "group-offload (leaf_level)"
+        return self.strategy
 
 
 # --------------------------------------------------------------------------- validation
@@ -773,6 +783,9 @@ def _load(
         device_map=getattr(model, "hf_device_map", None),
         hook=hook,
         cleanup=cleanup,
+        group_level=("leaf_level" if name == "text_encoder" else level)
+        if strategy == "group-offload"
+        else None,
     )
     setattr(model, _ATTR, placed)
     return model
@@ -807,7 +820,7 @@ def _load_device_map(
     )
     if not getattr(cls, "_no_split_modules", None):
         # accelerate cannot split this model (the Wan VAE): put it whole on the first GPU.
-        first = min(k for k in mm if isinstance(k, int))
+        first = min((k for k in mm if isinstance(k, int)), default=0)
         return _from_pretrained(cls, sub, dtype, device_map=f"cuda:{first}")
     return _from_pretrained(cls, sub, dtype, device_map=strategy, max_memory=mm)
 
@@ -833,6 +846,15 @@ def execution_device(module: torch.nn.Module) -> torch.device:
     from diffusers.utils.torch_utils import get_module_execution_device
 
     return torch.device(get_module_execution_device(module))
+
+
+def oom_guard_for(module: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """`oom_guard` for running a loaded component: out-of-memory errors inside name its device,
+    its strategy and the next strategies to try (wrap the sampler's forward calls in it)."""
+    placed = placement_of(module)
+    if placed is None:
+        return oom_guard(execution_device(module), "unknown")
+    return oom_guard(placed.execution_device, placed.label, component=placed.component)
 
 
 def park(module: torch.nn.Module) -> None:

@@ -254,7 +254,10 @@ class SamplerSizes:
     batch_size: int = 1
     max_sequence_length: int = 512
     cfg: bool = True
-    """Classifier-free guidance on: conditional and unconditional passes share a batch."""
+    """Classifier-free guidance on (a second, unconditional pass per step)."""
+    cfg_batched: bool = False
+    """The two CFG passes run as one doubled batch. wandistill's RecordingSampler runs them as
+    separate forwards (bit-for-bit WanPipeline), so activations are those of one pass."""
     previews: bool = False
     """A VAE decode phase follows the denoiser."""
 
@@ -290,10 +293,10 @@ class SamplerSizes:
 
     @property
     def denoise_batch(self) -> int:
-        return self.batch_size * (2 if self.cfg else 1)
+        return self.batch_size * (2 if self.cfg and self.cfg_batched else 1)
 
     def describe(self) -> str:
-        cfg = "CFG x2" if self.cfg else "no CFG"
+        cfg = ("CFG batched x2" if self.cfg_batched else "CFG 2 passes") if self.cfg else "no CFG"
         return (
             f"{self.width}x{self.height}, {self.num_frames} frames, batch {self.batch_size}, "
             f"{cfg}, {self.tokens():,} tokens, text {self.max_sequence_length}"
@@ -511,7 +514,8 @@ def activation_bytes(
     """Estimated peak activation memory of one forward of component `name` (with margin).
 
     transformer: B x L tokens through one block at a time (no grad): the residual stream, q/k/v,
-      fp32 RoPE/norm temporaries and the FFN's two ffn_dim-wide tensors; B doubles with CFG.
+      fp32 RoPE/norm temporaries and the FFN's two ffn_dim-wide tensors; B doubles when the
+      CFG passes are batched.
     text_encoder: B x T tokens, plus fp32 position bias and attention scores (heads x T x T).
     vae: decoding one latent frame at a time to 4 pixel frames at full resolution, ~12 live
       tensors of base_dim channels (the causal cache included), plus the decoded video in fp32.
