@@ -191,6 +191,12 @@ def precompute_cmd(
     from wandistill.precompute import run
 
     s = run(cfg)
+    report = Path(s.cache) / "prompts_report.json"
+    if report.is_file():  # rank 0 wrote it: what in the prompt file was skipped or truncated
+        from wandistill.precompute.prompts import PromptReport
+
+        for line in PromptReport(**json.loads(report.read_text())).summary():
+            out.print(line, highlight=False)
     out.print(
         f"cache {s.cache}: {s.records_written} records written, {s.records_skipped} already "
         f"there, {_human(s.bytes_written)} in {s.seconds:.1f} s",

@@ -15,14 +15,13 @@ def test_txt_prompts_skip_empty_duplicate_and_invalid_utf8_lines(tmp_path: Path)
     f = tmp_path / "p.txt"
     f.write_bytes(b"a cat\n\n  \na dog\nbad \xff\xfe bytes\na cat\n  a fox  \n")
     prompts, report = read_prompts(f, base_seed=10)
-    # A .txt prompt's seed is base_seed + its 0-based line, so "a cat" twice gets two seeds.
+    # A .txt prompt's seed is base_seed + its 0-based line; a repeated line is a duplicate.
     assert [(p.text, p.seed, p.line) for p in prompts] == [
         ("a cat", 10, 1),
         ("a dog", 13, 4),
-        ("a cat", 15, 6),
         ("a fox", 16, 7),
     ]
-    assert report.empty == [2, 3] and report.bad_utf8 == [5] and report.duplicate == []
+    assert report.empty == [2, 3] and report.bad_utf8 == [5] and report.duplicate == [6]
     assert any("invalid UTF-8" in line and "5" in line for line in report.summary())
 
 

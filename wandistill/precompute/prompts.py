@@ -99,7 +99,7 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
         )
     report = PromptReport(path=str(p))
     prompts: list[Prompt] = []
-    seen: set[tuple[str, int, str | None]] = set()
+    seen: set[tuple[str, int | None, str | None]] = set()
     with open(p, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             report.lines = lineno
@@ -122,7 +122,10 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
                     continue
             else:
                 prompt = Prompt(line, base_seed + lineno - 1, lineno)
-            ident = (prompt.text, prompt.seed, prompt.negative_prompt)
+            # A .txt seed is implicit (its line), so a repeated line is a duplicate; a .jsonl line
+            # with the same prompt and an explicit other seed is another sample.
+            seed_part = prompt.seed if p.suffix == ".jsonl" else None
+            ident = (prompt.text, seed_part, prompt.negative_prompt)
             if ident in seen:
                 report.duplicate.append(lineno)
                 continue
