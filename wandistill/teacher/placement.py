@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from wandistill.config import SamplerConfig
+from wandistill.config import NAMED_PLACEMENTS, SamplerConfig
 from wandistill.errors import UsageError, WandistillError
 from wandistill.teacher.oom import oom_guard
 from wandistill.teacher.plan import (
@@ -73,18 +73,7 @@ __all__ = [
     "unload",
 ]
 
-PLACEMENTS = (
-    "cpu",
-    "cuda",
-    "gpu0",
-    "balanced",
-    "balanced_low_0",
-    "sequential",
-    "auto",
-    "model-offload",
-    "group-offload",
-    "disk-offload",
-)
+PLACEMENTS = NAMED_PLACEMENTS  # one list, defined with the config that validates it
 DEVICE_MAP_STRATEGIES = ("balanced", "balanced_low_0", "sequential")
 GROUP_LEVELS = ("block_level", "leaf_level")
 _CUDA_ONLY = frozenset({"cuda", "gpu0", *DEVICE_MAP_STRATEGIES, "model-offload", "group-offload"})
