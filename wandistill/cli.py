@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from wandistill import __version__
-from wandistill.errors import UsageError, WandistillError
+from wandistill.errors import ConfigError, UsageError, WandistillError
 
 app = typer.Typer(
     name="wandistill",
@@ -73,6 +73,12 @@ def teacher_make_tiny(
     """Write a tiny random-weight Wan teacher that WanPipeline loads and runs on CPU."""
     from wandistill.teacher.tiny import make_tiny_teacher
 
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UsageError(
+            f"cannot create teacher folder {str(path)!r}: {str(blocker)!r} is a file",
+            fix="choose another PATH",
+        )
     try:
         made = make_tiny_teacher(path, wan22=wan22, seed=seed, overwrite=overwrite)
     except FileExistsError as e:
@@ -183,7 +189,10 @@ def precompute_cmd(
         "teacher.placement": placement,
         "teacher.dtype": dtype,
     }
-    sets = [*(overrides or []), *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v)]
+    sets = [
+        *(overrides or []),
+        *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
+    ]
     cfg = load_recipe(recipe, sets, stage="precompute").precompute
     if dry_run:
         out.print_json(json.dumps(to_dict(cfg)))
@@ -231,8 +240,13 @@ def train_cmd(
     from wandistill.config import load_recipe, to_dict
 
     flags = {"cache": cache, "out": out_dir, "steps": steps}
-    sets = [*(overrides or []), *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v)]
+    sets = [
+        *(overrides or []),
+        *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
+    ]
     cfg = load_recipe(recipe, sets, stage="train").train
+    if cfg.out:
+        _out_dir(cfg.out)
     if dry_run:
         out.print_json(json.dumps(to_dict(cfg)))
         return
@@ -242,7 +256,12 @@ def train_cmd(
     if not r.is_main:
         return
     if r.corrupt:
-        err.print(f"skipped {len(r.corrupt)} corrupt sample(s):", highlight=False)
+        shards = sum(1 for line in r.corrupt if line.startswith("unusable shard"))
+        err.print(
+            f"--skip-corrupt: skipped {len(r.corrupt) - shards} corrupt sample read(s) and "
+            f"{shards} unusable shard(s):",
+            highlight=False,
+        )
         for line in r.corrupt[:20]:
             err.print(f"  {line}", highlight=False)
     out.print(
@@ -252,6 +271,25 @@ def train_cmd(
 
 
 # --------------------------------------------------------------------------- eval / sample
+
+
+def _positive(**values: int | None) -> None:
+    """Usage error for a numeric flag that must be positive (None: not given)."""
+    for name, v in values.items():
+        if v is not None and v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} {v} must be positive")
+
+
+def _out_dir(path: str | Path, flag: str = "--out") -> None:
+    """An output directory that is (or is under) a file is a usage error, named as such."""
+    blocker = next(
+        (p for p in (Path(path), *Path(path).parents) if p.exists() and not p.is_dir()), None
+    )
+    if blocker is not None:
+        raise UsageError(
+            f"{flag} {str(path)!r} cannot be a directory: {str(blocker)!r} is a file",
+            fix=f"choose another {flag} directory",
+        )
 
 
 @app.command("eval")
@@ -273,6 +311,8 @@ def eval_cmd(
 
     if split not in ("holdout", "all"):
         raise UsageError(f"--split {split!r} must be holdout or all")
+    _positive(steps=steps, max_records=max_records)
+    _out_dir(out_dir)
     result = evaluate(
         cache, student, out_dir, teacher=teacher, steps=steps, split=split, max_records=max_records
     )
@@ -304,7 +344,23 @@ def sample_cmd(
     from wandistill.eval.sample import sample
     from wandistill.precompute.prompts import read_prompts
 
-    SamplerConfig(height=height, width=width, num_frames=num_frames, num_inference_steps=steps)
+    try:
+        SamplerConfig(
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=steps,
+            max_sequence_length=max_sequence_length,
+        )
+    except ConfigError as e:  # name the flags, not the recipe keys
+        raise UsageError(
+            e.message.replace("sampler.num_inference_steps", "--steps")
+            .replace("sampler.max_sequence_length", "--max-sequence-length")
+            .replace("sampler.num_frames", "--num-frames")
+            .replace("sampler.", "--")
+        ) from None
+    _positive(limit=limit)
+    _out_dir(out_dir)
     items, _ = read_prompts(prompts)
     paths = sample(
         teacher,
@@ -365,7 +421,7 @@ def plan_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Memory each placement needs per phase and device here, what fits, and auto's pick."""
-    from wandistill.config import load_recipe
+    from wandistill.config import load_recipe, refuse_custom_code
     from wandistill.teacher.placement import check_placement
     from wandistill.teacher.plan import (
         Inventory,
@@ -379,7 +435,10 @@ def plan_cmd(
     if teacher and config:
         raise UsageError("--teacher and --config both given", fix="pass one of them")
     flags = {"teacher.path": teacher, "teacher.placement": placement, "teacher.dtype": dtype}
-    sets = [*(overrides or []), *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v)]
+    sets = [
+        *(overrides or []),
+        *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
+    ]
     cfg = load_recipe(recipe, sets, stage="precompute").precompute
     if config is None and not cfg.teacher.path:
         raise UsageError(
@@ -387,6 +446,7 @@ def plan_cmd(
             fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
         )
     source = config_folder(config) if config else Path(cfg.teacher.path)
+    refuse_custom_code(source)  # plan runs no model code, but precompute would refuse it
     inventory = Inventory.detect(cfg.teacher.offload_folder or cfg.cache.path)
     plan = make_plan(
         config or source,
@@ -409,6 +469,10 @@ def plan_cmd(
 
 
 # --------------------------------------------------------------------------- entry point
+
+
+_PATH_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST)
+"""OSErrors that mean a path given on the command line is wrong: usage errors (exit 2)."""
 
 
 def _fail(message: str, code: int, fix: str | None = None) -> None:
@@ -447,6 +511,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"disk full while writing {e.filename or ''}".strip(),
                 1,
                 "free space or choose another output directory; re-run to resume",
+            )
+        if e.errno in _PATH_ERRNOS:  # a path the user gave: unreadable, read-only, not a dir
+            _fail(
+                f"{e.strerror or e}: {e.filename}" if e.filename else str(e),
+                2,
+                "check the path and its permissions, or choose another one",
             )
         _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 1)
     if isinstance(code, int) and code:

@@ -36,3 +36,16 @@ class CacheMismatchError(CacheError):
     """Writing into a cache made by another teacher or other sampler settings."""
 
     exit_code = 2
+
+
+class CorruptRecordError(CacheError):
+    """One record of one shard cannot be read as written (checksum, truncation, bad header)."""
+
+    def __init__(self, shard: str, key: str, detail: str) -> None:
+        self.shard = shard
+        self.key = key
+        self.detail = detail
+        super().__init__(
+            f"corrupt record {key} in shard {shard}: {detail}",
+            fix="run `wandistill cache verify`; restore the shard, or pass --skip-corrupt",
+        )

@@ -551,7 +551,8 @@ def test_fast_path_truncated_shard_file_names_the_record(tmp_path: Path, how: st
         key = entry["keys"][2]
         with pytest.raises(zb.ZarrChunkError, match="truncated") as info:
             store.read_sample(entry, 2, 1, ["xt", "prompt_embeds"])
-        assert entry["name"] in str(info.value) and key in str(info.value) and rel in str(info.value)
+        msg = str(info.value)
+        assert entry["name"] in msg and key in msg and rel in msg
         with pytest.raises(ValueError, match=key):  # also a ValueError, like zarr's checksum error
             store.read_record(entry, 2)
         problems = store.verify()
@@ -630,4 +631,28 @@ def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None
     src = zb.ZarrSource(tmp_path)
     for i, r in enumerate(good):
         assert_same_record(src.read_record(entry, i), r)
+    src.close()
+
+
+@pytest.mark.parametrize("array,name,step", [("prompt_embeds/values", "prompt_embeds", None),
+                                             ("timesteps", "timesteps", 2)])
+def test_fast_path_checks_partly_read_chunks_too(
+    tmp_path: Path, array: str, name: str, step: int | None
+) -> None:
+    """A sample that wants part of an inner chunk (an embedding's edge chunks, one timestep of a
+    row) still has that chunk's crc32c checked, on the training hot path."""
+    records, entry = _written(tmp_path)  # records 3, 4, 5: 1, 8 and 15 tokens
+    rel, path = _shard_file(tmp_path, entry, f"{array}/")
+    raw = bytearray(path.read_bytes())
+    raw[1] ^= 0x04  # the shard's first inner chunk: record 3's first token / first timestep
+    path.write_bytes(bytes(raw))
+    src = zb.ZarrSource(tmp_path)
+    with pytest.raises(zb.ZarrChunkError, match=f"{entry['keys'][0]}: {name}: .*checksum"):
+        src.read_tensors(entry, 0, {name: step})
+    if name == "prompt_embeds":  # the same 32-token chunk holds record 4's 8 tokens
+        with pytest.raises(zb.ZarrChunkError, match="checksum"):
+            src.read_tensors(entry, 1, {name: None})
+    else:  # record 4's timesteps are another chunk
+        got = src.read_tensors(entry, 1, {name: step})[name]
+        assert_same(got, records[4].timesteps[step].contiguous())
     src.close()

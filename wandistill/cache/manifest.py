@@ -10,6 +10,7 @@ the manifest. Nothing ever trusts a directory listing or an array shape.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from wandistill import __version__
-from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
+from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION, canonical_json
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
 from wandistill.fsutil import atomic_write_json, fsync_dir, temp_name
 
@@ -68,6 +69,20 @@ class Manifest:
                 f"reads version {SCHEMA_VERSION}",
                 fix="re-run `wandistill precompute` into a new cache, or use a matching wandistill",
             )
+        for name, kind in (
+            ("teacher", dict),
+            ("settings", dict),
+            ("fields", list),
+            ("dims", dict),
+            ("shared", dict),
+            ("shards", list),
+        ):
+            if name in data and not isinstance(data[name], kind):
+                raise CacheError(
+                    f"{where} is corrupt: {name!r} must be a JSON "
+                    f"{'object' if kind is dict else 'list'}, not {type(data[name]).__name__}",
+                    fix="restore it, or re-run `wandistill precompute` into a fresh directory",
+                )
         try:
             return cls(
                 backend=data["backend"],
@@ -181,11 +196,98 @@ def committed_shards(cache: Path, manifest: Manifest) -> list[dict[str, Any]]:
 
 
 def load_committed(cache: str | Path) -> Manifest:
-    """The manifest with journal entries folded in (what a reader may use right now)."""
+    """The manifest with journal entries folded in (what a reader may use right now).
+
+    Structurally impossible shard entries (a hand edit: record count != keys, a wrong type, a
+    file outside the cache, a shard listed twice) are refused here, naming shard and field.
+    """
     cache = Path(cache)
     manifest = read_manifest(cache)
     manifest.shards = committed_shards(cache, manifest)
+    problems = [p for e in manifest.shards for p in entry_problems(e)]
+    names = [e["name"] for e in manifest.shards]
+    problems += [
+        f"shard {n} is listed twice" for n in sorted({n for n in names if names.count(n) > 1})
+    ]
+    if problems:
+        shown = "; ".join(problems[:3]) + (
+            f"; ... ({len(problems)} in all)" if len(problems) > 3 else ""
+        )
+        raise CacheError(
+            f"{str(manifest_path(cache))!r} is corrupt: {shown}",
+            fix="restore manifest.json (or the journal), or re-run `wandistill precompute` into "
+            "a fresh directory",
+        )
     return manifest
+
+
+# ------------------------------------------------------------------------- entry integrity
+
+ENTRY_DIGEST = "entry_sha256"
+"""Shard-entry field: sha256 of the entry's own canonical JSON (this field left out), set when
+the shard is committed; `cache verify` reports an entry edited after that."""
+
+
+def _nonneg_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def entry_problems(entry: Any) -> list[str]:
+    """What makes a shard entry unusable as a commit record (types, counts, paths)."""
+    if not isinstance(entry, dict):
+        return [f"a shard entry is a {type(entry).__name__}, not an object"]
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        return [f"a shard entry has no name ({str(entry)[:80]})"]
+    out: list[str] = []
+    for key in ("records", "keys", "file", "bytes", "sha256"):
+        if key not in entry:
+            out.append(f"shard {name}: entry has no {key!r}")
+    if out:
+        return out
+    keys, records = entry["keys"], entry["records"]
+    if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
+        out.append(f"shard {name}: 'keys' must be a list of record keys")
+    elif not _nonneg_int(records):
+        out.append(f"shard {name}: 'records' = {records!r} is not a non-negative integer")
+    elif records != len(keys):
+        out.append(
+            f"shard {name}: manifest says {records} records but lists {len(keys)} keys "
+            "(manifest edited?)"
+        )
+    if not _nonneg_int(entry["bytes"]):
+        out.append(f"shard {name}: 'bytes' = {entry['bytes']!r} is not a non-negative integer")
+    if not isinstance(entry["sha256"], str | dict):
+        out.append(f"shard {name}: 'sha256' must be a hex string or an object")
+    rel = entry["file"]
+    if not isinstance(rel, str) or not rel:
+        out.append(f"shard {name}: 'file' must be a relative path")
+    elif rel.startswith(("/", "\\")) or ".." in Path(rel).parts or (len(rel) > 1 and rel[1] == ":"):
+        out.append(f"shard {name}: file {rel!r} is outside the cache directory (manifest edited?)")
+    return out
+
+
+def entry_digest(entry: dict[str, Any]) -> str:
+    """sha256 of a shard entry's canonical JSON without its own digest field."""
+    body = {k: v for k, v in entry.items() if k != ENTRY_DIGEST}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+def seal_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """Add the entry digest (the writer calls this when it commits a shard)."""
+    entry[ENTRY_DIGEST] = entry_digest(entry)
+    return entry
+
+
+def digest_problem(entry: dict[str, Any]) -> str | None:
+    """A precise line if a sealed entry changed since it was committed (unsealed: None)."""
+    want = entry.get(ENTRY_DIGEST)
+    if want is None or entry_digest(entry) == want:
+        return None
+    return (
+        f"shard {entry['name']}: manifest entry was edited after the shard was committed "
+        f"({ENTRY_DIGEST} does not match its records/keys/offsets/sha256/bytes)"
+    )
 
 
 def finalize(cache: str | Path, *, complete: bool) -> Manifest:
@@ -215,30 +317,46 @@ def mismatches(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> li
 
 
 def check_compatible(cache: Path, existing: Manifest, new: Manifest) -> None:
-    """Refuse to mix records from another teacher, sampler settings or backend into a cache."""
+    """Refuse to mix records from another teacher, sampler settings or backend into a cache.
+
+    The first line of the error names what differs; one line per difference follows.
+    """
     diffs: list[str] = []
+    names: list[str] = []
     if existing.backend != new.backend:
+        names.append("backend")
         diffs.append(f"backend: cache has {existing.backend!r}, this run has {new.backend!r}")
     old_fp = existing.teacher.get("fingerprint")
     new_fp = new.teacher.get("fingerprint")
     if old_fp != new_fp:
-        diffs.append(f"teacher.fingerprint: cache has {old_fp}, this run has {new_fp}")
-        diffs.extend(
-            "teacher." + d
-            for d in mismatches(
-                existing.teacher.get("components", {}), new.teacher.get("components", {})
-            )
+        names.append("teacher")
+        diffs.append(
+            f"teacher.fingerprint: cache has {str(old_fp)[:16]}..., this run has "
+            f"{str(new_fp)[:16]}... (another teacher, or changed weights)"
         )
-    diffs.extend("settings." + d for d in mismatches(existing.settings, new.settings))
-    diffs.extend(
-        f"fields: cache has {existing.fields!r}, this run has {new.fields!r}"
-        for _ in [0]
-        if [(f["name"], f["dtype"]) for f in existing.fields]
-        != [(f["name"], f["dtype"]) for f in new.fields]
-    )
+        parts = mismatches(
+            existing.teacher.get("components", {}), new.teacher.get("components", {})
+        )
+        changed = sorted({d.split(".", 1)[0].split(":", 1)[0] for d in parts})
+        if changed:
+            diffs.append(f"teacher components that differ: {', '.join(changed)}")
+    setting_diffs = mismatches(existing.settings, new.settings)
+    names.extend("settings." + d.split(":", 1)[0] for d in setting_diffs)
+    diffs.extend("settings." + d for d in setting_diffs)
+    if [(f["name"], f["dtype"]) for f in existing.fields] != [
+        (f["name"], f["dtype"]) for f in new.fields
+    ]:
+        names.append("fields")
+        diffs.append(
+            "fields: cache has "
+            + ", ".join(f"{f['name']}:{f['dtype']}" for f in existing.fields)
+            + "; this run has "
+            + ", ".join(f"{f['name']}:{f['dtype']}" for f in new.fields)
+        )
     if diffs:
         shown = "\n  ".join(diffs[:12]) + ("\n  ..." if len(diffs) > 12 else "")
+        head = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         raise CacheMismatchError(
-            f"cache {str(cache)!r} was written with different settings:\n  {shown}",
+            f"cache {str(cache)!r} was written with a different {head}:\n  {shown}",
             fix="write to a new --out directory, or run with the cache's settings",
         )

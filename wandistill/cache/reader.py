@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from wandistill.cache import manifest as mf
-from wandistill.cache.schema import SHARED_NAME, Record, pad_embeds
+from wandistill.cache.schema import SHARED_NAME, Record, dtype_name, pad_embeds
 from wandistill.errors import CacheError, UsageError
 
 
@@ -122,9 +122,31 @@ class CacheStore:
             return {}
         return st_load(path.read_bytes())
 
+    def unusable(self, entries: list[dict[str, Any]] | None = None) -> dict[str, str]:
+        """Shards that cannot be read at all (file missing, truncated, outside the cache), by
+        name, with the reason: a cheap stat per shard, for train to refuse or skip up front."""
+        check = getattr(self.source, "check_file", None) or self._files_exist
+        return {e["name"]: why for e in (entries or self.entries) if (why := check(e))}
+
+    def _files_exist(self, entry: dict[str, Any]) -> str | None:
+        """Fallback for backends that list one sha256 per file (zarr: `{relative path: sha}`
+        under `entry["file"]`): every listed file must exist."""
+        files = entry.get("sha256")
+        if not isinstance(files, dict):
+            return None
+        root = self.path / entry["file"]
+        for rel in files:
+            if not (root / rel).is_file():
+                return f"shard {entry['name']}: file {entry['file']}/{rel} is missing"
+        return None
+
     def verify(self) -> list[str]:
+        """Every problem of the cache, one line each, naming shard and record where it can."""
         problems: list[str] = []
         for entry in self.entries:
+            edited = mf.digest_problem(entry)
+            if edited:
+                problems.append(edited)
             problems.extend(self.source.verify(entry))
         seen: dict[str, str] = {}
         for entry in self.entries:
@@ -140,8 +162,55 @@ class CacheStore:
             path = self.path / SHARED_NAME
             if not path.is_file():
                 problems.append(f"{SHARED_NAME} is missing")
-            elif hashlib.sha256(path.read_bytes()).hexdigest() != self.manifest.shared["sha256"]:
+            elif hashlib.sha256(path.read_bytes()).hexdigest() != self.manifest.shared.get(
+                "sha256"
+            ):
                 problems.append(f"{SHARED_NAME}: sha256 mismatch")
+        problems.extend(self._header_problems())
+        return problems
+
+    def _header_problems(self) -> list[str]:
+        """The manifest header (fields, dims, record_steps) against each shard's first record."""
+        m = self.manifest
+        dtypes = {f.get("name"): f.get("dtype") for f in m.fields if isinstance(f, dict)}
+        steps = m.settings.get("record_steps")
+        want_steps = len(steps) if isinstance(steps, list) else m.dims.get("num_recorded_steps")
+        problems: list[str] = []
+        for entry in self.entries:
+            if not entry["keys"]:
+                continue
+            try:
+                tensors = self.read_record(entry, 0).tensors()
+            except Exception:  # already reported by the backend's verify
+                continue
+            where = f"shard {entry['name']} record {entry['keys'][0]}"
+            for name, dtype in dtypes.items():
+                t = tensors.get(name)
+                if t is None:
+                    problems.append(f"{where}: has no {name!r}, the manifest's fields list it")
+                elif dtype is not None and dtype_name(t.dtype) != dtype:
+                    problems.append(
+                        f"{where}: {name!r} is {dtype_name(t.dtype)}, the manifest's fields say "
+                        f"{dtype} (manifest edited?)"
+                    )
+            checks = [
+                ("xt", 0, want_steps, "recorded steps", "settings.record_steps"),
+                ("prompt_embeds", 1, m.dims.get("text_dim"), "text width", "dims.text_dim"),
+            ]
+            for name, axis, want, what, source in checks:
+                t = tensors.get(name)
+                if t is not None and want is not None and t.dim() > axis and t.shape[axis] != want:
+                    problems.append(
+                        f"{where}: {name!r} has {t.shape[axis]} {what}, the manifest's {source} "
+                        f"says {want} (manifest edited?)"
+                    )
+            shape = m.dims.get("latent_shape")
+            noise = tensors.get("noise")
+            if noise is not None and shape is not None and list(noise.shape) != list(shape):
+                problems.append(
+                    f"{where}: latent shape {list(noise.shape)}, the manifest's dims.latent_shape "
+                    f"says {shape} (manifest edited?)"
+                )
         return problems
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import is_holdout
-from wandistill.errors import CacheError, UsageError
+from wandistill.errors import CacheError, CorruptRecordError, UsageError
 
 DEFAULT_FIELDS = ("prompt_embeds", "xt", "timesteps", "teacher_out")
 RAGGED = ("prompt_embeds", "negative_prompt_embeds")
@@ -118,6 +118,9 @@ class TrainingReader:
             raise UsageError(f"pad={pad!r} must be 'max_sequence_length' or 'batch'")
         self.pad = pad
         self.corrupt: list[str] = []
+        """One line per skipped sample ("corrupt record ...") or shard ("unusable shard ...")."""
+        self._unusable: dict[str, str] = {}
+        self._last_good: list[tuple[dict[str, torch.Tensor], Sample]] = []
         self.wait_seconds = 0.0
         # Position: epoch and global batches consumed in it (normal mode), or the list of
         # follow generations and batches consumed overall (follow mode).
@@ -131,13 +134,33 @@ class TrainingReader:
     def global_batch(self) -> int:
         return self.batch_size * self.world_size
 
+    def _usable(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Drop shards whose file is missing or truncated (a stat each): refuse them, or with
+        skip_corrupt skip them whole and report each once."""
+        fresh = [e for e in entries if e["name"] not in self._unusable]
+        bad = self.store.unusable(fresh) if fresh else {}
+        for e in fresh:
+            why = bad.get(e["name"])
+            if why is None:
+                continue
+            if not self.skip_corrupt:
+                raise CacheError(
+                    f"unusable {why}", fix="run `wandistill cache verify`, or pass --skip-corrupt"
+                )
+            self._unusable[e["name"]] = why
+            self.corrupt.append(f"unusable {why}; its {len(e['keys'])} records skipped")
+        return [e for e in entries if e["name"] not in self._unusable]
+
     def _space(self, entries: list[dict[str, Any]]) -> list[Sample]:
         """Every (record, step) of these shards, sorted by key so sharding does not matter."""
         rows = sorted(
-            (key, e, i)
-            for e in entries
-            for i, key in enumerate(e["keys"])
-            if not is_holdout(key, self.holdout)
+            (
+                (key, e, i)
+                for e in self._usable(entries)
+                for i, key in enumerate(e["keys"])
+                if not is_holdout(key, self.holdout)
+            ),
+            key=lambda r: (r[0], r[1]["name"], r[2]),  # a key listed twice must not compare dicts
         )
         steps = len(self.store.manifest.settings.get("record_steps", [0]))
         return [(e, i, s) for _, e, i in rows for s in range(steps)]
@@ -308,7 +331,9 @@ class TrainingReader:
         try:
             return self.store.read_sample(entry, row, slot, self.fields, pad=False)
         except Exception as e:
-            msg = f"corrupt record {entry['keys'][row]} in shard {entry['name']}: {e}"
+            detail = e.detail if isinstance(e, CorruptRecordError) else str(e)
+            detail = detail.removeprefix(f"shard {entry['name']} record {entry['keys'][row]}: ")
+            msg = f"corrupt record {entry['keys'][row]} in shard {entry['name']}: {detail}"
             if not self.skip_corrupt:
                 raise CacheError(
                     msg, fix="run `wandistill cache verify`, or pass --skip-corrupt"
@@ -320,9 +345,15 @@ class TrainingReader:
         self, results: list[dict[str, torch.Tensor] | None], samples: list[Sample]
     ) -> dict[str, Any]:
         good = [(r, s) for r, s in zip(results, samples, strict=True) if r is not None]
-        if not good:
+        if good:
+            self._last_good = good
+        elif self._last_good:  # a wholly corrupt batch: repeat the last good one (ranks stay
+            good = list(self._last_good)  # in step; every skipped sample is in self.corrupt)
+        else:
             raise CacheError(
-                f"every sample of a batch was corrupt: {self.corrupt[-len(samples) :]}"
+                f"every sample of the first batch was corrupt ({len(samples)} samples; the last: "
+                f"{self.corrupt[-1] if self.corrupt else '?'})",
+                fix="run `wandistill cache verify` and restore the damaged shards",
             )
         # Keep the batch shape by repeating good samples in place of skipped ones.
         while len(good) < len(samples):

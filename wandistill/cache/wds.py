@@ -5,6 +5,19 @@ pickled) into a temp name, fsynced and renamed. Because every member name is sho
 format is USTAR, member data offsets are computable; we record each record's safetensors offset
 and length in the manifest so the training reader can `pread` one recorded step directly instead
 of streaming the tar. Stock `webdataset.WebDataset` still reads these shards unchanged.
+
+Checksums (no silent wrong tensors). The training reader `pread`s one step's rows, so a
+whole-shard sha256 cannot guard it. Each record's safetensors header carries, in its
+`__metadata__`, the record key and a crc32c of every tensor (one per row of the leading step axis
+for step fields: x_t, teacher output, timesteps, features); the manifest entry's `crc32c` lists,
+per record, the crc32c of that header (8-byte length prefix + JSON) and of the `.json` member.
+Every read verifies the header against the manifest, then each tensor or row it returns against
+the header (crc32c runs at ~13 GB/s). Caches written before these checksums existed carry neither
+and are read unverified, as before. `verify` also walks the tar headers: any member that is not
+`<listed key>.json` / `<listed key>.safetensors` (a `.pth`, a `../` path, a link) is reported.
+
+Reading with stock webdataset: use `safe_decoder()` (`.decode(safe_decoder())` or
+`.map(safe_decoder())`), never webdataset's default handlers, which unpickle `.pth`/`.pyd`.
 """
 
 from __future__ import annotations
@@ -14,17 +27,70 @@ import json
 import os
 import tarfile
 import threading
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
+import google_crc32c
+import numpy as np
 import torch
 import webdataset as wds
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from wandistill.cache.schema import DTYPES_BY_NAME, Record
+from wandistill.cache.schema import (
+    DTYPE_NAMES,
+    DTYPES_BY_NAME,
+    Record,
+    canonical_json,
+    is_step_field,
+)
+from wandistill.errors import CacheError, CorruptRecordError
 from wandistill.fsutil import fsync_dir, temp_name
 
 BLOCK = tarfile.BLOCKSIZE
+META_KEY = "wandistill"
+"""The one safetensors `__metadata__` key wandistill writes (one key: safetensors does not keep
+the order of several): JSON {"key": record key, "crc32c": {tensor: crc32c, or [crc32c per step
+row]}}."""
+MEMBER_EXTS = ("json", "safetensors")
+"""The only members a wandistill shard holds, one of each per record."""
+HEAD_READ = 4096
+"""First read of a record: the length prefix and (almost always) the whole header."""
+
+
+def crc32c(data: Any) -> int:
+    """crc32c of a bytes-like object or a contiguous numpy array."""
+    return int(google_crc32c.value(data))
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a tensor as a uint8 numpy view (copied only if not contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, int | list[int]]:
+    """crc32c of each tensor's bytes; step fields get one per row of their leading step axis."""
+    out: dict[str, int | list[int]] = {}
+    for name, t in tensors.items():
+        if is_step_field(name) and t.dim() >= 1:
+            out[name] = [crc32c(_raw(t[s])) for s in range(t.shape[0])]
+        else:
+            out[name] = crc32c(_raw(t))
+    return out
+
+
+def member_name_problem(name: str) -> str | None:
+    """Why a tar member name is unsafe to use anywhere (absolute, `..`, backslash), or None."""
+    if not name:
+        return "is empty"
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        return "is an absolute path"
+    if "\\" in name:
+        return "contains a backslash"
+    if ".." in PurePosixPath(name).parts:
+        return "contains '..'"
+    return None
 
 
 def _padded(n: int) -> int:
@@ -84,10 +150,14 @@ class WebDatasetSink:
             self.hashing, encoder=False, mtime=0, user="wandistill", group="wandistill"
         )
         self.offsets: list[list[int]] = []
+        self.crcs: list[list[int]] = []
 
     def add(self, record: Record) -> None:
         meta = json.dumps(record.meta(), ensure_ascii=False).encode()
-        blob = st_save(record.tensors())
+        tensors = record.tensors()
+        own = {"key": record.key, "crc32c": tensor_checksums(tensors)}
+        blob = st_save(tensors, metadata={META_KEY: canonical_json(own)})
+        head = 8 + int.from_bytes(blob[:8], "little")
         start = self.tar.tarstream.offset
         # Members are written in sorted extension order: json, then safetensors.
         json_off = start + BLOCK
@@ -95,6 +165,7 @@ class WebDatasetSink:
         self.tar.write({"__key__": record.key, "json": meta, "safetensors": blob})
         assert self.tar.tarstream.offset == st_off + _padded(len(blob)), "tar layout changed"
         self.offsets.append([st_off, len(blob), json_off, len(meta)])
+        self.crcs.append([crc32c(blob[:head]), crc32c(meta)])
 
     def end(self) -> dict[str, Any]:
         self.tar.close()
@@ -108,6 +179,7 @@ class WebDatasetSink:
             "bytes": self.hashing.size,
             "sha256": self.hashing.sha.hexdigest(),
             "offsets": self.offsets,
+            "crc32c": self.crcs,
         }
 
     def abort(self) -> None:
@@ -127,13 +199,33 @@ _ST_DTYPES = {
     "I32": "int32",
     "U8": "uint8",
 }
+UNSAFE_EXTS = frozenset({"pth", "pt", "pyd", "pkl", "pickle", "ckpt", "bin", "npy", "npz"})
+"""Extensions webdataset's default handlers (or their usual loaders) unpickle."""
+
+
+def _step_text(step: int | None) -> str:
+    return "" if step is None else f" step {step}"
+
+
+def _describe(e: BaseException) -> str:
+    """One line for a failed read (the caller names shard and record)."""
+    if isinstance(e, CacheError):
+        return e.message
+    if isinstance(e, FileNotFoundError):
+        return f"shard file {e.filename} is missing"
+    if isinstance(e, KeyError):
+        return str(e.args[0]) if e.args else "KeyError"
+    if type(e) in (ValueError, EOFError, IndexError):  # raised here, already worded
+        return str(e)
+    return f"{type(e).__name__}: {e}"
 
 
 class WebDatasetSource:
     """Random access into published tar shards with `os.pread` at manifest offsets.
 
     Thread-safe: `pread` has no shared file position, and releases the GIL while it waits on the
-    disk, so a thread pool reads at close to the device's speed.
+    disk, so a thread pool reads at close to the device's speed. Every read is checked against
+    the record's checksums (see the module docstring) and fails with `CorruptRecordError`.
     """
 
     def __init__(self, cache: Path) -> None:
@@ -141,41 +233,157 @@ class WebDatasetSource:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    # ------------------------------------------------------------------ files
+
+    def path(self, entry: dict[str, Any]) -> Path:
+        """The shard's file; a manifest `file` outside the cache directory is refused."""
+        rel = entry.get("file")
+        problem = member_name_problem(rel) if isinstance(rel, str) else "is not a string"
+        if problem:
+            raise CacheError(
+                f"shard {entry.get('name')}: manifest file {rel!r} {problem} (manifest edited?)"
+            )
+        return self.cache / rel
+
+    def check_file(self, entry: dict[str, Any]) -> str | None:
+        """Why this shard cannot be read at all (missing, wrong size, bad path), or None."""
+        try:
+            path = self.path(entry)
+        except CacheError as e:
+            return e.message
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return f"shard {entry['name']}: file {entry['file']} is missing"
+        if size != entry["bytes"]:
+            return (
+                f"shard {entry['name']}: file {entry['file']} has {size} bytes, the manifest "
+                f"says {entry['bytes']} (truncated or replaced)"
+            )
+        return None
+
     def _fd(self, entry: dict[str, Any]) -> int:
         fd = self._fds.get(entry["name"])
         if fd is None:
             with self._lock:
                 fd = self._fds.get(entry["name"])
                 if fd is None:
-                    fd = os.open(self.cache / entry["file"], os.O_RDONLY)
+                    fd = os.open(self.path(entry), os.O_RDONLY)
                     self._fds[entry["name"]] = fd
         return fd
 
-    def _pread(self, fd: int, offset: int, size: int, where: str) -> bytes:
+    def _pread(self, fd: int, offset: int, size: int, what: str) -> bytes:
         data = os.pread(fd, size, offset)
         if len(data) != size:
-            raise EOFError(f"{where}: short read ({len(data)} of {size} bytes at {offset})")
+            raise EOFError(
+                f"short read of {what} ({len(data)} of {size} bytes at offset {offset}): "
+                "the shard is truncated"
+            )
         return data
 
-    def header(self, entry: dict[str, Any], i: int) -> tuple[int, dict[str, Any]]:
-        """The safetensors header of record i: (absolute data start, tensor table)."""
+    # ------------------------------------------------------------------ headers
+
+    def _parse_header(
+        self, entry: dict[str, Any], i: int, head: bytes
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Check a record's header bytes (length prefix + JSON) and split off its metadata."""
+        crcs = entry.get("crc32c")
+        if crcs is not None and crc32c(head) != crcs[i][0]:
+            raise ValueError(
+                "safetensors header fails its crc32c check (the header bytes changed, or the "
+                "manifest's offsets were edited)"
+            )
+        table = json.loads(head[8:])
+        if not isinstance(table, dict):
+            raise ValueError("safetensors header is not a JSON object")
+        meta = table.pop("__metadata__", None) or {}
+        if META_KEY not in meta:
+            return table, None  # written before checksums existed
+        own = json.loads(meta[META_KEY])
+        if own.get("key") != entry["keys"][i]:
+            raise ValueError(f"the data belongs to record {own.get('key')} (manifest keys edited?)")
+        return table, own["crc32c"]
+
+    def _header_len(self, entry: dict[str, Any], i: int, prefix: bytes) -> int:
+        length = entry["offsets"][i][1]
+        hlen = int.from_bytes(prefix[:8], "little")
+        if len(prefix) < 8 or hlen <= 0 or 8 + hlen > length:
+            raise ValueError(
+                f"bad safetensors header length {hlen} (record is {length} bytes): the record "
+                "bytes changed, or the manifest's offsets were edited"
+            )
+        return hlen
+
+    def header(
+        self, entry: dict[str, Any], i: int
+    ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
+        """Record i's safetensors header: (absolute data start, tensor table, checksums)."""
         off, length = entry["offsets"][i][:2]
         fd = self._fd(entry)
-        where = f"shard {entry['name']} record {entry['keys'][i]}"
-        hlen = int.from_bytes(self._pread(fd, off, 8, where), "little")
-        if hlen <= 0 or 8 + hlen > length:
-            raise ValueError(f"{where}: bad safetensors header length {hlen}")
-        table = json.loads(self._pread(fd, off + 8, hlen, where))
-        table.pop("__metadata__", None)
-        return off + 8 + hlen, table
+        want = min(length, HEAD_READ)
+        head = os.pread(fd, want, off)  # one read covers the header almost always
+        if len(head) < min(want, 8):
+            raise EOFError(f"short read of the safetensors header at offset {off}: truncated")
+        hlen = self._header_len(entry, i, head)
+        if 8 + hlen > len(head):
+            if len(head) < want:
+                raise EOFError(f"short read of the safetensors header at offset {off}: truncated")
+            head += self._pread(fd, off + len(head), 8 + hlen - len(head), "the header")
+        table, sums = self._parse_header(entry, i, head[: 8 + hlen])
+        return off + 8 + hlen, table, sums
+
+    def _span(
+        self,
+        entry: dict[str, Any],
+        i: int,
+        base: int,
+        table: dict[str, Any],
+        sums: dict[str, Any] | None,
+        name: str,
+        step: int | None,
+    ) -> tuple[int, int, torch.dtype, list[int], int | None]:
+        """(absolute offset, bytes, dtype, shape, expected crc32c) of a tensor or one step row."""
+        info = table.get(name)
+        if info is None:
+            raise KeyError(f"no tensor {name!r} in the record")
+        dtype = DTYPES_BY_NAME[_ST_DTYPES[info["dtype"]]]
+        a, b = info["data_offsets"]
+        shape = list(info["shape"])
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        if b - a != nbytes or a < 0 or base + b > entry["offsets"][i][0] + entry["offsets"][i][1]:
+            raise ValueError(f"{name!r}: header offsets {a}..{b} do not fit shape {shape}")
+        want = sums.get(name) if sums is not None else None
+        if step is not None:
+            if not shape or not 0 <= step < shape[0]:
+                raise IndexError(
+                    f"{name!r} holds {shape[0] if shape else 0} recorded steps, step {step} was "
+                    "asked (manifest settings.record_steps edited?)"
+                )
+            row = nbytes // shape[0]
+            a, nbytes, shape = a + step * row, row, shape[1:]
+            if sums is not None:
+                want = want[step] if isinstance(want, list) and step < len(want) else None
+        return base + a, nbytes, dtype, shape, want
+
+    # ------------------------------------------------------------------ reads
 
     def read_blob(self, entry: dict[str, Any], i: int) -> bytes:
         off, length = entry["offsets"][i][:2]
-        return self._pread(self._fd(entry), off, length, f"shard {entry['name']}")
+        return self._pread(self._fd(entry), off, length, "the safetensors member")
 
     def read_meta(self, entry: dict[str, Any], i: int) -> dict[str, Any]:
         _, _, joff, jlen = entry["offsets"][i]
-        return json.loads(self._pread(self._fd(entry), joff, jlen, f"shard {entry['name']}"))
+        data = self._pread(self._fd(entry), joff, jlen, "the json member")
+        crcs = entry.get("crc32c")
+        if crcs is not None and crc32c(data) != crcs[i][1]:
+            raise ValueError("json member fails its crc32c check")
+        meta = json.loads(data)
+        if not isinstance(meta, dict) or meta.get("key") != entry["keys"][i]:
+            found = meta.get("key") if isinstance(meta, dict) else None
+            raise ValueError(f"json member names key {found!r} (manifest keys edited?)")
+        return meta
 
     def read_ranges(
         self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
@@ -185,21 +393,21 @@ class WebDatasetSource:
         Returns name -> (bytes, dtype name, shape) without touching torch, so callers decide
         where tensors are built (pinned memory, a worker thread, ...).
         """
-        base, table = self.header(entry, i)
-        fd = self._fd(entry)
-        out: dict[str, tuple[bytes, str, list[int]]] = {}
-        for name, step in wanted.items():
-            if name not in table:
-                raise KeyError(f"shard {entry['name']} record {entry['keys'][i]} has no {name!r}")
-            info = table[name]
-            a, b = info["data_offsets"]
-            shape = list(info["shape"])
-            if step is not None:
-                row = (b - a) // shape[0]
-                a, b, shape = a + step * row, a + (step + 1) * row, shape[1:]
-            data = self._pread(fd, base + a, b - a, f"shard {entry['name']} record {i}")
-            out[name] = (data, _ST_DTYPES[info["dtype"]], shape)
-        return out
+        try:
+            base, table, sums = self.header(entry, i)
+            fd = self._fd(entry)
+            out: dict[str, tuple[bytes, str, list[int]]] = {}
+            for name, step in wanted.items():
+                pos, n, dtype, shape, want = self._span(entry, i, base, table, sums, name, step)
+                data = self._pread(fd, pos, n, repr(name))
+                if sums is not None and crc32c(data) != want:
+                    raise ValueError(f"{name!r}{_step_text(step)} fails its crc32c check")
+                out[name] = (data, DTYPE_NAMES[dtype], shape)
+            return out
+        except CorruptRecordError:
+            raise
+        except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError) as e:
+            raise CorruptRecordError(entry["name"], entry["keys"][i], _describe(e)) from None
 
     def read_tensors(
         self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
@@ -207,45 +415,168 @@ class WebDatasetSource:
         """Named tensors (one step of a step field) read straight into fresh tensors.
 
         One `preadv` per tensor lands the bytes in the tensor's own memory: no intermediate
-        bytes object, no copy (this is the training reader's hot path).
+        bytes object, no copy (this is the training reader's hot path). Each tensor or row is
+        checked against its crc32c before it is returned.
         """
-        base, table = self.header(entry, i)
-        fd = self._fd(entry)
-        out: dict[str, torch.Tensor] = {}
-        for name, step in wanted.items():
-            info = table.get(name)
-            if info is None:
-                raise KeyError(f"shard {entry['name']} record {entry['keys'][i]} has no {name!r}")
-            a, b = info["data_offsets"]
-            shape = list(info["shape"])
-            if step is not None:
-                row = (b - a) // shape[0]
-                a, b, shape = a + step * row, a + (step + 1) * row, shape[1:]
-            t = torch.empty(shape, dtype=DTYPES_BY_NAME[_ST_DTYPES[info["dtype"]]])
-            if b > a:
-                got = os.preadv(fd, [t.reshape(-1).view(torch.uint8).numpy()], base + a)
-                if got != b - a:
-                    raise EOFError(
-                        f"shard {entry['name']} record {entry['keys'][i]}: short read of {name!r} "
-                        f"({got} of {b - a} bytes)"
-                    )
-            out[name] = t
-        return out
+        try:
+            base, table, sums = self.header(entry, i)
+            fd = self._fd(entry)
+            out: dict[str, torch.Tensor] = {}
+            for name, step in wanted.items():
+                pos, n, dtype, shape, want = self._span(entry, i, base, table, sums, name, step)
+                t = torch.empty(shape, dtype=dtype)
+                if n:
+                    raw = t.reshape(-1).view(torch.uint8).numpy()
+                    got = os.preadv(fd, [raw], pos)
+                    if got != n:
+                        raise EOFError(
+                            f"short read of {name!r} ({got} of {n} bytes): the shard is truncated"
+                        )
+                    if sums is not None and crc32c(raw) != want:
+                        raise ValueError(
+                            f"{name!r}{_step_text(step)} fails its crc32c check (its bytes "
+                            "changed after they were written)"
+                        )
+                out[name] = t
+            return out
+        except CorruptRecordError:
+            raise
+        except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError) as e:
+            raise CorruptRecordError(entry["name"], entry["keys"][i], _describe(e)) from None
+
+    def _checked_record(self, entry: dict[str, Any], i: int) -> Record:
+        """Read and check a whole record: header, every tensor and row, the json member."""
+        blob = self.read_blob(entry, i)
+        hlen = self._header_len(entry, i, blob)
+        _, sums = self._parse_header(entry, i, blob[: 8 + hlen])
+        tensors = st_load(blob)
+        if sums is not None:
+            if set(sums) != set(tensors):
+                raise ValueError(f"checksums list {sorted(sums)}, the record has {sorted(tensors)}")
+            got = tensor_checksums(tensors)
+            for name, want in sums.items():
+                if got[name] == want:
+                    continue
+                if isinstance(want, list) and isinstance(got[name], list):
+                    pairs = zip(got[name], want, strict=False)
+                    bad = [s for s, (x, y) in enumerate(pairs) if x != y]
+                    where = f" step {bad[0]}" if bad else " (row count)"
+                else:
+                    where = ""
+                raise ValueError(f"{name!r}{where} fails its crc32c check")
+        return Record.from_parts(self.read_meta(entry, i), tensors)
 
     def read_record(self, entry: dict[str, Any], i: int) -> Record:
-        from safetensors.torch import load as st_load
+        try:
+            return self._checked_record(entry, i)
+        except CorruptRecordError:
+            raise
+        except Exception as e:  # safetensors raises its own error types on a bad blob
+            raise CorruptRecordError(entry["name"], entry["keys"][i], _describe(e)) from None
 
-        return Record.from_parts(self.read_meta(entry, i), st_load(self.read_blob(entry, i)))
+    # ------------------------------------------------------------------ verify
+
+    def entry_problems(self, entry: dict[str, Any]) -> list[str]:
+        """Backend fields of a manifest entry that do not fit its record count."""
+        name, n = entry["name"], len(entry["keys"])
+        problems = []
+        for field_name, width in (("offsets", 4), ("crc32c", 2)):
+            rows = entry.get(field_name)
+            if rows is None and field_name == "crc32c":
+                continue
+            if not isinstance(rows, list) or len(rows) != n:
+                got = len(rows) if isinstance(rows, list) else type(rows).__name__
+                problems.append(
+                    f"shard {name}: manifest lists {got} {field_name} rows for {n} keys "
+                    "(manifest edited?)"
+                )
+            elif not all(
+                isinstance(r, list)
+                and len(r) == width
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r)
+                for r in rows
+            ):
+                problems.append(
+                    f"shard {name}: manifest {field_name} rows must be {width} non-negative "
+                    "integers each (manifest edited?)"
+                )
+        return problems
+
+    def member_problems(self, entry: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+        """Walk the tar headers (never extracting): (shard-level problems, key -> problem).
+
+        Every member must be `<listed key>.json` or `<listed key>.safetensors`, a regular file,
+        at the offsets the manifest lists. Unsafe names (absolute, `..`) and anything else
+        (a `.pth`, a link, a stray file) are reported; nothing is decoded.
+        """
+        name = entry["name"]
+        index = {k: i for i, k in enumerate(entry["keys"])}
+        shard: list[str] = []
+        per_key: dict[str, str] = {}
+        seen: dict[str, tuple[int, int]] = {}
+        complete = True
+        try:
+            with tarfile.open(self.path(entry), "r:") as tar:
+                for m in tar:
+                    problem = member_name_problem(m.name)
+                    if problem:
+                        shard.append(f"shard {name}: member {m.name!r} {problem}; refused")
+                        continue
+                    if not m.isreg():
+                        shard.append(
+                            f"shard {name}: member {m.name!r} is not a regular file "
+                            "(link or device); refused"
+                        )
+                        continue
+                    key, _, ext = m.name.partition(".")
+                    if "/" in m.name or key not in index or ext not in MEMBER_EXTS:
+                        last = m.name.rsplit(".", 1)[-1].lower()
+                        why = (
+                            "pickle-backed: never decode it"
+                            if last in UNSAFE_EXTS
+                            else "not a record listed in the manifest"
+                            if ext in MEMBER_EXTS
+                            else "a wandistill shard holds only <key>.json and <key>.safetensors"
+                        )
+                        shard.append(f"shard {name}: unexpected member {m.name!r} ({why})")
+                        continue
+                    if m.name in seen:
+                        shard.append(f"shard {name}: member {m.name!r} appears twice")
+                        continue
+                    seen[m.name] = (m.offset_data, m.size)
+        except (tarfile.TarError, OSError, EOFError) as e:
+            complete = False
+            shard.append(f"shard {name}: tar headers unreadable after {len(seen)} members ({e})")
+        for key, i in index.items():
+            o = entry["offsets"][i]
+            for ext, want in (("safetensors", (o[0], o[1])), ("json", (o[2], o[3]))):
+                got = seen.get(f"{key}.{ext}")
+                if got is None:
+                    if complete:
+                        per_key.setdefault(key, f"member {key}.{ext} is missing from the tar")
+                elif got != want:
+                    per_key.setdefault(
+                        key,
+                        f"manifest offsets put {ext} at {want[0]} ({want[1]} bytes), the tar "
+                        f"has it at {got[0]} ({got[1]} bytes) (manifest edited?)",
+                    )
+        return shard, per_key
 
     def verify(self, entry: dict[str, Any]) -> list[str]:
-        """Checksum the shard, then decode every record; each problem names shard and key."""
-        from safetensors.torch import load as st_load
+        """Checksum the shard, walk its members, then read and check every record.
 
-        path = self.cache / entry["file"]
+        Shard-level problems first, then at most one line per record, naming shard and key.
+        """
         name = entry["name"]
+        problems = self.entry_problems(entry)
+        if problems:
+            return problems  # offsets cannot be trusted: nothing more to read by them
+        try:
+            path = self.path(entry)
+        except CacheError as e:
+            return [e.message]
         if not path.is_file():
             return [f"shard {name}: file {entry['file']} is missing"]
-        problems: list[str] = []
         size = path.stat().st_size
         if size != entry["bytes"]:
             problems.append(f"shard {name}: {size} bytes on disk, manifest says {entry['bytes']}")
@@ -254,24 +585,100 @@ class WebDatasetSource:
             while chunk := f.read(1 << 22):
                 sha.update(chunk)
         if sha.hexdigest() != entry["sha256"]:
-            problems.append(f"shard {name}: sha256 mismatch (file changed after it was written)")
+            problems.append(
+                f"shard {name}: sha256 mismatch (file changed after it was written, or the "
+                "manifest's sha256 was edited)"
+            )
+        shard_level, per_key = self.member_problems(entry)
+        problems.extend(shard_level)
         for i, key in enumerate(entry["keys"]):
-            try:
-                tensors = st_load(self.read_blob(entry, i))
-                meta = self.read_meta(entry, i)
-                if meta.get("key") != key:
-                    raise ValueError(f"metadata names key {meta.get('key')!r}")
-                for t in tensors.values():
-                    if t.is_floating_point() and not bool(t.float().isfinite().all()):
-                        raise ValueError("non-finite values")
-            except Exception as e:  # every decode failure is reported, none is fatal here
-                problems.append(f"shard {name} record {key}: {type(e).__name__}: {e}")
+            detail = per_key.get(key)
+            if detail is None:
+                try:
+                    rec = self._checked_record(entry, i)
+                    for tname, t in rec.tensors().items():
+                        if t.is_floating_point() and not bool(t.float().isfinite().all()):
+                            raise ValueError(f"{tname!r} holds non-finite values")
+                except Exception as e:  # every decode failure is reported, none is fatal here
+                    detail = _describe(e)
+            if detail is not None:
+                problems.append(f"shard {name} record {key}: {detail}")
         return problems
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+# ---------------------------------------------------------------------- stock webdataset reads
+
+
+class UnsafeMemberError(CacheError):
+    """A webdataset member wandistill will not decode (pickle-backed, unknown, unsafe name)."""
+
+
+_SAFE_DECODERS: dict[str, Callable[[bytes], Any]] = {
+    "json": json.loads,
+    "safetensors": st_load,
+    "txt": lambda data: data.decode("utf-8"),
+}
+
+
+class SafeDecoder:
+    """Decode wandistill shards read with stock webdataset, with no pickle anywhere.
+
+    `.decode(safe_decoder())`: a webdataset handler `(".ext", bytes)`; it decodes `.json`,
+    `.safetensors` and `.txt` and raises `UnsafeMemberError` for every other extension, so
+    webdataset's default post-handlers (which unpickle `.pth`/`.pyd`) are never reached.
+    `.map(safe_decoder())`: decodes a whole sample the same way and also refuses a sample whose
+    `__key__` is an absolute path or contains `..`.
+    """
+
+    def __call__(self, key_or_sample: str | dict[str, Any], data: bytes | None = None) -> Any:
+        if isinstance(key_or_sample, dict):
+            return self.decode_sample(key_or_sample)
+        return self.decode_member(key_or_sample, data if data is not None else b"")
+
+    def decode_member(self, key: str, data: bytes) -> Any:
+        ext = key.rsplit(".", 1)[-1].lower()
+        decode = _SAFE_DECODERS.get(ext)
+        if decode is None:
+            why = "pickle-backed" if ext in UNSAFE_EXTS else "not a wandistill member"
+            raise UnsafeMemberError(
+                f"refusing to decode member extension {ext!r} ({why}); wandistill shards hold "
+                "only .json and .safetensors members",
+                fix="run `wandistill cache verify` on the cache",
+            )
+        return decode(data)
+
+    def decode_sample(self, sample: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in sample.items():
+            if k.startswith("__"):
+                if k == "__key__" and (problem := member_name_problem(str(v))):
+                    raise UnsafeMemberError(f"refusing sample {str(v)!r}: its name {problem}")
+                out[k] = v
+                continue
+            out[k] = self.decode_member(k, v)
+        return out
+
+
+def safe_decoder() -> SafeDecoder:
+    """A decoder for stock webdataset reads of a cache: `.decode(safe_decoder())` or `.map(...)`."""
+    return SafeDecoder()
+
+
+def iter_members(path: str | Path) -> Iterator[tarfile.TarInfo]:
+    """List a tar's members (never extracting), refusing absolute and `..` names and links."""
+    with tarfile.open(path, "r:") as tar:
+        for m in tar:
+            problem = member_name_problem(m.name)
+            if problem:
+                raise UnsafeMemberError(f"tar {str(path)!r}: member {m.name!r} {problem}")
+            if not m.isreg():
+                raise UnsafeMemberError(f"tar {str(path)!r}: member {m.name!r} is not a file")
+            yield m
 
 
 def tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:

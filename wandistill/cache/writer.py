@@ -47,6 +47,13 @@ def shard_name(rank: int, seq: int) -> str:
     return f"r{rank:05d}-{seq:06d}"
 
 
+def _naming(e: OSError, cache: Path) -> OSError:
+    """The same error, naming the cache when the OS did not name a file (ENOSPC on write)."""
+    if e.filename is not None:
+        return e
+    return OSError(e.errno, e.strerror or str(e), str(cache))
+
+
 def _make_sink(backend: str, cache: Path, shard_records: int) -> ShardSink:
     if backend == "webdataset":
         from wandistill.cache.wds import WebDatasetSink
@@ -111,6 +118,8 @@ class CacheWriter:
         ]
         self._seq = max(seqs, default=-1) + 1
         self._open: list[str] = []
+        self._begun = False
+        """A shard is begun in the sink (its temp file exists), even if no record made it in."""
         self.records_written = 0
         self.records_skipped = 0
         self.bytes_written = 0
@@ -168,9 +177,13 @@ class CacheWriter:
         if record.key in self._keys or record.key in self._open:
             self.records_skipped += 1
             return False
-        if not self._open:
-            self.sink.begin(shard_name(self.rank, self._seq))
-        self.sink.add(record)
+        try:
+            if not self._begun:
+                self.sink.begin(shard_name(self.rank, self._seq))
+                self._begun = True
+            self.sink.add(record)
+        except OSError as e:
+            raise _naming(e, self.path) from e
         self._open.append(record.key)
         if len(self._open) >= self.shard_records:
             self.flush()
@@ -179,27 +192,37 @@ class CacheWriter:
     def flush(self) -> None:
         """Publish the open shard now (a partial one is fine); then commit it in the journal."""
         if not self._open:
+            self.abort()  # drops a begun shard that no record made it into
             return
-        entry = self.sink.end()
+        try:
+            entry = self.sink.end()
+        except OSError as e:
+            raise _naming(e, self.path) from e
         entry.update(
             name=shard_name(self.rank, self._seq),
             rank=self.rank,
             records=len(self._open),
             keys=list(self._open),
         )
+        mf.seal_entry(entry)  # lets `cache verify` spot a hand-edited entry
+        try:
+            mf.write_journal(self.path, self.rank, [*self._mine, entry])
+        except OSError as e:  # the shard file is published but not committed: redone on resume
+            raise _naming(e, self.path) from e
         self._mine.append(entry)
-        mf.write_journal(self.path, self.rank, self._mine)
         self._keys.update(self._open)
         self.records_written += len(self._open)
         self.bytes_written += int(entry["bytes"])
         self._open = []
+        self._begun = False
         self._seq += 1
 
     def abort(self) -> None:
         """Drop the open shard: its records were never committed and will be redone on resume."""
-        if self._open:
+        if self._begun:  # also a shard whose first record failed to go in (disk full)
             self.sink.abort()
-            self._open = []
+        self._open = []
+        self._begun = False
 
     def close(self, *, finalize: bool = False, complete: bool = False) -> None:
         """Publish what is open. `finalize` folds journals into the manifest: call it from one

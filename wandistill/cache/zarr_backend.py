@@ -69,15 +69,17 @@ position in the shard, then the index's crc32c; an inner chunk is the raw little
 followed by their crc32c. Each shard file's index is read once and cached (a committed shard file
 is never rewritten), and inner chunks are `os.preadv`-ed straight into the `torch.empty` tensor
 that is returned (no intermediate buffer), coalescing chunks that are adjacent in the file into
-one call. Checksums: every whole inner chunk read is verified against its crc32c (google_crc32c,
-~8 GB/s, read into a 4-byte side buffer by the same preadv). A *partial* inner chunk (the first
-and last 32-token chunk of a ragged embedding, a timestep out of a record's row) is not verified
-on the training hot path, since that would mean reading the whole chunk; `read_record` (and so
-`verify`, which also checks every shard file's sha256) reads and verifies whole chunks. An
-inner chunk absent from the index (offset = nbytes = 2**64-1) reads as the fill value, as in
-zarr. A missing, truncated or corrupt shard file raises `ZarrChunkError` naming the shard entry,
-record key and file. Arrays whose codecs are not exactly this layout (e.g. compressed by another
-tool) are read through zarr-python as before; so is everything with `ZarrSource(fast=False)`.
+one call. Checksums: every inner chunk a read touches is verified against its crc32c
+(google_crc32c, ~8 GB/s), on the training hot path too. A chunk that is only partly wanted (the
+first and last 32-token chunk of a ragged embedding, one timestep out of a record's row) is still
+read whole, by the same preadv: the wanted bytes land in the tensor, the rest of the chunk and
+the 4-byte checksums in small side buffers, and the crc32c is extended over the pieces in order,
+so nothing is copied. The cost is the rest of those edge chunks (adjacent in the file, so the same
+I/O request) and ~0.1 ms of crc32c per Wan sample. An inner chunk absent from the index
+(offset = nbytes = 2**64-1) reads as the fill value, as in zarr. A missing, truncated or corrupt
+shard file raises `ZarrChunkError` naming the shard entry, record key and file. Arrays whose
+codecs are not exactly this layout (e.g. compressed by another tool) are read through zarr-python
+as before; so is everything with `ZarrSource(fast=False)`.
 Stock zarr reads the same files unchanged: nothing about the format differs.
 
 This module never pickles and does not import webdataset. `fcntl` makes it POSIX-only; on a
@@ -88,6 +90,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -148,6 +151,8 @@ _MISSING = 2**64 - 1
 """Index entry (offset and nbytes) of an inner chunk that was never written: read the fill value."""
 _IOV_MAX = 512
 """Buffers per preadv call (Linux allows 1024)."""
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN}
+"""OSErrors that say nothing about the record being read (re-raised as they are)."""
 _MAX_GAP = 4096
 """Bytes between two chunk reads of one shard file worth reading (and discarding) to merge them."""
 
@@ -179,11 +184,11 @@ def to_torch(a: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def _torch_view(a: np.ndarray, dtype: str) -> torch.Tensor:
-    """A tensor sharing `a`'s memory, typed as `dtype` (bf16 over the uint16 bits)."""
+def _numpy_view(t: torch.Tensor, dtype: str) -> np.ndarray:
+    """A numpy array over a CPU tensor's memory (no copy); bf16 as its uint16 bits."""
     if dtype == "bfloat16":
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -380,9 +385,9 @@ class ZarrSink:
                 raise CacheError(
                     f"{where}: {name} has shape {list(shape)}, earlier records have {list(item)}"
                 )
-            checked.append((name, t.detach(), dtype))
-        # Copy each tensor once, straight into its row of the shard's block (copy_ also moves
-        # it off the GPU and makes it contiguous).
+            checked.append((name, t.detach().cpu(), dtype))
+        # Copy each tensor once, straight into its row of the shard's block. (numpy, not torch's
+        # copy_: that wakes the OpenMP pool, whose threads then spin for nothing.)
         for name, t, dtype in checked:
             self._dtypes[name] = dtype
             if name in RAGGED:
@@ -397,7 +402,7 @@ class ZarrSink:
                     )
                 buf = self._grow_block(name, buf, pos, pos + length, dtype)
                 self._tokens[name] = buf
-                _torch_view(buf[pos : pos + length], dtype).copy_(t)
+                buf[pos : pos + length] = _numpy_view(t, dtype)
                 spans.append((pos, length))
                 self._used[name] = pos + length
             else:
@@ -407,7 +412,7 @@ class ZarrSink:
                     buf = self._block(name, self.block_records, self._items[name], dtype)
                 buf = self._grow_block(name, buf, n, n + 1, dtype)
                 self._dense[name] = buf
-                _torch_view(buf[n], dtype).copy_(t)
+                buf[n] = _numpy_view(t, dtype)
         for spans in self._spans.values():
             if len(spans) == n:  # this record has no such tensor
                 spans.append(None)
@@ -875,9 +880,8 @@ class ZarrSource:
             if f.dropped and f.users == 0:
                 os.close(f.fd)
 
-    def _fill(self, g: _Geometry, pieces: list[Piece], out: np.ndarray, whole: bool) -> None:
-        """Read the pieces' bytes into `out` (flat uint8). With `whole`, a piece that is part of
-        an inner chunk reads the whole chunk, to verify its crc32c."""
+    def _fill(self, g: _Geometry, pieces: list[Piece], out: np.ndarray) -> None:
+        """Read the pieces' bytes into `out` (flat uint8), shard file by shard file."""
         by_shard: dict[tuple[int, ...], list[tuple[int, int, int, int]]] = {}
         for coords, skip, size, dest in pieces:
             if size == 0:
@@ -888,23 +892,21 @@ class ZarrSource:
         for shard, items in by_shard.items():
             f = self._acquire(f"{g.path}/{g.encode_key(shard)}", g)
             try:
-                self._read_shard(f, g, items, out, whole)
+                self._read_shard(f, g, items, out)
             finally:
                 self._release(f)
 
     def _read_shard(
-        self,
-        f: _ShardFile,
-        g: _Geometry,
-        items: list[tuple[int, int, int, int]],
-        out: np.ndarray,
-        whole: bool,
+        self, f: _ShardFile, g: _Geometry, items: list[tuple[int, int, int, int]], out: np.ndarray
     ) -> None:
+        """Read inner chunks (or parts of them) of one shard file into `out`, verifying each
+        chunk's crc32c. The wanted bytes land in `out` directly; the rest of a partly wanted
+        chunk and every checksum land in small side buffers filled by the same preadv, and the
+        crc32c is extended over the pieces in order, so nothing is copied."""
         where = f"{DATA_NAME}/{f.rel}"
         stored = g.chunk_nbytes + 4 * g.crc
         reads: list[tuple[int, list[np.ndarray]]] = []  # (file offset, buffers filled in order)
-        checks: list[tuple[int, np.ndarray, np.ndarray]] = []  # (chunk, payload, its crc32c)
-        copies: list[tuple[np.ndarray, np.ndarray]] = []  # (destination, part of a whole chunk)
+        checks: list[tuple[int, list[np.ndarray], np.ndarray]] = []  # (chunk, payload, crc32c)
         for local, skip, size, dest in items:
             off, nbytes = (int(x) for x in f.index[local])
             target = out[dest : dest + size]
@@ -917,20 +919,18 @@ class ZarrSource:
                     f"{stored} bytes within [{f.data_start}, {f.data_end}) (file truncated, or "
                     "not the layout this reader knows)"
                 )
-            if skip == 0 and size == g.chunk_nbytes:
-                if g.crc:
-                    crc = np.empty(4, dtype=np.uint8)
-                    reads.append((off, [target, crc]))
-                    checks.append((local, target, crc))
-                else:
-                    reads.append((off, [target]))
-            elif whole and g.crc:
-                scratch = np.empty(stored, dtype=np.uint8)
-                reads.append((off, [scratch]))
-                checks.append((local, scratch[:-4], scratch[-4:]))
-                copies.append((target, scratch[skip : skip + size]))
-            else:  # part of a chunk, on the hot path: read just that part, unverified
+            if not g.crc:  # nothing to check: read just the wanted bytes
                 reads.append((off + skip, [target]))
+                continue
+            rest = g.chunk_nbytes - skip - size
+            payload = [
+                *([np.empty(skip, dtype=np.uint8)] if skip else []),
+                target,
+                *([np.empty(rest, dtype=np.uint8)] if rest else []),
+            ]
+            crc = np.empty(4, dtype=np.uint8)
+            reads.append((off, [*payload, crc]))
+            checks.append((local, payload, crc))
         reads.sort(key=lambda r: r[0])
         run_off, run_end, run = 0, 0, []  # coalesce reads that are (nearly) adjacent in the file
         for off, bufs in reads:
@@ -947,10 +947,11 @@ class ZarrSource:
         if run:
             self._preadv(f, run, run_off, run_end - run_off, where)
         for local, payload, crc in checks:
-            if google_crc32c.value(payload) != int(crc.view("<u4")[0]):
+            value = 0
+            for part in payload:
+                value = google_crc32c.extend(value, part)
+            if value != int(crc.view("<u4")[0]):
                 raise ZarrChunkError(f"{where}: inner chunk {local} fails its crc32c checksum")
-        for target, part in copies:
-            target[:] = part
 
     @staticmethod
     def _preadv(f: _ShardFile, bufs: list[np.ndarray], off: int, size: int, where: str) -> None:
@@ -962,29 +963,29 @@ class ZarrSource:
 
     # -------------------------------------------------------------- tensors
 
-    def _rows(self, path: str, a: int, b: int, whole: bool) -> torch.Tensor:
+    def _rows(self, path: str, a: int, b: int) -> torch.Tensor:
         """Rows [a, b) of array `path`."""
         arr, dtype, g = self._array(path, b)
         if g is None:
             return to_torch(arr[a:b], dtype)
         t = torch.empty((b - a, *g.tail), dtype=g.tdtype)
-        self._fill(g, _row_pieces(g, a, b), _bytes_of(t), whole)
+        self._fill(g, _row_pieces(g, a, b), _bytes_of(t))
         return t
 
-    def _item(self, path: str, row: int, step: int | None, whole: bool) -> torch.Tensor:
+    def _item(self, path: str, row: int, step: int | None) -> torch.Tensor:
         """Row `row` of array `path`, or only its step `step` (index on axis 1)."""
         arr, dtype, g = self._array(path, row + 1)
         if g is None:
             return to_torch(arr[row] if step is None else arr[row, step], dtype)
         if step is None:
             t = torch.empty(g.tail, dtype=g.tdtype)
-            self._fill(g, _row_pieces(g, row, row + 1), _bytes_of(t), whole)
+            self._fill(g, _row_pieces(g, row, row + 1), _bytes_of(t))
             return t
         steps = g.tail[0] if g.tail else 0
         if not -steps <= step < steps:
             raise IndexError(f"step {step} is out of range for {path} with {steps} steps")
         t = torch.empty(g.tail[1:], dtype=g.tdtype)
-        self._fill(g, _step_pieces(g, row, step % steps), _bytes_of(t), whole)
+        self._fill(g, _step_pieces(g, row, step % steps), _bytes_of(t))
         return t
 
     def offsets(self, entry: dict[str, Any], name: str) -> np.ndarray:
@@ -993,7 +994,7 @@ class ZarrSource:
         key = (entry["name"], int(start), name)
         got = self._offsets.get(key)
         if got is None:
-            got = self._rows(f"{name}/offsets", int(start), int(stop), True).numpy()
+            got = self._rows(f"{name}/offsets", int(start), int(stop)).numpy()
             got = np.asarray(got, dtype=np.int64)
             self._offsets[key] = got
         return got
@@ -1005,7 +1006,6 @@ class ZarrSource:
         wanted: dict[str, int | None],
         *,
         missing_ok: bool,
-        whole: bool = False,
     ) -> dict[str, torch.Tensor]:
         n = int(entry["records"])
         if not 0 <= i < n:
@@ -1025,10 +1025,12 @@ class ZarrSource:
                         raise KeyError(
                             f"shard {entry['name']} record {entry['keys'][i]} has no {name!r}"
                         )
-                    out[name] = self._rows(f"{name}/values", s, s + length, whole)
+                    out[name] = self._rows(f"{name}/values", s, s + length)
                 else:
-                    out[name] = self._item(name, row, step, whole)
+                    out[name] = self._item(name, row, step)
             except (ZarrChunkError, OSError) as e:
+                if isinstance(e, OSError) and e.errno in _TRANSIENT:
+                    raise  # the process's trouble, not the record's
                 msg = e.message if isinstance(e, ZarrChunkError) else f"{type(e).__name__}: {e}"
                 raise ZarrChunkError(
                     f"shard {entry['name']} record {entry['keys'][i]}: {name}: {msg}"
@@ -1041,7 +1043,7 @@ class ZarrSource:
         return self._read(entry, i, wanted, missing_ok=False)
 
     def read_record(self, entry: dict[str, Any], i: int) -> Record:
-        tensors = self._read(entry, i, dict.fromkeys(entry["fields"]), missing_ok=True, whole=True)
+        tensors = self._read(entry, i, dict.fromkeys(entry["fields"]), missing_ok=True)
         return Record.from_parts(entry["meta"][i], tensors)
 
     def _affected(self, entry: dict[str, Any], rel: str) -> list[int]:

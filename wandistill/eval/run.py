@@ -20,6 +20,7 @@ import torch
 
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import Record, is_holdout, pad_embeds
+from wandistill.config import refuse_custom_code
 from wandistill.errors import UsageError
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.fsutil import atomic_write_bytes, atomic_write_json
@@ -109,6 +110,20 @@ def _held_out(store: CacheStore, split: str, limit: int | None) -> list[Record]:
     return [store.read_record(*v) for _, v in located]
 
 
+def load_student(path: str | Path) -> torch.nn.Module:
+    """The student folder as a WanTransformer3DModel; an unloadable folder is a usage error."""
+    from diffusers import WanTransformer3DModel
+
+    try:
+        return WanTransformer3DModel.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"student {str(path)!r} cannot be loaded as a WanTransformer3DModel ({first})",
+            fix="pass the student folder written by `wandistill train` (<out>/student)",
+        ) from None
+
+
 def evaluate(
     cache: str | Path,
     student_path: str | Path,
@@ -121,23 +136,28 @@ def evaluate(
     grid_records: int = 8,
     device: str = "cpu",
 ) -> EvalResult:
-    from diffusers import WanTransformer3DModel
-
     if not Path(student_path).is_dir():
         raise UsageError(
             f"student {str(student_path)!r} does not exist",
             fix="pass the student folder written by `wandistill train` (<out>/student)",
         )
+    refuse_custom_code(student_path, "student")
+    if teacher is not None:
+        refuse_custom_code(teacher)
+        if not (Path(teacher) / "vae").is_dir():
+            raise UsageError(
+                f"teacher {str(teacher)!r} has no vae/ folder",
+                fix="pass the teacher folder (or leave out --teacher)",
+            )
     torch.manual_seed(0)
-    student = WanTransformer3DModel.from_pretrained(student_path, local_files_only=True)
-    student = student.to(device).eval().requires_grad_(False)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    student = load_student(student_path).to(device).eval().requires_grad_(False)
     with CacheStore(cache) as store:
         settings = store.manifest.settings
         msl = int(settings["max_sequence_length"])
         _check_fit(student, store.manifest.dims, cache)
         records = _held_out(store, split, max_records)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)  # only once every input checked out
     n_steps = steps or int(settings["num_inference_steps"])
     scheduler = make_scheduler(settings)
     finals, per_record, step_losses = [], [], []

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from wandistill.config import refuse_custom_code
 from wandistill.errors import UsageError
 from wandistill.teacher.decode import save_png
 
@@ -33,7 +34,9 @@ def sample(
     device: str = "cpu",
 ) -> list[Path]:
     """Write `<out>/<i>.png` per prompt and `<out>/grid.png`; returns the PNG paths."""
-    from diffusers import WanPipeline, WanTransformer3DModel
+    from diffusers import WanPipeline
+
+    from wandistill.eval.run import load_student
 
     teacher = Path(teacher)
     if not (teacher / "model_index.json").is_file():
@@ -41,6 +44,7 @@ def sample(
             f"teacher {str(teacher)!r} is not a diffusers Wan folder",
             fix="pass the teacher folder the student was distilled from (for its UMT5 and VAE)",
         )
+    refuse_custom_code(teacher)
     kwargs: dict[str, object] = {}
     if student is not None:
         if not Path(student).is_dir():
@@ -48,9 +52,8 @@ def sample(
                 f"student {str(student)!r} does not exist",
                 fix="pass <out>/student from `wandistill train`",
             )
-        kwargs["transformer"] = WanTransformer3DModel.from_pretrained(
-            student, local_files_only=True
-        )
+        refuse_custom_code(student, "student")
+        kwargs["transformer"] = load_student(student)
         kwargs["transformer_2"] = None
         guidance_scale = 1.0
     pipe = WanPipeline.from_pretrained(teacher, local_files_only=True, **kwargs).to(device)

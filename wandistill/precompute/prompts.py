@@ -88,6 +88,10 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
     p = Path(path)
     if not str(path):
         raise UsageError("no prompt file given", fix="pass --prompts FILE (.txt or .jsonl)")
+    if p.is_dir():
+        raise UsageError(
+            f"prompt file {str(p)!r} is a directory", fix="pass --prompts FILE (.txt or .jsonl)"
+        )
     if not p.is_file():
         raise UsageError(
             f"prompt file {str(p)!r} does not exist", fix="pass --prompts FILE (.txt or .jsonl)"
@@ -100,7 +104,14 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
     report = PromptReport(path=str(p))
     prompts: list[Prompt] = []
     seen: set[tuple[str, int | None, str | None]] = set()
-    with open(p, "rb") as f:
+    try:
+        f = open(p, "rb")  # noqa: SIM115 - closed by the with below
+    except OSError as e:
+        raise UsageError(
+            f"prompt file {str(p)!r} cannot be read ({e.strerror})",
+            fix="check its permissions, or pass another --prompts FILE",
+        ) from None
+    with f:
         for lineno, raw in enumerate(f, start=1):
             report.lines = lineno
             try:

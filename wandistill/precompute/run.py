@@ -11,24 +11,35 @@ batches r, r+W, ... so a batch is computed identically whatever W, and the recor
 bytes as a single-process run. Resume is per batch: a batch whose keys are all committed is
 skipped; any other batch is recomputed whole (same inputs, same bits) and the writer drops keys
 that were already committed.
+
+SIGTERM / SIGINT (`_StopSignals`, installed in `run` only): the batch being computed is dropped,
+the open shard is flushed so every complete record is committed, and the run raises `Stopped`
+(exit code 143 / 130, "re-run the same command to resume"). Under torchrun every rank does this
+for its own shards; the manifest is then never marked complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 
-from wandistill import dist
+from wandistill import dist, testing_hooks
 from wandistill.cache import manifest as mf
 from wandistill.cache.schema import dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
 from wandistill.config import PrecomputeConfig
-from wandistill.errors import UsageError
+from wandistill.errors import UsageError, WandistillError
 from wandistill.fsutil import atomic_write_json
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.progress import Progress
@@ -171,16 +182,88 @@ def _device_kind(placement: str) -> str:
     return "auto"
 
 
+class Stopped(WandistillError):
+    """Precompute stopped on SIGTERM / SIGINT; what it wrote is committed. Exit 128 + signal."""
+
+    def __init__(self, signum: int, records: int, info: dist.DistInfo | None) -> None:
+        where = f" (rank {info.rank} of {info.world_size})" if info and info.distributed else ""
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after {records} records{where}; "
+            "re-run the same command to resume"
+        )
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class _Stop(BaseException):
+    """Raised by the signal handler inside an interruptible section (nothing being written)."""
+
+
+class _StopSignals:
+    """SIGTERM / SIGINT -> a graceful stop; installed once, around the whole stage.
+
+    The first signal is recorded. Inside `interruptible()` (teacher loading, text encoding,
+    denoising: nothing is being written) it raises `_Stop` at once, dropping the batch being
+    computed; elsewhere (cache writes, shard flushes, the final barrier) the run stops at the next
+    `check()`, so no shard is ever published half-written. Later signals are ignored, the stop is
+    under way (a Ctrl-C under torchrun brings SIGINT from the terminal and SIGTERM from torchrun),
+    except a second Ctrl-C: KeyboardInterrupt, at once (the open shard is dropped, not flushed).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._armed = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+            if self._armed:
+                self._armed = False
+                raise _Stop
+        elif signum == self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        self._armed = True
+        try:
+            self.check()
+            yield
+        finally:
+            self._armed = False
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise _Stop
+
+
 def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) -> Summary:
     """Run precompute as this process's rank; rank 0 finalizes the manifest at the end."""
     t0 = time.perf_counter()
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
     prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed)
-    info = dist.init(_device_kind(cfg.teacher.placement))
-    try:
-        return _run(cfg, teacher, prompts, report, info, null_sink=null_sink, quiet=quiet, t0=t0)
-    finally:
-        dist.cleanup()
+    with _StopSignals() as stop:
+        info = dist.init(_device_kind(cfg.teacher.placement))
+        try:
+            return _run(
+                cfg, teacher, prompts, report, info, stop, null_sink=null_sink, quiet=quiet, t0=t0
+            )
+        except _Stop:  # before the cache writer existed: nothing to flush
+            raise Stopped(stop.signum or signal.SIGTERM, 0, info) from None
+        finally:
+            dist.cleanup()
 
 
 def _run(
@@ -189,6 +272,7 @@ def _run(
     prompts: list[Prompt],
     report: PromptReport,
     info: dist.DistInfo,
+    stop: _StopSignals,
     *,
     null_sink: bool,
     quiet: bool,
@@ -246,34 +330,37 @@ def _run(
 
     from wandistill.teacher.encode import encode_trimmed
 
-    tokenizer = AutoTokenizer.from_pretrained(teacher.path / "tokenizer", local_files_only=True)
-    needed = sorted({i for b in todo for i in b})
-    negatives = sorted(
-        {cfg.sampler.negative_prompt}
-        | {prompts[i].negative_prompt for i in needed if prompts[i].negative_prompt is not None}
-    )
-    encoder = pl.load_component(teacher.path, "text_encoder", **load_kw)
-    try:
-        msl = cfg.sampler.max_sequence_length
-        embeds: dict[int, torch.Tensor] = {}
-        for start in range(0, len(needed), bs):
-            chunk = needed[start : start + bs]
-            with pl.oom_guard_for(encoder):
-                enc = encode_trimmed(
-                    tokenizer,
-                    encoder,
-                    [prompts[i].text for i in chunk],
-                    max_sequence_length=msl,
-                    dtype=dtype,
+    with stop.interruptible():  # loading and encoding write nothing: a signal aborts them
+        tokenizer = AutoTokenizer.from_pretrained(teacher.path / "tokenizer", local_files_only=True)
+        needed = sorted({i for b in todo for i in b})
+        negatives = sorted(
+            {cfg.sampler.negative_prompt}
+            | {prompts[i].negative_prompt for i in needed if prompts[i].negative_prompt is not None}
+        )
+        encoder = pl.load_component(teacher.path, "text_encoder", **load_kw)
+        try:
+            msl = cfg.sampler.max_sequence_length
+            embeds: dict[int, torch.Tensor] = {}
+            for start in range(0, len(needed), bs):
+                chunk = needed[start : start + bs]
+                with pl.oom_guard_for(encoder):
+                    enc = encode_trimmed(
+                        tokenizer,
+                        encoder,
+                        [prompts[i].text for i in chunk],
+                        max_sequence_length=msl,
+                        dtype=dtype,
+                    )
+                embeds.update(zip(chunk, enc.embeds, strict=True))
+                report.truncated.extend(
+                    prompts[i].line for i, tr in zip(chunk, enc.truncated, strict=True) if tr
                 )
-            embeds.update(zip(chunk, enc.embeds, strict=True))
-            report.truncated.extend(
-                prompts[i].line for i, tr in zip(chunk, enc.truncated, strict=True) if tr
+            neg = encode_trimmed(
+                tokenizer, encoder, negatives, max_sequence_length=msl, dtype=dtype
             )
-        neg = encode_trimmed(tokenizer, encoder, negatives, max_sequence_length=msl, dtype=dtype)
-        neg_embeds = dict(zip(negatives, neg.embeds, strict=True))
-    finally:
-        pl.unload(encoder)
+            neg_embeds = dict(zip(negatives, neg.embeds, strict=True))
+        finally:
+            pl.unload(encoder)
 
     timesteps, sigmas = RecordingSampler(teacher.scheduler, _spec(cfg, teacher, shape)).schedule()
     writer = (
@@ -317,37 +404,49 @@ def _run(
         unit="prompts",
     )
     progress.advance(sum(len(b) for b in mine) - sum(len(b) for b in todo))
-    group = max(1, cfg.sampler.expert_group_batches) if len(teacher.experts) > 1 else len(todo)
+    # Batches per expert swap (Wan 2.2); one expert: one batch at a time, written as it finishes.
+    group = max(1, cfg.sampler.expert_group_batches) if len(teacher.experts) > 1 else 1
     resident: dict[str, torch.nn.Module] = {}
+    handed = 0  # records handed to the writer by this run (the test hook counts them)
+    testing_hooks.at("precompute", "record", 0, info.rank)
     try:
         with progress:
             for g0 in range(0, len(todo), max(1, group)):
                 states = None
                 for expert in teacher.experts:
-                    model = resident.get(expert)
-                    if model is None:
-                        for other in list(resident):  # one expert in memory at a time
-                            pl.unload(resident.pop(other))
-                        model = resident[expert] = pl.load_component(
-                            teacher.path, expert, **load_kw
-                        )
-                    device = pl.execution_device(model)
-                    if states is None:
-                        states = [
-                            sampler.start([job(i) for i in b], device)
-                            for b in todo[g0 : g0 + group]
-                        ]
-                    with pl.oom_guard_for(model):
-                        for st in states:
-                            sampler.advance(st, model, expert, device)
+                    with stop.interruptible():  # a signal drops these batches: none written yet
+                        model = resident.get(expert)
+                        if model is None:
+                            for other in list(resident):  # one expert in memory at a time
+                                pl.unload(resident.pop(other))
+                            model = resident[expert] = pl.load_component(
+                                teacher.path, expert, **load_kw
+                            )
+                        device = pl.execution_device(model)
+                        if states is None:
+                            states = [
+                                sampler.start([job(i) for i in b], device)
+                                for b in todo[g0 : g0 + group]
+                            ]
+                        with pl.oom_guard_for(model):
+                            for st in states:
+                                sampler.advance(st, model, expert, device)
                 assert states is not None
                 for st in states:
                     for rec in sampler.finish(st):
                         if writer is not None:
                             writer.write(rec)
+                        handed += 1
+                        testing_hooks.at("precompute", "record", handed, info.rank)
                     progress.advance(
                         len(st.jobs), bytes_total=writer.bytes_written if writer else 0
                     )
+                stop.check()  # between batches: nothing half-written
+    except _Stop:
+        if writer is not None:
+            writer.close()  # commit the open shard's complete records
+        written = writer.records_written if writer else 0
+        raise Stopped(stop.signum or signal.SIGTERM, written, info) from None
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -359,7 +458,7 @@ def _run(
         writer.close()
         if cfg.previews > 0:
             _previews(cfg, teacher, prompts, keys, load_kw, info)
-    dist.barrier(info)
+    _barrier(info, stop, writer.records_written if writer else 0)
     if writer is not None and info.is_main:
         mf.finalize(cache, complete=True)
         atomic_write_json(cache / "prompts_report.json", report.to_json())
@@ -372,6 +471,25 @@ def _run(
         seconds=time.perf_counter() - t0,
         prompts=len(prompts),
     )
+
+
+def _barrier(info: dist.DistInfo, stop: _StopSignals, records: int) -> None:
+    """Wait for every rank before rank 0 marks the cache complete; never after a stop, and a
+    rank that stopped or died on the way is one clear line, not a gloo traceback."""
+    if stop.signum is None:
+        try:
+            dist.barrier(info)
+        except Exception as e:
+            if stop.signum is None:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:300]  # gloo's "[pair.cc:553]"
+                raise WandistillError(
+                    f"rank {info.rank}: waiting for the other ranks failed, most likely because "
+                    f"another rank stopped (see its error): {first}",
+                    fix="fix that rank's error, then re-run the same command to resume",
+                ) from None
+    if stop.signum is not None:
+        raise Stopped(stop.signum, records, info)
 
 
 def _spec(cfg: PrecomputeConfig, teacher: Teacher, shape: tuple[int, int, int, int]) -> SamplerSpec:

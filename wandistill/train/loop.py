@@ -8,6 +8,10 @@ never opens the teacher's folder (except `student.init_from_teacher`, which read
 tensors lazily with safetensors), and works with the teacher deleted. One step = `grad_accum`
 micro-batches per rank; DDP syncs gradients on the last one only (`no_sync` on the others), so
 N ranks x accumulation A trains the same as 1 rank x accumulation N*A up to float reordering.
+
+SIGTERM / SIGINT (`_StopSignals`, installed in `run` only) only set a flag; at the next step
+boundary the ranks agree through an all-reduce, all save a checkpoint at that same step, and the
+run raises `Stopped` (exit code 143 / 130, "resume with --resume"): no rank is left in a collective.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ import base64
 import contextlib
 import inspect
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -26,7 +33,7 @@ from rich.console import Console
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from wandistill import dist
+from wandistill import dist, testing_hooks
 from wandistill.cache.manifest import Manifest, load_committed, manifest_path
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
@@ -56,7 +63,7 @@ from wandistill.train.failures import (
 from wandistill.train.metrics import MetricsLog, peak_memory, truncate_after
 from wandistill.train.optim import build_optimizer, build_scheduler
 
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False, soft_wrap=True)
 NO_BUFFER_SYNC = (
     {"forward_sync_buffers": False}  # torch >= 2.13 name
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -121,9 +128,10 @@ def run(
     started = time.perf_counter()
     trainer: Trainer | None = None
     ok = False
+    stop = _StopSignals.install()
     try:
         trainer = setup(cfg, plan, info, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
-        steps = fit(trainer)
+        steps = fit(trainer, stop)
         student, ema = export_pretrained(trainer.model.student, trainer.ema, plan.out, info)
         corrupt = gather_corrupt(trainer)
         trainer.metrics.write({"event": "end", "step": steps, "corrupt": len(corrupt)})
@@ -134,6 +142,7 @@ def run(
             raise
         raise friendly from e
     finally:
+        stop.restore()
         if trainer is not None:
             trainer.metrics.close()
             # Drop DDP before the process group: a Reducer destroyed later, with the GIL held,
@@ -150,6 +159,55 @@ def run(
         corrupt=corrupt,
         is_main=info.is_main,
     )
+
+
+class Stopped(WandistillError):
+    """Training stopped on SIGTERM / SIGINT after saving a checkpoint. Exit 128 + signal."""
+
+    def __init__(self, signum: int, step: int, info: dist.DistInfo) -> None:
+        where = f" (rank {info.rank} of {info.world_size})" if info.distributed else ""
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} at step {step}{where}; resume with --resume"
+        )
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class _StopSignals:
+    """SIGTERM / SIGINT -> stop at the next step boundary (see `fit`).
+
+    The handler only records the first signal: a rank may be inside a collective when it arrives
+    (under torchrun every rank gets SIGTERM, a Ctrl-C brings SIGINT too), so stopping is agreed on
+    at step boundaries, never done from the handler. Later signals are ignored, except a second
+    Ctrl-C: KeyboardInterrupt at once, without a checkpoint (e.g. while --follow waits for data).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @classmethod
+    def install(cls) -> _StopSignals:
+        self = cls()
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+        elif signum == self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def agreed(self, info: dist.DistInfo) -> int:
+        """The signal to stop on if any rank got one (a collective: every rank calls it), else 0."""
+        return int(dist.all_reduce_max(info, float(self.signum or 0)))
 
 
 def wait_for_manifest(cfg: TrainConfig) -> None:
@@ -301,6 +359,7 @@ def restore(
     name = dist.broadcast_json(info, latest.name if latest else None)
     if name is None:
         if info.is_main:
+            truncate_after(plan.out, 0)  # rows of a run killed before its first checkpoint
             console.print(f"train: no checkpoint in {root}, starting at step 0")
         return 0
     ck = ckpt_io.load_checkpoint(root / name)
@@ -351,7 +410,7 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
 # --------------------------------------------------------------------------- fit
 
 
-def fit(t: Trainer) -> int:
+def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
     """The loop: accumulate, clip, step, EMA, log, checkpoint. Returns the steps done."""
     cfg, info = t.cfg, t.info
     samples_per_step = cfg.batch_size * cfg.grad_accum * info.world_size
@@ -363,6 +422,13 @@ def fit(t: Trainer) -> int:
     with Progress(total=cfg.steps, description="train", enabled=info.is_main, unit="step") as bar:
         bar.advance(step)
         while step < cfg.steps:
+            signum = stop.agreed(info) if stop is not None else 0
+            if signum:  # every rank stops here, at the same step, after the same checkpoint
+                if step != saved:
+                    if window.steps:
+                        log_window(t, step, window, samples_per_step)
+                    save(t, step)
+                raise Stopped(signum, step, info)
             t0 = time.perf_counter()
             wait = 0.0
             terms: dict[str, torch.Tensor] = {}
@@ -395,6 +461,7 @@ def fit(t: Trainer) -> int:
             t.ema.update(t.model.student)
             step += 1
             injected_failure(info.rank, step)
+            testing_hooks.at("train", "step", step, info.rank)
 
             window.add(terms, grad_norm, lr, time.perf_counter() - t0, wait)
             if step % cfg.log_every == 0 or step == cfg.steps:
@@ -403,6 +470,7 @@ def fit(t: Trainer) -> int:
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save(t, step)
                 saved = step
+                testing_hooks.at("train", "saved", step, info.rank)
     if step != saved:
         if window.steps:
             log_window(t, step, window, samples_per_step)
