@@ -38,7 +38,7 @@ from wandistill import dist, testing_hooks
 from wandistill.cache import manifest as mf
 from wandistill.cache.schema import dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
-from wandistill.config import PrecomputeConfig
+from wandistill.config import PrecomputeConfig, refuse_custom_code
 from wandistill.errors import UsageError, WandistillError
 from wandistill.fsutil import atomic_write_json
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
@@ -98,13 +98,7 @@ def inspect_teacher(path: str | Path, flow_shift: float | None) -> Teacher:
             f"teacher {str(root)!r} is a {index.get('_class_name')}, not a WanPipeline folder",
             fix="pass a Wan 2.1 / 2.2 text-to-video diffusers folder",
         )
-    custom = [p.name for p in root.rglob("*.py")]
-    if custom:
-        raise UsageError(
-            f"teacher {str(root)!r} contains custom code ({', '.join(custom[:3])}); wandistill "
-            "never runs code from model folders",
-            fix="remove the .py files or use an official diffusers Wan folder",
-        )
+    refuse_custom_code(root)  # .py files or non-diffusers/transformers classes: never run
     import diffusers
 
     sched_cfg = _read_json(root / "scheduler" / "scheduler_config.json")
