@@ -419,8 +419,9 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
     window = Window()
     shown: dict[str, float] = {}
     t.metrics.write({"event": "start", "step": step, "world_size": info.world_size})
-    with Progress(total=cfg.steps, description="train", enabled=info.is_main, unit="step") as bar:
-        bar.advance(step)
+    with Progress(
+        total=cfg.steps, description="train", enabled=info.is_main, unit="step", initial=step
+    ) as bar:
         while step < cfg.steps:
             signum = stop.agreed(info) if stop is not None else 0
             if signum:  # every rank stops here, at the same step, after the same checkpoint
