@@ -33,8 +33,12 @@ teacher_app = typer.Typer(
     help="Teacher folders: build the tiny offline teachers.", no_args_is_help=True
 )
 cache_app = typer.Typer(help="Inspect and check caches.", no_args_is_help=True)
+recipes_app = typer.Typer(
+    help="The recipes that ship with wandistill: list them, copy one out to edit."
+)
 app.add_typer(teacher_app, name="teacher")
 app.add_typer(cache_app, name="cache")
+app.add_typer(recipes_app, name="recipes")
 
 out = Console()
 err = Console(stderr=True)
@@ -153,10 +157,61 @@ def cache_verify(path: Annotated[Path, typer.Argument(help="Cache directory.")])
     out.print(f"OK: {n} records in {shards} shards of {path} verified", highlight=False)
 
 
+# --------------------------------------------------------------------------- recipes
+
+
+@recipes_app.callback(invoke_without_command=True)
+def recipes_list(ctx: typer.Context) -> None:
+    """List the shipped recipes; pass a NAME wherever a command takes a RECIPE."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from wandistill.config import load_recipe, shipped_recipe_names
+
+    table = Table(title="shipped recipes (`wandistill recipes copy NAME` to edit one)")
+    table.add_column("name", no_wrap=True)  # whole, to copy into a command
+    for col in ("description", "teacher", "placement"):
+        table.add_column(col, overflow="fold")
+    for name in shipped_recipe_names():
+        r = load_recipe(name)
+        t = r.precompute.teacher
+        table.add_row(name, r.description, t.path, t.placement)
+    out.print(table)
+
+
+@recipes_app.command("copy")
+def recipes_copy(
+    name: Annotated[str, typer.Argument(help="Shipped recipe name (see `wandistill recipes`).")],
+    dest: Annotated[
+        Path | None, typer.Argument(help="File or folder to write (default: ./NAME.toml).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing DEST file.")] = False,
+) -> None:
+    """Copy a shipped recipe out for editing; commands take the copy's path as their RECIPE."""
+    from wandistill.config import shipped_recipe
+    from wandistill.fsutil import atomic_write_bytes
+
+    source = shipped_recipe(name)
+    target = Path(f"{name}.toml") if dest is None else dest
+    if target.is_dir():
+        target = target / f"{name}.toml"
+    if target.exists() and not force:
+        raise UsageError(
+            f"{str(target)!r} already exists; not overwritten",
+            fix="pass --force to replace it, or choose another DEST",
+        )
+    _out_dir(target.parent, "DEST")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(target, source.read_bytes())
+    out.print(f"wrote {target} (recipe {name!r}); run it with: wandistill precompute {target}")
+
+
 # --------------------------------------------------------------------------- precompute
 
 RecipeArg = Annotated[
-    Path | None, typer.Argument(help="TOML recipe (e.g. pipelines/tiny.toml); flags override it.")
+    str | None,
+    typer.Argument(
+        help="TOML recipe file or shipped recipe name (`wandistill recipes`); flags override it."
+    ),
 ]
 SetOpt = Annotated[
     list[str] | None,
@@ -380,10 +435,12 @@ def sample_cmd(
 
 @app.command("demo")
 def demo_cmd(
-    root: Annotated[Path, typer.Option(help="Folder for everything the demo makes.")] = Path(
-        "cache/demo"
-    ),
-    recipe: Annotated[Path, typer.Option(help="Recipe to run.")] = Path("pipelines/tiny.toml"),
+    root: Annotated[
+        Path, typer.Option(help="Folder for everything the demo makes (relative: to the cwd).")
+    ] = Path("cache/demo"),
+    recipe: Annotated[
+        str, typer.Option(help="Recipe file or shipped recipe name (`wandistill recipes`).")
+    ] = "tiny",
     overrides: SetOpt = None,
 ) -> None:
     """Tiny offline teacher -> precompute -> train -> eval; prints a table, writes PNGs."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +23,9 @@ from typing import Any, TypeVar
 import tomllib
 
 from wandistill.errors import ConfigError, UsageError
+
+if typing.TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 T = TypeVar("T")
 
@@ -532,22 +537,78 @@ def apply_override(data: dict[str, Any], assignment: str, stage: str | None = No
         cls = tp
 
 
+# --------------------------------------------------------------------------- shipped recipes
+
+RECIPES_PACKAGE = "wandistill.recipes"
+"""The repository's pipelines/*.toml, mapped into the package at build time (pyproject.toml)."""
+
+
+def shipped_recipes_dir() -> Traversable:
+    """The folder of recipes that ship with the package, read through importlib.resources so a
+    wheel, an editable install and a zip all work. A source tree put on sys.path without being
+    installed has no `wandistill.recipes` (the build makes it): read its pipelines/ instead."""
+    try:
+        return importlib.resources.files(RECIPES_PACKAGE)
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / "pipelines"
+
+
+def shipped_recipe_names() -> list[str]:
+    return sorted(
+        f.name.removesuffix(".toml")
+        for f in shipped_recipes_dir().iterdir()
+        if f.name.endswith(".toml") and f.is_file()
+    )
+
+
+def _no_such_recipe(arg: str, message: str, expected: str) -> ConfigError:
+    """One line naming `arg`, the nearest shipped names, and how to list them all."""
+    names = shipped_recipe_names()
+    stem = os.path.basename(arg).removesuffix(".toml")
+    near = difflib.get_close_matches(stem, names, n=3, cutoff=0.5)
+    hint = f" (nearest shipped: {', '.join(near)})" if near else ""
+    return ConfigError(
+        f"{message}{hint}", fix=f"pass {expected}; `wandistill recipes` lists the shipped ones"
+    )
+
+
+def shipped_recipe(name: str) -> Traversable:
+    """The shipped recipe called `name` (a file stem in pipelines/, e.g. `tiny`)."""
+    if name in shipped_recipe_names():
+        return shipped_recipes_dir() / f"{name}.toml"
+    raise _no_such_recipe(
+        name, f"unknown recipe {name!r}: not a shipped recipe name", "a shipped recipe name"
+    )
+
+
+def resolve_recipe(arg: str | Path) -> Traversable:
+    """What every command's RECIPE argument means: an existing TOML file, else the name of a
+    shipped recipe. A file wins, so a local edit shadows the shipped copy it was made from."""
+    text = str(arg)
+    p = Path(text)
+    if p.is_file():
+        return p
+    if p.is_dir():
+        raise ConfigError(f"recipe {text!r} is a directory", fix="pass a TOML file inside it")
+    looks_like_path = text.endswith(".toml") or "/" in text or os.sep in text
+    if not looks_like_path and text in shipped_recipe_names():
+        return shipped_recipe(text)
+    what = "does not exist" if looks_like_path else "is neither a file nor a shipped recipe"
+    raise _no_such_recipe(text, f"recipe {text!r} {what}", "a TOML file or a shipped recipe name")
+
+
 def load_recipe(
     path: str | Path | None = None, overrides: list[str] | None = None, stage: str | None = None
 ) -> Recipe:
-    """Read a TOML recipe (or start from defaults), apply overrides, then validate once."""
+    """Read a TOML recipe (a file or a shipped name, see `resolve_recipe`; None: start from
+    defaults), apply overrides, then validate once."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(
-                f"recipe {str(p)!r} does not exist",
-                fix="pass a TOML file, e.g. pipelines/tiny.toml",
-            )
+        source = resolve_recipe(path)
         try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
+            data = tomllib.loads(source.read_text(encoding="utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"recipe {str(p)!r} is not valid TOML: {e}") from None
+            raise ConfigError(f"recipe {str(path)!r} is not valid TOML: {e}") from None
     for assignment in overrides or []:
         apply_override(data, assignment, stage)
     try:

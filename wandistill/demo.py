@@ -89,7 +89,7 @@ def loss_plot(metrics: Path, out: Path, size: tuple[int, int] = (480, 240)) -> P
 
 def run_demo(
     root: str | Path = "cache/demo",
-    recipe: str | Path = "pipelines/tiny.toml",
+    recipe: str | Path = "tiny",
     overrides: list[str] | None = None,
     quiet: bool = False,
 ) -> DemoResult:
