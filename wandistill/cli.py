@@ -34,7 +34,8 @@ teacher_app = typer.Typer(
 )
 cache_app = typer.Typer(help="Inspect and check caches.", no_args_is_help=True)
 recipes_app = typer.Typer(
-    help="The recipes that ship with wandistill: list them, copy one out to edit."
+    help="List the recipes that ship with wandistill (any RECIPE takes their NAME); "
+    "`recipes copy NAME` writes one out to edit."
 )
 app.add_typer(teacher_app, name="teacher")
 app.add_typer(cache_app, name="cache")
