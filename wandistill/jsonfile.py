@@ -169,7 +169,8 @@ def one_line(e: ValidationError, model: type[BaseModel], *, name: str) -> tuple[
     if first["type"] == "missing":
         msg = f"{name}: {field} is missing{more}"
     else:
-        msg = f"{name}: {field} = {shown}: {first['msg']}{more}"
+        problem = str(first["msg"]).removeprefix("Value error, ")
+        msg = f"{name}: {field} = {shown}: {problem}{more}"
     return msg, _field_fix(model, tuple(first["loc"]))
 
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -59,6 +59,7 @@ UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Weight formats that are pickles underneath: never loaded."""
 CODE_SUFFIXES = (".py", ".pyc")
 _SAMPLE = 64 * 1024
+M = TypeVar("M", bound=BaseModel)
 _SHARD_NAME = re.compile(r"^[\w.\-]+\.safetensors$")
 
 
@@ -149,6 +150,67 @@ def read_safetensors(path: Path, *, what: str = "weight file") -> SafetensorsFil
     return SafetensorsFile(path, size, tensors, meta, h.hexdigest())
 
 
+# --------------------------------------------------------------------------- reading once
+
+
+class Reader:
+    """Reads each file of a model folder once, within caps: bytes, parsed JSON, safetensors
+    headers. TeacherFolder keeps one per `open`, so the fingerprint hashes the very bytes that
+    were validated; it also adds a check on every parsed JSON file (`check`)."""
+
+    BIG_BYTES = 64 << 20
+    """tokenizer.json (UMT5's is ~16 MiB), index files, text and sentencepiece files."""
+
+    def __init__(self, what: str = "weight file") -> None:
+        self.what = what
+        self.blobs: dict[Path, bytes] = {}
+        self.values: dict[Path, Any] = {}
+        self.headers: dict[Path, SafetensorsFile] = {}
+
+    def fix(self, path: Path) -> str:
+        return f"re-download or restore {str(path)!r}"
+
+    def cap(self, path: Path) -> int:
+        """Config files are small (4 MiB cap); tokenizer.json and index files may be large."""
+        big = path.suffix != ".json" or path.name == "tokenizer.json"
+        return self.BIG_BYTES if big or path.name.endswith(".index.json") else jsonfile.MAX_BYTES
+
+    def check(self, path: Path, value: Any) -> None:
+        """Hook: refuse a parsed JSON value (TeacherFolder: entries that point at code)."""
+
+    def blob(self, path: Path) -> bytes:
+        if path not in self.blobs:
+            self.blobs[path] = jsonfile.read_bytes(
+                path, what=self.what, fix=self.fix(path), max_bytes=self.cap(path)
+            )
+        return self.blobs[path]
+
+    def json(self, path: Path) -> Any:
+        if path not in self.values:
+            name = jsonfile.where(self.what, path)
+            value = jsonfile.parse(self.blob(path), name=name, fix=self.fix(path))
+            self.check(path, value)
+            self.values[path] = value
+        return self.values[path]
+
+    def model(self, path: Path, model: type[M], fix: str | None = None) -> tuple[M, Any]:
+        """(typed, parsed) for a JSON file; `fix` defaults to the reader's for that path."""
+        value = self.json(path)
+        name = jsonfile.where(self.what, path)
+        return jsonfile.validate(model, value, name=name, fix=fix or self.fix(path)), value
+
+    def header(self, path: Path) -> SafetensorsFile:
+        if path not in self.headers:
+            self.headers[path] = read_safetensors(path, what=self.what)
+        return self.headers[path]
+
+    def digest(self, path: Path) -> str:
+        """The file's identity: safetensors as `SafetensorsFile.digest`, others sha256."""
+        if path.suffix == ".safetensors":
+            return self.header(path).digest
+        return hashlib.sha256(self.blob(path)).hexdigest()
+
+
 # --------------------------------------------------------------------------- a component's weights
 
 
@@ -206,9 +268,8 @@ def read_weights(
     *,
     library: str,
     class_name: str,
-    what: str = "weight file",
     required: bool = True,
-    read_header: Callable[[Path], SafetensorsFile] | None = None,
+    reader: Reader | None = None,
 ) -> Weights | None:
     """The weights `class_name.from_pretrained(folder, use_safetensors=True)` will load.
 
@@ -216,18 +277,15 @@ def read_weights(
     (transformers). A sharded checkpoint's index is validated and every shard it names must exist
     and hold the tensors it is said to hold. Pickle-only folders are refused with the conversion
     command; no weights at all is an error unless `required` is False (configs-only folders).
-    `read_header`: the caller's (memoising) header reader, so no file is read twice.
+    `reader`: the caller's, so no file is read twice (default: a fresh one).
     """
+    reader = reader or Reader()
+    what = reader.what
     single, index = folder / f"{stem}.safetensors", folder / f"{stem}.safetensors.index.json"
     fix = f"re-download {str(folder)!r} (it needs {single.name} or {index.name})"
-
-    def header(p: Path) -> SafetensorsFile:
-        return read_header(p) if read_header is not None else read_safetensors(p, what=what)
-
+    header = reader.header
     if index.is_file():
-        parsed, _, _ = jsonfile.read_model(
-            index, WeightIndex, what=what, fix=fix, max_bytes=64 << 20, max_depth=4
-        )
+        parsed, _ = reader.model(index, WeightIndex, fix)
         shards = sorted(set(parsed.weight_map.values()))
         bad = [s for s in shards if not _SHARD_NAME.match(s) or not (folder / s).is_file()]
         if bad:
@@ -304,6 +362,7 @@ def load_pretrained(cls: Any, path: str | Path, **kwargs: Any) -> Any:
 __all__ = [
     "SAFETENSORS_BYTES",
     "SafetensorsFile",
+    "Reader",
     "TensorInfo",
     "Weights",
     "code_files",

@@ -21,7 +21,7 @@ from torch import nn
 
 from wandistill.config import TeacherInitConfig
 from wandistill.errors import UsageError
-from wandistill.modelfolder import TensorInfo, read_safetensors, read_weights
+from wandistill.modelfolder import Reader, TensorInfo, read_safetensors, read_weights
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
@@ -40,8 +40,8 @@ def _teacher_tensors(path: str | Path, component: str) -> dict[str, tuple[Path, 
         WEIGHTS.removesuffix(".safetensors"),
         library="diffusers",
         class_name="WanTransformer3DModel",
-        what=what,
         required=False,
+        reader=Reader(what),
     )
     if weights is None:
         raise UsageError(

@@ -33,14 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from wandistill import jsonfile
 from wandistill.errors import UsageError
-from wandistill.modelfolder import (
-    SafetensorsFile,
-    Weights,
-    code_files,
-    custom_code_error,
-    read_safetensors,
-    read_weights,
-)
+from wandistill.modelfolder import Reader, Weights, code_files, custom_code_error, read_weights
 
 __all__ = [
     "COMPONENT_CLASSES",
@@ -75,8 +68,6 @@ CONFIGS_DIR = Path(__file__).parent / "configs"
 
 WHAT = "teacher file"
 FOLDER_FIX = "pass a local diffusers Wan folder (e.g. from `wandistill teacher make-tiny`)"
-_JSON_MAX = 64 << 20
-"""Cap for any JSON or text file in a teacher (tokenizer.json of UMT5 is ~16 MiB)."""
 _CONFIG_SUFFIXES = (".json", ".txt", ".model")
 
 
@@ -258,7 +249,10 @@ class SchedulerConfig(BaseModel):
 
     model_config = _TYPED
 
-    class_name: str = Field(alias="_class_name")
+    class_name: str = Field(
+        alias="_class_name",
+        json_schema_extra={"fix": "name a diffusers scheduler (Wan: UniPCMultistepScheduler)"},
+    )
     num_train_timesteps: Annotated[int, Field(gt=0, le=1_000_000)] = 1000
     flow_shift: Annotated[float, Field(gt=0, le=1000)] | None = None
     shift: Annotated[float, Field(gt=0, le=1000)] | None = None
@@ -298,54 +292,23 @@ def validate_config(name: str, config: Mapping[str, Any], *, source: str) -> Bas
 # --------------------------------------------------------------------------- reading files
 
 
-class _Files:
-    """Every file `open` reads, read once: bytes of JSON/text files, safetensors headers."""
+class _Files(Reader):
+    """The teacher's reader: every file read once; teacher fixes; JSON naming code refused."""
 
     def __init__(self, root: Path) -> None:
+        super().__init__(WHAT)
         self.root = root
-        self.blobs: dict[Path, bytes] = {}
-        self.values: dict[Path, Any] = {}
-        self.headers: dict[Path, SafetensorsFile] = {}
 
     def rel(self, path: Path) -> str:
         return str(path.relative_to(self.root))
 
-    def blob(self, path: Path) -> bytes:
-        if path not in self.blobs:
-            self.blobs[path] = jsonfile.read_bytes(
-                path, what=WHAT, fix=_fix(self.rel(path)), max_bytes=_JSON_MAX
-            )
-        return self.blobs[path]
+    def fix(self, path: Path) -> str:
+        return _fix(self.rel(path))
 
-    def json(self, path: Path) -> Any:
-        """Parsed, capped, and refused if it points at shipped code (auto_map)."""
-        if path in self.values:
-            return self.values[path]
-        rel = self.rel(path)
-        value = jsonfile.parse(self.blob(path), name=jsonfile.where(WHAT, path), fix=_fix(rel))
-        if isinstance(value, dict):
-            keys = [k for k in CODE_KEYS if k in value]
-            if keys:
-                raise custom_code_error(self.root, [f"{rel}: {keys[0]}"], "teacher")
-        self.values[path] = value
-        return value
-
-    def model(self, path: Path, model: type[BaseModel]) -> tuple[Any, dict[str, Any]]:
-        value = self.json(path)
-        typed = jsonfile.validate(
-            model, value, name=jsonfile.where(WHAT, path), fix=_fix(self.rel(path))
-        )
-        return typed, value
-
-    def header(self, path: Path) -> SafetensorsFile:
-        if path not in self.headers:
-            self.headers[path] = read_safetensors(path, what=WHAT)
-        return self.headers[path]
-
-    def digest(self, path: Path) -> str:
-        if path.suffix == ".safetensors":
-            return self.header(path).digest
-        return hashlib.sha256(self.blob(path)).hexdigest()
+    def check(self, path: Path, value: Any) -> None:
+        keys = [k for k in CODE_KEYS if isinstance(value, dict) and k in value]
+        if keys:
+            raise custom_code_error(self.root, [f"{self.rel(path)}: {keys[0]}"], "teacher")
 
 
 def _need(path: Path, kind: str = "file") -> Path:
@@ -632,9 +595,8 @@ def _component(files: _Files, name: str, complete: bool) -> Component:
         WEIGHT_STEMS[library],
         library=library,
         class_name=class_name,
-        what=WHAT,
         required=complete,
-        read_header=files.header,
+        reader=files,
     )
     return Component(name, library, class_name, sub, config, raw, weights)
 
