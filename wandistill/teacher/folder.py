@@ -25,7 +25,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -359,7 +359,6 @@ class TeacherFolder:
     big to hash; a swapped checkpoint still changes the digest)."""
     flow_shift: float | None = None
     """The recipe's override of the scheduler's flow_shift (None: the folder's)."""
-    complete: bool = field(default=True, repr=False)
 
     # ------------------------------------------------------------------ construction
 
@@ -409,7 +408,6 @@ class TeacherFolder:
             raw_scheduler_config=raw_scheduler,
             fingerprint=_fingerprint(files, raw_index),
             flow_shift=flow_shift,
-            complete=complete,
         )
 
     @classmethod
