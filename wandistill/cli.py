@@ -479,12 +479,12 @@ def plan_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Memory each placement needs per phase and device here, what fits, and auto's pick."""
-    from wandistill.config import load_recipe, refuse_custom_code
+    from wandistill.config import load_recipe
+    from wandistill.teacher.folder import TeacherFolder
     from wandistill.teacher.placement import check_placement
     from wandistill.teacher.plan import (
         Inventory,
         SamplerSizes,
-        config_folder,
         dtype_from_name,
         make_plan,
         render_plan,
@@ -503,11 +503,14 @@ def plan_cmd(
             "no teacher to plan",
             fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
         )
-    source = config_folder(config) if config else Path(cfg.teacher.path)
-    refuse_custom_code(source)  # plan runs no model code, but precompute would refuse it
+    # Validated as precompute would (custom code, pickles, bad configs); weights may be absent.
+    if config:
+        source = TeacherFolder.published(config)
+    else:
+        source = TeacherFolder.open(cfg.teacher.path, complete=False)
     inventory = Inventory.detect(cfg.teacher.offload_folder or cfg.cache.path)
     plan = make_plan(
-        config or source,
+        source,
         dtype=dtype_from_name(cfg.teacher.dtype),
         sizes=SamplerSizes.from_config(cfg),
         inventory=inventory,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.resources
-import json
 import os
 import types
 import typing
@@ -22,7 +21,7 @@ from typing import Any, TypeVar
 
 import tomllib
 
-from wandistill.errors import ConfigError, UsageError
+from wandistill.errors import ConfigError
 
 if typing.TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -54,34 +53,6 @@ def _problems(*checks: tuple[bool, str]) -> None:
 
 def placement_is_valid(p: str) -> bool:
     return p in NAMED_PLACEMENTS or p.startswith("cuda:") or p.endswith(".json")
-
-
-CODE_LIBRARIES = ("diffusers", "transformers")
-"""The only libraries whose classes a model folder's model_index.json may name."""
-
-
-def refuse_custom_code(folder: str | Path, what: str = "teacher") -> None:
-    """wandistill never runs code from model folders (no `trust_remote_code`, ever): refuse a
-    folder that ships `.py` files or whose model_index.json names a component from a library
-    other than diffusers / transformers (that would be custom code too)."""
-    root = Path(folder)
-    if not root.is_dir():
-        return
-    custom = sorted(str(p.relative_to(root)) for p in root.rglob("*.py"))
-    index = root / "model_index.json"
-    try:
-        data = json.loads(index.read_text(encoding="utf-8")) if index.is_file() else {}
-    except (ValueError, UnicodeDecodeError):
-        data = {}  # reported as invalid JSON where the index is read
-    for name, spec in data.items() if isinstance(data, dict) else ():
-        if isinstance(spec, list) and len(spec) == 2 and spec[0] not in (None, *CODE_LIBRARIES):
-            custom.append(f"model_index.json: {name} from {spec[0]!r}")
-    if custom:
-        raise UsageError(
-            f"{what} {str(root)!r} contains custom code ({', '.join(custom[:3])}); wandistill "
-            "never runs code from model folders",
-            fix="remove the .py files or use an official diffusers Wan folder",
-        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -356,9 +356,13 @@ def test_cuda_index_beyond_the_visible_gpus_is_a_usage_error() -> None:
         pl.check_placement("cuda:3", gpus=1)
 
 
-def test_missing_component_folder_is_a_usage_error_naming_it(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match=str(tmp_path / "transformer")):
-        pl.load_component(tmp_path, "transformer", dtype=torch.float32, placement="cpu")
+def test_missing_component_folder_is_a_usage_error_naming_it(teacher: Path, tmp_path: Path) -> None:
+    import shutil
+
+    broken = shutil.copytree(teacher, tmp_path / "teacher")
+    shutil.rmtree(broken / "transformer")
+    with pytest.raises(UsageError, match=str(broken / "transformer")):
+        pl.load_component(broken, "transformer", dtype=torch.float32, placement="cpu")
 
 
 @pytest.mark.parametrize(

@@ -20,10 +20,11 @@ import torch
 
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import Record, is_holdout, pad_embeds
-from wandistill.config import refuse_custom_code
 from wandistill.errors import UsageError
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.fsutil import atomic_write_bytes, atomic_write_json
+from wandistill.modelfolder import load_pretrained, refuse_custom_code
+from wandistill.teacher.folder import TeacherFolder
 
 
 @dataclass(slots=True)
@@ -115,7 +116,7 @@ def load_student(path: str | Path) -> torch.nn.Module:
     from diffusers import WanTransformer3DModel
 
     try:
-        return WanTransformer3DModel.from_pretrained(path, local_files_only=True)
+        return load_pretrained(WanTransformer3DModel, path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
@@ -142,13 +143,7 @@ def evaluate(
             fix="pass the student folder written by `wandistill train` (<out>/student)",
         )
     refuse_custom_code(student_path, "student")
-    if teacher is not None:
-        refuse_custom_code(teacher)
-        if not (Path(teacher) / "vae").is_dir():
-            raise UsageError(
-                f"teacher {str(teacher)!r} has no vae/ folder",
-                fix="pass the teacher folder (or leave out --teacher)",
-            )
+    folder = TeacherFolder.open(teacher) if teacher is not None else None
     torch.manual_seed(0)
     student = load_student(student_path).to(device).eval().requires_grad_(False)
     with CacheStore(cache) as store:
@@ -192,7 +187,7 @@ def evaluate(
         step_loss=float(np.mean(step_losses)),
         per_record=per_record,
     )
-    decoded = _decode(teacher, records, finals, result) if teacher is not None else None
+    decoded = _decode(folder, records, finals, result) if folder is not None else None
     write_grid(records, finals, decoded, out / "grid.png", grid_records)
     result.grid = str(out / "grid.png")
     atomic_write_json(out / "eval.json", asdict(result))
@@ -276,18 +271,12 @@ def write_grid(
 
 
 def _decode(
-    teacher: str | Path, records: list[Record], finals: list[torch.Tensor], result: EvalResult
+    teacher: TeacherFolder, records: list[Record], finals: list[torch.Tensor], result: EvalResult
 ) -> tuple[np.ndarray, np.ndarray]:
-    from diffusers import AutoencoderKLWan
-
+    from wandistill.teacher import placement as pl
     from wandistill.teacher.decode import decode_latents
 
-    vae_dir = Path(teacher) / "vae"
-    if not vae_dir.is_dir():
-        raise UsageError(
-            f"teacher {str(teacher)!r} has no vae/ folder", fix="pass the teacher folder"
-        )
-    vae = AutoencoderKLWan.from_pretrained(vae_dir, local_files_only=True).eval()
+    vae = pl.load_component(teacher, "vae", dtype=torch.float32, placement="cpu")
     t_img = decode_latents(vae, torch.stack([r.final_latent for r in records]))
     s_img = decode_latents(vae, torch.stack(finals))
     scores = [min(image_psnr(s, t), 100.0) for s, t in zip(s_img, t_img, strict=True)]

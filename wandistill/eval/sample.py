@@ -8,14 +8,16 @@ teacher the student covers every step, so the second expert and the boundary are
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-from wandistill.config import refuse_custom_code
 from wandistill.errors import UsageError
+from wandistill.modelfolder import refuse_custom_code
 from wandistill.teacher.decode import save_png
+from wandistill.teacher.folder import TeacherFolder
 
 
 def sample(
@@ -34,18 +36,10 @@ def sample(
     device: str = "cpu",
 ) -> list[Path]:
     """Write `<out>/<i>.png` per prompt and `<out>/grid.png`; returns the PNG paths."""
-    from diffusers import WanPipeline
-
     from wandistill.eval.run import load_student
 
-    teacher = Path(teacher)
-    if not (teacher / "model_index.json").is_file():
-        raise UsageError(
-            f"teacher {str(teacher)!r} is not a diffusers Wan folder",
-            fix="pass the teacher folder the student was distilled from (for its UMT5 and VAE)",
-        )
-    refuse_custom_code(teacher)
-    kwargs: dict[str, object] = {}
+    folder = TeacherFolder.open(teacher)
+    model = None
     if student is not None:
         if not Path(student).is_dir():
             raise UsageError(
@@ -53,12 +47,9 @@ def sample(
                 fix="pass <out>/student from `wandistill train`",
             )
         refuse_custom_code(student, "student")
-        kwargs["transformer"] = load_student(student)
-        kwargs["transformer_2"] = None
+        model = load_student(student)
         guidance_scale = 1.0
-    pipe = WanPipeline.from_pretrained(teacher, local_files_only=True, **kwargs).to(device)
-    if student is not None:
-        pipe.register_to_config(boundary_ratio=None)
+    pipe = _pipeline(folder, model).to(device)
     pipe.set_progress_bar_config(disable=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,3 +80,26 @@ def sample(
         grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = img
     save_png(Image.fromarray(grid), out / "grid.png")
     return paths
+
+
+def _pipeline(folder: TeacherFolder, student: torch.nn.Module | None) -> Any:
+    """WanPipeline from the folder's parts, loaded like precompute loads them (safetensors only,
+    fp32 on the CPU). A student replaces both experts, so no boundary."""
+    from diffusers import WanPipeline
+
+    from wandistill.teacher import placement as pl
+
+    def load(name: str) -> torch.nn.Module:
+        return pl.load_component(folder, name, dtype=torch.float32, placement="cpu")
+
+    two = student is None and folder.boundary_ratio is not None
+    return WanPipeline(
+        tokenizer=folder.load_tokenizer(),
+        text_encoder=load("text_encoder"),
+        vae=load("vae"),
+        scheduler=folder.make_scheduler(),
+        transformer=student if student is not None else load("transformer"),
+        transformer_2=load("transformer_2") if two else None,
+        boundary_ratio=folder.boundary_ratio if two else None,
+        expand_timesteps=folder.expand_timesteps,
+    )

@@ -38,11 +38,12 @@ from wandistill import dist, testing_hooks
 from wandistill.cache import manifest as mf
 from wandistill.cache.schema import dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
-from wandistill.config import PrecomputeConfig, refuse_custom_code
-from wandistill.errors import UsageError, WandistillError
+from wandistill.config import PrecomputeConfig
+from wandistill.errors import WandistillError
 from wandistill.fsutil import atomic_write_json
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.progress import Progress
+from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -59,81 +60,20 @@ class Summary:
     prompts: int
 
 
-@dataclass(slots=True)
-class Teacher:
-    """What precompute knows of a teacher folder before loading any weights."""
-
-    path: Path
-    model_index: dict[str, Any]
-    transformer_config: dict[str, Any]
-    vae_config: dict[str, Any]
-    scheduler: Any
-    experts: tuple[str, ...]
-    boundary_ratio: float | None
-    expand_timesteps: bool
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(
-            f"teacher folder is missing {str(path)!r}",
-            fix="pass a complete diffusers Wan folder to --teacher",
-        ) from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{str(path)!r} is not valid JSON ({e})") from None
+Teacher = TeacherFolder
+"""What precompute knows of a teacher before loading weights: the folder, opened once."""
 
 
 def inspect_teacher(path: str | Path, flow_shift: float | None) -> Teacher:
-    root = Path(path)
-    if not str(path) or not root.is_dir():
-        raise UsageError(
-            f"teacher folder {str(root)!r} does not exist",
-            fix="pass a local diffusers Wan folder with --teacher (nothing is downloaded)",
-        )
-    index = _read_json(root / "model_index.json")
-    if index.get("_class_name") not in ("WanPipeline", None):
-        raise UsageError(
-            f"teacher {str(root)!r} is a {index.get('_class_name')}, not a WanPipeline folder",
-            fix="pass a Wan 2.1 / 2.2 text-to-video diffusers folder",
-        )
-    refuse_custom_code(root)  # .py files or non-diffusers/transformers classes: never run
-    import diffusers
-
-    sched_cfg = _read_json(root / "scheduler" / "scheduler_config.json")
-    sched_cls = getattr(diffusers, sched_cfg.get("_class_name", ""), None)
-    if sched_cls is None:
-        raise UsageError(f"unknown scheduler class {sched_cfg.get('_class_name')!r} in {root}")
-    overrides = {} if flow_shift is None else {"flow_shift": flow_shift}
-    scheduler = sched_cls.from_config(sched_cfg, **overrides)
-    has_two = isinstance(index.get("transformer_2"), list) and index["transformer_2"][0] is not None
-    boundary = index.get("boundary_ratio")
-    return Teacher(
-        path=root,
-        model_index=index,
-        transformer_config=_read_json(root / "transformer" / "config.json"),
-        vae_config=_read_json(root / "vae" / "config.json"),
-        scheduler=scheduler,
-        experts=("transformer", "transformer_2")
-        if has_two and boundary is not None
-        else ("transformer",),
-        boundary_ratio=float(boundary) if boundary is not None and has_two else None,
-        expand_timesteps=bool(index.get("expand_timesteps", False)),
-    )
+    """The teacher folder, validated (custom code, pickles, bad configs refused), with the
+    recipe's flow_shift override applied to its scheduler."""
+    return TeacherFolder.open(path, flow_shift=flow_shift)
 
 
 def latent_shape(teacher: Teacher, cfg: PrecomputeConfig) -> tuple[int, int, int, int]:
-    vae = teacher.vae_config
-    t_down = 2 ** sum(vae.get("temperal_downsample", [False, True, True]))
-    s_down = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
     s = cfg.sampler
-    return (
-        int(teacher.transformer_config["in_channels"]),
-        (s.num_frames - 1) // t_down + 1,
-        s.height // s_down,
-        s.width // s_down,
-    )
+    c, f, h, w = teacher.latent_shape(num_frames=s.num_frames, height=s.height, width=s.width)
+    return c, f, h, w
 
 
 def sampler_settings(teacher: Teacher, cfg: PrecomputeConfig) -> dict[str, Any]:
@@ -273,11 +213,10 @@ def _run(
     t0: float,
 ) -> Summary:
     from wandistill.teacher import placement as pl
-    from wandistill.teacher.fingerprint import teacher_fingerprint
 
     dtype = DTYPES[cfg.teacher.dtype]
     settings = sampler_settings(teacher, cfg)
-    fingerprint = teacher_fingerprint(teacher.path)
+    fingerprint = dict(teacher.fingerprint)
     fingerprint["transformer_config"] = teacher.transformer_config
     shape = latent_shape(teacher, cfg)
     cache = Path(cfg.cache.path)
@@ -305,7 +244,7 @@ def _run(
     todo = [b for b in mine if not all(keys[i] in done for i in b)]
     placement = pl.resolve_placement(
         cfg.teacher.placement,
-        folder=teacher.path,
+        folder=teacher,
         dtype=dtype,
         sampler=cfg.sampler,
         world_size=info.world_size,
@@ -320,18 +259,16 @@ def _run(
     )
 
     # Phase 1: text embeddings for the prompts still to do, then free the encoder.
-    from transformers import AutoTokenizer
-
     from wandistill.teacher.encode import encode_trimmed
 
     with stop.interruptible():  # loading and encoding write nothing: a signal aborts them
-        tokenizer = AutoTokenizer.from_pretrained(teacher.path / "tokenizer", local_files_only=True)
+        tokenizer = teacher.load_tokenizer()
         needed = sorted({i for b in todo for i in b})
         negatives = sorted(
             {cfg.sampler.negative_prompt}
             | {prompts[i].negative_prompt for i in needed if prompts[i].negative_prompt is not None}
         )
-        encoder = pl.load_component(teacher.path, "text_encoder", **load_kw)
+        encoder = pl.load_component(teacher, "text_encoder", **load_kw)
         try:
             msl = cfg.sampler.max_sequence_length
             embeds: dict[int, torch.Tensor] = {}
@@ -413,9 +350,7 @@ def _run(
                         if model is None:
                             for other in list(resident):  # one expert in memory at a time
                                 pl.unload(resident.pop(other))
-                            model = resident[expert] = pl.load_component(
-                                teacher.path, expert, **load_kw
-                            )
+                            model = resident[expert] = pl.load_component(teacher, expert, **load_kw)
                         device = pl.execution_device(model)
                         if states is None:
                             states = [
@@ -536,7 +471,7 @@ def _previews(
         mine = [k for k in wanted if k in located and located[k][0]["rank"] == info.rank]
         if not mine:
             return
-        vae = pl.load_component(teacher.path, "vae", **load_kw)
+        vae = pl.load_component(teacher, "vae", **load_kw)
         try:
             for k in mine:
                 rec = store.read_record(*located[k])

@@ -4,13 +4,14 @@ Teacher block `blocks[i]` is copied into student block i; the non-block tensors 
 condition embedders, output norm and projection, modulation table) are copied too. Tensors are
 opened one at a time with `safetensors.safe_open` (memory-mapped, per-tensor reads), copied into
 the student's parameter and dropped, so peak memory is the student plus one teacher tensor, never
-the teacher. Shapes are checked from the file headers before anything is copied. This is the only
-path by which the student room reads teacher weights; no teacher module is imported.
+the teacher. Headers (and a sharded checkpoint's index) are validated and shapes checked from
+them before anything is copied (`wandistill.modelfolder`, the checks the teacher folder uses).
+This is the only path by which the student room reads teacher weights; no teacher module is
+imported.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -20,35 +21,36 @@ from torch import nn
 
 from wandistill.config import TeacherInitConfig
 from wandistill.errors import UsageError
+from wandistill.modelfolder import Reader, TensorInfo, read_safetensors, read_weights
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
-INDEX = WEIGHTS + ".index.json"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 
-def weight_map(path: str | Path, component: str = "transformer") -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (single file or sharded with an index)."""
+def _teacher_tensors(path: str | Path, component: str) -> dict[str, tuple[Path, TensorInfo]]:
+    """Tensor name -> (file, header entry), every header and index validated before use."""
+    what = "student.init_from_teacher.path file"
     p = Path(path)
     if p.is_file() and p.suffix == ".safetensors":
-        files = [p]
-    else:
-        folder = p / component if (p / component).is_dir() else p
-        if (folder / INDEX).is_file():
-            index = json.loads((folder / INDEX).read_text(encoding="utf-8"))
-            return {k: folder / v for k, v in index["weight_map"].items()}
-        files = [folder / WEIGHTS] if (folder / WEIGHTS).is_file() else []
-    if not files:
+        f = read_safetensors(p, what=what)
+        return {k: (p, info) for k, info in f.tensors.items()}
+    folder = p / component if (p / component).is_dir() else p
+    weights = read_weights(
+        folder,
+        WEIGHTS.removesuffix(".safetensors"),
+        library="diffusers",
+        class_name="WanTransformer3DModel",
+        required=False,
+        reader=Reader(what),
+    )
+    if weights is None:
         raise UsageError(
             f"student.init_from_teacher.path {str(path)!r} holds no {WEIGHTS} (or its index) "
             f"under {component}/",
             fix="point it at a diffusers Wan teacher folder, its transformer folder, or a "
             ".safetensors file",
         )
-    out: dict[str, Path] = {}
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            out.update(dict.fromkeys(sf.keys(), f))
-    return out
+    return {k: (f.path, info) for f in weights.files for k, info in f.tensors.items()}
 
 
 def plan_copy(student: nn.Module, blocks: list[int]) -> dict[str, str]:
@@ -65,7 +67,7 @@ def plan_copy(student: nn.Module, blocks: list[int]) -> dict[str, str]:
 
 def init_from_teacher(student: nn.Module, cfg: TeacherInitConfig) -> int:
     """Copy teacher tensors into `student` in place; returns how many were copied."""
-    where = weight_map(cfg.path, cfg.component)
+    where = _teacher_tensors(cfg.path, cfg.component)
     plan = plan_copy(student, cfg.blocks)
     params = student.state_dict()
     problems: list[str] = []
@@ -73,8 +75,7 @@ def init_from_teacher(student: nn.Module, cfg: TeacherInitConfig) -> int:
         if theirs not in where:
             problems.append(f"{theirs} is not in the teacher (for student {mine})")
             continue
-        with safe_open(where[theirs], framework="pt") as sf:
-            shape = list(sf.get_slice(theirs).get_shape())
+        shape = where[theirs][1].shape
         if shape != list(params[mine].shape):
             problems.append(f"{theirs} {shape} vs student {mine} {list(params[mine].shape)}")
     if problems:
@@ -88,6 +89,6 @@ def init_from_teacher(student: nn.Module, cfg: TeacherInitConfig) -> int:
         )
     with torch.no_grad():
         for mine, theirs in plan.items():
-            with safe_open(where[theirs], framework="pt") as sf:
+            with safe_open(where[theirs][0], framework="pt") as sf:
                 params[mine].copy_(sf.get_tensor(theirs))
     return len(plan)

@@ -46,9 +46,10 @@ import torch
 
 from wandistill.config import NAMED_PLACEMENTS, SamplerConfig
 from wandistill.errors import UsageError, WandistillError
+from wandistill.modelfolder import load_pretrained
+from wandistill.teacher.folder import COMPONENT_CLASSES, Component, TeacherFolder
 from wandistill.teacher.oom import oom_guard
 from wandistill.teacher.plan import (
-    COMPONENT_CLASSES,
     CUDA_OVERHEAD,
     Inventory,
     SamplerSizes,
@@ -264,7 +265,7 @@ def sampler_sizes(sampler: SamplerConfig | SamplerSizes | None) -> SamplerSizes:
 def resolve_placement(
     placement: str,
     *,
-    folder: str | Path | Mapping[str, Mapping[str, Any]],
+    folder: TeacherFolder | str | Path | Mapping[str, Mapping[str, Any]],
     dtype: torch.dtype,
     sampler: SamplerConfig | SamplerSizes | None = None,
     inventory: Inventory | None = None,
@@ -318,20 +319,6 @@ def resolve_placement(
 # --------------------------------------------------------------------------- loading
 
 
-def _component_dir(folder: Path, name: str) -> Path:
-    if name not in COMPONENT_CLASSES:
-        raise UsageError(
-            f"unknown teacher component {name!r}", fix=f"use one of {', '.join(COMPONENT_CLASSES)}"
-        )
-    sub = folder / name
-    if not (sub / "config.json").is_file():
-        raise UsageError(
-            f"teacher component folder {str(sub)!r} is missing (no config.json)",
-            fix="pass a complete diffusers Wan folder (e.g. from `wandistill teacher make-tiny`)",
-        )
-    return sub
-
-
 def _dtype_kwarg(cls: type, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """transformers >= 4.56 calls it `dtype` (torch_dtype is deprecated); diffusers torch_dtype."""
     if cls.__module__.startswith("transformers"):
@@ -344,11 +331,9 @@ def _dtype_kwarg(cls: type, dtype: torch.dtype) -> dict[str, torch.dtype]:
 
 
 def _from_pretrained(cls: type, sub: Path, dtype: torch.dtype, **kwargs: Any) -> torch.nn.Module:
-    """The library loader, local files only, with load failures turned into clear errors."""
+    """The library loader, local safetensors only, with load failures turned into clear errors."""
     try:
-        return cls.from_pretrained(  # type: ignore[attr-defined]
-            str(sub), local_files_only=True, **_dtype_kwarg(cls, dtype), **kwargs
-        )
+        return load_pretrained(cls, sub, **_dtype_kwarg(cls, dtype), **kwargs)
     except OSError as e:
         raise UsageError(
             f"could not load {cls.__name__} from {str(sub)!r}: {str(e).splitlines()[0]}",
@@ -401,11 +386,10 @@ def _normalise_max_memory(max_memory: Mapping[str, str | int]) -> dict[int | str
 
 
 def _default_max_memory(
-    name: str, sub: Path, dtype: torch.dtype, sizes: SamplerSizes | None
+    comp: Component, dtype: torch.dtype, sizes: SamplerSizes | None
 ) -> dict[int | str, int]:
     """Free memory of every GPU minus this component's activation headroom (plan estimate)."""
-    config = json.loads((sub / "config.json").read_text(encoding="utf-8"))
-    act = activation_bytes(name, config, sizes, dtype) if sizes is not None else 0
+    act = activation_bytes(comp.name, comp.raw_config, sizes, dtype) if sizes is not None else 0
     return {
         i: max(0, torch.cuda.mem_get_info(i)[0] - act - CUDA_OVERHEAD)
         for i in range(torch.cuda.device_count())
@@ -590,7 +574,7 @@ def _allowed_devices(strategy: str, model: torch.nn.Module) -> set[str] | None:
 
 
 def load_component(
-    folder: str | Path,
+    folder: TeacherFolder | str | Path,
     name: str,
     *,
     dtype: torch.dtype,
@@ -609,10 +593,11 @@ def load_component(
     disk-offload makes this component's own subfolder (default: the system temp dir), removed by
     `unload`. `max_memory` caps accelerate device maps ({"0": "70GiB", "cpu": "200GiB"}; "cpu"
     allows CPU spill); without it each GPU's free memory minus the activation headroom for
-    `sampler`'s sizes is used. Never trusts remote code; loads local files only.
+    `sampler`'s sizes is used. `folder`: an opened `TeacherFolder` (a path is opened here).
+    Never trusts remote code; loads local safetensors only.
     """
-    folder = Path(folder)
-    sub = _component_dir(folder, name)
+    folder = TeacherFolder.coerce(folder)
+    sub = folder.component(name)
     sizes = sampler_sizes(sampler) if sampler is not None else None
     if group_offload_level not in GROUP_LEVELS:
         raise UsageError(
@@ -672,7 +657,7 @@ def _concrete(placement: str) -> tuple[str, torch.device]:
 
 
 def _load_mapped(
-    sub: Path,
+    sub: Component,
     name: str,
     dtype: torch.dtype,
     entry: int | str | dict,
@@ -700,7 +685,7 @@ def _load_mapped(
 
 
 def _load(
-    sub: Path,
+    sub: Component | Path,
     name: str,
     dtype: torch.dtype,
     strategy: str,
@@ -712,7 +697,9 @@ def _load(
     sizes: SamplerSizes | None = None,
     device_map: dict[str, int | str] | None = None,
 ) -> torch.nn.Module:
-    """Load with a concrete strategy on `device` (tests call this with device=cpu)."""
+    """Load with a concrete strategy on `device` (tests call this with device=cpu and a path)."""
+    comp = sub if isinstance(sub, Component) else TeacherFolder.open(sub.parent).component(name)
+    path = comp.path
     cls = component_class(name)
     if name == "vae" and strategy in ("group-offload", "disk-offload"):
         strategy = _vae_whole(device)
@@ -724,11 +711,11 @@ def _load(
     hook = None
     with oom_guard(device, label, component=name):
         if strategy == "cpu":
-            model = _from_pretrained(cls, sub, dtype)
+            model = _from_pretrained(cls, path, dtype)
         elif strategy.startswith("cuda:"):
-            model = _from_pretrained(cls, sub, dtype, device_map=strategy)
+            model = _from_pretrained(cls, path, dtype, device_map=strategy)
         elif strategy in DEVICE_MAP_STRATEGIES:
-            model = _load_device_map(cls, sub, name, dtype, strategy, max_memory, sizes)
+            model = _load_device_map(cls, comp, dtype, strategy, max_memory, sizes)
         elif strategy == "device-map":
             extra: dict[str, Any] = {}
             if "disk" in (device_map or {}).values():
@@ -738,18 +725,18 @@ def _load(
                     # Its default (True) parks CPU weights in a temp state dict and reloads them
                     # cast to the placeholders' reduced dtype: fp32-kept layers would be rounded.
                     extra["offload_state_dict"] = False
-            model = _from_pretrained(cls, sub, dtype, device_map=device_map, **extra)
+            model = _from_pretrained(cls, path, dtype, device_map=device_map, **extra)
         elif strategy == "model-offload":
             from accelerate import cpu_offload_with_hook
 
-            model, hook = cpu_offload_with_hook(_from_pretrained(cls, sub, dtype), device)
+            model, hook = cpu_offload_with_hook(_from_pretrained(cls, path, dtype), device)
         elif strategy == "group-offload":
-            model = _from_pretrained(cls, sub, dtype)
+            model = _from_pretrained(cls, path, dtype)
             _group_offload(model, name, device, level)
         elif strategy == "disk-offload":
             offload_dir, created = _offload_subdir(offload_root, name)
             model = _from_pretrained(
-                cls, sub, dtype, device_map={"": "disk"}, offload_folder=str(offload_dir)
+                cls, path, dtype, device_map={"": "disk"}, offload_folder=str(offload_dir)
             )
             _redispatch_disk(model, device, offload_dir)
         else:  # pragma: no cover - guarded by check_placement
@@ -794,8 +781,7 @@ def _vae_whole(device: torch.device) -> str:
 
 def _load_device_map(
     cls: type,
-    sub: Path,
-    name: str,
+    comp: Component,
     dtype: torch.dtype,
     strategy: str,
     max_memory: Mapping[str, str | int] | None,
@@ -803,15 +789,13 @@ def _load_device_map(
 ) -> torch.nn.Module:
     """balanced / balanced_low_0 / sequential over the GPUs (the CPU only if max_memory has it)."""
     mm: dict[int | str, Any] = (
-        _normalise_max_memory(max_memory)
-        if max_memory
-        else _default_max_memory(name, sub, dtype, sizes)
+        _normalise_max_memory(max_memory) if max_memory else _default_max_memory(comp, dtype, sizes)
     )
     if not getattr(cls, "_no_split_modules", None):
         # accelerate cannot split this model (the Wan VAE): put it whole on the first GPU.
         first = min((k for k in mm if isinstance(k, int)), default=0)
-        return _from_pretrained(cls, sub, dtype, device_map=f"cuda:{first}")
-    return _from_pretrained(cls, sub, dtype, device_map=strategy, max_memory=mm)
+        return _from_pretrained(cls, comp.path, dtype, device_map=f"cuda:{first}")
+    return _from_pretrained(cls, comp.path, dtype, device_map=strategy, max_memory=mm)
 
 
 def _exec_device(model: torch.nn.Module, strategy: str, device: torch.device) -> torch.device:

@@ -36,6 +36,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from wandistill.errors import UsageError
+from wandistill.modelfolder import FLOAT_CODES, SAFETENSORS_BYTES
+from wandistill.teacher.folder import (
+    COMPONENT_CLASSES,
+    CONFIG_NAMES,
+    TeacherFolder,
+    config_folder,
+    validate_config,
+)
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -66,18 +74,6 @@ CUDA_OVERHEAD = 1 * GiB
 CPU_OVERHEAD = 2 * GiB
 #: Margin on every activation estimate.
 ACTIVATION_MARGIN = 1.25
-
-#: Committed meta configs (`wandistill/teacher/configs/<name>/`), mirroring the Hub folders.
-CONFIG_NAMES = ("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b")
-CONFIGS_DIR = Path(__file__).parent / "configs"
-
-#: Components precompute may load, with their library and class (model_index.json layout).
-COMPONENT_CLASSES: Mapping[str, tuple[str, str]] = {
-    "text_encoder": ("transformers", "UMT5EncoderModel"),
-    "transformer": ("diffusers", "WanTransformer3DModel"),
-    "transformer_2": ("diffusers", "WanTransformer3DModel"),
-    "vae": ("diffusers", "AutoencoderKLWan"),
-}
 
 #: Where each component keeps its repeated blocks (group offload's block_level granularity).
 BLOCK_LISTS: Mapping[str, str | None] = {
@@ -114,21 +110,6 @@ _DTYPE_NAMES: Mapping[torch.dtype, str] = {
     torch.float16: "fp16",
     torch.bfloat16: "bf16",
 }
-_SAFETENSORS_BYTES: Mapping[str, int] = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-}
-_FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 # --------------------------------------------------------------------------- inventory
@@ -384,22 +365,6 @@ def _shared_meta_model(name: str, config_json: str) -> torch.nn.Module:
     return meta_model(name, json.loads(config_json))
 
 
-def _header_numels(folder: Path) -> dict[str, tuple[int, str]] | None:
-    """{tensor name: (numel, safetensors dtype code)} from every *.safetensors header in folder."""
-    from safetensors import safe_open
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return None
-    out: dict[str, tuple[int, str]] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                sl = f.get_slice(key)
-                out[key] = (math.prod(sl.get_shape()), sl.get_dtype())
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class ComponentSize:
     """Memory facts about one component at one dtype."""
@@ -462,8 +427,8 @@ def _weights_from_headers(
                 continue
             seen.add(pid)
         params += numel
-        if code not in _FLOAT_CODES:
-            total += numel * _SAFETENSORS_BYTES.get(code, 4)
+        if code not in FLOAT_CODES:
+            total += numel * SAFETENSORS_BYTES.get(code, 4)
         elif kept(name):
             total += numel * 4
             kept_bytes += numel * 4
@@ -473,9 +438,13 @@ def _weights_from_headers(
 
 
 def component_size(
-    name: str, model: torch.nn.Module, dtype: torch.dtype, weights_folder: Path | None = None
+    name: str,
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    header: Mapping[str, tuple[int, str]] | None = None,
 ) -> ComponentSize:
-    """Sizes of a meta-device component; weight totals from safetensors headers when present."""
+    """Sizes of a meta-device component; weight totals from safetensors headers when given
+    ({tensor: (numel, dtype code)}, `TeacherFolder.numels`)."""
     from accelerate.utils import compute_module_sizes
 
     kept = fp32_kept(type(model), dtype)
@@ -485,7 +454,6 @@ def component_size(
     total = sum(p.numel() * (4 if kept(n) else dtype.itemsize) for n, p in model.named_parameters())
     kept_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if kept(n))
     source = "config"
-    header = _header_numels(weights_folder) if weights_folder is not None else None
     if header:
         params, total, kept_bytes = _weights_from_headers(header, model, dtype, kept)
         source = "safetensors headers"
@@ -652,50 +620,25 @@ class Plan:
         }
 
 
-def config_folder(name: str) -> Path:
-    """The committed meta-config folder for `name` (one of CONFIG_NAMES)."""
-    if name not in CONFIG_NAMES:
-        raise UsageError(
-            f"--config {name!r} is not a known teacher config",
-            fix=f"use one of {', '.join(CONFIG_NAMES)}, or pass --teacher PATH",
-        )
-    return CONFIGS_DIR / name
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(
-            f"teacher config {str(path)!r} is missing",
-            fix="pass a diffusers Wan folder (model_index.json + <component>/config.json)",
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"teacher config {str(path)!r} is not valid JSON: {e}") from None
-
-
-def teacher_components(folder: Path) -> list[str]:
-    """Component names model_index.json lists, in load order, that wandistill knows."""
-    index = _read_json(folder / "model_index.json")
-    names = [n for n in ("text_encoder", "transformer", "transformer_2", "vae") if n in index]
-    return [n for n in names if isinstance(index[n], list) and index[n][0] is not None]
-
-
 def _load_configs(
-    source: str | Path | Mapping[str, Mapping[str, Any]],
-) -> tuple[str, dict[str, dict[str, Any]], Path | None]:
-    """(label, {component: config}, folder or None) for a folder, a config name or dicts."""
+    source: str | Path | TeacherFolder | Mapping[str, Mapping[str, Any]],
+) -> tuple[str, dict[str, dict[str, Any]], TeacherFolder | None]:
+    """(label, {component: config}, folder or None) for a folder, a config name or dicts.
+
+    A path is opened for planning (`complete=False`: weights, tokenizer and scheduler may be
+    missing; what is there is validated as for precompute); config dicts are validated by the
+    same typed models."""
     if isinstance(source, Mapping):
+        for name, config in source.items():
+            validate_config(name, config, source=f"config dict {name!r}")
         return "config dicts", {k: dict(v) for k, v in source.items()}, None
-    folder = config_folder(str(source)) if str(source) in CONFIG_NAMES else Path(source)
-    if not (folder / "model_index.json").is_file():
-        raise UsageError(
-            f"teacher {str(folder)!r} is not a diffusers folder (no model_index.json)",
-            fix=f"pass a local Wan diffusers folder or --config {'|'.join(CONFIG_NAMES)}",
-        )
-    configs = {n: _read_json(folder / n / "config.json") for n in teacher_components(folder)}
-    label = str(source) if str(source) in CONFIG_NAMES else str(folder)
-    return label, configs, folder
+    if isinstance(source, TeacherFolder):
+        folder = source
+    elif str(source) in CONFIG_NAMES:
+        folder = TeacherFolder.published(str(source))
+    else:
+        folder = TeacherFolder.open(source, complete=False)
+    return folder.label, {n: folder.raw_config(n) for n in folder.components}, folder
 
 
 def _phases(
@@ -877,7 +820,7 @@ def _auto(strategies: list[StrategyPlan], inventory: Inventory) -> AutoChoice:
 
 
 def make_plan(
-    folder_or_configs: str | Path | Mapping[str, Mapping[str, Any]],
+    folder_or_configs: str | Path | TeacherFolder | Mapping[str, Mapping[str, Any]],
     *,
     dtype: torch.dtype,
     sizes: SamplerSizes,
@@ -900,7 +843,7 @@ def make_plan(
         raise UsageError(f"unknown teacher component(s) {unknown}", fix="use Wan diffusers folders")
     models = {n: _shared_meta_model(n, json.dumps(c, sort_keys=True)) for n, c in configs.items()}
     comps = {
-        n: component_size(n, m, dtype, folder / n if folder is not None else None)
+        n: component_size(n, m, dtype, folder.numels(n) if folder is not None else None)
         for n, m in models.items()
     }
     caps = {
