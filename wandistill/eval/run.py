@@ -18,12 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from wandistill import outputs
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import Record, is_holdout, pad_embeds
 from wandistill.config import refuse_custom_code
 from wandistill.errors import UsageError
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.fsutil import atomic_write_bytes, atomic_write_json
+from wandistill.weights import require_safetensors
 
 
 @dataclass(slots=True)
@@ -114,8 +116,11 @@ def load_student(path: str | Path) -> torch.nn.Module:
     """The student folder as a WanTransformer3DModel; an unloadable folder is a usage error."""
     from diffusers import WanTransformer3DModel
 
+    require_safetensors(path, "student")
     try:
-        return WanTransformer3DModel.from_pretrained(path, local_files_only=True)
+        return WanTransformer3DModel.from_pretrained(
+            path, local_files_only=True, use_safetensors=True
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(
@@ -149,15 +154,30 @@ def evaluate(
                 f"teacher {str(teacher)!r} has no vae/ folder",
                 fix="pass the teacher folder (or leave out --teacher)",
             )
+        require_safetensors(Path(teacher) / "vae", "teacher VAE")
     torch.manual_seed(0)
     student = load_student(student_path).to(device).eval().requires_grad_(False)
     with CacheStore(cache) as store:
         settings = store.manifest.settings
-        msl = int(settings["max_sequence_length"])
         _check_fit(student, store.manifest.dims, cache)
         records = _held_out(store, split, max_records)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)  # only once every input checked out
+    inputs = {"--cache": cache, "--student": student_path, "--teacher": teacher}
+    with outputs.claim(out_dir, "eval", inputs=inputs) as out:  # every input checked out
+        return _evaluate(student, records, settings, out.path, teacher, steps, grid_records, device)
+
+
+def _evaluate(
+    student: torch.nn.Module,
+    records: list[Record],
+    settings: dict[str, Any],
+    out: Path,
+    teacher: str | Path | None,
+    steps: int | None,
+    grid_records: int,
+    device: str,
+) -> EvalResult:
+    """Sample, score and write eval.json / eval.md / grid.png into the claimed folder."""
+    msl = int(settings["max_sequence_length"])
     n_steps = steps or int(settings["num_inference_steps"])
     scheduler = make_scheduler(settings)
     finals, per_record, step_losses = [], [], []
@@ -287,7 +307,9 @@ def _decode(
         raise UsageError(
             f"teacher {str(teacher)!r} has no vae/ folder", fix="pass the teacher folder"
         )
-    vae = AutoencoderKLWan.from_pretrained(vae_dir, local_files_only=True).eval()
+    vae = AutoencoderKLWan.from_pretrained(
+        vae_dir, local_files_only=True, use_safetensors=True
+    ).eval()
     t_img = decode_latents(vae, torch.stack([r.final_latent for r in records]))
     s_img = decode_latents(vae, torch.stack(finals))
     scores = [min(image_psnr(s, t), 100.0) for s, t in zip(s_img, t_img, strict=True)]

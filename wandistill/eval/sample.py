@@ -8,14 +8,19 @@ teacher the student covers every step, so the second expert and the boundary are
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
+from wandistill import outputs
 from wandistill.config import refuse_custom_code
 from wandistill.errors import UsageError
 from wandistill.teacher.decode import save_png
+from wandistill.weights import require_safetensors
+
+TEACHER_WEIGHTS = ("text_encoder", "vae", "transformer", "transformer_2")
 
 
 def sample(
@@ -56,24 +61,38 @@ def sample(
         kwargs["transformer"] = load_student(student)
         kwargs["transformer_2"] = None
         guidance_scale = 1.0
-    pipe = WanPipeline.from_pretrained(teacher, local_files_only=True, **kwargs).to(device)
+    loaded = ("text_encoder", "vae") if student is not None else TEACHER_WEIGHTS
+    require_safetensors(teacher, "teacher", tuple(c for c in loaded if (teacher / c).is_dir()))
+    pipe = WanPipeline.from_pretrained(
+        teacher, local_files_only=True, use_safetensors=True, **kwargs
+    ).to(device)
     if student is not None:
         pipe.register_to_config(boundary_ratio=None)
     pipe.set_progress_bar_config(disable=True)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    call = dict(
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        num_inference_steps=steps,
+        guidance_scale=guidance_scale,
+        max_sequence_length=max_sequence_length,
+    )
+    inputs = {"--teacher": teacher, "--student": student}
+    with outputs.claim(out_dir, "sample", inputs=inputs) as folder:
+        return _sample_into(pipe, prompts, folder.path, call, seed)
+
+
+def _sample_into(
+    pipe: Any, prompts: list[str], out: Path, call: dict[str, Any], seed: int
+) -> list[Path]:
+    """One PNG per prompt and the grid, written into the claimed folder."""
     paths, images = [], []
     for i, prompt in enumerate(prompts):
         frames = pipe(
             prompt=prompt,
-            height=height,
-            width=width,
-            num_frames=num_frames,
-            num_inference_steps=steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=max_sequence_length,
             generator=torch.Generator().manual_seed(seed + i),
             output_type="np",
+            **call,
         ).frames[0]  # [F, H, W, 3] in [0, 1]
         image = Image.fromarray((np.asarray(frames[0]) * 255).round().astype(np.uint8))
         path = out / f"{i:04d}.png"

@@ -20,6 +20,7 @@ from torch import nn
 
 from wandistill.config import TeacherInitConfig
 from wandistill.errors import UsageError
+from wandistill.weights import require_safetensors
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
@@ -33,6 +34,7 @@ def weight_map(path: str | Path, component: str = "transformer") -> dict[str, Pa
         files = [p]
     else:
         folder = p / component if (p / component).is_dir() else p
+        require_safetensors(folder, "student.init_from_teacher.path")
         if (folder / INDEX).is_file():
             index = json.loads((folder / INDEX).read_text(encoding="utf-8"))
             return {k: folder / v for k, v in index["weight_map"].items()}
