@@ -14,10 +14,10 @@ from pathlib import Path
 
 from wandistill.errors import UsageError
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+UNSAFE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
-def pickle_weights(folder: Path) -> list[str]:
+def unsafe_weights(folder: Path) -> list[str]:
     """Pickle-format weight files directly in `folder` when it has no .safetensors file."""
     try:
         names = sorted(p.name for p in folder.iterdir() if p.is_file())
@@ -25,14 +25,14 @@ def pickle_weights(folder: Path) -> list[str]:
         return []
     if any(n.endswith(".safetensors") for n in names):
         return []
-    return [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+    return [n for n in names if n.endswith(UNSAFE_SUFFIXES)]
 
 
 def require_safetensors(folder: str | Path, what: str, components: tuple[str, ...] = ()) -> None:
     """Refuse `folder` (or its `components` subfolders) holding only pickle-format weights."""
     root = Path(folder)
     for sub in [root / c for c in components] or [root]:
-        found = pickle_weights(sub)
+        found = unsafe_weights(sub)
         if found:
             raise UsageError(
                 f"{what} {str(sub)!r} has only pickle-format weights ({found[0]}); wandistill "

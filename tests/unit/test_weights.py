@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from wandistill.errors import UsageError
-from wandistill.weights import PICKLE_SUFFIXES, require_safetensors
+from wandistill.weights import UNSAFE_SUFFIXES, require_safetensors
 
 
-@pytest.mark.parametrize("suffix", PICKLE_SUFFIXES)
+@pytest.mark.parametrize("suffix", UNSAFE_SUFFIXES)
 def test_each_pickle_format_alone_is_refused_by_name(tmp_path: Path, suffix: str) -> None:
     (tmp_path / f"weights{suffix}").write_bytes(b"\x80\x04.")
     with pytest.raises(UsageError, match=rf"only pickle-format weights \(weights\{suffix}\)"):
