@@ -225,9 +225,10 @@ def _holder(target: Path) -> str:
     info = _read_json(target / HOLDER)
     if not info:
         return "holder not known yet: it is starting"
+    fields = {k: _printable(info.get(k, "?")) for k in ("command", "host", "pid", "started")}
     return (
-        f"{info.get('command', 'wandistill')}: host {info.get('host', '?')}, "
-        f"pid {info.get('pid', '?')}, started {info.get('started', '?')}"
+        f"{fields['command']}: host {fields['host']}, pid {fields['pid']}, "
+        f"started {fields['started']}"
     )
 
 
@@ -258,6 +259,8 @@ def _refuse_overlaps(target: Path, label: str, inputs: Inputs) -> None:
             if other.is_relative_to(target)
             else None
         )
+        if how == "contains" and other.is_file():
+            continue  # a file we read inside the output folder: never one we write
         if how is not None:
             raise UsageError(
                 f"{label} {how} {name} {str(given)!r}; a command never writes where it reads",
@@ -276,7 +279,7 @@ def _refuse_ancestors(target: Path, label: str) -> None:
                 "never writes into a teacher or model folder",
                 fix="choose an output directory outside it",
             )
-        if owner(parent) == "cache":
+        if _is_legacy_cache(parent) or ((parent / MARKER).exists() and owner(parent) == "cache"):
             raise UsageError(
                 f"{label} is inside the cache {str(parent)!r}; a cache holds only what "
                 "precompute writes",
@@ -304,7 +307,7 @@ def _inspect(target: Path, purpose: str, label: str) -> str:
             fix=fix,
         )
     if found is None:
-        names = sorted(p.name for p in target.iterdir() if p.name not in BOOKKEEPING)
+        names = sorted(_printable(p.name) for p in target.iterdir() if p.name not in BOOKKEEPING)
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
         raise UsageError(
             f"{label} is not empty and was not written by wandistill (holds {shown}); "
@@ -338,19 +341,20 @@ def model_evidence(folder: Path, *, strict: bool) -> str | None:
 def owner(folder: Path) -> str | None:
     """The purpose wandistill made `folder` for (its marker, else an earlier version's own
     files); "?" for an unreadable marker; None for a folder wandistill did not make."""
-    if (folder / MARKER).exists():
+    if (folder / MARKER).exists() or (folder / MARKER).is_symlink():
         data = _read_json(folder / MARKER)
         purpose = data.get("purpose") if data.get("format") == MARKER_FORMAT else None
         return purpose if purpose in PURPOSES else "?"
-    return _legacy_owner(folder)
+    try:
+        return _legacy_owner(folder)
+    except OSError:  # unreadable: not provably ours
+        return None
 
 
 def _legacy_owner(folder: Path) -> str | None:
-    from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME
-
-    if (folder / MANIFEST_NAME).is_file():
-        if _read_json(folder / MANIFEST_NAME).get("format") == FORMAT_NAME:
-            return "cache"
+    """Earlier versions wrote no marker; their folders are known by files only they write."""
+    if _is_legacy_cache(folder):
+        return "cache"
     if (folder / "config.json").is_file() and (
         (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file()
     ):
@@ -365,6 +369,22 @@ def _legacy_owner(folder: Path) -> str | None:
     return None
 
 
+def _is_legacy_cache(folder: Path) -> bool:
+    """A wandistill manifest.json: its "format" comes first, so a bounded read of its head
+    decides (a real manifest can be tens of MB)."""
+    from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME
+
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return False
+    return re.match(rf'\s*\{{\s*"format"\s*:\s*"{FORMAT_NAME}"', head) is not None
+
+
 def _has_content(folder: Path) -> bool:
     """Anything but our bookkeeping and empty directories (links count as content)."""
     for root, dirs, files in os.walk(folder):
@@ -376,12 +396,21 @@ def _has_content(folder: Path) -> bool:
     return False
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, limit: int = 1 << 24) -> dict[str, Any]:
+    """A small regular JSON file as a dict; {} for anything else (FIFOs, links to devices and
+    huge files are never read)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        if not path.is_file() or path.stat().st_size > limit:
+            return {}
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _printable(text: object) -> str:
+    """One line, whatever a file name or a holder file holds (newlines, escapes)."""
+    return str(text).encode("unicode_escape").decode("ascii")[:200]
 
 
 # --------------------------------------------------------------------------- dead writers

@@ -340,6 +340,34 @@ def test_the_next_owner_removes_dead_writers_temps_and_nothing_else(tmp_path: Pa
     assert all(k.read_bytes() == b"data" for k in [*kept, nested])
 
 
+def test_hostile_names_and_files_keep_the_refusal_one_line_and_never_block(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "evil\nerror: fake").write_text("x")
+    err = refused(tmp_path / "f", "run", "was not written by wandistill")
+    assert "evil\\nerror: fake" in err.message
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / MARKER)  # reading it would block forever
+    os.mkfifo(tmp_path / "fifo" / "manifest.json")
+    (tmp_path / "fifo" / "data").write_text("x")
+    refused(tmp_path / "fifo", "cache", "has an unreadable .wandistill.json")
+    with claim(tmp_path / "c", "cache"):
+        (tmp_path / "c" / HOLDER).write_text(json.dumps({"host": "a\nb", "pid": "1\r2"}))
+        err = refused(tmp_path / "c", "cache", "in use by another wandistill process")
+        assert "host a\\nb, pid 1\\r2" in err.message
+
+
+def test_a_prompt_file_kept_in_the_cache_folder_is_not_in_the_way(tmp_path: Path) -> None:
+    with claim(tmp_path / "c", "cache"):
+        pass
+    (tmp_path / "c" / "prompts.txt").write_text("a cat\n")
+    inputs = {"--prompts": tmp_path / "c" / "prompts.txt", "--teacher": tmp_path / "t"}
+    with claim(tmp_path / "c", "cache", inputs=inputs):
+        pass
+    refused(tmp_path / "c" / "prompts.txt", "cache", "prompts.txt. is a file", inputs=inputs)
+
+
 def test_refusals_never_unpickle_anything(tmp_path: Path) -> None:
     """A hostile folder's files are only looked at, never loaded (a pickle that would mkdir)."""
 
