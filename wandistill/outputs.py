@@ -28,6 +28,7 @@ claim deletes the temp files of dead writers (`fsutil.temp_name`, `fsutil.make_t
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -164,6 +165,12 @@ def _claim(path: str | Path, purpose: str, inputs: Inputs, flag: str) -> OutputF
             fix=f"wait for it to finish (or stop it), or choose another {flag}",
         ) from None
     except OSError as e:
+        if e.errno == errno.ENOSYS:
+            raise UsageError(
+                f"{label} is on a filesystem without flock, so a second writer could not be "
+                "kept out",
+                fix=f"choose a {flag} directory on a local disk (see docs/reliability.md)",
+            ) from None
         raise UsageError(
             f"cannot write {purpose} directory {str(path)!r}: {e.strerror}",
             fix=f"choose a writable {flag} directory",
