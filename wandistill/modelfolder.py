@@ -262,6 +262,57 @@ def conversion_fix(folder: Path, library: str, class_name: str) -> str:
     )
 
 
+def _own_library(folder: Path) -> tuple[str, str] | None:
+    """(library, class) a folder's config.json names, to convert it with its own library."""
+    path = folder / "config.json"
+    try:
+        data = jsonfile.read_bytes(path, what="config", fix="")
+        config = jsonfile.parse(data, name=str(path), fix="")
+    except UsageError:
+        return None
+    if not isinstance(config, dict):
+        return None
+    archs = config.get("architectures")
+    if isinstance(config.get("_class_name"), str):
+        return "diffusers", config["_class_name"]
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return "transformers", archs[0]
+    return None
+
+
+def require_safetensors(folder: str | Path, what: str, components: tuple[str, ...] = ()) -> None:
+    """Refuse `folder` (or its `components` subfolders) holding only pickle-format weights.
+
+    For folders that are not read through `read_weights` (a student folder, a run's export):
+    one line naming the pickle file and the conversion in the folder's own library.
+    """
+    root = Path(folder)
+    for sub in [root / c for c in components] or [root]:
+        if not sub.is_dir() or any(sub.glob("*.safetensors")):
+            continue
+        found = unsafe_files(sub)
+        if not found:
+            continue
+        owner = _own_library(sub)
+        fix = (
+            conversion_fix(sub, *owner)
+            if owner
+            else 'convert it once, where you trust the file: python -c "import torch, '
+            "safetensors.torch as st; st.save_file(torch.load('<file>', weights_only=True), "
+            "'<file stem>.safetensors')\""
+        )
+        raise pickle_only_error(sub, found[0], what, fix)
+
+
+def pickle_only_error(folder: Path, found: Path, what: str, fix: str) -> UsageError:
+    """The one message for a folder whose weights are pickles only."""
+    return UsageError(
+        f"{what} {str(folder)!r} has only pickle-format weights ({found.name}); wandistill "
+        "loads safetensors only, since loading a pickle can run code",
+        fix=fix,
+    )
+
+
 def read_weights(
     folder: Path,
     stem: str,
@@ -308,11 +359,8 @@ def read_weights(
         return Weights(folder, (header(single),), None)
     unsafe = unsafe_files(folder) if folder.is_dir() else []
     if unsafe:
-        raise UsageError(
-            f"{jsonfile.where(what, unsafe[0])} is a pickle-based checkpoint and "
-            f"{str(folder)!r} has no {single.name}",
-            fix=conversion_fix(folder, library, class_name),
-        )
+        fix = conversion_fix(folder, library, class_name)
+        raise pickle_only_error(folder, unsafe[0], what, fix)
     if not required:
         return None
     others = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
@@ -372,5 +420,6 @@ __all__ = [
     "read_safetensors",
     "read_weights",
     "refuse_custom_code",
+    "require_safetensors",
     "unsafe_files",
 ]

@@ -19,6 +19,8 @@ Points (the stages call `at()` there, nowhere else):
     term   send SIGTERM to this process (the graceful-stop path, at a reproducible point)
     int    send SIGINT to this process (same, as Ctrl-C would)
     raise  raise a WandistillError (a rank failing with an error)
+    stop   SIGSTOP this process: it stays alive, frozen, holding whatever it holds, until the
+           test sends SIGCONT (a second job can then be started against a live one)
 
 Because the point is counted by the process itself, a seeded list of kill points is exact and
 reproducible, and no test has to sleep on the clock to land one.
@@ -32,7 +34,7 @@ import signal
 from wandistill.errors import UsageError, WandistillError
 
 KILL_ENV = "WANDISTILL_TEST_KILL_AT"
-ACTIONS = ("kill", "term", "int", "raise")
+ACTIONS = ("kill", "term", "int", "raise", "stop")
 
 
 def at(stage: str, point: str, n: int, rank: int = 0) -> None:
@@ -58,6 +60,8 @@ def at(stage: str, point: str, n: int, rank: int = 0) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     elif action == "int":
         os.kill(os.getpid(), signal.SIGINT)
+    elif action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     else:
         raise WandistillError(
             f"injected failure on rank {rank} at {stage} {point} {n} ({KILL_ENV}={spec})",

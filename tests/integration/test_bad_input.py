@@ -575,7 +575,7 @@ def test_permission_errors_as_a_user_are_usage_errors(
             p.chmod(0o755 if p.is_dir() else 0o644)
         args = ["train", "--cache", str(public / "cache"), "--out", str(ro / "run"), "--set",
                 'device="cpu"', "--set", "student.num_layers=1", "--steps", "1"]  # fmt: skip
-        message = f"Permission denied: {ro / 'run'}"
+        message = f"cannot create run directory '{ro / 'run'}': Permission denied"
     ro.chmod(0o555)
     before = snapshot(public / "teacher")
     proc = _wandistill(prefix, *args, cwd=public)

@@ -393,7 +393,7 @@ def test_pickle_only_weights_are_refused_with_the_conversion_and_never_loaded(
         (t / component / name).write_bytes(pickle.dumps(_Boom(sentinel)))
 
     t = _copy(wan21, tmp_path, edit)
-    e = refused(t, f"'{{t}}/{component}/{name}' is a pickle-based checkpoint")
+    e = refused(t, f"'{{t}}/{component}' has only pickle-format weights ({name})")
     assert "save_pretrained" in (e.fix or "") and "safe_serialization=True" in (e.fix or "")
     assert not sentinel.exists()
 

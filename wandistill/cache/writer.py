@@ -145,15 +145,21 @@ class CacheWriter:
         )
         if shared:
             blob, new.shared = shared_blob(shared)
+        fresh = True
         if mf.manifest_path(self.path).exists() or not mf.create_manifest_exclusive(self.path, new):
             existing = mf.read_manifest(self.path)
-            mf.check_compatible(self.path, existing, new)
-            self.manifest = existing
+            if mf.committed_shards(self.path, existing):  # records bind the header
+                mf.check_compatible(self.path, existing, new)
+                self.manifest, fresh = existing, False
+            else:  # a run that failed before its first record: this run's header replaces it
+                new.created = existing.created
+                mf.write_manifest(self.path, new)
+                self.manifest = new
         else:
             self.manifest = new
         if shared:
             target = self.path / SHARED_NAME
-            if not target.exists():
+            if fresh or not target.exists():
                 tmp = temp_name(target)
                 with open(tmp, "wb") as f:
                     f.write(blob)

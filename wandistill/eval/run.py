@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from wandistill import outputs
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import Record, is_holdout, pad_embeds
 from wandistill.errors import UsageError
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.fsutil import atomic_write_bytes, atomic_write_json
-from wandistill.modelfolder import load_pretrained, refuse_custom_code
+from wandistill.modelfolder import load_pretrained, refuse_custom_code, require_safetensors
 from wandistill.teacher.folder import TeacherFolder
 
 
@@ -115,6 +116,7 @@ def load_student(path: str | Path) -> torch.nn.Module:
     """The student folder as a WanTransformer3DModel; an unloadable folder is a usage error."""
     from diffusers import WanTransformer3DModel
 
+    require_safetensors(path, "student")
     try:
         return load_pretrained(WanTransformer3DModel, path)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -148,11 +150,25 @@ def evaluate(
     student = load_student(student_path).to(device).eval().requires_grad_(False)
     with CacheStore(cache) as store:
         settings = store.manifest.settings
-        msl = int(settings["max_sequence_length"])
         _check_fit(student, store.manifest.dims, cache)
         records = _held_out(store, split, max_records)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)  # only once every input checked out
+    inputs = {"--cache": cache, "--student": student_path, "--teacher": teacher}
+    with outputs.claim(out_dir, "eval", inputs=inputs) as out:  # every input checked out
+        return _evaluate(student, records, settings, out.path, folder, steps, grid_records, device)
+
+
+def _evaluate(
+    student: torch.nn.Module,
+    records: list[Record],
+    settings: dict[str, Any],
+    out: Path,
+    folder: TeacherFolder | None,
+    steps: int | None,
+    grid_records: int,
+    device: str,
+) -> EvalResult:
+    """Sample, score and write eval.json / eval.md / grid.png into the claimed folder."""
+    msl = int(settings["max_sequence_length"])
     n_steps = steps or int(settings["num_inference_steps"])
     scheduler = make_scheduler(settings)
     finals, per_record, step_losses = [], [], []

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from wandistill import outputs
 from wandistill.errors import UsageError
 from wandistill.modelfolder import refuse_custom_code
 from wandistill.teacher.decode import save_png
@@ -51,20 +52,30 @@ def sample(
         guidance_scale = 1.0
     pipe = _pipeline(folder, model).to(device)
     pipe.set_progress_bar_config(disable=True)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    call = dict(
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        num_inference_steps=steps,
+        guidance_scale=guidance_scale,
+        max_sequence_length=max_sequence_length,
+    )
+    inputs = {"--teacher": teacher, "--student": student}
+    with outputs.claim(out_dir, "sample", inputs=inputs) as folder:
+        return _sample_into(pipe, prompts, folder.path, call, seed)
+
+
+def _sample_into(
+    pipe: Any, prompts: list[str], out: Path, call: dict[str, Any], seed: int
+) -> list[Path]:
+    """One PNG per prompt and the grid, written into the claimed folder."""
     paths, images = [], []
     for i, prompt in enumerate(prompts):
         frames = pipe(
             prompt=prompt,
-            height=height,
-            width=width,
-            num_frames=num_frames,
-            num_inference_steps=steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=max_sequence_length,
             generator=torch.Generator().manual_seed(seed + i),
             output_type="np",
+            **call,
         ).frames[0]  # [F, H, W, 3] in [0, 1]
         image = Image.fromarray((np.asarray(frames[0]) * 255).round().astype(np.uint8))
         path = out / f"{i:04d}.png"

@@ -1,13 +1,16 @@
 """Prompt files: `.txt` (one prompt per line) or `.jsonl` ({"prompt", "seed"?, "negative_prompt"?}).
 
 Bad lines never stop a 100k-prompt run: empty lines, duplicates (same prompt and seed), invalid
-UTF-8 and malformed JSON are skipped and counted in a report that names their line numbers. Only a
-missing file, or a file with no usable prompt at all, is an error.
+UTF-8, malformed JSON and prompts of nothing but control characters (NUL, escapes) are skipped and
+counted in a report that names their line numbers. A UTF-8 byte-order mark (editors on Windows
+write one) is not part of the first prompt. Only a missing file, or a file with no usable prompt
+at all, is an error.
 """
 
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +36,8 @@ class PromptReport:
     duplicate: list[int] = field(default_factory=list)
     bad_utf8: list[int] = field(default_factory=list)
     bad_json: list[int] = field(default_factory=list)
+    control: list[int] = field(default_factory=list)
+    """Lines whose prompt is empty once control characters (NUL included) are removed."""
     truncated: list[int] = field(default_factory=list)
     """Filled by the encode phase: prompts longer than max_sequence_length tokens."""
 
@@ -48,6 +53,7 @@ class PromptReport:
             ("duplicates (same prompt and seed) skipped", self.duplicate),
             ("lines with invalid UTF-8 skipped", self.bad_utf8),
             ("malformed JSON lines skipped", self.bad_json),
+            ("lines of only control characters skipped", self.control),
             ("prompts truncated to max_sequence_length tokens", self.truncated),
         ):
             if items:
@@ -63,8 +69,14 @@ class PromptReport:
             "duplicate": self.duplicate,
             "bad_utf8": self.bad_utf8,
             "bad_json": self.bad_json,
+            "control": self.control,
             "truncated": self.truncated,
         }
+
+
+def only_control(text: str) -> bool:
+    """True if nothing but control characters and whitespace is left (a NUL-only line)."""
+    return not "".join(c for c in text if unicodedata.category(c) != "Cc").strip()
 
 
 def _parse_jsonl(line: str, lineno: int, base_seed: int) -> Prompt | None:
@@ -115,12 +127,15 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
         for lineno, raw in enumerate(f, start=1):
             report.lines = lineno
             try:
-                line = raw.decode("utf-8").strip()
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
             except UnicodeDecodeError:
                 report.bad_utf8.append(lineno)
                 continue
             if not line:
                 report.empty.append(lineno)
+                continue
+            if only_control(line):
+                report.control.append(lineno)
                 continue
             if p.suffix == ".jsonl":
                 try:
@@ -130,6 +145,9 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
                     continue
                 if prompt is None:
                     report.empty.append(lineno)
+                    continue
+                if only_control(prompt.text):
+                    report.control.append(lineno)
                     continue
             else:
                 prompt = Prompt(line, base_seed + lineno - 1, lineno)
@@ -147,7 +165,8 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
         raise UsageError(
             f"prompt file {str(p)!r} has no usable prompt ({report.lines} lines: "
             f"{len(report.empty)} empty, {len(report.bad_utf8)} invalid UTF-8, "
-            f"{len(report.bad_json)} malformed JSON)",
+            f"{len(report.bad_json)} malformed JSON, {len(report.control)} control characters "
+            "only)",
             fix='put one prompt per line (.txt) or {"prompt": ...} per line (.jsonl)',
         )
     return prompts, report

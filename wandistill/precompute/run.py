@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from wandistill import dist, testing_hooks
+from wandistill import dist, outputs, testing_hooks
 from wandistill.cache import manifest as mf
 from wandistill.cache.schema import dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
@@ -188,12 +188,13 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
     t0 = time.perf_counter()
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
     prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed)
-    with _StopSignals() as stop:
+    with _StopSignals() as stop, contextlib.ExitStack() as owned:
         info = dist.init(_device_kind(cfg.teacher.placement))
         try:
             return _run(
-                cfg, teacher, prompts, report, info, stop, null_sink=null_sink, quiet=quiet, t0=t0
-            )
+                cfg, teacher, prompts, report, info, stop, owned,
+                null_sink=null_sink, quiet=quiet, t0=t0,
+            )  # fmt: skip
         except _Stop:  # before the cache writer existed: nothing to flush
             raise Stopped(stop.signum or signal.SIGTERM, 0, info) from None
         finally:
@@ -207,6 +208,7 @@ def _run(
     report: PromptReport,
     info: dist.DistInfo,
     stop: _StopSignals,
+    owned: contextlib.ExitStack,
     *,
     null_sink: bool,
     quiet: bool,
@@ -232,9 +234,10 @@ def _run(
         ),
     )
     done: set[str] = set()
-    if not null_sink and mf.manifest_path(cache).exists():
+    if not null_sink and mf.manifest_path(cache).is_file():
         existing = mf.load_committed(cache)
-        mf.check_compatible(cache, existing, header)  # fail before loading any weights
+        if existing.shards:  # a cache without records binds nothing: a fixed run takes it over
+            mf.check_compatible(cache, existing, header)  # fail before loading any weights
         done = {k for s in existing.shards for k in s["keys"]}
 
     keys = [_key(p, settings) for p in prompts]
@@ -250,10 +253,13 @@ def _run(
         world_size=info.world_size,
         local_rank=info.local_rank,
     )
+    if not null_sink:  # every input checked: own the cache (one writing job), then write
+        inputs = {"--teacher": teacher.path, "--prompts": cfg.prompts}
+        owned.enter_context(outputs.claim(cache, "cache", info, inputs=inputs))
     load_kw: dict[str, Any] = dict(
         dtype=dtype,
         placement=placement,
-        offload_dir=Path(cfg.teacher.offload_folder or cache / ".offload") / f"rank{info.rank}",
+        offload_dir=Path(cfg.teacher.offload_folder or cache / ".offload.tmp") / f"rank{info.rank}",
         max_memory=cfg.teacher.max_memory or None,
         group_offload_level=cfg.teacher.group_offload_level,
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ def _save_folder(model: nn.Module, final: Path) -> None:
                 os.fsync(fh.fileno())
         fsync_dir(tmp)
         if final.exists():  # park the old result, swap, then delete it
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            old = make_temp_dir(final.parent, f"{final.name}.old")  # a temp name: see outputs
             os.replace(final, old)
             publish(tmp, final)
             shutil.rmtree(old, ignore_errors=True)

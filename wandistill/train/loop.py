@@ -33,7 +33,7 @@ from rich.console import Console
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from wandistill import dist, testing_hooks
+from wandistill import dist, outputs, testing_hooks
 from wandistill.cache.manifest import Manifest, load_committed, manifest_path
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
@@ -127,9 +127,11 @@ def run(
     info = dist.init(cfg.device)
     started = time.perf_counter()
     trainer: Trainer | None = None
+    folder: outputs.OutputFolder | None = None
     ok = False
     stop = _StopSignals.install()
     try:
+        folder = outputs.claim(plan.out, "run", info, inputs=run_inputs(cfg))
         trainer = setup(cfg, plan, info, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
         steps = fit(trainer, stop)
         student, ema = export_pretrained(trainer.model.student, trainer.ema, plan.out, info)
@@ -143,6 +145,8 @@ def run(
         raise friendly from e
     finally:
         stop.restore()
+        if folder is not None:
+            folder.release()
         if trainer is not None:
             trainer.metrics.close()
             # Drop DDP before the process group: a Reducer destroyed later, with the GIL held,
@@ -208,6 +212,15 @@ class _StopSignals:
     def agreed(self, info: dist.DistInfo) -> int:
         """The signal to stop on if any rank got one (a collective: every rank calls it), else 0."""
         return int(dist.all_reduce_max(info, float(self.signum or 0)))
+
+
+def run_inputs(cfg: TrainConfig) -> dict[str, str]:
+    """What train reads: its --out may be none of these, nor inside or around one."""
+    return {
+        "--cache": cfg.cache,
+        "student.init_from_teacher.path": cfg.student.init_from_teacher.path,
+        "student.config_file": cfg.student.config_file,
+    }
 
 
 def wait_for_manifest(cfg: TrainConfig) -> None:

@@ -1,0 +1,325 @@
+"""Output folders through the real commands: whose folder it is, one writer, failures that leave
+nothing in the way. The refusals run in-process through `wandistill.cli.main`; the concurrent and
+killed writers are real processes (with unpickling made to raise in them, see tests/nopickle)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from wandistill.cache import open_cache
+from wandistill.cli import main
+from wandistill.outputs import LOCK, MARKER, claim
+
+REPO = Path(__file__).parents[2]
+N_PROMPTS = 6
+FAST = ["--set", "sampler.height=32", "--set", "sampler.width=32", "--set",
+        "sampler.num_inference_steps=2", "--set", "sampler.max_sequence_length=16", "--set",
+        "sampler.batch_size=2", "--set", "cache.shard_records=2"]  # fmt: skip
+STUDENT = ["--set", "student.num_layers=1", "--set", "student.ffn_dim=32", "--set",
+           "batch_size=2", "--set", 'device="cpu"', "--set", "tensorboard=false"]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group() -> Iterator[None]:
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, " ".join(out.split()), err
+
+
+def _pre(teacher: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    return ["precompute", "--teacher", str(teacher), "--prompts", str(prompts), "--out", str(out),
+            *FAST, *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny teacher, a cache and a run made by the commands, a user's folder, a link into
+    the teacher."""
+    from wandistill.teacher.tiny import make_tiny_teacher
+
+    root = tmp_path_factory.mktemp("own")
+    teacher = make_tiny_teacher(root / "teacher")
+    prompts = root / "p.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(N_PROMPTS)))
+    for args in (
+        _pre(teacher, prompts, root / "cache"),
+        ["train", "--cache", str(root / "cache"), "--out", str(root / "run"), "--steps", "2",
+         *STUDENT],
+    ):  # fmt: skip
+        try:
+            main(args)
+        except SystemExit as e:
+            assert not e.code, args
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("my notes")
+    (root / "links").mkdir()
+    (root / "links" / "teacher").symlink_to(teacher)
+    names = ("teacher", "cache", "run", "mine", "links")
+    return {"root": root, "prompts": prompts, **{n: root / n for n in names}}
+
+
+def snapshot(*dirs: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for d in dirs:
+        for p in sorted(d.rglob("*")):
+            if p.is_file() and not p.is_symlink():
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+# --------------------------------------------------------------------------- whose folder
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    args: list[str]
+    message: str
+    target: str
+
+
+PRE = ["precompute", "--teacher", "{teacher}", "--prompts", "{prompts}", *FAST, "--out"]
+TRAIN = ["train", "--cache", "{cache}", "--steps", "1", *STUDENT, "--out"]
+EVAL = ["eval", "--cache", "{cache}", "--student", "{run}/student", "--split", "all", "--out"]
+SAMPLE = ["sample", "--teacher", "{teacher}", "--prompts", "{prompts}", "--steps", "1", "--out"]
+CASES = [
+    Case("pre-into-teacher", [*PRE, "{teacher}"], "is --teacher", "{teacher}"),
+    Case("pre-inside-teacher", [*PRE, "{teacher}/cache"], "is inside --teacher", "{teacher}/cache"),
+    Case("pre-into-a-component", [*PRE, "{teacher}/transformer"], "is inside --teacher",
+         "{teacher}/transformer"),
+    Case("pre-link-into-teacher", [*PRE, "{links}/teacher/sub"], "is inside --teacher",
+         "{teacher}/sub"),
+    Case("pre-into-a-run", [*PRE, "{run}"], "is a wandistill run folder, not a cache folder",
+         "{run}"),
+    Case("pre-into-a-student", [*PRE, "{run}/student"], "is a model folder (it holds config.json",
+         "{run}/student"),
+    Case("pre-into-a-user-folder", [*PRE, "{mine}"],
+         "is not empty and was not written by wandistill (holds notes.txt)", "{mine}"),
+    Case("train-into-the-cache", [*TRAIN, "{cache}"], "is --cache", "{cache}"),
+    Case("train-inside-the-cache", [*TRAIN, "{cache}/run"], "is inside --cache", "{cache}/run"),
+    Case("train-around-the-cache", [*TRAIN, "{root}"], "contains --cache", "{root}"),
+    Case("train-over-a-model-config", [*TRAIN, "{teacher}/transformer"],
+         "is inside the model folder", "{teacher}/transformer"),
+    Case("train-into-a-linked-teacher", [*TRAIN, "{links}/teacher"], "is a model folder",
+         "{teacher}"),
+    Case("train-into-a-user-folder", [*TRAIN, "{mine}"], "was not written by wandistill",
+         "{mine}"),
+    Case("eval-into-the-student", [*EVAL, "{run}/student"], "is --student", "{run}/student"),
+    Case("eval-inside-the-cache", [*EVAL, "{cache}/eval"], "is inside --cache", "{cache}/eval"),
+    Case("eval-into-a-run", [*EVAL, "{run}"], "contains --student", "{run}"),
+    Case("sample-into-the-teacher-vae", [*SAMPLE, "{teacher}/vae"], "is inside --teacher",
+         "{teacher}/vae"),
+    Case("sample-into-a-cache", [*SAMPLE, "{cache}"], "is a wandistill cache folder", "{cache}"),
+    Case("sample-into-a-student", [*SAMPLE, "{run}/student"], "is a model folder",
+         "{run}/student"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+def test_outputs_that_are_not_the_commands_own_are_refused_in_one_line(
+    case: Case, world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [a.format(**world) for a in case.args]
+    target = Path(case.target.format(**world))
+    existed = target.exists()
+    before = snapshot(world["teacher"], world["cache"], world["run"], world["mine"])
+    code, _, err = _cli(capsys, *args)
+    text = " ".join(err.split())
+    assert code == 2 and "Traceback" not in err, err
+    assert case.message in text and args[-1] in text, err
+    assert len([x for x in err.splitlines() if x.startswith("error:")]) == 1 and "fix:" in err
+    assert snapshot(world["teacher"], world["cache"], world["run"], world["mine"]) == before
+    assert target.exists() == existed
+
+
+# --------------------------------------------------------------------------- one writer
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    env["PYTHONPATH"] = f"{REPO / 'tests' / 'nopickle'}{os.pathsep}{REPO}"
+    env["WANDISTILL_TEST_NO_PICKLE"] = "1"  # these processes also prove no pickle is loaded
+    return env
+
+
+def _spawn(args: list[str], hook: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "wandistill", *args],
+        env={**_env(), "WANDISTILL_TEST_KILL_AT": hook},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_stopped(proc: subprocess.Popen[str]) -> None:
+    """Block until the child SIGSTOPs itself (its hook) or dies."""
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)
+    assert os.WIFSTOPPED(status), f"child ended first: {status}"
+
+
+def _keys(cache: Path) -> list[str]:
+    with open_cache(cache) as store:
+        assert store.verify() == []
+        return [k for e in store.entries for k in e["keys"]]
+
+
+def test_a_second_precompute_is_refused_at_once_and_the_first_completes(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = tmp_path / "c"
+    args = _pre(world["teacher"], world["prompts"], cache)
+    first = _spawn(args, "precompute:record:3:0:stop")  # frozen mid-run, holding the cache
+    try:
+        _wait_stopped(first)
+        code, _, err = _cli(capsys, *args)
+        text = " ".join(err.split())
+        assert code == 2 and "Traceback" not in err, err
+        assert f"--out '{cache}' is in use by another wandistill process" in text
+        assert f"pid {first.pid}" in text and "started " in text and "host " in text
+    finally:
+        first.send_signal(signal.SIGCONT)
+        _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr
+    assert sorted(_keys(cache)) == sorted(set(_keys(cache))) and len(_keys(cache)) == N_PROMPTS
+    code, out, err = _cli(capsys, *args)  # the first is done: the folder is free again
+    assert code == 0 and ": 0 records written" in out, err
+
+
+def test_after_a_kill_9_mid_shard_the_next_run_owns_the_cache_and_clears_the_temps(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = tmp_path / "c"
+    args = _pre(world["teacher"], world["prompts"], cache)
+    killed = _spawn(args, "precompute:record:3:0:kill")
+    killed.communicate(timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    assert list(cache.rglob(".*.tmp")) and (cache / LOCK).exists()  # the dead writer's leftovers
+    code, out, err = _cli(capsys, *args)
+    assert code == 0 and "Traceback" not in err, err
+    assert not list(cache.rglob("*.tmp")) and not list(cache.rglob("*.partial"))
+    assert len(_keys(cache)) == len(set(_keys(cache))) == N_PROMPTS
+
+
+_HOLD = """
+import sys
+from wandistill.outputs import claim
+folder = claim(sys.argv[1], "run")
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_second_train_into_a_live_run_is_refused_and_proceeds_once_it_is_gone(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(world["run"], run)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(run)],
+        env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    args = ["train", "--cache", world["cache"], "--out", run, "--resume", "--steps", "3", *STUDENT]
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        before = snapshot(run)
+        code, _, err = _cli(capsys, *args)
+        assert code == 2 and f"pid {holder.pid}" in " ".join(err.split()), err
+        assert snapshot(run) == before
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    code, out, err = _cli(capsys, *args)
+    assert code == 0 and "trained 3 steps" in out, err
+
+
+# --------------------------------------------------------------------------- failures, old folders
+
+
+def test_a_precompute_that_failed_before_its_first_record_leaves_a_folder_the_fix_reuses(
+    world: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first run's teacher was the wrong one and failed once the cache was open; the
+    corrected command (another teacher, another guidance) must not meet a stale header."""
+    from wandistill.teacher.tiny import make_tiny_teacher
+
+    other = make_tiny_teacher(tmp_path / "other", seed=1)
+    cache = tmp_path / "c"
+    monkeypatch.setenv("WANDISTILL_TEST_KILL_AT", "precompute:record:0:0:raise")
+    code, _, err = _cli(capsys, *_pre(world["teacher"], world["prompts"], cache))
+    assert code == 1 and "injected failure" in err
+    assert (cache / "manifest.json").is_file()  # the writer had opened the cache
+    monkeypatch.delenv("WANDISTILL_TEST_KILL_AT")
+    fixed = _pre(other, world["prompts"], cache, "--set", "sampler.guidance_scale=3.0")
+    code, out, err = _cli(capsys, *fixed)
+    assert code == 0 and f"{N_PROMPTS} records written" in out, err
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["settings"]["guidance_scale"] == 3.0 and manifest["complete"]
+    assert len(_keys(cache)) == N_PROMPTS
+
+
+def test_caches_and_runs_of_earlier_versions_keep_working(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    shutil.copytree(world["cache"], cache)
+    shutil.copytree(world["run"], run)
+    for folder in (cache, run):  # as earlier versions left them: no marker, no lock
+        (folder / MARKER).unlink()
+        (folder / LOCK).unlink()
+    code, out, err = _cli(capsys, *_pre(world["teacher"], world["prompts"], cache))
+    assert code == 0 and ": 0 records written" in out, err
+    args = ["train", "--cache", cache, "--out", run, "--resume", "--steps", "3", *STUDENT]
+    code, out, err = _cli(capsys, *args)
+    assert code == 0 and "trained 3 steps" in out, err
+    for folder, purpose in ((cache, "cache"), (run, "run")):
+        assert json.loads((folder / MARKER).read_text())["purpose"] == purpose
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_every_rank_of_a_torchrun_job_refused_a_live_cache_exits(
+    world: dict[str, Path], tmp_path: Path
+) -> None:
+    cache = tmp_path / "c"
+    args = _pre(world["teacher"], world["prompts"], cache)
+    with claim(cache, "cache"):  # a live writer: this process
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             "-m", "wandistill", *args],
+            env=_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    lines = [x for x in proc.stderr.splitlines() if "is in use by another wandistill" in x]
+    assert proc.returncode != 0 and len(lines) == 2, proc.stderr[-3000:]
+    assert all(f"pid {os.getpid()}" in x for x in lines)
+    assert f'File "{REPO / "wandistill"}' not in proc.stderr  # no rank traceback (torchrun's
+    # launcher prints its own ChildFailedError traceback whenever a worker exits non-zero)
+    assert not (cache / "manifest.json").exists()

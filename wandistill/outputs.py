@@ -1,0 +1,455 @@
+"""Output folders: every command writes only into a folder it owns, one writer at a time.
+
+`claim(path, purpose)` is the one door through which `precompute --out`, `train --out`,
+`eval --out`, `sample --out` and `export --out` reach the disk. It refuses, in one line naming
+the folder, the reason and the fix:
+
+- a folder inside (or being) a teacher / model folder (model_index.json, config.json next to
+  weights, weight files), or inside a cache;
+- a folder that is, contains or lies inside one of the command's inputs (`train --out` is never
+  the cache, nor inside it, nor containing it);
+- a folder holding files wandistill did not write, or one wandistill made for another purpose;
+- a folder another live wandistill process is writing (named: host, pid, start time).
+
+A folder is owned when it carries the marker `.wandistill.json` naming its purpose (cache, run,
+eval, sample, export). Folders made by earlier versions, which wrote no marker, are adopted by
+their own files: a cache by its wandistill manifest.json, a run by checkpoints/ (or metrics) next
+to a config.json with a "train" key, an eval by its eval.json, a sample by its NNNN.png files.
+
+One writer: the claim takes an OS advisory lock (`filelock`, flock on `.wandistill.lock`) for as
+long as the command runs; the kernel drops it when the process dies, so a `kill -9` leaves no
+stale lock. flock is per host: two machines writing one folder on NFS are not kept apart (see
+docs/reliability.md). Under torchrun rank 0 claims and broadcasts the outcome, so every rank of
+a refused job raises the same error, and ranks of one job share the folder. Holding the lock, the
+claim deletes the temp files of dead writers (`fsutil.temp_name`, `fsutil.make_temp_dir`, zarr's
+`.partial` files): nobody else can be writing them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from filelock import FileLock, Timeout
+
+from wandistill import __version__
+from wandistill.errors import UsageError, WandistillError
+from wandistill.fsutil import atomic_write_json
+
+if TYPE_CHECKING:
+    from wandistill.dist import DistInfo
+
+PURPOSES = ("cache", "run", "eval", "sample", "export")
+MARKER = ".wandistill.json"
+LOCK = ".wandistill.lock"
+HOLDER = ".wandistill.holder.json"
+BOOKKEEPING = frozenset({MARKER, LOCK, HOLDER})
+"""Files the claim itself keeps in a folder; a folder holding only these is empty."""
+MARKER_FORMAT = "wandistill-output"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")
+_TEMP = re.compile(r"\..+\.tmp|.+\.[0-9a-f]{32}\.partial")
+"""Our temps (`.<name>.<pid>-<tid>.tmp`, `.<prefix>.<random>.tmp`) and zarr 3 LocalStore's
+(`<key>.<uuid4 hex>.partial`, zarr/storage/_local.py `_atomic_write`)."""
+
+Inputs = Mapping[str, "str | Path | None"]
+
+
+@dataclass(slots=True)
+class OutputFolder:
+    """A claimed output folder; `release()` (or leaving the `with`) gives up the lock."""
+
+    path: Path
+    purpose: str
+    _lock: FileLock | None = field(default=None, repr=False)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def release(self) -> None:
+        if self._lock is not None and self._lock.is_locked:
+            with contextlib.suppress(OSError):
+                (self.path / HOLDER).unlink()
+            self._lock.release()
+        self._lock = None
+
+    def __enter__(self) -> OutputFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def claim(
+    path: str | Path,
+    purpose: str,
+    info: DistInfo | None = None,
+    *,
+    inputs: Inputs | None = None,
+    flag: str = "--out",
+) -> OutputFolder:
+    """Make `path` this job's `purpose` folder (create, check, lock, mark), or refuse.
+
+    `inputs` names the folders and files the command reads ({"--cache": path, ...}): the output
+    may not be one of them, lie inside one, or contain one. Under torchrun (`info.distributed`)
+    call it on every rank: rank 0 claims, the others learn the outcome and share the folder.
+    """
+    if info is None or not info.distributed:
+        return _claim(path, purpose, inputs or {}, flag)
+    from wandistill import dist
+
+    folder: OutputFolder | None = None
+    failure: dict[str, Any] | None = None
+    error: Exception | None = None
+    if info.is_main:
+        try:
+            folder = _claim(path, purpose, inputs or {}, flag)
+        except Exception as e:  # every rank must hear of it, then rank 0 raises its own
+            error = e
+            fix = e.fix if isinstance(e, WandistillError) else None
+            message = e.message if isinstance(e, WandistillError) else f"{type(e).__name__}: {e}"
+            failure = {"message": message, "fix": fix, "usage": isinstance(e, UsageError)}
+    failure = dist.broadcast_json(info, failure)
+    if error is not None:
+        raise error
+    if failure is not None:
+        kind = UsageError if failure["usage"] else WandistillError
+        raise kind(failure["message"], fix=failure["fix"])
+    return folder or OutputFolder(_resolve(path, purpose), purpose)
+
+
+def check(
+    path: str | Path, purpose: str, *, inputs: Inputs | None = None, flag: str = "--out"
+) -> Path:
+    """Every refusal `claim` can make without the lock, writing nothing; the resolved path."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"unknown output purpose {purpose!r}")
+    target = _resolve(path, purpose)
+    label = f"{flag} {str(path)!r}"
+    _refuse_blockers(target, purpose, path)
+    _refuse_overlaps(target, label, inputs or {})
+    _refuse_ancestors(target, label)
+    _inspect(target, purpose, label)
+    return target
+
+
+# --------------------------------------------------------------------------- the claim
+
+
+def _claim(path: str | Path, purpose: str, inputs: Inputs, flag: str) -> OutputFolder:
+    target = check(path, purpose, inputs=inputs, flag=flag)
+    label = f"{flag} {str(path)!r}"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(
+            f"cannot create {purpose} directory {str(path)!r}: {e.strerror}",
+            fix=f"choose a writable {flag} directory",
+        ) from None
+    lock = _file_lock(target / LOCK)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise UsageError(
+            f"{label} is in use by another wandistill process ({_holder(target)})",
+            fix=f"wait for it to finish (or stop it), or choose another {flag}",
+        ) from None
+    except OSError as e:
+        if e.errno == errno.ENOSYS:
+            raise UsageError(
+                f"{label} is on a filesystem without flock, so a second writer could not be "
+                "kept out",
+                fix=f"choose a {flag} directory on a local disk (see docs/reliability.md)",
+            ) from None
+        raise UsageError(
+            f"cannot write {purpose} directory {str(path)!r}: {e.strerror}",
+            fix=f"choose a writable {flag} directory",
+        ) from None
+    try:  # the checks again, now that nobody else can change the folder
+        _inspect(target, purpose, label)
+        if _read_json(target / MARKER).get("purpose") != purpose:  # new, empty or adopted
+            atomic_write_json(target / MARKER, _marker(purpose))
+        atomic_write_json(target / HOLDER, _me())
+        remove_stale_temps(target)
+    except BaseException:
+        lock.release()
+        raise
+    return OutputFolder(target, purpose, lock)
+
+
+def _file_lock(path: Path) -> FileLock:
+    """flock only: filelock >= 4 would fall back to a lock file's mere existence on filesystems
+    without flock, which a killed holder leaves behind (and our lock file always stays)."""
+    try:
+        return FileLock(str(path), thread_local=False, fallback_to_soft=False)
+    except TypeError:  # filelock < 4: no soft fallback to turn off
+        return FileLock(str(path), thread_local=False)
+
+
+def _resolve(path: str | Path, purpose: str) -> Path:
+    if not str(path):
+        raise UsageError(f"no {purpose} directory given", fix="pass --out DIR")
+    try:
+        return Path(path).expanduser().resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise UsageError(
+            f"{purpose} directory {str(path)!r} cannot be resolved ({e})",
+            fix="choose another --out directory",
+        ) from None
+
+
+def _marker(purpose: str) -> dict[str, Any]:
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {
+        "format": MARKER_FORMAT,
+        "purpose": purpose,
+        "wandistill_version": __version__,
+        "created": created,
+    }
+
+
+def _me() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": " ".join(["wandistill", *sys.argv[1:3]])[:120],
+    }
+
+
+def _holder(target: Path) -> str:
+    """Who holds the lock, from the holder file it wrote (it may be starting: unknown yet)."""
+    info = _read_json(target / HOLDER)
+    if not info:
+        return "holder not known yet: it is starting"
+    fields = {k: _printable(info.get(k, "?")) for k in ("command", "host", "pid", "started")}
+    return (
+        f"{fields['command']}: host {fields['host']}, pid {fields['pid']}, "
+        f"started {fields['started']}"
+    )
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _refuse_blockers(target: Path, purpose: str, given: str | Path) -> None:
+    blocker = next((p for p in (target, *target.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise UsageError(
+            f"cannot create {purpose} directory {str(given)!r}: Not a directory "
+            f"({str(blocker)!r} is a file)",
+            fix="choose another --out directory",
+        )
+
+
+def _refuse_overlaps(target: Path, label: str, inputs: Inputs) -> None:
+    for name, given in inputs.items():
+        if given is None or not str(given):
+            continue
+        other = Path(given).expanduser().resolve()
+        how = (
+            "is"
+            if other == target
+            else "is inside"
+            if target.is_relative_to(other)
+            else "contains"
+            if other.is_relative_to(target)
+            else None
+        )
+        if how == "contains" and other.is_file():
+            continue  # a file we read inside the output folder: never one we write
+        if how is not None:
+            raise UsageError(
+                f"{label} {how} {name} {str(given)!r}; a command never writes where it reads",
+                fix=f"choose an output directory apart from {name}",
+            )
+
+
+def _refuse_ancestors(target: Path, label: str) -> None:
+    for parent in target.parents:
+        if not parent.is_dir():
+            continue
+        evidence = model_evidence(parent, strict=False)
+        if evidence is not None:
+            raise UsageError(
+                f"{label} is inside the model folder {str(parent)!r} ({evidence}); wandistill "
+                "never writes into a teacher or model folder",
+                fix="choose an output directory outside it",
+            )
+        if _is_legacy_cache(parent) or ((parent / MARKER).exists() and owner(parent) == "cache"):
+            raise UsageError(
+                f"{label} is inside the cache {str(parent)!r}; a cache holds only what "
+                "precompute writes",
+                fix="choose an output directory outside it",
+            )
+
+
+def _inspect(target: Path, purpose: str, label: str) -> str:
+    """What `target` is for this claim: missing, empty or ours; anything else is refused."""
+    if not target.exists():
+        return "missing"
+    if not _has_content(target):  # nothing, or only a claim's bookkeeping: free for any use
+        return "empty"
+    fix = "choose a new or empty output directory"
+    found = owner(target)
+    if found == "?":
+        raise UsageError(f"{label} has an unreadable {MARKER}", fix=f"{fix}, or delete {MARKER}")
+    if found is not None and found != purpose:
+        raise UsageError(f"{label} is a wandistill {found} folder, not a {purpose} folder", fix=fix)
+    evidence = model_evidence(target, strict=found is None)
+    if evidence is not None and not (found == "export" == purpose):
+        raise UsageError(
+            f"{label} is a model folder ({evidence}); wandistill never writes into a teacher "
+            "or model folder",
+            fix=fix,
+        )
+    if found is None:
+        names = sorted(_printable(p.name) for p in target.iterdir() if p.name not in BOOKKEEPING)
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+        raise UsageError(
+            f"{label} is not empty and was not written by wandistill (holds {shown}); "
+            "wandistill never overwrites files it did not write",
+            fix=fix,
+        )
+    return "ours"
+
+
+# --------------------------------------------------------------------------- what a folder is
+
+
+def model_evidence(folder: Path, *, strict: bool) -> str | None:
+    """Why `folder` looks like a model folder, or None. Not strict (folders we own, ancestors):
+    model_index.json, or config.json next to weights. Strict: also any weight file."""
+    if (folder / "model_index.json").is_file():
+        return "it holds model_index.json"
+    try:
+        weights = sorted(
+            p.name for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES) and p.is_file()
+        )
+    except OSError:
+        return None
+    if weights and (folder / "config.json").is_file():
+        return f"it holds config.json and {weights[0]}"
+    if weights and strict:
+        return f"it holds weights: {weights[0]}"
+    return None
+
+
+def owner(folder: Path) -> str | None:
+    """The purpose wandistill made `folder` for (its marker, else an earlier version's own
+    files); "?" for an unreadable marker; None for a folder wandistill did not make."""
+    if (folder / MARKER).exists() or (folder / MARKER).is_symlink():
+        data = _read_json(folder / MARKER)
+        purpose = data.get("purpose") if data.get("format") == MARKER_FORMAT else None
+        return purpose if purpose in PURPOSES else "?"
+    try:
+        return _legacy_owner(folder)
+    except OSError:  # unreadable: not provably ours
+        return None
+
+
+def _legacy_owner(folder: Path) -> str | None:
+    """Earlier versions wrote no marker; their folders are known by files only they write."""
+    if _is_legacy_cache(folder):
+        return "cache"
+    if (folder / "config.json").is_file() and (
+        (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file()
+    ):
+        if isinstance(_read_json(folder / "config.json").get("train"), dict):
+            return "run"
+    if (folder / "eval.json").is_file() and "latent_mse" in _read_json(folder / "eval.json"):
+        return "eval"
+    names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    pngs = {n for n in names if re.fullmatch(r"\d{4}\.png", n)}
+    if pngs and names <= pngs | {"grid.png"} | BOOKKEEPING:
+        return "sample"
+    return None
+
+
+def _is_legacy_cache(folder: Path) -> bool:
+    """A wandistill manifest.json: its "format" comes first, so a bounded read of its head
+    decides (a real manifest can be tens of MB)."""
+    from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME
+
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return False
+    return re.match(rf'\s*\{{\s*"format"\s*:\s*"{FORMAT_NAME}"', head) is not None
+
+
+def _has_content(folder: Path) -> bool:
+    """Anything but our bookkeeping and empty directories (links count as content)."""
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        if any(here != folder or f not in BOOKKEEPING for f in files):
+            return True
+        if any((here / d).is_symlink() for d in dirs):
+            return True
+    return False
+
+
+def _read_json(path: Path, limit: int = 1 << 24) -> dict[str, Any]:
+    """A small regular JSON file as a dict; {} for anything else (FIFOs, links to devices and
+    huge files are never read)."""
+    try:
+        if not path.is_file() or path.stat().st_size > limit:
+            return {}
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _printable(text: object) -> str:
+    """One line, whatever a file name or a holder file holds (newlines, escapes)."""
+    return str(text).encode("unicode_escape").decode("ascii")[:200]
+
+
+# --------------------------------------------------------------------------- dead writers
+
+
+def is_temp(name: str) -> bool:
+    return _TEMP.fullmatch(name) is not None
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Delete the temp files and folders of dead writers under `folder` (call with the lock
+    held). Links are never followed; a nested folder claimed on its own is left to its owner."""
+    removed: list[Path] = []
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        if here != folder and (here / MARKER).exists():
+            dirs[:] = []
+            continue
+        for name in [d for d in dirs if is_temp(d)]:
+            dirs.remove(name)
+            _remove(here / name)
+            removed.append(here / name)
+        for name in files:
+            if is_temp(name):
+                _remove(here / name)
+                removed.append(here / name)
+    return removed
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
