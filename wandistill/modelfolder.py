@@ -301,10 +301,10 @@ def require_safetensors(folder: str | Path, what: str, components: tuple[str, ..
             "safetensors.torch as st; st.save_file(torch.load('<file>', weights_only=True), "
             "'<file stem>.safetensors')\""
         )
-        raise pickle_only_error(sub, found[0], what, fix)
+        raise unsafe_weights_error(sub, found[0], what, fix)
 
 
-def pickle_only_error(folder: Path, found: Path, what: str, fix: str) -> UsageError:
+def unsafe_weights_error(folder: Path, found: Path, what: str, fix: str) -> UsageError:
     """The one message for a folder whose weights are pickles only."""
     return UsageError(
         f"{what} {str(folder)!r} has only pickle-format weights ({found.name}); wandistill "
@@ -360,7 +360,7 @@ def read_weights(
     unsafe = unsafe_files(folder) if folder.is_dir() else []
     if unsafe:
         fix = conversion_fix(folder, library, class_name)
-        raise pickle_only_error(folder, unsafe[0], what, fix)
+        raise unsafe_weights_error(folder, unsafe[0], what, fix)
     if not required:
         return None
     others = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
