@@ -106,7 +106,7 @@ class TeacherSchedule:
     ) -> TeacherSchedule:
         """The schedule precompute will record with `scheduler` (a configured diffusers one)."""
         spec = _spec_of(scheduler)
-        timesteps, sigmas = _set_timesteps(_build(spec), num_inference_steps)
+        timesteps, sigmas = _set_timesteps(build_scheduler(spec), num_inference_steps)
         return cls(
             num_inference_steps=num_inference_steps,
             sigmas=sigmas,
@@ -138,7 +138,7 @@ class StudentSchedule:
                 "this run recorded no scheduler (its cache predates scheduler recording)",
                 fix="re-run precompute and train with this wandistill",
             )
-        return _build(self.scheduler)
+        return build_scheduler(self.scheduler)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -170,7 +170,8 @@ def _spec_of(scheduler: Any) -> dict[str, Any]:
     return {"_class_name": type(scheduler).__name__, **config}
 
 
-def _build(spec: dict[str, Any]) -> Any:
+def build_scheduler(spec: dict[str, Any]) -> Any:
+    """A stock diffusers scheduler from {"_class_name": ..., **config} (scheduler classes only)."""
     import diffusers
 
     name = spec.get("_class_name", "")
@@ -221,7 +222,7 @@ def first_order_spec(teacher: dict[str, Any], k: int) -> dict[str, Any]:
 def match_steps(teacher: TeacherSchedule, spec: dict[str, Any], k: int) -> list[int] | None:
     """Teacher step index of each sigma of the K-step schedule, or None if one is off-grid."""
     try:
-        _, sigmas = _set_timesteps(_build(spec), k)
+        _, sigmas = _set_timesteps(build_scheduler(spec), k)
     except (ValueError, RuntimeError, TypeError):  # e.g. dynamic shifting without mu
         return None
     if len(sigmas) != k + 1 or abs(sigmas[-1] - teacher.sigmas[-1]) > SIGMA_TOLERANCE:
@@ -280,7 +281,7 @@ def student_schedule(
             fix=f"choose K from {valid}",
         )
     spec = first_order_spec(teacher.scheduler, k)
-    timesteps, sigmas = _set_timesteps(_build(spec), k)
+    timesteps, sigmas = _set_timesteps(build_scheduler(spec), k)
     return StudentSchedule(
         num_inference_steps=k,
         steps=tuple(steps),

@@ -36,6 +36,16 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def component_digests(folder: Path) -> dict[str, str]:
+    """{relative file: digest} of one component folder (configs, tokenizer files, weights)."""
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and (p.suffix == ".safetensors" or p.suffix in _CONFIG_SUFFIXES)
+    )
+    return {str(p.relative_to(folder)): _file_digest(p) for p in files}
+
+
 def teacher_fingerprint(path: str | Path) -> dict[str, Any]:
     """{"fingerprint": hex, "components": {name: {file: digest}}, "path": str}."""
     root = Path(path)
@@ -53,12 +63,7 @@ def teacher_fingerprint(path: str | Path) -> dict[str, Any]:
         sub = root / name
         if name.startswith("_") or not isinstance(spec, list) or not sub.is_dir():
             continue
-        files = sorted(
-            p
-            for p in sub.rglob("*")
-            if p.is_file() and (p.suffix == ".safetensors" or p.suffix in _CONFIG_SUFFIXES)
-        )
-        components[name] = {str(p.relative_to(sub)): _file_digest(p) for p in files}
+        components[name] = component_digests(sub)
     blob = json.dumps(components, sort_keys=True).encode()
     return {
         "fingerprint": hashlib.sha256(blob).hexdigest(),

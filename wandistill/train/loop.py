@@ -47,6 +47,7 @@ from wandistill.student.config import (
     resolve_student_config,
     width,
 )
+from wandistill.student.export import LINKED
 from wandistill.student.init import init_from_teacher
 from wandistill.student.losses import SigmaTable, consistency_target, distill_losses
 from wandistill.student.model import DistillModule, build_student
@@ -249,10 +250,8 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     problems = check_against_cache(student_config, manifest.dims, cfg.cache)
     cached = {f["name"] for f in manifest.fields}
     objectives = None
-    with CacheStore(cfg.cache) as store:
-        teacher_schedule = TeacherSchedule.from_cache(manifest.settings, store.read_shared())
     try:
-        objectives = plan_objectives(cfg.loss, cfg.student.num_inference_steps, teacher_schedule)
+        objectives = objective_plan(cfg, manifest)
     except UsageError as e:
         problems.append(e.message + (f" ({e.fix})" if e.fix else ""))
     fields = list(DEFAULT_FIELDS)
@@ -278,6 +277,15 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
         raise UsageError("; ".join(problems))
     teacher_width = width(tconf) if tconf else width(student_config)
     return Plan(Path(cfg.cache), out, manifest, student_config, teacher_width, fields, objectives)
+
+
+def objective_plan(cfg: TrainConfig, manifest: Manifest | None = None) -> ObjectivePlan:
+    """K, the student's scheduler and the recorded steps of each objective, from the cache's
+    manifest and schedule (also what `train --dry-run` prints)."""
+    manifest = manifest or load_committed(cfg.cache)
+    with CacheStore(cfg.cache) as store:
+        teacher = TeacherSchedule.from_cache(manifest.settings, store.read_shared())
+    return plan_objectives(cfg.loss, cfg.student.num_inference_steps, teacher)
 
 
 # --------------------------------------------------------------------------- setup
@@ -449,6 +457,7 @@ def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
             "num_inference_steps": m.settings.get("num_inference_steps"),
             "boundary_ratio": m.settings.get("boundary_ratio"),
             "expand_timesteps": bool(m.settings.get("expand_timesteps", False)),
+            "components": {n: m.teacher.get("components", {}).get(n) for n in LINKED},
         },
         "cache": str(t.plan.cache),
     }
