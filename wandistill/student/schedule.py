@@ -184,9 +184,16 @@ def build_scheduler(spec: dict[str, Any]) -> Any:
 
 def _set_timesteps(sched: Any, k: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     sched.set_timesteps(k, device="cpu")
+    sigmas = getattr(sched, "sigmas", None)
+    if not isinstance(sigmas, torch.Tensor):
+        raise UsageError(
+            f"scheduler {type(sched).__name__} has no sigma schedule; wandistill distils "
+            "flow-matching Wan teachers",
+            fix=f"use a teacher whose scheduler is one of {', '.join(SUPPORTED)}",
+        )
     return (
         tuple(float(t) for t in sched.timesteps.float().tolist()),
-        tuple(float(s) for s in sched.sigmas.float().tolist()),
+        tuple(float(s) for s in sigmas.float().tolist()),
     )
 
 
