@@ -260,7 +260,7 @@ def train_cmd(
         from wandistill.train.loop import objective_plan
 
         for line in objective_plan(cfg).describe():
-            out.print(line, highlight=False)
+            out.print(line, highlight=False, soft_wrap=True)
         return
     from wandistill.train import run
 
@@ -295,16 +295,22 @@ def _show_recording(recipe: Recipe) -> None:
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
     steps = recorded_steps(teacher, cfg)
     n = cfg.sampler.num_inference_steps
-    out.print(f"precompute records {len(steps)} of {n} steps: {steps}", highlight=False)
+    out.print(
+        f"precompute records {len(steps)} of {n} steps: {steps}", highlight=False, soft_wrap=True
+    )
     schedule = TeacherSchedule.from_scheduler(teacher.scheduler, n, steps)
     try:
         k = recipe.train.student.num_inference_steps
         plan = plan_objectives(recipe.train.loss, k, schedule)
     except UsageError as e:
-        err.print(f"[yellow]train on this cache:[/yellow] {escape(e.message)}", highlight=False)
+        err.print(
+            f"[yellow]train on this cache:[/yellow] {escape(e.message)}",
+            highlight=False,
+            soft_wrap=True,
+        )
         return
     for line in plan.describe():
-        out.print(line, highlight=False)
+        out.print(line, highlight=False, soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- eval / sample
@@ -463,6 +469,7 @@ def export_cmd(
         f"  WanPipeline.from_pretrained({str(r.out)!r})(prompt, "
         f"num_inference_steps={r.num_inference_steps}, guidance_scale=1.0)",
         highlight=False,
+        soft_wrap=True,
     )
 
 
