@@ -34,6 +34,7 @@ from safetensors import safe_open
 
 from wandistill import __version__
 from wandistill.config import refuse_custom_code
+from wandistill.digest import component_digests
 from wandistill.errors import UsageError
 from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir, publish
 from wandistill.student.schedule import StudentSchedule, build_scheduler
@@ -132,8 +133,6 @@ def _non_finite(files: list[Path]) -> list[str]:
 def check_teacher(teacher: Path, run: FinishedRun) -> dict[str, Any]:
     """The teacher's model_index, once the folder is a WanPipeline with the very tokenizer,
     text encoder and VAE the run's cache was made with."""
-    from wandistill.teacher.fingerprint import component_digests
-
     index_path = teacher / "model_index.json"
     if not index_path.is_file():
         raise UsageError(

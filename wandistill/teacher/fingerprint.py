@@ -14,36 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from wandistill.digest import component_digests
 from wandistill.errors import UsageError
-
-_SAMPLE = 64 * 1024
-_CONFIG_SUFFIXES = (".json", ".txt", ".model")
-
-
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    if path.suffix == ".safetensors":
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            hlen = int.from_bytes(f.read(8), "little")
-            h.update(f.read(hlen))
-            h.update(size.to_bytes(8, "little"))
-            h.update(f.read(_SAMPLE))
-            f.seek(max(8 + hlen, size - _SAMPLE))
-            h.update(f.read(_SAMPLE))
-    else:
-        h.update(path.read_bytes())
-    return h.hexdigest()
-
-
-def component_digests(folder: Path) -> dict[str, str]:
-    """{relative file: digest} of one component folder (configs, tokenizer files, weights)."""
-    files = sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file() and (p.suffix == ".safetensors" or p.suffix in _CONFIG_SUFFIXES)
-    )
-    return {str(p.relative_to(folder)): _file_digest(p) for p in files}
 
 
 def teacher_fingerprint(path: str | Path) -> dict[str, Any]:

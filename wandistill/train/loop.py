@@ -34,8 +34,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from wandistill import dist, testing_hooks
-from wandistill.cache.manifest import Manifest, load_committed, manifest_path
+from wandistill.cache.manifest import Manifest, load_committed, manifest_path, read_manifest
 from wandistill.cache.reader import CacheStore
+from wandistill.cache.schema import SHARED_NAME
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
 from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
@@ -221,12 +222,21 @@ class _StopSignals:
         return int(dist.all_reduce_max(info, float(self.signum or 0)))
 
 
+def _cache_started(path: Path) -> bool:
+    """The manifest exists and so does the shared schedule it lists (the writer creates the
+    manifest first, then shared.safetensors: the steps plan needs both)."""
+    if not path.is_file():
+        return False
+    listed = bool(read_manifest(path.parent).shared)
+    return not listed or (path.parent / SHARED_NAME).is_file()
+
+
 def wait_for_manifest(cfg: TrainConfig) -> None:
     """--follow may start before precompute has created the cache: wait for its manifest."""
     path = manifest_path(cfg.cache) if cfg.cache else None
     start = time.monotonic()
     told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
-    while path is not None and not path.is_file():
+    while path is not None and not _cache_started(path):
         if not told:
             console.print(f"train: waiting for {path} (has precompute started?)")
             told = True
