@@ -298,7 +298,7 @@ def _show_recording(recipe: Recipe) -> None:
     out.print(
         f"precompute records {len(steps)} of {n} steps: {steps}", highlight=False, soft_wrap=True
     )
-    schedule = TeacherSchedule.from_scheduler(teacher.scheduler, n, steps)
+    schedule = TeacherSchedule.from_scheduler(teacher.scheduler, n, steps, teacher.boundary_ratio)
     try:
         k = recipe.train.student.num_inference_steps
         plan = plan_objectives(recipe.train.loss, k, schedule)

@@ -113,15 +113,11 @@ def test_each_objective_trains_at_its_own_recorded_steps() -> None:
 
 
 def test_a_wan22_student_trains_over_both_experts_regions() -> None:
-    teacher = TeacherSchedule.from_scheduler(_unipc(), 8)
-    teacher = TeacherSchedule(**{**_fields(teacher), "boundary_timestep": 875.0})
+    teacher = TeacherSchedule.from_scheduler(_unipc(), 8, boundary_ratio=0.875)
+    assert teacher.boundary_timestep == 875.0
     plan = plan_objectives(LossConfig(output=0.0, trajectory=1.0, consistency=1.0), 4, teacher)
     experts = {r["expert"] for r in plan.rows() if "trajectory" in r["objectives"]}
     assert experts == {"transformer", "transformer_2"}
-
-
-def _fields(t: TeacherSchedule) -> dict:
-    return {name: getattr(t, name) for name in TeacherSchedule.__slots__}
 
 
 def test_objectives_that_need_unrecorded_points_are_refused_with_the_fix() -> None:

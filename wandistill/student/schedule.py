@@ -102,10 +102,15 @@ class TeacherSchedule:
 
     @classmethod
     def from_scheduler(
-        cls, scheduler: Any, num_inference_steps: int, recorded: list[int] | None = None
+        cls,
+        scheduler: Any,
+        num_inference_steps: int,
+        recorded: list[int] | None = None,
+        boundary_ratio: float | None = None,
     ) -> TeacherSchedule:
         """The schedule precompute will record with `scheduler` (a configured diffusers one)."""
         spec = _spec_of(scheduler)
+        train_steps = float(spec.get("num_train_timesteps", 1000))
         timesteps, sigmas = _set_timesteps(build_scheduler(spec), num_inference_steps)
         return cls(
             num_inference_steps=num_inference_steps,
@@ -113,6 +118,7 @@ class TeacherSchedule:
             timesteps=timesteps,
             recorded=tuple(recorded if recorded is not None else range(num_inference_steps)),
             scheduler=spec,
+            boundary_timestep=boundary_ratio * train_steps if boundary_ratio is not None else None,
         )
 
     def slot(self, step: int) -> int:
