@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -21,6 +21,9 @@ from rich.table import Table
 
 from wandistill import __version__
 from wandistill.errors import ConfigError, UsageError, WandistillError
+
+if TYPE_CHECKING:
+    from wandistill.config import Recipe
 
 app = typer.Typer(
     name="wandistill",
@@ -249,9 +252,11 @@ def precompute_cmd(
         *(overrides or []),
         *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
     ]
-    cfg = load_recipe(recipe, sets, stage="precompute").precompute
+    full = load_recipe(recipe, sets, stage="precompute")
+    cfg = full.precompute
     if dry_run:
         out.print_json(json.dumps(to_dict(cfg)))
+        _show_recording(full)
         return
     from wandistill.precompute import run
 
@@ -305,6 +310,13 @@ def train_cmd(
         _out_dir(cfg.out)
     if dry_run:
         out.print_json(json.dumps(to_dict(cfg)))
+        if not cfg.cache:
+            out.print("(pass --cache to see which recorded steps each objective trains at)")
+            return
+        from wandistill.train.loop import objective_plan
+
+        for line in objective_plan(cfg).describe():
+            out.print(line, highlight=False, soft_wrap=True)
         return
     from wandistill.train import run
 
@@ -324,6 +336,37 @@ def train_cmd(
         f"trained {r.steps} steps in {r.seconds:.1f} s; student: {r.student}, EMA: {r.student_ema}",
         highlight=False,
     )
+
+
+def _show_recording(recipe: Recipe) -> None:
+    """precompute --dry-run and plan: the steps the recipe records and, against them, the steps
+    each of its train objectives would use (problems shown, not raised: nothing runs here)."""
+    from wandistill.precompute.run import inspect_teacher, recorded_steps
+    from wandistill.student.schedule import TeacherSchedule, plan_objectives
+
+    cfg = recipe.precompute
+    if not cfg.teacher.path or not Path(cfg.teacher.path).is_dir():
+        out.print("(pass --teacher to place the recorded steps on the teacher's schedule)")
+        return
+    teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
+    steps = recorded_steps(teacher, cfg)
+    n = cfg.sampler.num_inference_steps
+    out.print(
+        f"precompute records {len(steps)} of {n} steps: {steps}", highlight=False, soft_wrap=True
+    )
+    schedule = TeacherSchedule.from_scheduler(teacher.scheduler, n, steps, teacher.boundary_ratio)
+    try:
+        k = recipe.train.student.num_inference_steps
+        plan = plan_objectives(recipe.train.loss, k, schedule)
+    except UsageError as e:
+        err.print(
+            f"[yellow]train on this cache:[/yellow] {escape(e.message)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
+    for line in plan.describe():
+        out.print(line, highlight=False, soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- eval / sample
@@ -458,6 +501,37 @@ def demo_cmd(
     )
 
 
+@app.command("export")
+def export_cmd(
+    run: Annotated[Path, typer.Option("--run", help="Run folder of a finished `train`.")],
+    teacher: Annotated[
+        Path, typer.Option(help="The teacher folder (its tokenizer, text encoder and VAE).")
+    ],
+    out_dir: Annotated[Path, typer.Option("--out", help="Pipeline folder to write.")],
+    ema: Annotated[
+        bool, typer.Option("--ema/--no-ema", help="Export the EMA weights (default) or the raw.")
+    ] = True,
+    copy: Annotated[
+        bool, typer.Option("--copy", help="Copy the teacher's components instead of linking.")
+    ] = False,
+) -> None:
+    """Write a complete WanPipeline folder: the student, its K-step scheduler, the teacher's
+    tokenizer, text encoder and VAE."""
+    from wandistill.student.export import export
+    from wandistill.teacher.folder import TeacherFolder
+
+    _out_dir(out_dir)
+    r = export(run, TeacherFolder.open(teacher), out_dir, ema=ema, copy=copy)
+    how = "linked" if r.linked else "copied"
+    out.print(
+        f"exported {r.weights} to {r.out} (tokenizer, text encoder, VAE {how}); use it as\n"
+        f"  WanPipeline.from_pretrained({str(r.out)!r})(prompt, "
+        f"num_inference_steps={r.num_inference_steps}, guidance_scale=1.0)",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 # --------------------------------------------------------------------------- plan
 
 
@@ -523,6 +597,8 @@ def plan_cmd(
         return
     for renderable in render_plan(plan):
         out.print(renderable)
+    if recipe is not None and not config:
+        _show_recording(load_recipe(recipe, sets, stage="precompute"))
     try:
         check_placement(cfg.teacher.placement, gpus=len(inventory.gpus))
     except UsageError as e:

@@ -15,6 +15,7 @@ import importlib.resources
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -105,7 +106,16 @@ class SamplerConfig:
     max_sequence_length: int = 512
     """Text length the pipeline pads to; embeddings are stored trimmed and re-padded on read."""
     record_steps: list[int] = field(default_factory=list)
-    """Step indices whose (x_t, t, teacher output) are recorded; empty means every step."""
+    """Step indices whose (x_t, t, teacher output) are recorded. With record_every and
+    record_for_student_steps also empty, every step is recorded; otherwise the recorded steps are
+    the union of the three (see `recorded_steps`)."""
+    record_every: int = 0
+    """Also record every n-th step (0, n, 2n, ...); 0: off. `record_every = 4` of 16 steps
+    records what a 4-step student needs (the steps its schedule visits) when 4 divides 16."""
+    record_for_student_steps: list[int] = field(default_factory=list)
+    """Also record the teacher steps a K-step student is trained at (trajectory objective), for
+    each K listed, e.g. [1, 2, 4]: the steps where the student's K-step schedule meets the
+    teacher's N-step one (every N/K-th step for Wan's UniPC flow schedule; K must land on it)."""
     features: list[str] = field(default_factory=list)
     """Named teacher blocks whose outputs are recorded, e.g. ["blocks.3", "blocks.7"]."""
     seed: int = 0
@@ -152,10 +162,35 @@ class SamplerConfig:
                 len(set(self.record_steps)) == len(self.record_steps),
                 f"sampler.record_steps={self.record_steps} has duplicates",
             ),
+            (
+                self.record_every >= 0,
+                f"sampler.record_every={self.record_every} must be >= 0 (0: off)",
+            ),
+            (
+                all(0 < k <= self.num_inference_steps for k in self.record_for_student_steps),
+                f"sampler.record_for_student_steps={self.record_for_student_steps}: each K must "
+                f"lie in [1, num_inference_steps={self.num_inference_steps}] (a student takes at "
+                "most as many steps as the teacher)",
+            ),
         )
 
-    def recorded_steps(self) -> list[int]:
-        return sorted(self.record_steps) or list(range(self.num_inference_steps))
+    def recorded_steps(self, student_steps: Callable[[int], list[int]] | None = None) -> list[int]:
+        """The step indices precompute records, sorted: the union of `record_steps`, every
+        `record_every`-th step and, for each K of `record_for_student_steps`, the steps
+        `student_steps(K)` names (the teacher's scheduler decides them, so callers that know it
+        pass `wandistill.student.schedule.student_steps_for(scheduler, N)`); all steps when the
+        three are empty."""
+        if not (self.record_steps or self.record_every or self.record_for_student_steps):
+            return list(range(self.num_inference_steps))
+        chosen = set(self.record_steps)
+        if self.record_every:
+            chosen.update(range(0, self.num_inference_steps, self.record_every))
+        if self.record_for_student_steps:
+            if student_steps is None:
+                raise ValueError("sampler.record_for_student_steps needs the teacher's scheduler")
+            for k in self.record_for_student_steps:
+                chosen.update(student_steps(k))
+        return sorted(chosen)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -229,6 +264,11 @@ class StudentConfig:
     text_dim, in_channels and out_channels must match the cache."""
     init_from_teacher: TeacherInitConfig = field(default_factory=TeacherInitConfig)
     """Optional init from teacher tensors: `init_from_teacher = {path = "...", blocks = [0, 4]}`."""
+    num_inference_steps: int | None = None
+    """K: the sampler steps the student is trained for (1, 2, 4, ...). None: the teacher's N,
+    i.e. step imitation with the teacher's own scheduler. A K-step student samples with a
+    first-order flow scheduler whose K steps land on the teacher's schedule (see docs/export.md);
+    the trajectory objective trains it at exactly those K recorded steps."""
 
     def __post_init__(self) -> None:
         sizes = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
@@ -244,6 +284,10 @@ class StudentConfig:
                 self.attention_head_dim is None or self.attention_head_dim % 2 == 0,
                 f"student.attention_head_dim={self.attention_head_dim} must be even "
                 "(Wan's RoPE splits each head over frames, height and width)",
+            ),
+            (
+                self.num_inference_steps is None or self.num_inference_steps > 0,
+                f"student.num_inference_steps={self.num_inference_steps} must be positive",
             ),
             (
                 self.num_layers is None or len(self.init_from_teacher.blocks) <= self.num_layers,
@@ -300,15 +344,39 @@ class LossConfig:
     """Weight of feature matching through learned student-to-teacher-width projections."""
     feature_map: dict[str, str] = field(default_factory=dict)
     """Teacher feature (recorded by precompute) -> student block, e.g. {"blocks.8" = "blocks.1"}."""
+    trajectory: float = 0.0
+    """Weight of trajectory regression (ODE / knowledge distillation for a K-step student): at
+    the recorded points the K-step student is sampled at, x0 = x_t - sigma_t * v_student matches
+    the final latent of that teacher trajectory. Needs those K steps recorded."""
+    consistency: float = 0.0
+    """Weight of consistency distillation: x0 of the student at a recorded point x_{t_n} matches
+    x0 of a stop-gradient EMA copy of the student at the cached next point x_{t_(n+1)} (the
+    teacher's ODE step, read from the cache); at the last step the target is the final latent.
+    Needs every teacher step recorded."""
+    consistency_target_decay: float = 0.95
+    """EMA decay of the consistency target network (updated after every optimizer step; 0 makes
+    the target a stop-gradient copy of the current student). 0.95 as in Song et al. 2023 (CD)."""
+
+    def weights(self) -> dict[str, float]:
+        """Objective name -> weight, for every objective (weight 0: off)."""
+        return {
+            "output": self.output,
+            "final_latent": self.final_latent,
+            "feature": self.feature,
+            "trajectory": self.trajectory,
+            "consistency": self.consistency,
+        }
 
     def __post_init__(self) -> None:
-        weights = {"output": self.output, "final_latent": self.final_latent}
         _problems(
-            *((w >= 0, f"loss.{n}={w} must be >= 0") for n, w in weights.items()),
-            (self.feature >= 0, f"loss.feature={self.feature} must be >= 0"),
+            *((w >= 0, f"loss.{n}={w} must be >= 0") for n, w in self.weights().items()),
             (
-                self.output + self.final_latent + self.feature > 0,
+                sum(self.weights().values()) > 0,
                 "loss: every weight is 0, so nothing would be trained; set loss.output = 1.0",
+            ),
+            (
+                0.0 <= self.consistency_target_decay < 1.0,
+                f"loss.consistency_target_decay={self.consistency_target_decay} must be in [0, 1)",
             ),
             (
                 self.feature == 0 or bool(self.feature_map),

@@ -6,9 +6,16 @@ use one step of it. Here the sample space is every (record, step) pair of the co
 sorted by key, so it does not depend on how the cache was sharded or by how many writers:
 
 - epoch order is one permutation of that space per (seed, epoch), independent of world size;
-- global batch g is `perm[g*B*W : (g+1)*B*W]` and rank r takes its r-th slice of B, so every rank
-  yields exactly `len(space) // (B*W)` batches (the tail is dropped, as DDP requires);
-- the state is (epoch, global batches consumed): resuming mid-epoch is exact;
+- one optimizer step consumes a global batch of G = B*A*W samples (B per micro-batch, A
+  accumulation micro-steps, W ranks): step g is `perm[g*G : (g+1)*G]`, cut into A*W micro-batches
+  of B, and micro-step m of rank r takes micro-batch m*W + r. So every layout with the same B*A*W
+  sees the same micro-batches in every step, across epoch boundaries too (N ranks x A micro-steps
+  trains like 1 rank x N*A), and every rank yields exactly A * (len(space) // G) batches per epoch
+  (the tail is dropped, as DDP requires);
+- the state is (epoch, optimizer steps consumed): resuming mid-epoch is exact;
+- `slots` narrows the space to the recorded steps the objectives use, and `with_next` adds the
+  next point of each sample's trajectory (`xt_next`, `timesteps_next`: the next recorded step, or
+  after the last one the final latent with t = 0 and `next_is_final`), for consistency training;
 - each sample is a few positioned reads (the step's rows of x_t and the teacher output, the
   embedding) done by a thread pool, a couple of batches ahead of the consumer.
 
@@ -80,8 +87,11 @@ class TrainingReader:
         batch_size: int,
         rank: int = 0,
         world_size: int = 1,
+        grad_accum: int = 1,
         seed: int = 0,
         fields: tuple[str, ...] | list[str] = DEFAULT_FIELDS,
+        slots: list[int] | None = None,
+        with_next: bool = False,
         follow: bool = False,
         poll_interval: float = 1.0,
         follow_timeout: float | None = None,
@@ -92,16 +102,23 @@ class TrainingReader:
         skip_corrupt: bool = False,
         pad: str = "max_sequence_length",
     ) -> None:
-        if batch_size <= 0 or world_size <= 0 or not 0 <= rank < world_size:
+        if batch_size <= 0 or world_size <= 0 or grad_accum <= 0 or not 0 <= rank < world_size:
             raise UsageError(
-                f"bad reader layout: batch_size={batch_size}, rank={rank}, world_size={world_size}"
+                f"bad reader layout: batch_size={batch_size}, grad_accum={grad_accum}, "
+                f"rank={rank}, world_size={world_size}"
             )
         self.store = cache if isinstance(cache, CacheStore) else CacheStore(cache)
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self.grad_accum = grad_accum
         self.seed = seed
         self.fields = list(fields)
+        self.num_slots = len(self.store.manifest.settings.get("record_steps", [0]))
+        self.slots = sorted(set(range(self.num_slots) if slots is None else slots))
+        if not self.slots or not all(0 <= s < self.num_slots for s in self.slots):
+            raise UsageError(f"slots={slots} must be recorded-step slots in [0, {self.num_slots})")
+        self.with_next = with_next
         self.follow = follow
         self.poll_interval = poll_interval
         self.follow_timeout = follow_timeout
@@ -122,8 +139,8 @@ class TrainingReader:
         self._unusable: dict[str, str] = {}
         self._last_good: list[tuple[dict[str, torch.Tensor], Sample]] = []
         self.wait_seconds = 0.0
-        # Position: epoch and global batches consumed in it (normal mode), or the list of
-        # follow generations and batches consumed overall (follow mode).
+        # Position: epoch and optimizer steps (global batches) consumed in it (normal mode), or
+        # the list of follow generations and steps consumed overall (follow mode).
         self.epoch = 0
         self.batches_done = 0
         self.generations: list[list[str]] = []
@@ -132,7 +149,8 @@ class TrainingReader:
 
     @property
     def global_batch(self) -> int:
-        return self.batch_size * self.world_size
+        """Samples per optimizer step over all ranks and micro-steps."""
+        return self.batch_size * self.grad_accum * self.world_size
 
     def _usable(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Drop shards whose file is missing or truncated (a stat each): refuse them, or with
@@ -162,11 +180,15 @@ class TrainingReader:
             ),
             key=lambda r: (r[0], r[1]["name"], r[2]),  # a key listed twice must not compare dicts
         )
-        steps = len(self.store.manifest.settings.get("record_steps", [0]))
-        return [(e, i, s) for _, e, i in rows for s in range(steps)]
+        return [(e, i, s) for _, e, i in rows for s in self.slots]
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps (global batches) per epoch."""
+        return len(self._space(self.store.entries)) // self.global_batch
 
     def batches_per_epoch(self) -> int:
-        return len(self._space(self.store.entries)) // self.global_batch
+        """Micro-batches this rank yields per epoch."""
+        return self.steps_per_epoch() * self.grad_accum
 
     # ------------------------------------------------------------------ state
 
@@ -177,6 +199,7 @@ class TrainingReader:
             "seed": self.seed,
             "world_size": self.world_size,
             "batch_size": self.batch_size,
+            "grad_accum": self.grad_accum,
             "follow": self.follow,
         }
         if self.follow:
@@ -188,15 +211,18 @@ class TrainingReader:
             raise UsageError("reader state was saved with a different follow setting")
         self.epoch = int(state["epoch"])
         self.batches_done = int(state["batches_done"])
-        if (state.get("batch_size"), state.get("world_size")) != (self.batch_size, self.world_size):
-            # Same global batch, different layout: convert position through samples consumed.
-            old_global = int(state["batch_size"]) * int(state["world_size"])
+        old_global = (
+            int(state["batch_size"]) * int(state["world_size"]) * int(state.get("grad_accum", 1))
+        )
+        if old_global != self.global_batch:
+            # Another global batch: convert the position through the samples consumed.
             consumed = self.batches_done * old_global
             if consumed % self.global_batch:
                 raise UsageError(
                     f"cannot resume: {consumed} samples consumed is not a multiple of the new "
                     f"global batch {self.global_batch}",
-                    fix="resume with the same batch_size x world_size as the checkpoint",
+                    fix="resume with the same batch_size x grad_accum x world_size as the "
+                    "checkpoint",
                 )
             self.batches_done = consumed // self.global_batch
         self.generations = [list(g) for g in state.get("generations", [])]
@@ -246,9 +272,22 @@ class TrainingReader:
         gen = torch.Generator().manual_seed(_seed_for(self.seed, *tag))
         return torch.randperm(n, generator=gen)
 
-    def _rank_slice(self, space: list[Sample], order: torch.Tensor, g: int) -> list[Sample]:
-        start = g * self.global_batch + self.rank * self.batch_size
-        return [space[j] for j in order[start : start + self.batch_size].tolist()]
+    def _micro_starts(self, g: int) -> list[int]:
+        """Offsets of this rank's micro-batches of optimizer step g (micro m -> m*W + rank)."""
+        first = g * self.global_batch
+        return [
+            first + (m * self.world_size + self.rank) * self.batch_size
+            for m in range(self.grad_accum)
+        ]
+
+    def _step_items(
+        self, pool: Any, g: int, epoch: int
+    ) -> Iterator[tuple[tuple[int, int], list[Sample]]]:
+        """This rank's micro-batches of step g; the position counts the step only once its last
+        micro-batch is handed over, so a resume replays a partly consumed step whole."""
+        for m, start in enumerate(self._micro_starts(g)):
+            done = g + 1 if m == self.grad_accum - 1 else g
+            yield (epoch, done), [pool[j] for j in range(start, start + self.batch_size)]
 
     def _epoch_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]]]:
         space = self._space(self.store.entries)
@@ -256,16 +295,18 @@ class TrainingReader:
         if n == 0:
             raise CacheError(
                 f"cache {str(self.store.path)!r} has {len(space)} training samples, fewer than "
-                f"one global batch ({self.batch_size} per rank x {self.world_size} ranks)",
-                fix="lower train.batch_size or precompute more prompts",
+                f"one global batch ({self.batch_size} per micro-batch x {self.grad_accum} "
+                f"accumulation x {self.world_size} ranks)",
+                fix="lower train.batch_size or train.grad_accum, or precompute more prompts",
             )
         epoch, g = self.epoch, self.batches_done
         while True:
             if g >= n:
                 epoch, g = epoch + 1, 0
-            order = self._permutation(len(space), "epoch", epoch)
+            order = self._permutation(len(space), "epoch", epoch).tolist()
+            shuffled = [space[j] for j in order]
             while g < n:
-                yield (epoch, g + 1), self._rank_slice(space, order, g)
+                yield from self._step_items(shuffled, g, epoch)
                 g += 1
 
     def _follow_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]] | None]:
@@ -302,8 +343,7 @@ class TrainingReader:
                 pool.extend(chunk[j] for j in order.tolist())
             while len(pool) - emitted * self.global_batch >= self.global_batch:
                 if emitted >= resume_at:
-                    base = emitted * self.global_batch + self.rank * self.batch_size
-                    yield (0, emitted + 1), pool[base : base + self.batch_size]
+                    yield from self._step_items(pool, emitted, 0)
                 emitted += 1
             if replay or names:
                 continue
@@ -329,7 +369,10 @@ class TrainingReader:
 
     def _read(self, entry: dict[str, Any], row: int, slot: int) -> dict[str, torch.Tensor] | None:
         try:
-            return self.store.read_sample(entry, row, slot, self.fields, pad=False)
+            out = self.store.read_sample(entry, row, slot, self.fields, pad=False)
+            if self.with_next:
+                out.update(self._read_next(entry, row, slot))
+            return out
         except Exception as e:
             detail = e.detail if isinstance(e, CorruptRecordError) else str(e)
             detail = detail.removeprefix(f"shard {entry['name']} record {entry['keys'][row]}: ")
@@ -340,6 +383,18 @@ class TrainingReader:
                 ) from None
             self.corrupt.append(msg)
             return None
+
+    def _read_next(self, entry: dict[str, Any], row: int, slot: int) -> dict[str, torch.Tensor]:
+        """The next point of this sample's trajectory: the next recorded step's x_t and t, or
+        after the last recorded step the final latent (in x_t's dtype) at t = 0."""
+        if slot + 1 < self.num_slots:
+            nxt = self.store.read_sample(entry, row, slot + 1, ["xt", "timesteps"], pad=False)
+            xt, t, final = nxt["xt"], nxt["timesteps"], False
+        else:
+            both = self.store.read_sample(entry, row, slot, ["xt", "final_latent"], pad=False)
+            xt = both["final_latent"].to(both["xt"].dtype)
+            t, final = torch.zeros((), dtype=torch.float32), True
+        return {"xt_next": xt, "timesteps_next": t, "next_is_final": torch.tensor(final)}
 
     def _collate(
         self, results: list[dict[str, torch.Tensor] | None], samples: list[Sample]

@@ -95,11 +95,22 @@ def sampler_settings(teacher: Teacher, cfg: PrecomputeConfig) -> dict[str, Any]:
         "num_frames": s.num_frames,
         "dtype": cfg.teacher.dtype,
         "max_sequence_length": s.max_sequence_length,
-        "record_steps": s.recorded_steps(),
+        "record_steps": recorded_steps(teacher, cfg),
         "features": list(s.features),
         "holdout_fraction": cfg.cache.holdout_fraction,
         "expand_timesteps": teacher.expand_timesteps,
     }
+
+
+def recorded_steps(teacher: Teacher, cfg: PrecomputeConfig) -> list[int]:
+    """The steps to record; `sampler.record_for_student_steps` is placed by the teacher's own
+    scheduler (wandistill.student.schedule), so it names what the student will sample at."""
+    from wandistill.student.schedule import student_steps_for
+
+    s = cfg.sampler
+    if not s.record_for_student_steps:
+        return s.recorded_steps()
+    return s.recorded_steps(student_steps_for(teacher.scheduler, s.num_inference_steps))
 
 
 def _key(p: Prompt, settings: dict[str, Any]) -> str:
@@ -187,6 +198,7 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
     """Run precompute as this process's rank; rank 0 finalizes the manifest at the end."""
     t0 = time.perf_counter()
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
+    recorded_steps(teacher, cfg)  # a K off the teacher's schedule fails before any work
     prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed)
     with _StopSignals() as stop, contextlib.ExitStack() as owned:
         info = dist.init(_device_kind(cfg.teacher.placement))
@@ -440,7 +452,7 @@ def _spec(cfg: PrecomputeConfig, teacher: Teacher, shape: tuple[int, int, int, i
         guidance_scale_2=s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale,
         boundary_timestep=boundary,
         expand_timesteps=teacher.expand_timesteps,
-        record_steps=tuple(s.recorded_steps()),
+        record_steps=tuple(recorded_steps(teacher, cfg)),
         features=tuple(s.features),
         latent_shape=shape,
         max_sequence_length=s.max_sequence_length,

@@ -6,6 +6,22 @@
 - final_latent: MSE between the student's one-step estimate of the clean latent and the teacher
   sampler's final latent x_0 (same noise, same prompt).
 - feature: MSE between projected student block outputs and recorded teacher block outputs.
+- trajectory (ODE regression / knowledge distillation, as FastVideo's and NVlabs FastGen's KD):
+  at the recorded points a K-step student is sampled at, the student's clean-latent estimate
+  x0 = x_t - sigma_t * v matches the final latent of that teacher trajectory. Training at exactly
+  those points (not at every recorded step) is what makes a K-step sampler: step k starts from
+  the teacher's x_t at the student's k-th sigma and must land on the trajectory's end.
+- consistency (consistency distillation, Song et al. 2023, with the cache as the teacher): the
+  cached next point x_{t_(n+1)} of the same trajectory *is* the teacher's ODE step from x_{t_n},
+  so f_theta(x_{t_n}) = x0 of the student there matches stop-grad f_ema(x_{t_(n+1)}) = x0 of an
+  EMA copy of the student at the next point; after the last step the next point is the final
+  latent itself (the boundary condition f(x_0) = x_0). No teacher forward anywhere.
+
+Each sample is one (record, recorded step); an objective covers only the steps it trains at (a
+per-sample mask, from `schedule.ObjectivePlan`). Its contribution to the loss is the sum of its
+per-sample MSEs divided by the batch size, so the accumulated gradient does not depend on how a
+global batch is cut into micro-batches and ranks; the reported term is the mean over the samples
+it covered.
 
 How x0 is derived. Wan's scheduler (UniPC or flow-match Euler, `prediction_type =
 "flow_prediction"`) defines x_t = (1 - sigma_t) x_0 + sigma_t * noise and the model predicts
@@ -23,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from wandistill.config import LossConfig
 from wandistill.errors import CacheError
@@ -57,6 +72,44 @@ class SigmaTable:
             return timesteps_B.float() / NUM_TRAIN_TIMESTEPS
         return self.by_slot.to(timesteps_B.device)[step_slot_B.to(timesteps_B.device)]
 
+    def next(self, step_slot_B: torch.Tensor, timesteps_next_B: torch.Tensor) -> torch.Tensor:
+        """sigma of each sample's next point (the reader's `xt_next`): the next slot's, and 0
+        after the last slot (the final latent; x0 there is the latent itself)."""
+        if self.by_slot is None:
+            return timesteps_next_B.float() / NUM_TRAIN_TIMESTEPS
+        padded = torch.cat([self.by_slot, self.by_slot.new_zeros(1)])
+        return padded.to(timesteps_next_B.device)[step_slot_B.to(timesteps_next_B.device) + 1]
+
+
+def per_sample_mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[B] mean squared error of each sample, in fp32."""
+    return (a.float() - b.float()).square().flatten(1).mean(1)
+
+
+@torch.no_grad()
+def consistency_target(
+    target: torch.nn.Module,
+    batch: dict[str, Any],
+    embeds_BLD: torch.Tensor,
+    sigma_next_B: torch.Tensor,
+    mask_B: torch.Tensor,
+) -> torch.Tensor:
+    """x0 the consistency term regresses to: the EMA target's estimate at the cached next point,
+    or the final latent where the next point is the end of the trajectory. Only the samples the
+    term covers (`mask_B`) and that have a next x_t are run through the target network."""
+    out = batch["final_latent"].float().clone()
+    run = mask_B & ~batch["next_is_final"]
+    if run.any():
+        xt = batch["xt_next"][run].float()
+        (v,) = target(
+            hidden_states=xt,
+            timestep=batch["timesteps_next"][run].float(),
+            encoder_hidden_states=embeds_BLD[run],
+            return_dict=False,
+        )
+        out[run] = flow_x0(xt, v.float(), sigma_next_B[run])
+    return out
+
 
 def distill_losses(
     pred: torch.Tensor,
@@ -64,30 +117,52 @@ def distill_losses(
     batch: dict[str, Any],
     weights: LossConfig,
     sigma_B: torch.Tensor | None,
+    masks: dict[str, torch.Tensor] | None = None,
+    consistency_x0: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Each term (always `output`, the others when weighted) and their weighted sum `loss`."""
+    """Every weighted term (the mean over the samples it covers; absent if it covers none of
+    this batch, `output` always when it covers any) and `loss`, the weighted sum of each term's
+    per-sample errors over the batch size. `masks`: objective -> [B] bool (default: all)."""
     pred = pred.float()
-    terms: dict[str, torch.Tensor] = {"output": F.mse_loss(pred, batch["teacher_out"].float())}
-    if weights.final_latent > 0:
-        assert sigma_B is not None, "final-latent matching needs sigma_t"
+    batch_size = pred.shape[0]
+    per: dict[str, torch.Tensor] = {"output": per_sample_mse(pred, batch["teacher_out"])}
+    if weights.final_latent > 0 or weights.trajectory > 0 or weights.consistency > 0:
+        assert sigma_B is not None, "x0 objectives need sigma_t"
         x0 = flow_x0(batch["xt"].float(), pred, sigma_B)
-        terms["final_latent"] = F.mse_loss(x0, batch["final_latent"].float())
+        x0_err = per_sample_mse(x0, batch["final_latent"])
+        if weights.final_latent > 0:
+            per["final_latent"] = x0_err
+        if weights.trajectory > 0:
+            per["trajectory"] = x0_err
+        if weights.consistency > 0:
+            assert consistency_x0 is not None, "consistency needs its target"
+            per["consistency"] = per_sample_mse(x0, consistency_x0)
     if weights.feature > 0:
-        per = []
-        for name, mine in feats.items():
-            theirs = batch[f"feature.{name}"].float()
-            if mine.shape != theirs.shape:
-                raise CacheError(
-                    f"feature {name!r}: the cache holds shape {tuple(theirs.shape[1:])} per "
-                    f"sample, the student's projected block output is {tuple(mine.shape[1:])}",
-                    fix="match a teacher block output to a student block (same patch size)",
-                )
-            per.append(F.mse_loss(mine.float(), theirs))
-        terms["feature"] = torch.stack(per).mean()
-    loss = weights.output * terms["output"]
-    if "final_latent" in terms:
-        loss = loss + weights.final_latent * terms["final_latent"]
-    if "feature" in terms:
-        loss = loss + weights.feature * terms["feature"]
+        per["feature"] = _feature_error(feats, batch)
+    terms: dict[str, torch.Tensor] = {}
+    loss = pred.new_zeros(())
+    for name, err in per.items():
+        mask = torch.ones_like(err, dtype=torch.bool) if masks is None else masks[name]
+        covered = err[mask]
+        if covered.numel():
+            terms[name] = covered.mean()
+        w = getattr(weights, name)
+        if w > 0:
+            loss = loss + w * (err * mask).sum() / batch_size
     terms["loss"] = loss
     return terms
+
+
+def _feature_error(feats: dict[str, torch.Tensor], batch: dict[str, Any]) -> torch.Tensor:
+    """[B] mean over matched features of each sample's feature MSE."""
+    per = []
+    for name, mine in feats.items():
+        theirs = batch[f"feature.{name}"]
+        if mine.shape != theirs.shape:
+            raise CacheError(
+                f"feature {name!r}: the cache holds shape {tuple(theirs.shape[1:])} per "
+                f"sample, the student's projected block output is {tuple(mine.shape[1:])}",
+                fix="match a teacher block output to a student block (same patch size)",
+            )
+        per.append(per_sample_mse(mine, theirs))
+    return torch.stack(per).mean(0)

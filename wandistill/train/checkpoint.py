@@ -6,6 +6,7 @@ Layout of `<out>/checkpoints/`:
         student.safetensors      student weights (loads into WanTransformer3DModel as is)
         ema.safetensors          EMA of the student weights
         projections.safetensors  feature projections (only with feature matching)
+        target.safetensors       consistency target network (only with loss.consistency)
         optimizer.safetensors    AdamW state tensors, keyed state.<param index>.<name>
         optimizer.json           the rest of the optimizer state (param groups, scalars)
         rng.safetensors          torch RNG states as uint8, rank<r>.cpu / rank<r>.cuda
@@ -24,7 +25,7 @@ import contextlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,8 @@ class Checkpoint:
     rng: dict[str, torch.Tensor]
     state: dict[str, Any]
     """{"step", "scheduler", "reader", "meta"}."""
+    target: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The consistency objective's EMA target network (empty without it)."""
 
 
 # --------------------------------------------------------------------------- optimizer state
@@ -112,6 +115,8 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, *, keep: int) -> Path:
         _write(tmp / "ema.safetensors", save(_contiguous(ckpt.ema)))
         if ckpt.projections:
             _write(tmp / "projections.safetensors", save(_contiguous(ckpt.projections)))
+        if ckpt.target:
+            _write(tmp / "target.safetensors", save(_contiguous(ckpt.target)))
         opt_tensors, opt_rest = flatten_optimizer(ckpt.optimizer)
         _write(tmp / "optimizer.safetensors", save(opt_tensors))
         _write(tmp / "optimizer.json", json.dumps(opt_rest).encode())
@@ -164,6 +169,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
         state = json.loads((path / STATE).read_text(encoding="utf-8"))
         opt_rest = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
         proj = path / "projections.safetensors"
+        target = path / "target.safetensors"
         return Checkpoint(
             step=int(state["step"]),
             student=load_file(path / "student.safetensors"),
@@ -172,6 +178,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
             optimizer=unflatten_optimizer(load_file(path / "optimizer.safetensors"), opt_rest),
             rng=load_file(path / "rng.safetensors"),
             state=state,
+            target=load_file(target) if target.is_file() else {},
         )
     except (OSError, ValueError, KeyError) as e:
         raise WandistillError(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -35,3 +37,29 @@ class EMA:
         """Write the averaged weights into `model` (a copy of the student)."""
         for p, t in zip(model.parameters(), self.shadow, strict=True):
             p.copy_(t)
+
+
+class TargetNetwork:
+    """A stop-gradient EMA copy of the student that the consistency objective evaluates at the
+    next trajectory point: `target = decay * target + (1 - decay) * student` after every optimizer
+    step (decay 0: a plain copy of the current weights). Separate from `EMA` because it is a
+    whole module that runs forwards, with its own (much shorter) decay."""
+
+    def __init__(self, student: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.module = copy.deepcopy(student).requires_grad_(False).eval()
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        mine = list(self.module.parameters())
+        torch._foreach_lerp_(mine, [p.detach() for p in model.parameters()], 1.0 - self.decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.module.named_parameters())
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, p in self.module.named_parameters():
+            if name not in state:
+                raise KeyError(f"consistency target state lacks {name}")
+            p.copy_(state[name])

@@ -4,7 +4,9 @@
 `WanTransformer3DModel` folder (config.json + diffusion_pytorch_model.safetensors), so
 `WanTransformer3DModel.from_pretrained(out / "student")` loads it and
 `WanPipeline.from_pretrained(teacher, transformer=student)` samples with it. Each folder is
-written under a temp name and swapped into place.
+written under a temp name and swapped into place. `<out>/sampling.json` is written last: K, the
+student's scheduler and the teacher it came from, all that `wandistill export` needs besides the
+weights; its presence marks a finished run.
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from wandistill.dist import DistInfo, barrier
-from wandistill.fsutil import fsync_dir, make_temp_dir, publish
+from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir, publish
 from wandistill.train.ema import EMA
 
 STUDENT = "student"
 STUDENT_EMA = "student_ema"
+SAMPLING = "sampling.json"
 
 
 def _save_folder(model: nn.Module, final: Path) -> None:
@@ -45,13 +49,18 @@ def _save_folder(model: nn.Module, final: Path) -> None:
 
 
 @torch.no_grad()
-def export_pretrained(student: nn.Module, ema: EMA, out: Path, info: DistInfo) -> tuple[Path, Path]:
+def export_pretrained(
+    student: nn.Module, ema: EMA, out: Path, info: DistInfo, sampling: dict[str, Any]
+) -> tuple[Path, Path]:
     """Rank 0 writes student/ then student_ema/ (the student's weights are replaced by the EMA
-    for the second save: training is over, and no second copy of the model is needed)."""
+    for the second save: training is over, and no second copy of the model is needed), then
+    sampling.json."""
     paths = (out / STUDENT, out / STUDENT_EMA)
     if info.is_main:
+        (out / SAMPLING).unlink(missing_ok=True)  # not finished until both folders are new
         _save_folder(student, paths[0])
         ema.copy_to(student)
         _save_folder(student, paths[1])
+        atomic_write_json(out / SAMPLING, sampling)
     barrier(info)
     return paths

@@ -34,8 +34,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from wandistill import dist, outputs, testing_hooks
-from wandistill.cache.manifest import Manifest, load_committed, manifest_path
+from wandistill.cache.manifest import Manifest, load_committed, manifest_path, read_manifest
 from wandistill.cache.reader import CacheStore
+from wandistill.cache.schema import SHARED_NAME
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
 from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
@@ -47,11 +48,13 @@ from wandistill.student.config import (
     resolve_student_config,
     width,
 )
+from wandistill.student.export import LINKED
 from wandistill.student.init import init_from_teacher
-from wandistill.student.losses import SigmaTable, distill_losses
+from wandistill.student.losses import SigmaTable, consistency_target, distill_losses
 from wandistill.student.model import DistillModule, build_student
+from wandistill.student.schedule import ObjectivePlan, TeacherSchedule, plan_objectives
 from wandistill.train import checkpoint as ckpt_io
-from wandistill.train.ema import EMA
+from wandistill.train.ema import EMA, TargetNetwork
 from wandistill.train.export import export_pretrained
 from wandistill.train.failures import (
     collective_error,
@@ -81,6 +84,8 @@ class Plan:
     student_config: dict[str, Any]
     teacher_width: int
     fields: list[str]
+    objectives: ObjectivePlan
+    """K, the student's sampler, and the recorded steps each objective trains at."""
 
 
 @dataclass(slots=True)
@@ -100,6 +105,10 @@ class Trainer:
     metrics: MetricsLog
     start_step: int
     meta: dict[str, Any]
+    masks: dict[str, torch.Tensor]
+    """Objective -> [recorded slots] bool on the device: which samples each term covers."""
+    target: TargetNetwork | None = None
+    """The consistency objective's EMA target network."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +143,10 @@ def run(
         folder = outputs.claim(plan.out, "run", info, inputs=run_inputs(cfg))
         trainer = setup(cfg, plan, info, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
         steps = fit(trainer, stop)
-        student, ema = export_pretrained(trainer.model.student, trainer.ema, plan.out, info)
+        sampling = sampling_record(trainer, steps)
+        student, ema = export_pretrained(
+            trainer.model.student, trainer.ema, plan.out, info, sampling
+        )
         corrupt = gather_corrupt(trainer)
         trainer.metrics.write({"event": "end", "step": steps, "corrupt": len(corrupt)})
         ok = True
@@ -223,12 +235,21 @@ def run_inputs(cfg: TrainConfig) -> dict[str, str]:
     }
 
 
+def _cache_started(path: Path) -> bool:
+    """The manifest exists and so does the shared schedule it lists (the writer creates the
+    manifest first, then shared.safetensors: the steps plan needs both)."""
+    if not path.is_file():
+        return False
+    listed = bool(read_manifest(path.parent).shared)
+    return not listed or (path.parent / SHARED_NAME).is_file()
+
+
 def wait_for_manifest(cfg: TrainConfig) -> None:
     """--follow may start before precompute has created the cache: wait for its manifest."""
     path = manifest_path(cfg.cache) if cfg.cache else None
     start = time.monotonic()
     told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
-    while path is not None and not path.is_file():
+    while path is not None and not _cache_started(path):
         if not told:
             console.print(f"train: waiting for {path} (has precompute started?)")
             told = True
@@ -251,8 +272,13 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     student_config = resolve_student_config(cfg.student, tconf, manifest.dims)
     problems = check_against_cache(student_config, manifest.dims, cfg.cache)
     cached = {f["name"] for f in manifest.fields}
+    objectives = None
+    try:
+        objectives = objective_plan(cfg, manifest)
+    except UsageError as e:
+        problems.append(e.message + (f" ({e.fix})" if e.fix else ""))
     fields = list(DEFAULT_FIELDS)
-    if cfg.loss.final_latent > 0:
+    if cfg.loss.final_latent > 0 or cfg.loss.trajectory > 0 or cfg.loss.consistency > 0:
         fields.append("final_latent")
     if cfg.loss.feature > 0:
         recorded = sorted(n.removeprefix("feature.") for n in cached if n.startswith("feature."))
@@ -270,10 +296,19 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
             f"--out {cfg.out!r} holds checkpoints of an earlier run; pass --resume to continue "
             "it, or choose a new --out"
         )
-    if problems:
+    if problems or objectives is None:
         raise UsageError("; ".join(problems))
     teacher_width = width(tconf) if tconf else width(student_config)
-    return Plan(Path(cfg.cache), out, manifest, student_config, teacher_width, fields)
+    return Plan(Path(cfg.cache), out, manifest, student_config, teacher_width, fields, objectives)
+
+
+def objective_plan(cfg: TrainConfig, manifest: Manifest | None = None) -> ObjectivePlan:
+    """K, the student's scheduler and the recorded steps of each objective, from the cache's
+    manifest and schedule (also what `train --dry-run` prints)."""
+    manifest = manifest or load_committed(cfg.cache)
+    with CacheStore(cfg.cache) as store:
+        teacher = TeacherSchedule.from_cache(manifest.settings, store.read_shared())
+    return plan_objectives(cfg.loss, cfg.student.num_inference_steps, teacher)
 
 
 # --------------------------------------------------------------------------- setup
@@ -294,6 +329,10 @@ def setup(
         init_from_teacher(student, cfg.student.init_from_teacher)
     if cfg.gradient_checkpointing:
         student.enable_gradient_checkpointing()
+    target = None
+    if cfg.loss.consistency > 0:  # copied before DistillModule hooks the student's blocks
+        target = TargetNetwork(student, cfg.loss.consistency_target_decay)
+        target.module.to(info.device)
     feature_map = cfg.loss.feature_map if cfg.loss.feature > 0 else {}
     model = DistillModule(student, feature_map, width(plan.student_config), plan.teacher_width)
     model.to(info.device).train()
@@ -307,8 +346,11 @@ def setup(
         batch_size=cfg.batch_size,
         rank=info.rank,
         world_size=info.world_size,
+        grad_accum=cfg.grad_accum,
         seed=cfg.seed,
         fields=plan.fields,
+        slots=plan.objectives.slots,
+        with_next=plan.objectives.needs_next,
         follow=follow,
         poll_interval=cfg.follow_poll_interval,
         follow_timeout=cfg.follow_timeout or None,
@@ -323,8 +365,11 @@ def setup(
         "world_size": info.world_size,
         "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
+        "student_schedule": plan.objectives.student.to_json(),
     }
-    start = restore(plan, info, meta, model, ema, optimizer, scheduler, reader) if resume else 0
+    start = 0
+    if resume:
+        start = restore(plan, info, meta, model, ema, optimizer, scheduler, reader, target)
     trainer = Trainer(
         cfg=cfg,
         info=info,
@@ -339,6 +384,8 @@ def setup(
         metrics=MetricsLog(plan.out, enabled=False, tensorboard=False),
         start_step=start,
         meta=meta,
+        masks=objective_masks(cfg, plan.objectives, info.device),
+        target=target,
     )
     if info.distributed:  # after restore: DDP broadcasts rank 0's (restored) weights
         trainer.ddp = DistributedDataParallel(
@@ -365,6 +412,7 @@ def restore(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     reader: TrainingReader,
+    target: TargetNetwork | None,
 ) -> int:
     """Load the newest checkpoint (rank 0 picks it, every rank reads it); return its step."""
     root = plan.out / "checkpoints"
@@ -392,6 +440,8 @@ def restore(
         {k.removeprefix("projections."): v for k, v in ck.projections.items()}
     )
     ema.load_state_dict(ck.ema)
+    if target is not None:  # a run that starts consistency on resume starts it from the student
+        target.load_state_dict(ck.target or ck.student)
     optimizer.load_state_dict(ck.optimizer)
     scheduler.load_state_dict(ck.state["scheduler"])
     reader.load_state_dict(ck.state["reader"])
@@ -400,6 +450,40 @@ def restore(
         truncate_after(plan.out, ck.step)
         console.print(f"train: resumed from {root / name} at step {ck.step}")
     return ck.step
+
+
+def objective_masks(
+    cfg: TrainConfig, objectives: ObjectivePlan, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Objective -> bool per recorded slot. `output` is reported at every sample even at weight
+    0 (a diagnostic; it only enters the loss when weighted)."""
+    masks = {n: objectives.slot_mask(n).to(device) for n in cfg.loss.weights()}
+    if cfg.loss.output == 0:
+        masks["output"] = torch.ones_like(masks["output"])
+    return masks
+
+
+def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
+    """What `wandistill export` needs besides the weights: K, the student's scheduler, the
+    teacher it was distilled from. Written as <out>/sampling.json next to student/."""
+    m = t.plan.manifest
+    return {
+        "format": "wandistill-student",
+        "num_inference_steps": t.plan.objectives.student.num_inference_steps,
+        "guidance_scale": 1.0,
+        "student_schedule": t.plan.objectives.student.to_json(),
+        "objectives": {k: list(v) for k, v in t.plan.objectives.steps.items()},
+        "train_steps": steps,
+        "teacher": {
+            "fingerprint": m.teacher.get("fingerprint"),
+            "path": m.teacher.get("path"),
+            "num_inference_steps": m.settings.get("num_inference_steps"),
+            "boundary_ratio": m.settings.get("boundary_ratio"),
+            "expand_timesteps": bool(m.settings.get("expand_timesteps", False)),
+            "components": {n: m.teacher.get("components", {}).get(n) for n in LINKED},
+        },
+        "cache": str(t.plan.cache),
+    }
 
 
 def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
@@ -413,6 +497,7 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
         f"{cfg.grad_accum} = {global_batch} samples/step; cache {t.plan.cache} "
         f"({len(store)} records, {state})"
     )
+    console.print(f"train: {t.plan.objectives.describe()[0]}")
     if not store.complete and not follow:
         console.print(
             "[yellow]train: the cache is not complete; training on the records committed so "
@@ -445,7 +530,6 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
                 raise Stopped(signum, step, info)
             t0 = time.perf_counter()
             wait = 0.0
-            terms: dict[str, torch.Tensor] = {}
             batch: dict[str, Any] | None = None
             for micro in range(cfg.grad_accum):
                 w0 = time.perf_counter()
@@ -456,10 +540,9 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
                 last = micro == cfg.grad_accum - 1
                 no_sync = info.distributed and not last
                 with t.ddp.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
-                    losses = forward(t, batch)
+                    losses, counts = forward(t, batch)
                     (losses["loss"] / cfg.grad_accum).backward()
-                for k, v in losses.items():
-                    terms[k] = terms.get(k, 0.0) + v.detach() / cfg.grad_accum
+                window.add_micro(losses, counts, cfg.grad_accum)
             if batch is None:  # --follow: the cache is complete and every batch is used
                 t.optimizer.zero_grad(set_to_none=True)
                 if info.is_main:
@@ -473,11 +556,13 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
             t.scheduler.step()
             t.optimizer.zero_grad(set_to_none=True)
             t.ema.update(t.model.student)
+            if t.target is not None:
+                t.target.update(t.model.student)
             step += 1
             injected_failure(info.rank, step)
             testing_hooks.at("train", "step", step, info.rank)
 
-            window.add(terms, grad_norm, lr, time.perf_counter() - t0, wait)
+            window.add(grad_norm, lr, time.perf_counter() - t0, wait)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 shown = log_window(t, step, window, samples_per_step)
             bar.advance(1, **shown)
@@ -492,15 +577,28 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
     return step
 
 
-def forward(t: Trainer, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """One micro-batch through the student; every loss term, in fp32."""
+def forward(
+    t: Trainer, batch: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One micro-batch through the student (and, for consistency, the EMA target at the next
+    points); every loss term in fp32, and how many samples each term covered."""
     dev = t.info.device
     on = {k: v.to(dev, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
+    masks = {n: m[on["step_slot"]] for n, m in t.masks.items()}
+    loss = t.cfg.loss
+    x0_terms = loss.final_latent > 0 or loss.trajectory > 0 or loss.consistency > 0
+    sigma = t.sigmas(on["step_slot"], on["timesteps"]) if x0_terms else None
+    target_x0 = None
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=t.cfg.mixed_precision == "bf16"):
-        embeds = pad_to(on["prompt_embeds"], t.reader.store.max_sequence_length)
-        pred, feats = t.ddp(on["xt"].float(), on["timesteps"].float(), embeds.float())
-    sigma = t.sigmas(on["step_slot"], on["timesteps"]) if t.cfg.loss.final_latent > 0 else None
-    return distill_losses(pred, feats, on, t.cfg.loss, sigma)
+        embeds = pad_to(on["prompt_embeds"], t.reader.store.max_sequence_length).float()
+        pred, feats = t.ddp(on["xt"].float(), on["timesteps"].float(), embeds)
+        if t.target is not None:
+            sigma_next = t.sigmas.next(on["step_slot"], on["timesteps_next"])
+            target_x0 = consistency_target(
+                t.target.module, on, embeds, sigma_next, masks["consistency"]
+            )
+    terms = distill_losses(pred, feats, on, loss, sigma, masks, target_x0)
+    return terms, {n: m.sum() for n, m in masks.items()}
 
 
 # --------------------------------------------------------------------------- logging
@@ -508,26 +606,27 @@ def forward(t: Trainer, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 @dataclass(slots=True)
 class Window:
-    """Sums over the steps since the last metrics row."""
+    """Sums over the steps since the last metrics row. A loss term is summed with the number
+    of samples it covered (terms cover only their own steps), `loss` once per optimizer step."""
 
     steps: int = 0
-    terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    sums: dict[str, torch.Tensor | float] = field(default_factory=dict)
+    counts: dict[str, torch.Tensor | float] = field(default_factory=dict)
     grad_norm: float | torch.Tensor = 0.0
     lr: float = 0.0
     seconds: float = 0.0
     wait: float = 0.0
 
-    def add(
-        self,
-        terms: dict[str, torch.Tensor],
-        grad_norm: torch.Tensor,
-        lr: float,
-        seconds: float,
-        wait: float,
+    def add_micro(
+        self, terms: dict[str, torch.Tensor], counts: dict[str, torch.Tensor], grad_accum: int
     ) -> None:
-        self.steps += 1
         for k, v in terms.items():
-            self.terms[k] = self.terms.get(k, 0.0) + v
+            n = 1.0 / grad_accum if k == "loss" else counts[k]
+            self.sums[k] = self.sums.get(k, 0.0) + v.detach() * n
+            self.counts[k] = self.counts.get(k, 0.0) + n
+
+    def add(self, grad_norm: torch.Tensor, lr: float, seconds: float, wait: float) -> None:
+        self.steps += 1
         self.grad_norm = self.grad_norm + grad_norm
         self.lr, self.seconds, self.wait = lr, self.seconds + seconds, self.wait + wait
 
@@ -535,7 +634,8 @@ class Window:
 def log_window(t: Trainer, step: int, w: Window, samples_per_step: int) -> dict[str, float]:
     """Average the window over ranks (a collective: every rank calls it), write one row."""
     local = {
-        "terms": {k: float(v) / w.steps for k, v in w.terms.items()},
+        "sums": {k: float(v) for k, v in w.sums.items()},
+        "counts": {k: float(v) for k, v in w.counts.items()},
         "seconds": w.seconds,
         "wait": w.wait,
         "corrupt": len(t.reader.corrupt),
@@ -544,8 +644,10 @@ def log_window(t: Trainer, step: int, w: Window, samples_per_step: int) -> dict[
     views = dist.all_gather_json(t.info, local)
     seconds = max(v["seconds"] for v in views)
     row: dict[str, Any] = {"step": step, "epoch": t.reader.epoch}
-    for k in local["terms"]:
-        mean = sum(v["terms"][k] for v in views) / len(views)
+    names = sorted({k for v in views for k in v["sums"]}, key=lambda k: (k != "loss", k))
+    for k in names:
+        total = sum(v["counts"].get(k, 0.0) for v in views)
+        mean = sum(v["sums"].get(k, 0.0) for v in views) / total
         row["loss" if k == "loss" else f"loss_{k}"] = mean
     row |= {
         "lr": w.lr,
@@ -558,7 +660,7 @@ def log_window(t: Trainer, step: int, w: Window, samples_per_step: int) -> dict[
         "corrupt": sum(v["corrupt"] for v in views),
     }
     t.metrics.write(row)
-    w.steps, w.terms, w.grad_norm, w.seconds, w.wait = 0, {}, 0.0, 0.0, 0.0
+    w.steps, w.sums, w.counts, w.grad_norm, w.seconds, w.wait = 0, {}, {}, 0.0, 0.0, 0.0
     return {
         "loss": row["loss"],
         "samples/s": row["samples_per_s"],
@@ -606,6 +708,7 @@ def save(t: Trainer, step: int) -> None:
             student=t.model.student.state_dict(),
             ema=t.ema.state_dict(),
             projections=t.model.projection_state(),
+            target=t.target.state_dict() if t.target is not None else {},
             optimizer=t.optimizer.state_dict(),
             rng=rng,
             state={
