@@ -655,18 +655,30 @@ class ZarrSource:
 
     # -------------------------------------------------------------- reads
 
-    def _small_rows(self, e: ZarrShardEntry, path: str) -> np.ndarray:
-        """Rows of a small-row array (offsets, timesteps) for a whole shard entry, read once."""
+    def _small_rows(self, e: ZarrShardEntry, path: str) -> np.ndarray | None:
+        """Rows of a small-row array (offsets, timesteps) for a whole shard entry, read once;
+        None when that read fails (a damaged record among them): then each record's row is read
+        on its own, so one bad record does not take its neighbours down."""
         key = (e.name, e.rows[0], path)
         got = self._small.get(key)
         if got is None:
             arr, _ = self._array(path, e.rows[1])
             try:
                 got = np.asarray(arr[e.rows[0] : e.rows[1]])
-            except Exception as err:
-                raise _as_chunk_error(err, _shard_files(arr, *e.rows)) from None
+            except (ValueError, OSError) as err:
+                if isinstance(_as_chunk_error(err, []), ZarrChunkError):
+                    return None
+                raise
             self._small[key] = got
         return got
+
+    def _row(self, path: str, row: int) -> np.ndarray:
+        """One row of array `path`, read on its own."""
+        arr, _ = self._array(path, row + 1)
+        try:
+            return np.asarray(arr[row])
+        except Exception as err:
+            raise _as_chunk_error(err, _shard_files(arr, row, row + 1)) from None
 
     def _is_small(self, path: str) -> bool:
         arr, _ = self._array(path, 0)
@@ -679,16 +691,18 @@ class ZarrSource:
         on axis 0) for zarr, a tensor (a copy) from a small-row cache, or None when absent."""
         row = e.rows[0] + i
         if name in RAGGED:
-            start, length = (int(x) for x in self._small_rows(e, f"{name}/offsets")[i])
+            offsets = self._small_rows(e, f"{name}/offsets")
+            pair = self._row(f"{name}/offsets", row) if offsets is None else offsets[i]
+            start, length = (int(x) for x in pair)
             if length < 0:
                 return None
             return f"{name}/values", slice(start, start + length), start, start + length
         sel: Any = row if step is None else (row, step)
-        if self._is_small(name):
-            dtype = self._array(name, 0)[1]
-            rows = self._small_rows(e, name)
-            return to_torch(np.array(rows[i] if step is None else rows[i, step]), dtype)
-        return name, sel, row, row + 1
+        rows = self._small_rows(e, name) if self._is_small(name) else None
+        if rows is None:
+            return name, sel, row, row + 1
+        value = rows[i] if step is None else rows[i, step]
+        return to_torch(np.array(value), self._array(name, 0)[1])
 
     def _read(
         self, data: dict[str, Any], i: int, wanted: dict[str, int | None], *, missing_ok: bool
@@ -743,7 +757,11 @@ class ZarrSource:
 
     def offsets(self, entry: dict[str, Any], name: str) -> np.ndarray:
         """(records, 2) [start, length] of ragged field `name` for one shard entry."""
-        return self._small_rows(self.entry(entry), f"{name}/offsets")
+        e = self.entry(entry)
+        got = self._small_rows(e, f"{name}/offsets")
+        if got is None:
+            got = np.stack([self._row(f"{name}/offsets", r) for r in range(*e.rows)])
+        return got
 
     # -------------------------------------------------------------- verify
 
@@ -757,6 +775,8 @@ class ZarrSource:
             lo, hi = k * block, (k + 1) * block
             if path.endswith("/values"):
                 offs = self._small_rows(e, path.rsplit("/", 1)[0] + "/offsets")
+                if offs is None:
+                    return everything
                 return [i for i, (s, m) in enumerate(offs) if m > 0 and s < hi and s + m > lo]
             return [i for i in everything if lo <= e.rows[0] + i < hi]
         except Exception:  # the metadata itself is broken: blame every record of the shard
