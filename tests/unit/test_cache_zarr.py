@@ -722,3 +722,44 @@ def test_partly_wanted_chunks_are_checked_too(
         got = src.read_tensors(entry, 1, {name: step})[name]
         assert_same(got, records[4].timesteps[step].contiguous())
     src.close()
+
+
+def test_disk_full_mid_shard_keeps_committed_shards_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC while zarr writes a shard file: an OSError naming the cache, nothing committed
+    lost, and a rerun writes the rest."""
+    import errno
+
+    from zarr.storage import LocalStore
+
+    records = [make_record(i) for i in range(6)]
+    w = writer(tmp_path, shard_records=3)
+    for r in records[:3]:
+        w.write(r)
+    real_set = LocalStore.set
+
+    async def full(self, key, value):
+        if "/c/" in key:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await real_set(self, key, value)
+
+    monkeypatch.setattr(LocalStore, "set", full)
+    for r in records[3:5]:
+        w.write(r)
+    with pytest.raises(OSError, match="No space left") as info:
+        w.write(records[5])
+    assert info.value.errno == errno.ENOSPC and str(tmp_path) in str(info.value)
+    w.abort()
+    monkeypatch.setattr(LocalStore, "set", real_set)
+    with open_cache(tmp_path) as store:
+        assert [k for e in store.entries for k in e["keys"]] == [r.key for r in records[:3]]
+        assert store.verify() == []
+    with writer(tmp_path, shard_records=3) as w2:
+        for r in records:
+            w2.write(r)
+        assert (w2.records_skipped, w2.records_written) == (3, 3)
+    with open_cache(tmp_path) as store:
+        for r in records:
+            assert_same_record(store.read_key(r.key), r)
+        assert store.verify() == []

@@ -109,7 +109,7 @@ TOKEN_BLOCK = 4096
 RAGGED = ("prompt_embeds", "negative_prompt_embeds")
 GROUP_ATTR = "wandistill"
 INDEX_CACHE_BYTES = 64 << 20
-"""Shard indexes a ZarrSource keeps in memory (an Wan xt shard's index is 8 KiB)."""
+"""Shard indexes a ZarrSource keeps in memory (a Wan xt shard's index is 8 KiB)."""
 SMALL_ROW_BYTES = 1024
 """Arrays whose row is at most this big (offsets, timesteps) are read once per shard entry."""
 
@@ -192,11 +192,9 @@ def _as_chunk_error(err: BaseException, files: list[str]) -> BaseException:
     if not isinstance(err, OSError | ValueError):
         return err
     shown = ", ".join(f"{DATA_NAME}/{f}" for f in files)
-    what = (
-        "cannot be read"
-        if isinstance(err, OSError)
-        else ("fails zarr's crc32c check or decode (corrupt or truncated file)")
-    )
+    what = "fails zarr's crc32c check or decode (corrupt or truncated file)"
+    if isinstance(err, OSError):
+        what = "cannot be read"
     return ZarrChunkError(f"{shown} {what}: {type(err).__name__}: {err}")
 
 
