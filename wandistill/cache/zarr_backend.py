@@ -617,7 +617,7 @@ class ZarrSource:
         self.store = _ReadStore(zarr_store(self.root, read_only=True), index_cache_bytes)
         self._group: Any = None
         self._arrays: dict[str, tuple[Any, DType]] = {}
-        self._entries: dict[tuple[str, int], ZarrShardEntry] = {}
+        self._entries: dict[tuple[str, str], ZarrShardEntry] = {}
         self._small: dict[tuple[str, int, str], np.ndarray] = {}
 
     def _open_group(self) -> Any:
