@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import threading
 from pathlib import Path
 
@@ -372,7 +371,8 @@ def test_verify_reports_flipped_byte(tmp_path: Path) -> None:
     assert any(entry["keys"][0] in p and "checksum" in p for p in problems), problems
 
 
-# --------------------------------------------------------------------------- fast read path
+# --------------------------------------------------------------------------- reads, every path
+
 
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
               torch.int32, torch.uint8]
@@ -413,48 +413,101 @@ def _steps_of(name: str, t: torch.Tensor) -> list[int | None]:
     return [None, 0, t.shape[0] - 1, -1] if is_step_field(name) and t.dim() else [None]
 
 
-def test_fast_path_is_bit_exact_with_zarr_python_for_every_dtype(tmp_path: Path) -> None:
+def _stock(group: zarr.Group, path: str, selection) -> torch.Tensor:
+    """What stock zarr reads, as the documented snippet turns it into a tensor."""
+    arr = group[path]
+    value = np.asarray(arr[selection])
+    if arr.attrs.get("wandistill_dtype") == "bfloat16":
+        return torch.from_numpy(value.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(value.copy())
+
+
+def test_every_dtype_reads_bit_exact_through_the_source_and_stock_zarr(tmp_path: Path) -> None:
     records = [_all_dtype_record(i) for i in range(7)]
     entries = _sink_entries(tmp_path, records, 3, block_records=2, token_chunk=4, token_block=8)
-    fast, slow = zb.ZarrSource(tmp_path), zb.ZarrSource(tmp_path, fast=False)
-    # Every array the fast path can serve is served by it (the layout ZarrSink writes).
-    for path in ["xt", "noise", "timesteps", "feature.flat", "prompt_embeds/values",
-                 "prompt_embeds/offsets", *(f"feature.{str(d).split('.')[1]}" for d in ALL_DTYPES)]:
-        assert fast._array(path, 0)[2] is not None, path
+    src = zb.ZarrSource(tmp_path)
+    group = zarr.open_group(tmp_path / "data.zarr", mode="r")
     k = 0
     for entry in entries:
         for i in range(entry["records"]):
             want = records[k]
             k += 1
-            got_fast, got_slow = fast.read_record(entry, i), slow.read_record(entry, i)
-            assert_same_record(got_fast, want)
-            assert_same_record(got_slow, want)
+            row = entry["rows"][0] + i
+            assert_same_record(src.read_record(entry, i), want)
             for name, t in want.tensors().items():
                 for step in _steps_of(name, t):
-                    a = fast.read_tensors(entry, i, {name: step})[name]
-                    b = slow.read_tensors(entry, i, {name: step})[name]
-                    assert_same(a, b, f"{name} step {step}")
-                    assert_same(a, t if step is None else t[step].contiguous(), name)
+                    a = src.read_tensors(entry, i, {name: step})[name]
+                    assert_same(a, t if step is None else t[step].contiguous(), f"{name} {step}")
                     assert a.is_contiguous() and a.dtype == t.dtype
+                    if name not in RAGGED_NAMES:
+                        sel = row if step is None else (row, step)
+                        assert_same(_stock(group, name, sel), a, f"stock {name} {step}")
             for name in RAGGED_NAMES:
                 if name in want.tensors():
-                    assert_same(
-                        torch.from_numpy(fast.offsets(entry, name)),
-                        torch.from_numpy(slow.offsets(entry, name)),
-                    )
-    fast.close()
-    slow.close()
+                    offs = src.offsets(entry, name)
+                    stock = group[f"{name}/offsets"][entry["rows"][0] : entry["rows"][1]]
+                    assert (offs == stock).all()
+    src.close()
 
 
 RAGGED_NAMES = ("prompt_embeds", "negative_prompt_embeds")
 
 
-def test_fast_path_threads_and_evicted_files(tmp_path: Path) -> None:
-    """Many threads, a cache of open shard files smaller than the files in use: every read is
-    still bit-exact and every file is closed in the end."""
+def test_offsets_cover_every_record_whichever_shard_brings_a_negative(tmp_path: Path) -> None:
+    """negative_prompt_embeds/offsets has a row for every committed record, [-1, -1] where the
+    record has none, even for shards written before the array existed and shards without any
+    negative written after (docs/cache-format.md)."""
+    pattern = [False, False, True, False, False, False, True, True, False]
+    records = [make_record(i, negative=neg) for i, neg in enumerate(pattern)]
+    with writer(tmp_path, shard_records=2) as w:
+        for r in records:
+            w.write(r)
+    writer(tmp_path).close(finalize=True, complete=True)
+    man = json.loads((tmp_path / "manifest.json").read_text())
+    g = zarr.open_group(tmp_path / "data.zarr", mode="r")
+    by_key = {r.key: r for r in records}
+    for e in man["shards"]:
+        for i, key in enumerate(e["keys"]):
+            row = e["rows"][0] + i
+            for name in RAGGED_NAMES:
+                offsets = g[f"{name}/offsets"]
+                assert offsets.shape[0] > row, (name, row)  # stock read of any committed row
+                start, n = (int(x) for x in offsets[row])
+                want = getattr(by_key[key], name)
+                if want is None:
+                    assert (start, n) == (-1, -1)
+                else:
+                    assert_same(_stock(g, f"{name}/values", slice(start, start + n)), want)
+    with open_cache(tmp_path) as store:
+        for r in records:
+            assert_same_record(store.read_key(r.key), r)
+        assert store.verify() == []
+
+
+def test_typed_entry_round_trips_and_names_a_malformed_field(tmp_path: Path) -> None:
+    from wandistill.cache.schema import ZarrShardEntry
+    from wandistill.errors import CacheError
+
+    _, entry = _written(tmp_path)
+    typed = ZarrShardEntry.from_json(entry)
+    assert (typed.name, typed.records, typed.keys) == (entry["name"], 3, tuple(entry["keys"]))
+    back = typed.to_json()
+    assert {k: v for k, v in entry.items() if k in back} == back
+    assert set(entry) - set(back) == {"rank", "entry_sha256"}
+    for field, value in [("rows", [5, 2]), ("meta", []), ("sha256", "x"), ("file", "../x")]:
+        with pytest.raises(CacheError, match=f"shard {entry['name']}: .*'{field}'"):
+            ZarrShardEntry.from_json({**entry, field: value})
+
+
+def test_threads_read_bit_exact_with_a_tiny_index_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many threads, an index cache smaller than the indexes in use (evictions): every read is
+    still bit-exact and the cache stays within its budget."""
+    monkeypatch.setattr(zb, "SMALL_ROW_BYTES", 0)  # these rows are tiny: read them one by one
     records = [make_record(i, latent=torch.bfloat16) for i in range(12)]
     entries = _sink_entries(tmp_path, records, 4, block_records=2, token_chunk=4, token_block=8)
-    src = zb.ZarrSource(tmp_path, max_open=2)
+    src = zb.ZarrSource(tmp_path, index_cache_bytes=400)
     jobs = [(e, i, records[n * 4 + i], s) for n, e in enumerate(entries)
             for i in range(e["records"]) for s in range(S)] * 4
     errors: list[BaseException] = []
@@ -478,12 +531,40 @@ def test_fast_path_threads_and_evicted_files(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert not errors, errors
-    assert len(src._files) <= 2
-    fds = [f.fd for f in src._files.values()]
+    stats = src.store.indexes.cache_stats()
+    assert stats["evictions"] > 0 and stats["hits"] > 0
+    assert src.store.indexes.cache_info()["current_size"] <= 400
     src.close()
-    for fd in fds:
-        with pytest.raises(OSError):
-            os.fstat(fd)
+
+
+def test_one_index_read_per_shard_file_then_one_read_per_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading one (record, step) reads that inner chunk; the zarr shard's index is read once
+    per shard file and then served from zarr's CacheStore."""
+    monkeypatch.setattr(zb, "SMALL_ROW_BYTES", 0)  # these rows are tiny: read them one by one
+    from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+    from zarr.storage import LocalStore
+
+    records = [make_record(i) for i in range(4)]
+    (entry,) = _sink_entries(tmp_path, records, 4, block_records=4)
+    src = zb.ZarrSource(tmp_path)
+    src.read_tensors(entry, 0, {"xt": 0})  # opens the group and the array
+    calls: list[tuple[str, object]] = []
+    real_get = LocalStore.get
+
+    async def counting_get(self, key, prototype, byte_range=None):
+        calls.append((key, byte_range))
+        return await real_get(self, key, prototype, byte_range)
+
+    monkeypatch.setattr(LocalStore, "get", counting_get)
+    for i in range(4):
+        for s in range(S):
+            assert_same(src.read_tensors(entry, i, {"xt": s})["xt"], records[i].xt[s].contiguous())
+    assert all(key.startswith("xt/c/") for key, _ in calls), calls
+    assert not any(isinstance(r, SuffixByteRequest) for _, r in calls)  # cached by the first read
+    assert len(calls) == 4 * S and all(isinstance(r, RangeByteRequest) for _, r in calls)
+    src.close()
 
 
 def _shard_file(tmp_path: Path, entry: dict, prefix: str) -> tuple[str, Path]:
@@ -491,24 +572,20 @@ def _shard_file(tmp_path: Path, entry: dict, prefix: str) -> tuple[str, Path]:
     return rel, tmp_path / "data.zarr" / rel
 
 
-def test_fast_path_reads_a_missing_inner_chunk_as_the_fill_value(tmp_path: Path) -> None:
+def test_a_missing_inner_chunk_reads_as_the_fill_value(tmp_path: Path) -> None:
     records = [make_record(i) for i in range(4)]
     (entry,) = _sink_entries(tmp_path, records, 4, block_records=4)
+    _, path = _shard_file(tmp_path, entry, "xt/")
+    size = path.stat().st_size
     # Let zarr itself drop one inner chunk: write fill values with write_empty_chunks off.
     g = zarr.open_group(tmp_path / "data.zarr", mode="r+")
     row = entry["rows"][0] + 2
     g["xt"].with_config({"write_empty_chunks": False})[row, 1] = 0
     g["noise"].with_config({"write_empty_chunks": False})[row] = 0
-    fast, slow = zb.ZarrSource(tmp_path), zb.ZarrSource(tmp_path, fast=False)
-    geom = fast._array("xt", 0)[2]
-    _, path = _shard_file(tmp_path, entry, "xt/")
-    index = zb._open_shard(tmp_path / "data.zarr", path.relative_to(tmp_path / "data.zarr")
-                           .as_posix(), geom)
-    os.close(index.fd)
-    assert (index.index == zb._MISSING).all(axis=1).sum() == 1  # the chunk is really gone
+    assert size - path.stat().st_size == C * F * H * W * 4 + 4  # the chunk is really gone
+    src = zb.ZarrSource(tmp_path)
     for i, r in enumerate(records):
-        got, ref = fast.read_record(entry, i), slow.read_record(entry, i)
-        assert_same_record(got, ref)
+        got = src.read_record(entry, i)
         want_xt = r.xt.clone()
         want_noise = r.noise.clone()
         if i == 2:
@@ -517,12 +594,11 @@ def test_fast_path_reads_a_missing_inner_chunk_as_the_fill_value(tmp_path: Path)
         assert_same(got.xt, want_xt)
         assert_same(got.noise, want_noise)
         for s in range(S):
-            assert_same(fast.read_tensors(entry, i, {"xt": s})["xt"], want_xt[s].contiguous())
-    fast.close()
-    slow.close()
+            assert_same(src.read_tensors(entry, i, {"xt": s})["xt"], want_xt[s].contiguous())
+    src.close()
 
 
-def test_fast_path_missing_shard_file_names_shard_record_and_file(tmp_path: Path) -> None:
+def test_a_missing_shard_file_names_shard_record_and_file(tmp_path: Path) -> None:
     records, entry = _written(tmp_path)
     rel, path = _shard_file(tmp_path, entry, "teacher_out/")
     path.unlink()
@@ -535,7 +611,7 @@ def test_fast_path_missing_shard_file_names_shard_record_and_file(tmp_path: Path
 
 
 @pytest.mark.parametrize("how", ["half", "data"])
-def test_fast_path_truncated_shard_file_names_the_record(tmp_path: Path, how: str) -> None:
+def test_a_truncated_shard_file_names_the_record(tmp_path: Path, how: str) -> None:
     """`half`: cut in the middle (the index at the end is gone); `data`: the index survives but
     the chunks it points to do not."""
     records, entry = _written(tmp_path)
@@ -543,9 +619,9 @@ def test_fast_path_truncated_shard_file_names_the_record(tmp_path: Path, how: st
     data = path.read_bytes()
     if how == "half":
         path.write_bytes(data[: len(data) // 2])
-    else:
-        geom = zb.ZarrSource(tmp_path)._array("xt", 0)[2]
-        cut = geom.index_nbytes
+    else:  # a zarr v3 shard index: 16 bytes per inner chunk, then its crc32c
+        arr = zarr.open_group(tmp_path / "data.zarr", mode="r")["xt"]
+        cut = 16 * int(np.prod([s // c for s, c in zip(arr.shards, arr.chunks, strict=True)])) + 4
         path.write_bytes(data[: (len(data) - cut) // 2] + data[-cut:])
     with open_cache(tmp_path) as store:
         key = entry["keys"][2]
@@ -560,50 +636,40 @@ def test_fast_path_truncated_shard_file_names_the_record(tmp_path: Path, how: st
         assert any(key in p for p in problems), problems
 
 
-def test_fast_path_checksum_guards_the_hot_path(tmp_path: Path) -> None:
+def test_the_checksum_guards_the_hot_path(tmp_path: Path) -> None:
     records, entry = _written(tmp_path)
     rel, path = _shard_file(tmp_path, entry, "xt/")
-    src = zb.ZarrSource(tmp_path)
-    geom = src._array("xt", 0)[2]
-    sh = zb._open_shard(tmp_path / "data.zarr", rel, geom)
-    os.close(sh.fd)
-    local = 1 * geom.strides[0] + 2 * geom.strides[1]  # record 1, step 2
-    off = int(sh.index[local, 0])
     raw = bytearray(path.read_bytes())
+    off = raw.find(bits(records[4].xt[2]))  # record 1 of this entry, step 2: its inner chunk
+    assert off >= 0 and raw.find(bits(records[4].xt[2]), off + 1) < 0
     raw[off + 3] ^= 0x10
     path.write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match=f"{entry['keys'][1]}.*checksum"):
+    src = zb.ZarrSource(tmp_path)
+    with pytest.raises(ValueError, match=f"{entry['keys'][1]}.*{rel}.*checksum"):
         src.read_tensors(entry, 1, {"xt": 2})
     assert_same(src.read_tensors(entry, 1, {"xt": 1})["xt"], records[4].xt[1].contiguous())
     src.close()
 
 
-def test_geometry_falls_back_for_unknown_layouts(tmp_path: Path) -> None:
-    g = zarr.open_group(tmp_path / "g.zarr", mode="w")
-    plain = g.create_array("plain", shape=(4, 3), chunks=(1, 3), dtype="float32")  # no sharding
-    packed = g.create_array("packed", shape=(4, 3), chunks=(1, 3), shards=(2, 3),
-                            dtype="float32", compressors=[zarr.codecs.ZstdCodec()])
-    odd = g.create_array("odd", shape=(4, 6), chunks=(2, 3), shards=(2, 6), dtype="float32")
-    for arr in (plain, packed, odd):
-        assert zb._geometry(arr.path, arr, "float32") is None
-    ok = g.create_array("ok", shape=(4, 3), chunks=(1, 3), shards=(2, 3), dtype="float32",
-                        compressors=[zarr.codecs.Crc32cCodec()])
-    assert zb._geometry(ok.path, ok, "float32") is not None
-
-
 def test_sink_hashes_what_it_wrote_and_reuses_its_blocks(tmp_path: Path) -> None:
     """Sizes and sha256 in the entry come from the bytes zarr wrote (no read-back): they must
     match the files. A shard larger than the block and a reused block stay intact."""
+    import hashlib
+
     records = [make_record(i) for i in range(9)]
     entries = _sink_entries(tmp_path, records, 5, block_records=2)  # 5 > 2: blocks grow
     total = 0
     for entry in entries:
         size = 0
         for rel, digest in entry["sha256"].items():
-            got_size, got = zb._hash_file(tmp_path / "data.zarr" / rel)
-            assert got == digest, rel
-            size += got_size
+            data = (tmp_path / "data.zarr" / rel).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == digest, rel
+            size += len(data)
         assert size == entry["bytes"]
+        assert {rel.split("/c/")[0] for rel in entry["sha256"]} == {
+            *(n for n in entry["fields"] if n not in RAGGED_NAMES),
+            *(f"{n}/{part}" for n in entry["token_rows"] for part in ("values", "offsets")),
+        }
         total += entry["records"]
     assert total == 9
     src = zb.ZarrSource(tmp_path)
@@ -636,7 +702,7 @@ def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("array,name,step", [("prompt_embeds/values", "prompt_embeds", None),
                                              ("timesteps", "timesteps", 2)])
-def test_fast_path_checks_partly_read_chunks_too(
+def test_partly_wanted_chunks_are_checked_too(
     tmp_path: Path, array: str, name: str, step: int | None
 ) -> None:
     """A sample that wants part of an inner chunk (an embedding's edge chunks, one timestep of a
@@ -656,3 +722,44 @@ def test_fast_path_checks_partly_read_chunks_too(
         got = src.read_tensors(entry, 1, {name: step})[name]
         assert_same(got, records[4].timesteps[step].contiguous())
     src.close()
+
+
+def test_disk_full_mid_shard_keeps_committed_shards_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC while zarr writes a shard file: an OSError naming the cache, nothing committed
+    lost, and a rerun writes the rest."""
+    import errno
+
+    from zarr.storage import LocalStore
+
+    records = [make_record(i) for i in range(6)]
+    w = writer(tmp_path, shard_records=3)
+    for r in records[:3]:
+        w.write(r)
+    real_set = LocalStore.set
+
+    async def full(self, key, value):
+        if "/c/" in key:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await real_set(self, key, value)
+
+    monkeypatch.setattr(LocalStore, "set", full)
+    for r in records[3:5]:
+        w.write(r)
+    with pytest.raises(OSError, match="No space left") as info:
+        w.write(records[5])
+    assert info.value.errno == errno.ENOSPC and str(tmp_path) in str(info.value)
+    w.abort()
+    monkeypatch.setattr(LocalStore, "set", real_set)
+    with open_cache(tmp_path) as store:
+        assert [k for e in store.entries for k in e["keys"]] == [r.key for r in records[:3]]
+        assert store.verify() == []
+    with writer(tmp_path, shard_records=3) as w2:
+        for r in records:
+            w2.write(r)
+        assert (w2.records_skipped, w2.records_written) == (3, 3)
+    with open_cache(tmp_path) as store:
+        for r in records:
+            assert_same_record(store.read_key(r.key), r)
+        assert store.verify() == []

@@ -46,16 +46,44 @@ STEP_FIELDS = ("timesteps", "xt", "teacher_out")
 OPTIONAL_FIELDS = ("negative_prompt_embeds",)
 """Per-record negative embedding, present only when a prompt brings its own negative prompt."""
 
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.uint8: "uint8",
-}
-DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+ZARR_DATA_NAME = "data.zarr"
+"""The zarr backend's one group, relative to the cache directory."""
+ZARR_DTYPE_ATTR = "wandistill_dtype"
+"""zarr array attribute naming the dtype of an array stored as another dtype's bits (bf16)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """One storable dtype under every name it goes by: the one dtype table of the cache."""
+
+    name: str
+    """The cache's name for it (manifest `fields`, zarr attribute)."""
+    torch: torch.dtype
+    numpy: str
+    """The numpy (= zarr) dtype that stores it. bfloat16 has none: its bits go in as uint16, and
+    the array carries attribute {ZARR_DTYPE_ATTR: "bfloat16"}."""
+    safetensors: str
+    """Its code in a safetensors header."""
+
+    @property
+    def as_bits(self) -> bool:
+        """Stored as another dtype's bits (zarr has no such dtype)."""
+        return self.numpy != self.name
+
+
+DTYPES: tuple[DType, ...] = (
+    DType("float32", torch.float32, "float32", "F32"),
+    DType("float16", torch.float16, "float16", "F16"),
+    DType("bfloat16", torch.bfloat16, "uint16", "BF16"),
+    DType("float64", torch.float64, "float64", "F64"),
+    DType("int64", torch.int64, "int64", "I64"),
+    DType("int32", torch.int32, "int32", "I32"),
+    DType("uint8", torch.uint8, "uint8", "U8"),
+)
+DTYPE_BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
+DTYPE_NAMES: dict[torch.dtype, str] = {d.torch: d.name for d in DTYPES}
+DTYPES_BY_NAME: dict[str, torch.dtype] = {d.name: d.torch for d in DTYPES}
+DTYPE_NAMES_BY_SAFETENSORS: dict[str, str] = {d.safetensors: d.name for d in DTYPES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -178,3 +206,105 @@ def pad_embeds(embeds_LD: torch.Tensor, max_len: int) -> torch.Tensor:
     out = embeds_LD.new_zeros((max_len, dim))
     out[:length] = embeds_LD
     return out
+
+
+def _int_pair(value: Any) -> tuple[int, int] | None:
+    if (
+        isinstance(value, list | tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        and value[0] <= value[1]
+    ):
+        return int(value[0]), int(value[1])
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ZarrShardEntry:
+    """The zarr backend's shard entry in the manifest, parsed once into a typed object.
+
+    `ZarrSink.end()` returns `to_json()`; the CacheWriter adds `name`, `rank`, `records` and
+    `keys` (and the entry digest) when it commits the entry. `from_json` reads a committed entry
+    back, with `name` and `keys` (the reader names them in every error)."""
+
+    rows: tuple[int, int]
+    """The rows [start, start + records) this shard committed, in every record-indexed array."""
+    reserved: tuple[int, int]
+    """The rows it claimed: whole zarr shards, so no other writer touches their files."""
+    token_rows: dict[str, tuple[int, int]]
+    """Per ragged field: this shard's tokens in `<field>/values`."""
+    fields: tuple[str, ...]
+    """Tensor names its records carry (sorted)."""
+    meta: tuple[dict[str, Any], ...]
+    """Per record `Record.meta()`: key, prompt, seed, embed_len, extra."""
+    sha256: dict[str, str]
+    """Every zarr shard file it wrote (path relative to data.zarr) -> sha256 of its bytes."""
+    nbytes: int
+    """Total size of those files (JSON key "bytes")."""
+    file: str = ZARR_DATA_NAME
+    name: str = ""
+    keys: tuple[str, ...] = ()
+
+    @property
+    def records(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "file": self.file,
+            "rows": list(self.rows),
+            "reserved": list(self.reserved),
+            "token_rows": {k: list(v) for k, v in self.token_rows.items()},
+            "fields": list(self.fields),
+            "meta": list(self.meta),
+            "bytes": self.nbytes,
+            "sha256": dict(self.sha256),
+        }
+        if self.name:
+            out.update(name=self.name, records=self.records, keys=list(self.keys))
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ZarrShardEntry:
+        """Raises CacheError naming the shard and the first field that is not what it should
+        be (a hand-edited or foreign manifest)."""
+        from wandistill.errors import CacheError
+
+        name = str(data.get("name", "?"))
+        rows, reserved = _int_pair(data.get("rows")), _int_pair(data.get("reserved"))
+        tokens = data.get("token_rows", {})
+        token_rows = (
+            {k: _int_pair(v) for k, v in tokens.items()} if isinstance(tokens, dict) else {}
+        )
+        checks = [
+            ("rows", rows is not None),
+            ("reserved", reserved is not None and rows is not None and reserved[0] == rows[0]),
+            ("token_rows", isinstance(tokens, dict) and None not in token_rows.values()),
+            ("fields", isinstance(data.get("fields"), list)),
+            ("meta", isinstance(data.get("meta"), list)),
+            ("sha256", isinstance(data.get("sha256"), dict)),
+            ("bytes", isinstance(data.get("bytes"), int)),
+            ("file", data.get("file", ZARR_DATA_NAME) == ZARR_DATA_NAME),
+        ]
+        keys = tuple(data.get("keys", ()))
+        if rows is not None and keys and len(keys) != rows[1] - rows[0]:
+            checks.append(("keys", False))
+        if rows is not None and isinstance(data.get("meta"), list):
+            checks.append(("meta", len(data["meta"]) == rows[1] - rows[0]))
+        bad = next((k for k, ok in checks if not ok), None)
+        if bad is not None:
+            raise CacheError(
+                f"shard {name}: zarr entry field {bad!r} is malformed ({data.get(bad)!r:.80})",
+                fix="run `wandistill cache verify`; restore manifest.json or the journal",
+            )
+        return cls(
+            rows=rows,  # type: ignore[arg-type]
+            reserved=reserved,  # type: ignore[arg-type]
+            token_rows=token_rows,  # type: ignore[arg-type]
+            fields=tuple(data["fields"]),
+            meta=tuple(data["meta"]),
+            sha256=dict(data["sha256"]),
+            nbytes=int(data["bytes"]),
+            name=name if "name" in data else "",
+            keys=keys,
+        )

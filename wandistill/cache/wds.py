@@ -40,6 +40,7 @@ from safetensors.torch import save as st_save
 
 from wandistill.cache.schema import (
     DTYPE_NAMES,
+    DTYPE_NAMES_BY_SAFETENSORS,
     DTYPES_BY_NAME,
     Record,
     canonical_json,
@@ -190,15 +191,7 @@ class WebDatasetSink:
                 self.tmp.unlink()
 
 
-_ST_DTYPES = {
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F64": "float64",
-    "I64": "int64",
-    "I32": "int32",
-    "U8": "uint8",
-}
+_ST_DTYPES = DTYPE_NAMES_BY_SAFETENSORS
 UNSAFE_EXTS = frozenset({"pth", "pt", "pyd", "pkl", "pickle", "ckpt", "bin", "npy", "npz"})
 """Extensions webdataset's default handlers (or their usual loaders) unpickle."""
 
