@@ -110,6 +110,7 @@ import zarr
 from zarr.codecs import Crc32cCodec
 from zarr.storage import LocalStore
 
+from wandistill.cache.formats import ZarrArrayMeta, ZarrGroupAttrs, ZarrGroupMeta, ZarrNodeMeta
 from wandistill.cache.schema import (
     DTYPE_NAMES,
     DTYPES_BY_NAME,
@@ -119,6 +120,7 @@ from wandistill.cache.schema import (
 )
 from wandistill.errors import CacheError
 from wandistill.fsutil import fsync_dir
+from wandistill.validate import MiB, check, inside, parse_json, read_capped
 
 DATA_NAME = "data.zarr"
 LOCK_NAME = "data.zarr.lock"
@@ -163,6 +165,66 @@ class ZarrChunkError(CacheError, ValueError):
     Also a ValueError, like zarr-python's own checksum error on the same data."""
 
 
+MAX_META_BYTES = 16 * MiB
+"""Cap on one zarr.json (ours are ~2 KB)."""
+_META_FIX = "restore data.zarr's metadata, or re-run `wandistill precompute` into a new cache"
+
+
+def check_metadata(root: Path) -> None:
+    """Check every zarr.json of the group (the group's and each array's) against its schema
+    before zarr-python parses it, so bad metadata is one CacheError naming the file.
+
+    Chunk folders (`c/`) are not walked; a symlinked folder is refused (it could lead outside
+    the cache). zarr-python itself is still the parser: this only bounds and types what it reads.
+    """
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        meta = folder / "zarr.json"
+        if meta.exists():
+            _check_meta_file(meta, group_root=folder == root)
+        for child in sorted(folder.iterdir()) if folder.is_dir() else ():
+            if child.is_symlink():
+                raise CacheError(
+                    f"{str(child)!r} is a symlink inside {DATA_NAME}; refused", fix=_META_FIX
+                )
+            if child.is_dir() and child.name != "c":
+                stack.append(child)
+
+
+def _check_meta_file(meta: Path, *, group_root: bool) -> None:
+    what = "zarr metadata"
+    where = f"{what} {str(meta)!r} is corrupt"
+    data = read_capped(meta, max_bytes=MAX_META_BYTES, what=what, fix=_META_FIX, error=CacheError)
+    obj = parse_json(data, where, fix=_META_FIX, error=CacheError)
+    node = check(ZarrNodeMeta, obj, where, fix=_META_FIX, error=CacheError)
+    if node.node_type == "array":
+        check(ZarrArrayMeta, obj, where, fix=_META_FIX, error=CacheError)
+        return
+    group = check(ZarrGroupMeta, obj, where, fix=_META_FIX, error=CacheError)
+    if group_root and GROUP_ATTR in group.attributes:
+        attrs = group.attributes[GROUP_ATTR]
+        check(
+            ZarrGroupAttrs,
+            attrs,
+            f"{where}: attributes.{GROUP_ATTR}",
+            fix=_META_FIX,
+            error=CacheError,
+        )
+
+
+def _zarr_call(what: str, fn: Callable[[], Any]) -> Any:
+    """Run a zarr-python call that parses metadata; its errors become one CacheError line."""
+    try:
+        return fn()
+    except (CacheError, OSError):
+        raise
+    except Exception as e:  # zarr raises many types for metadata it cannot make sense of
+        raise CacheError(
+            f"{what}: zarr cannot read it ({type(e).__name__}: {e})", fix=_META_FIX
+        ) from None
+
+
 def to_numpy(t: torch.Tensor) -> tuple[np.ndarray, str]:
     """An owned numpy copy of `t` and its dtype name; bf16 becomes its uint16 bit pattern."""
     name = DTYPE_NAMES.get(t.dtype)
@@ -197,7 +259,13 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
 
 
 def _array_dtype(arr: Any) -> str:
-    return str(arr.attrs.get(DTYPE_ATTR, np.dtype(arr.dtype).name))
+    name = arr.attrs.get(DTYPE_ATTR, np.dtype(arr.dtype).name)
+    if name not in DTYPES_BY_NAME:
+        raise CacheError(
+            f"{DATA_NAME}/{arr.path} holds {str(name)[:40]!r} items, not a dtype wandistill writes",
+            fix=_META_FIX,
+        )
+    return str(name)
 
 
 def _ceil_to(n: int, block: int) -> int:
@@ -428,7 +496,11 @@ class ZarrSink:
 
     def _open_group(self) -> tuple[Any, _SealingStore]:
         store = _SealingStore(self.root)
-        group = zarr.open_group(store=store, mode="a", zarr_format=3)
+        check_metadata(self.root)
+        group = _zarr_call(
+            f"{DATA_NAME} in {str(self.root.parent)!r}",
+            lambda: zarr.open_group(store=store, mode="a", zarr_format=3),
+        )
         if GROUP_ATTR not in group.attrs:
             group.attrs[GROUP_ATTR] = {
                 "format": FORMAT_NAME,
@@ -824,7 +896,11 @@ class ZarrSource:
         if self._group is None:
             if not (self.root / "zarr.json").is_file():
                 raise CacheError(f"cache {str(self.cache)!r} has no {DATA_NAME} group")
-            self._group = zarr.open_group(str(self.root), mode="r", zarr_format=3)
+            check_metadata(self.root)
+            self._group = _zarr_call(
+                f"{DATA_NAME} in {str(self.cache)!r}",
+                lambda: zarr.open_group(str(self.root), mode="r", zarr_format=3),
+            )
         return self._group
 
     def _array(self, path: str, rows: int) -> tuple[Any, str, _Geometry | None]:
@@ -837,7 +913,7 @@ class ZarrSource:
                     group = self._open_group()
                     if path not in group:
                         raise KeyError(f"{DATA_NAME} has no array {path!r}")
-                    arr = group[path]
+                    arr = _zarr_call(f"{DATA_NAME}/{path}", lambda: group[path])
                     dtype = _array_dtype(arr)
                     geom = _geometry(path, arr, dtype) if self.fast else None
                     got = (arr, dtype, geom)
@@ -1075,7 +1151,11 @@ class ZarrSource:
         total = 0
         missing = False
         for rel, digest in entry["sha256"].items():
-            path = self.root / rel
+            try:
+                path = inside(self.root, rel, f"shard {name}: file", CacheError)
+            except CacheError as e:
+                problems.append(e.message)
+                continue
             if not path.is_file():
                 missing = True
                 hit = self._affected(entry, rel)
