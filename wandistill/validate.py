@@ -195,20 +195,51 @@ def _shown(value: Any) -> str:
     return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
+_WANTED = {
+    "model_type": "a JSON object",
+    "model_attributes_type": "a JSON object",
+    "dataclass_type": "a JSON object",
+    "dict_type": "a JSON object",
+    "list_type": "a JSON array",
+    "tuple_type": "a JSON array",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+}
+
+
+def json_kind(value: Any) -> str:
+    """What a JSON value is, for 'must be X, not Y' messages."""
+    if isinstance(value, dict):
+        return "a JSON object"
+    if isinstance(value, list):
+        return "a JSON array"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    kind = {str: "the string", int: "the integer", float: "the number"}.get(type(value), "")
+    return f"{kind} {_shown(value)}".strip()
+
+
 def describe(e: ValidationError, obj: Any = None) -> str:
     """The first problem of a validation error as one line (plus how many more there are)."""
     errors = e.errors(include_url=False)
     first = errors[0]
     loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
     where = loc_text(loc, obj) or "the top level"
-    kind = first["type"]
+    kind, value = first["type"], first.get("input")
     if kind == "missing":
         text = f"{where} is missing"
     elif kind == "extra_forbidden":
         text = f"{where} is not a known field"
+    elif kind in _WANTED:
+        text = f"{where} must be {_WANTED[kind]}, not {json_kind(value)}"
     else:
-        msg = first["msg"].removeprefix("Value error, ")
-        text = f"{where} = {_shown(first.get('input'))}: {msg[:1].lower()}{msg[1:]}"
+        msg = first["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+        shown = f" = {_shown(value)}" if isinstance(value, str | int | float | None) else ""
+        text = f"{where}{shown}: {msg[:1].lower()}{msg[1:]}"
     more = len(errors) - 1
     return text + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
 
