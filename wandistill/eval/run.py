@@ -114,6 +114,9 @@ def load_student(path: str | Path) -> torch.nn.Module:
     """The student folder as a WanTransformer3DModel; an unloadable folder is a usage error."""
     from diffusers import WanTransformer3DModel
 
+    from wandistill.student.config import check_saved_config
+
+    check_saved_config(path)
     try:
         return WanTransformer3DModel.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -41,6 +41,7 @@ from wandistill.cache.writer import CacheWriter
 from wandistill.config import PrecomputeConfig, refuse_custom_code
 from wandistill.errors import UsageError, WandistillError
 from wandistill.fsutil import atomic_write_json
+from wandistill.precompute.numerics import record_numerics
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.progress import Progress
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
@@ -285,6 +286,7 @@ def _run(
         backend=cfg.cache.backend,
         teacher=fingerprint,
         settings=settings,
+        numerics=record_numerics(batch_size=cfg.sampler.batch_size, device=info.device),
         fields=field_specs(
             latent_dtype=torch.float32,
             model_dtype=dtype,
@@ -367,6 +369,7 @@ def _run(
             settings=settings,
             fields=header.fields,
             dims=_dims(teacher, shape, settings),
+            numerics=header.numerics,
             shared={
                 "negative_prompt_embeds": neg_embeds[cfg.sampler.negative_prompt],
                 "timesteps": timesteps,
