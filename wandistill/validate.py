@@ -81,8 +81,9 @@ def read_capped(
     if not p.is_file():
         raise error(f"{what} {str(p)!r} is not a file", fix=fix)
     with open(p, "rb") as f:
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(min(size, max_bytes) + 1) if size <= max_bytes else b""
+    if size > max_bytes or len(data) > max_bytes:
         raise error(
             f"{what} {str(p)!r} is larger than the {_size(max_bytes)} such a file may be "
             "(oversized or not the file wandistill expects)",
