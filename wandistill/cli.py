@@ -1,8 +1,9 @@
 """The `wandistill` command line: parse, build a config, call the room that does the work.
 
 `main()` is the only place that turns exceptions into exit codes: a `WandistillError` prints one
-line (and its fix) and exits 2 for usage errors or 1 for runtime failures; `--debug` (or
-WANDISTILL_DEBUG=1) shows the traceback instead.
+line (and its fix) and exits 2 for usage errors or 1 for runtime failures; any other exception is
+a bug: one line naming a crash log (in the temp folder) that holds the traceback, exit 1.
+`--debug` (or WANDISTILL_DEBUG=1) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -519,5 +520,35 @@ def main(argv: list[str] | None = None) -> None:
                 "check the path and its permissions, or choose another one",
             )
         _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 1)
+    except Exception as e:  # a bug: one line and a crash log, not a traceback
+        if _debug:
+            raise
+        _crash(e)
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+def _crash(e: Exception) -> None:
+    """Write the traceback of an unexpected error to a crash log and say where, in one line."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(e))
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    what = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    rank = os.environ.get("RANK")
+    try:
+        fd, log = tempfile.mkstemp(
+            prefix=f"wandistill-crash-{'' if rank is None else f'rank{rank}-'}", suffix=".log"
+        )
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"wandistill {__version__}\nargv: {sys.argv}\n\n{text}")
+    except OSError:  # nowhere to write it: show it rather than lose it
+        err.print(text, highlight=False, markup=False)
+        log = "(shown above)"
+    _fail(
+        f"internal error ({what}); the traceback is in {log}",
+        1,
+        "this is a bug in wandistill: please report it with that log (--debug or "
+        "WANDISTILL_DEBUG=1 shows the traceback here)",
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,9 +22,12 @@ from typing import Any, TypeVar
 import tomllib
 
 from wandistill.errors import ConfigError, UsageError
+from wandistill.validate import MiB, read_capped
 
 T = TypeVar("T")
 
+MAX_RECIPE_BYTES = MiB
+"""A recipe picks values; a bigger file is not a recipe."""
 DTYPES = ("fp32", "fp16", "bf16")
 BACKENDS = ("webdataset", "zarr")
 NAMED_PLACEMENTS = (
@@ -458,8 +462,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}={value!r} must be a table")
         return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if tp in (int, float) and isinstance(value, int) and not isinstance(value, bool):
+        if not -(1 << 63) <= value < 1 << 63:  # TOML integers are 64-bit; float() would overflow
+            raise ConfigError(f"{where}={value} does not fit in a 64-bit integer")
+        return float(value) if tp is float else value
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}={value} must be a finite number")
     if tp is Any:
         return value
     if tp in (int, float) and isinstance(value, bool):
@@ -502,6 +510,8 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise ConfigError(f"--set value {text[:40]!r}... nests too deeply") from None
 
 
 def apply_override(data: dict[str, Any], assignment: str, stage: str | None = None) -> None:
@@ -544,10 +554,14 @@ def load_recipe(
                 f"recipe {str(p)!r} does not exist",
                 fix="pass a TOML file, e.g. pipelines/tiny.toml",
             )
+        fix = "fix the recipe, or start from one in pipelines/"
+        raw = read_capped(p, max_bytes=MAX_RECIPE_BYTES, what="recipe", fix=fix, error=ConfigError)
         try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
+            data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"recipe {str(p)!r} is not valid TOML: {e}") from None
+        except RecursionError:  # tomllib recurses per nesting level
+            raise ConfigError(f"recipe {str(p)!r} nests too deeply", fix=fix) from None
     for assignment in overrides or []:
         apply_override(data, assignment, stage)
     try:
