@@ -309,10 +309,11 @@ def _state_where(path: Path) -> str:
     return f"checkpoint state {str(path / STATE)!r}"
 
 
-def check_state(path: Path) -> tuple[CheckpointState, dict[str, Any]]:
-    """state.json of checkpoint folder `path`, checked: schema, seal, step vs folder name, and
-    every listed file present with its size. Cheap (no tensor file is read): train runs it
-    before building anything, on every rank."""
+def check_state(path: Path) -> tuple[CheckpointState, dict[str, Any], dict[str, Any]]:
+    """state.json and optimizer.json of checkpoint folder `path`, checked: schemas, seal, step
+    vs folder name, every listed file present with its size; returns (state, the state as read,
+    optimizer.json as read). Cheap (no tensor file is read): train runs it before building
+    anything, on every rank."""
     where = _state_where(path)
     data = read_capped(
         path / STATE, max_bytes=MAX_JSON_BYTES, what="checkpoint state", fix=FIX, error=_Error
@@ -338,7 +339,17 @@ def check_state(path: Path) -> tuple[CheckpointState, dict[str, Any]]:
                     f"checkpoint file {str(f)!r} is {got}, state.json says {want.bytes} bytes",
                     fix=FIX,
                 )
-    return state, obj
+    where = f"checkpoint file {str(path / OPTIMIZER_JSON)!r}"
+    data = read_capped(
+        _check_file(path, OPTIMIZER_JSON, state),
+        max_bytes=MAX_JSON_BYTES,
+        what="checkpoint file",
+        fix=FIX,
+        error=_Error,
+    )
+    opt_obj = parse_json(data, where, fix=FIX, error=_Error)
+    check(OptimizerRest, opt_obj, where, fix=FIX, error=_Error)
+    return state, obj, opt_obj
 
 
 class _Error(WandistillError):
@@ -389,17 +400,7 @@ def _tensors(path: Path, name: str, state: CheckpointState) -> dict[str, torch.T
 
 def load_checkpoint(path: Path) -> Checkpoint:
     """Read and check every file of checkpoint folder `path` (see the module docstring)."""
-    state, raw = check_state(path)
-    where = f"checkpoint file {str(path / OPTIMIZER_JSON)!r}"
-    data = read_capped(
-        _check_file(path, OPTIMIZER_JSON, state),
-        max_bytes=MAX_JSON_BYTES,
-        what="checkpoint file",
-        fix=FIX,
-        error=_Error,
-    )
-    opt_obj = parse_json(data, where, fix=FIX, error=_Error)
-    check(OptimizerRest, opt_obj, where, fix=FIX, error=_Error)
+    state, raw, opt_obj = check_state(path)
     proj = path / "projections.safetensors"
     has_proj = proj.is_file() if state.files is None else "projections.safetensors" in state.files
     return Checkpoint(
