@@ -210,8 +210,8 @@ class SharedBlock(Schema):
     tensors: dict[Name, SharedTensor]
 
 
-SEALED = ("format", "schema_version", "backend", "created", "teacher", "settings", "numerics")
-SEALED += ("fields", "dims", "shared")
+SEALED = ("format", "schema_version", "wandistill_version", "backend", "created", "teacher")
+SEALED += ("settings", "numerics", "fields", "dims", "shared")
 """Manifest blocks covered by `header_sha256` (one digest each): everything that defines what
 the records mean or how their bits were computed. Not `complete` and `shards`: they change as
 the cache grows (each shard entry carries its own `entry_sha256`)."""
@@ -236,10 +236,11 @@ class ManifestBase(Schema):
 
     @model_validator(mode="after")
     def _sealed(self) -> ManifestBase:
-        if self.schema_version >= 2:
-            for name in ("numerics", "header_sha256"):
-                if getattr(self, name) is None:
-                    raise ValueError(f"a schema {self.schema_version} manifest must have {name}")
+        for name in ("numerics", "header_sha256"):
+            if self.schema_version >= 2 and getattr(self, name) is None:
+                raise ValueError(f"a schema {self.schema_version} manifest must have {name}")
+            if self.schema_version < 2 and getattr(self, name) is not None:
+                raise ValueError(f"a schema 1 manifest has no {name} (schema_version edited?)")
         return self
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import inspect
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Field
 
 from wandistill.config import StudentConfig
 from wandistill.errors import UsageError
@@ -54,7 +54,8 @@ class StudentConfigFile(OpenSchema):
     ffn_dim: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     num_layers: Annotated[int, Field(ge=1, le=1024)] | None = None
     cross_attn_norm: bool | None = None
-    qk_norm: Annotated[str, StringConstraints(max_length=64)] | None = None
+    qk_norm: Literal["rms_norm_across_heads"] | None = None
+    """The only norm diffusers' Wan blocks implement (they ignore the value otherwise)."""
     eps: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
     image_dim: Dim | None = None
     added_kv_proj_dim: Dim | None = None
