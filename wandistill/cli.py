@@ -9,11 +9,12 @@ a bug: one line naming a crash log (in the temp folder) that holds the traceback
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -483,10 +484,17 @@ def _fail(message: str, code: int, fix: str | None = None) -> None:
     sys.exit(code)
 
 
+@functools.cache
+def _command() -> Any:
+    """The click command tree, built once: typer rebuilds it on every `app()` call (~0.1 s of
+    signature inspection), which in-process callers (tests, the demo) would pay each time."""
+    return typer.main.get_command(app)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point; see the module docstring for the exit-code contract."""
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = _command()(args=argv, standalone_mode=False)
     except WandistillError as e:
         if _debug:
             raise

@@ -568,3 +568,10 @@ def load_recipe(
         return from_dict(Recipe, data)
     except TypeError as e:  # a missing kw-only field would land here; keep it one line
         raise ConfigError(f"recipe {path}: {e}") from None
+    except ConfigError as e:
+        if path is None:
+            raise
+        raise ConfigError(  # name the file: the key may come from it or from a --set
+            f"recipe {str(path)!r}: {e.message}",
+            fix=e.fix or "fix that key in the recipe (or in the --set override)",
+        ) from None

@@ -126,6 +126,8 @@ def json_problem(obj: Any, max_depth: int = MAX_DEPTH) -> str | None:
             if not math.isfinite(node):
                 return f"{loc_text(loc) or 'the value'} is {node}, not a finite number"
             continue
+        if not isinstance(node, dict | list):
+            continue
         if depth > max_depth:
             return f"{loc_text(loc) or 'the top level'} nests deeper than {max_depth} levels"
         items = node.items() if isinstance(node, dict) else enumerate(node)
