@@ -293,7 +293,7 @@ def _settings_not_dict(m: dict[str, Any]) -> None:
     ("edit", "message"),
     [
         (_bump_records, "shards[0] (r00000-000000): says 5 records but lists 3 keys"),
-        (_string_records, "shards[0] (r00000-000000).records must be an integer, not the string '3'"),
+        (_string_records, "(r00000-000000).records must be an integer, not the string '3'"),
         (_escape_path, "file = '../../../etc/passwd': path contains an empty, '.' or '..' part"),
         (_list_twice, "shard r00000-000000 is listed twice"),
         (_drop_keys, "shards[1] (r00000-000001).keys is missing"),

@@ -31,9 +31,10 @@ import tomllib
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic_core import from_json
-from realfiles import RealFiles, real_files, tree_digest
 
 from wandistill.cli import main
+
+from realfiles import RealFiles, real_files, tree_digest
 
 CASES = {  # examples per test; 2,150 in all
     "manifest-wds": 400,
