@@ -60,15 +60,8 @@ def make_record(
     )
 
 
-def writer(
-    path: Path,
-    *,
-    rank: int = 0,
-    shard_records: int = 3,
-    latent=torch.float32,
-    embed=torch.bfloat16,
-    model=None,
-):
+def writer(path: Path, *, rank: int = 0, shard_records: int = 3, latent=torch.float32,
+           embed=torch.bfloat16, model=None):
     return open_writer(
         path,
         backend="zarr",
@@ -96,12 +89,8 @@ def assert_same(a: torch.Tensor | None, b: torch.Tensor | None, what: str = "") 
 
 
 def assert_same_record(got: Record, want: Record) -> None:
-    assert (got.key, got.prompt, got.seed, got.extra) == (
-        want.key,
-        want.prompt,
-        want.seed,
-        want.extra,
-    )
+    assert (got.key, got.prompt, got.seed, got.extra) == (want.key, want.prompt, want.seed,
+                                                          want.extra)
     assert got.features.keys() == want.features.keys()
     for name, t in want.tensors().items():
         assert_same(got.tensors().get(name), t, name)
@@ -143,15 +132,8 @@ def test_round_trip_bit_exact(
 
     with open_cache(tmp_path) as store:
         where = store.locate()
-        names = [
-            "noise",
-            "xt",
-            "teacher_out",
-            "timesteps",
-            "final_latent",
-            "feature.block_5",
-            "prompt_embeds",
-        ]
+        names = ["noise", "xt", "teacher_out", "timesteps", "final_latent", "feature.block_5",
+                 "prompt_embeds"]
         for r in records:
             entry, i = where[r.key]
             for step in (0, S - 1):
@@ -346,7 +328,8 @@ def test_stock_zarr_reads_the_cache(tmp_path: Path) -> None:
                 assert (nstart, nn) == (-1, -1)
             else:
                 nvals = g["negative_prompt_embeds/values"]
-                assert_same(as_torch(nvals, nvals[nstart : nstart + nn]), r.negative_prompt_embeds)
+                assert_same(as_torch(nvals, nvals[nstart : nstart + nn]),
+                            r.negative_prompt_embeds)
             seen += 1
     assert seen == 5
 
@@ -391,15 +374,8 @@ def test_verify_reports_flipped_byte(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- fast read path
 
-ALL_DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.uint8,
-]
+ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+              torch.int32, torch.uint8]
 
 
 def _all_dtype_record(i: int) -> Record:
@@ -407,10 +383,8 @@ def _all_dtype_record(i: int) -> Record:
     r = make_record(i, latent=torch.bfloat16)
     g = torch.Generator().manual_seed(7 + i)
     for dt in ALL_DTYPES:
-        raw = (
-            torch.randint(0, 255, (S, 2, 5), generator=g)
-            if not dt.is_floating_point
-            else (torch.randn(S, 2, 5, generator=g) * 100)
+        raw = torch.randint(0, 255, (S, 2, 5), generator=g) if not dt.is_floating_point else (
+            torch.randn(S, 2, 5, generator=g) * 100
         )
         r.features[str(dt).split(".")[1]] = raw.to(dt)
     r.features["flat"] = torch.randn(S, generator=g).to(torch.bfloat16)  # (S,): one chunk a row
@@ -427,7 +401,8 @@ def _sink_entries(path: Path, records: list[Record], per_shard: int, **kw) -> li
         for r in part:
             sink.add(r)
         entry = sink.end()
-        entry.update(name=f"r00000-{k:06d}", rank=0, records=len(part), keys=[r.key for r in part])
+        entry.update(name=f"r00000-{k:06d}", rank=0, records=len(part),
+                     keys=[r.key for r in part])
         entries.append(entry)
     return entries
 
@@ -443,15 +418,8 @@ def test_fast_path_is_bit_exact_with_zarr_python_for_every_dtype(tmp_path: Path)
     entries = _sink_entries(tmp_path, records, 3, block_records=2, token_chunk=4, token_block=8)
     fast, slow = zb.ZarrSource(tmp_path), zb.ZarrSource(tmp_path, fast=False)
     # Every array the fast path can serve is served by it (the layout ZarrSink writes).
-    for path in [
-        "xt",
-        "noise",
-        "timesteps",
-        "feature.flat",
-        "prompt_embeds/values",
-        "prompt_embeds/offsets",
-        *(f"feature.{str(d).split('.')[1]}" for d in ALL_DTYPES),
-    ]:
+    for path in ["xt", "noise", "timesteps", "feature.flat", "prompt_embeds/values",
+                 "prompt_embeds/offsets", *(f"feature.{str(d).split('.')[1]}" for d in ALL_DTYPES)]:
         assert fast._array(path, 0)[2] is not None, path
     k = 0
     for entry in entries:
@@ -487,28 +455,15 @@ def test_fast_path_threads_and_evicted_files(tmp_path: Path) -> None:
     records = [make_record(i, latent=torch.bfloat16) for i in range(12)]
     entries = _sink_entries(tmp_path, records, 4, block_records=2, token_chunk=4, token_block=8)
     src = zb.ZarrSource(tmp_path, max_open=2)
-    jobs = [
-        (e, i, records[n * 4 + i], s)
-        for n, e in enumerate(entries)
-        for i in range(e["records"])
-        for s in range(S)
-    ] * 4
+    jobs = [(e, i, records[n * 4 + i], s) for n, e in enumerate(entries)
+            for i in range(e["records"]) for s in range(S)] * 4
     errors: list[BaseException] = []
 
     def run(part: list) -> None:
         try:
             for e, i, r, s in part:
-                got = src.read_tensors(
-                    e,
-                    i,
-                    {
-                        "xt": s,
-                        "teacher_out": s,
-                        "prompt_embeds": None,
-                        "noise": None,
-                        "timesteps": s,
-                    },
-                )
+                got = src.read_tensors(e, i, {"xt": s, "teacher_out": s, "prompt_embeds": None,
+                                              "noise": None, "timesteps": s})
                 assert_same(got["xt"], r.xt[s].contiguous())
                 assert_same(got["teacher_out"], r.teacher_out[s].contiguous())
                 assert_same(got["prompt_embeds"], r.prompt_embeds)
@@ -547,9 +502,8 @@ def test_fast_path_reads_a_missing_inner_chunk_as_the_fill_value(tmp_path: Path)
     fast, slow = zb.ZarrSource(tmp_path), zb.ZarrSource(tmp_path, fast=False)
     geom = fast._array("xt", 0)[2]
     _, path = _shard_file(tmp_path, entry, "xt/")
-    index = zb._open_shard(
-        tmp_path / "data.zarr", path.relative_to(tmp_path / "data.zarr").as_posix(), geom
-    )
+    index = zb._open_shard(tmp_path / "data.zarr", path.relative_to(tmp_path / "data.zarr")
+                           .as_posix(), geom)
     os.close(index.fd)
     assert (index.index == zb._MISSING).all(axis=1).sum() == 1  # the chunk is really gone
     for i, r in enumerate(records):
@@ -627,25 +581,13 @@ def test_fast_path_checksum_guards_the_hot_path(tmp_path: Path) -> None:
 def test_geometry_falls_back_for_unknown_layouts(tmp_path: Path) -> None:
     g = zarr.open_group(tmp_path / "g.zarr", mode="w")
     plain = g.create_array("plain", shape=(4, 3), chunks=(1, 3), dtype="float32")  # no sharding
-    packed = g.create_array(
-        "packed",
-        shape=(4, 3),
-        chunks=(1, 3),
-        shards=(2, 3),
-        dtype="float32",
-        compressors=[zarr.codecs.ZstdCodec()],
-    )
+    packed = g.create_array("packed", shape=(4, 3), chunks=(1, 3), shards=(2, 3),
+                            dtype="float32", compressors=[zarr.codecs.ZstdCodec()])
     odd = g.create_array("odd", shape=(4, 6), chunks=(2, 3), shards=(2, 6), dtype="float32")
     for arr in (plain, packed, odd):
         assert zb._geometry(arr.path, arr, "float32") is None
-    ok = g.create_array(
-        "ok",
-        shape=(4, 3),
-        chunks=(1, 3),
-        shards=(2, 3),
-        dtype="float32",
-        compressors=[zarr.codecs.Crc32cCodec()],
-    )
+    ok = g.create_array("ok", shape=(4, 3), chunks=(1, 3), shards=(2, 3), dtype="float32",
+                        compressors=[zarr.codecs.Crc32cCodec()])
     assert zb._geometry(ok.path, ok, "float32") is not None
 
 
@@ -692,10 +634,8 @@ def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None
     src.close()
 
 
-@pytest.mark.parametrize(
-    "array,name,step",
-    [("prompt_embeds/values", "prompt_embeds", None), ("timesteps", "timesteps", 2)],
-)
+@pytest.mark.parametrize("array,name,step", [("prompt_embeds/values", "prompt_embeds", None),
+                                             ("timesteps", "timesteps", 2)])
 def test_fast_path_checks_partly_read_chunks_too(
     tmp_path: Path, array: str, name: str, step: int | None
 ) -> None:
