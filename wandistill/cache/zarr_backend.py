@@ -891,6 +891,8 @@ class ZarrSource:
         self._arrays: dict[str, tuple[Any, str, _Geometry | None]] = {}
         self._offsets: dict[tuple[str, int, str], np.ndarray] = {}
         self._files: OrderedDict[str, _ShardFile] = OrderedDict()
+        if self.root.is_dir():  # bad metadata: one error at open, not one per record read
+            check_metadata(self.root)
 
     def _open_group(self) -> Any:
         if self._group is None:
@@ -911,9 +913,10 @@ class ZarrSource:
                 got = self._arrays.get(path)
                 if got is None or got[0].shape[0] < rows:
                     group = self._open_group()
-                    if path not in group:
+                    where = f"{DATA_NAME}/{path}/zarr.json"
+                    if not _zarr_call(where, lambda: path in group):
                         raise KeyError(f"{DATA_NAME} has no array {path!r}")
-                    arr = _zarr_call(f"{DATA_NAME}/{path}", lambda: group[path])
+                    arr = _zarr_call(where, lambda: group[path])
                     dtype = _array_dtype(arr)
                     geom = _geometry(path, arr, dtype) if self.fast else None
                     got = (arr, dtype, geom)
@@ -1192,7 +1195,8 @@ class ZarrSource:
                     if t.is_floating_point() and not bool(t.float().isfinite().all()):
                         raise ValueError("non-finite values")
             except Exception as e:  # every decode failure is reported, none is fatal here
-                problems.append(f"shard {name} record {key}: {type(e).__name__}: {e}")
+                what = e.message if isinstance(e, CacheError) else f"{type(e).__name__}: {e}"
+                problems.append(f"shard {name} record {key}: {what}")
         return problems
 
     def close(self) -> None:
