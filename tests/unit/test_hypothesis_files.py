@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import json
 import shutil
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,7 @@ from typing import Any
 
 import pytest
 import tomllib
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from pydantic_core import from_json
 
@@ -46,6 +48,34 @@ CASES = {  # examples per test; 2,150 in all
     "student-config": 300,
     "recipe": 450,
 }
+
+
+SEALED_CLASSES = {
+    "swap",
+    "number",
+    "nest",
+    "long",
+    "truncate",
+    "flip",
+    "top",
+    "delete",
+    "traversal",
+}
+USER_CLASSES = SEALED_CLASSES - {"delete"}
+RECIPE_CLASSES = {"swap", "unknown", "nest", "long", "truncate", "flip", "top"}
+SEEN: dict[str, Counter[str]] = {}
+"""Examples run per test and mutation class (printed with -s; every class must occur)."""
+
+
+def _seen(name: str, op: str) -> None:
+    event(op)
+    SEEN.setdefault(name, Counter())[op] += 1
+
+
+def _report(name: str, classes: set[str]) -> None:
+    counts = SEEN.get(name, Counter())
+    print(f"\n{name}: {sum(counts.values())} examples, by class {dict(sorted(counts.items()))}")
+    assert sum(counts.values()) >= CASES[name] and classes <= set(counts), counts
 
 
 def _settings(name: str) -> Any:
@@ -194,9 +224,10 @@ def _same(data: bytes, obj: Any) -> bool:
 @st.composite
 def json_mutation(
     draw: st.DrawFn, raw: bytes, *, sealed: bool, keys: Callable[[tuple[Any, ...]], bool]
-) -> bytes:
-    """Bytes of a mutated JSON document. `sealed`: any change must be refused; otherwise only
-    type-, range- and syntax-breaking ones are drawn, at paths `keys` accepts."""
+) -> tuple[str, bytes]:
+    """(mutation class, bytes of the mutated JSON document). `sealed`: any change must be
+    refused; otherwise only type-, range- and syntax-breaking ones are drawn, at paths `keys`
+    accepts."""
     obj = json.loads(raw)
     paths = [p for p in _paths(obj) if keys(p)]
     ops = ["swap", "number", "nest", "long", "truncate", "flip", "top"]
@@ -204,7 +235,7 @@ def json_mutation(
     op = draw(st.sampled_from(ops))
     if op == "truncate":
         end = raw.rstrip().rfind(raw.rstrip()[-1:])
-        return raw[: draw(st.integers(0, end))]
+        return op, raw[: draw(st.integers(0, end))]
     if op == "flip":
         spots = [i for i, b in enumerate(raw) if not chr(b).isspace()]
         i = draw(st.sampled_from(spots))
@@ -216,9 +247,9 @@ def json_mutation(
             out[i] |= 0x80
         data = bytes(out)
         assume(not _same(data, obj))
-        return data
+        return op, data
     if op == "top":
-        return _dump(draw(st.sampled_from([[], "x", 5, None, True, [obj]])))
+        return op, _dump(draw(st.sampled_from([[], "x", 5, None, True, [obj]])))
     mutated = copy.deepcopy(obj)
     if op == "delete":
         path = draw(st.sampled_from([p for p in paths if isinstance(_get(obj, p[:-1]), dict)]))
@@ -242,7 +273,7 @@ def json_mutation(
         _set(mutated, path, value)
     data = _dump(mutated)
     assume(not _same(data, obj))
-    return data
+    return op, data
 
 
 def _any(path: tuple[Any, ...]) -> bool:
@@ -279,10 +310,12 @@ def test_a_mutated_manifest_is_one_error_line_and_changes_nothing(
     @given(
         data=json_mutation(raw, sealed=True, keys=_any), command=st.sampled_from(["info", "train"])
     )
-    def case(data: bytes, command: str) -> None:
-        targets[command].check(data)
+    def case(data: tuple[str, bytes], command: str) -> None:
+        _seen(f"manifest-{backend}", data[0])
+        targets[command].check(data[1])
 
     case()
+    _report(f"manifest-{backend}", SEALED_CLASSES)
 
 
 def test_a_mutated_journal_is_one_error_line_and_changes_nothing(
@@ -294,10 +327,12 @@ def test_a_mutated_journal_is_one_error_line_and_changes_nothing(
 
     @_settings("journal")
     @given(data=json_mutation(path.read_bytes(), sealed=True, keys=_any))
-    def case(data: bytes) -> None:
-        target.check(data)
+    def case(data: tuple[str, bytes]) -> None:
+        _seen("journal", data[0])
+        target.check(data[1])
 
     case()
+    _report("journal", SEALED_CLASSES)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -318,10 +353,12 @@ def test_a_mutated_checkpoint_file_is_one_error_line_and_changes_nothing(
 
     @_settings(name)
     @given(data=json_mutation(path.read_bytes(), sealed=True, keys=_any))
-    def case(data: bytes) -> None:
-        target.check(data)
+    def case(data: tuple[str, bytes]) -> None:
+        _seen(name, data[0])
+        target.check(data[1])
 
     case()
+    _report(name, SEALED_CLASSES)
 
 
 LATEST = st.one_of(
@@ -344,9 +381,11 @@ def test_a_mutated_latest_pointer_is_one_error_line_and_changes_nothing(
     @_settings("latest")
     @given(text=LATEST)
     def case(text: str) -> None:
+        _seen("latest", "latest")
         target.check(text.encode("utf-8", errors="surrogateescape"))
 
     case()
+    _report("latest", {"latest"})
 
 
 # ----------------------------------------------------------------------------- student config
@@ -368,10 +407,12 @@ def test_a_mutated_student_config_file_is_one_error_line_and_changes_nothing(
 
     @_settings("student-config")
     @given(data=json_mutation(raw, sealed=False, keys=keys))
-    def case(data: bytes) -> None:
-        target.check(data)
+    def case(data: tuple[str, bytes]) -> None:
+        _seen("student-config", data[0])
+        target.check(data[1])
 
     case()
+    _report("student-config", USER_CLASSES)
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -408,6 +449,7 @@ def _table(v: Any) -> bool:
     return isinstance(v, dict)
 
 
+@functools.cache
 def _field_type(path: tuple[str, ...]) -> Any:
     """The recipe field's annotation (None for keys the dataclasses do not declare)."""
     import dataclasses
@@ -464,7 +506,7 @@ def _opening_quotes(raw: bytes) -> list[int]:
 
 
 @st.composite
-def recipe_mutation(draw: st.DrawFn, raw: bytes) -> bytes:
+def recipe_mutation(draw: st.DrawFn, raw: bytes) -> tuple[str, bytes]:
     data = tomllib.loads(raw.decode())
     leaves = [p for p in _paths(data) if _field_type(p) is not None]
     leaves = [p for p in leaves if not isinstance(_get(data, p), dict) or p[-1] == "max_memory"]
@@ -472,10 +514,10 @@ def recipe_mutation(draw: st.DrawFn, raw: bytes) -> bytes:
     if op == "truncate":  # inside a string literal: never valid TOML
         i = draw(st.sampled_from(_opening_quotes(raw)))
         close = raw.index(b'"', i + 1)
-        return raw[: draw(st.integers(i + 1, close))]
+        return op, raw[: draw(st.integers(i + 1, close))]
     if op == "flip":  # a high-bit byte amid ASCII: never valid UTF-8
         i = draw(st.sampled_from([i for i, b in enumerate(raw) if b < 0x80]))
-        return raw[:i] + bytes([raw[i] | 0x80]) + raw[i + 1 :]
+        return op, raw[:i] + bytes([raw[i] | 0x80]) + raw[i + 1 :]
     mutated = copy.deepcopy(data)
     if op == "top":
         mutated[draw(st.sampled_from(["precompute", "train"]))] = draw(st.sampled_from([5, "x"]))
@@ -493,7 +535,7 @@ def recipe_mutation(draw: st.DrawFn, raw: bytes) -> bytes:
             assume(tp is not str)
             value = "x" * draw(st.integers(1000, 100_000))
         _set(mutated, path, value)
-    return _toml(mutated).encode()
+    return op, _toml(mutated).encode()
 
 
 def test_a_mutated_recipe_is_one_error_line_and_changes_nothing(work: Path) -> None:
@@ -511,6 +553,9 @@ def test_a_mutated_recipe_is_one_error_line_and_changes_nothing(work: Path) -> N
     @given(data=st.data())
     def case(data: st.DataObject) -> None:
         target, path = data.draw(st.sampled_from(targets))
-        target.check(data.draw(recipe_mutation(path.read_bytes())))
+        op, mutated = data.draw(recipe_mutation(path.read_bytes()))
+        _seen("recipe", op)
+        target.check(mutated)
 
     case()
+    _report("recipe", RECIPE_CLASSES)
