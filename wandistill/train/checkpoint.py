@@ -143,7 +143,9 @@ class ParamGroup(OpenSchema):
 
     lr: Lr
     initial_lr: Lr | None = None
-    betas: Annotated[list[Annotated[float, Field(ge=0.0, lt=1.0)]], Field(min_length=2)]
+    betas: Annotated[
+        list[Annotated[float, Field(ge=0.0, lt=1.0)]], Field(min_length=2, max_length=2)
+    ]
     eps: Annotated[float, Field(gt=0.0, le=1.0)]
     weight_decay: Annotated[float, Field(ge=0.0, le=1e3)]
     params: list[Annotated[int, Field(ge=0, le=1 << 30)]]
@@ -305,6 +307,10 @@ _FIX_LATEST = "delete it: --resume then takes the highest complete checkpoint"
 # --------------------------------------------------------------------------- read
 
 
+class _Error(WandistillError):
+    """An unreadable checkpoint (exit 1)."""
+
+
 def _state_where(path: Path) -> str:
     return f"checkpoint state {str(path / STATE)!r}"
 
@@ -350,10 +356,6 @@ def check_state(path: Path) -> tuple[CheckpointState, dict[str, Any], dict[str, 
     opt_obj = parse_json(data, where, fix=FIX, error=_Error)
     check(OptimizerRest, opt_obj, where, fix=FIX, error=_Error)
     return state, obj, opt_obj
-
-
-class _Error(WandistillError):
-    """An unreadable checkpoint (exit 1)."""
 
 
 def _check_file(path: Path, name: str, state: CheckpointState) -> Path:
