@@ -1,18 +1,20 @@
 """The `wandistill` command line: parse, build a config, call the room that does the work.
 
 `main()` is the only place that turns exceptions into exit codes: a `WandistillError` prints one
-line (and its fix) and exits 2 for usage errors or 1 for runtime failures; `--debug` (or
-WANDISTILL_DEBUG=1) shows the traceback instead.
+line (and its fix) and exits 2 for usage errors or 1 for runtime failures; any other exception is
+a bug: one line naming a crash log (in the temp folder) that holds the traceback, exit 1.
+`--debug` (or WANDISTILL_DEBUG=1) shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -150,7 +152,7 @@ def cache_verify(path: Annotated[Path, typer.Argument(help="Cache directory.")])
     """Check every shard's checksum and decode every record; exit 1 if anything is wrong."""
     from wandistill.cache.reader import open_cache
 
-    with open_cache(path) as store:
+    with open_cache(path, check_entries=False) as store:  # verify reports edited entries itself
         problems = store.verify()
         n, shards = len(store), len(store.entries)
     if problems:
@@ -619,10 +621,17 @@ def _fail(message: str, code: int, fix: str | None = None) -> None:
     sys.exit(code)
 
 
+@functools.cache
+def _command() -> Any:
+    """The click command tree, built once: typer rebuilds it on every `app()` call (~0.1 s of
+    signature inspection), which in-process callers (tests, the demo) would pay each time."""
+    return typer.main.get_command(app)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point; see the module docstring for the exit-code contract."""
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = _command()(args=argv, standalone_mode=False)
     except WandistillError as e:
         if _debug:
             raise
@@ -656,5 +665,35 @@ def main(argv: list[str] | None = None) -> None:
                 "check the path and its permissions, or choose another one",
             )
         _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 1)
+    except Exception as e:  # a bug: one line and a crash log, not a traceback
+        if _debug:
+            raise
+        _crash(e)
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+def _crash(e: Exception) -> None:
+    """Write the traceback of an unexpected error to a crash log and say where, in one line."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(e))
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    what = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    rank = os.environ.get("RANK")
+    try:
+        fd, log = tempfile.mkstemp(
+            prefix=f"wandistill-crash-{'' if rank is None else f'rank{rank}-'}", suffix=".log"
+        )
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"wandistill {__version__}\nargv: {sys.argv}\n\n{text}")
+    except OSError:  # nowhere to write it: show it rather than lose it
+        err.print(text, highlight=False, markup=False)
+        log = "(shown above)"
+    _fail(
+        f"internal error ({what}); the traceback is in {log}",
+        1,
+        "this is a bug in wandistill: please report it with that log (--debug or "
+        "WANDISTILL_DEBUG=1 shows the traceback here)",
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.resources
+import math
 import os
 import types
 import typing
@@ -23,12 +24,15 @@ from typing import Any, TypeVar
 import tomllib
 
 from wandistill.errors import ConfigError
+from wandistill.validate import MiB, read_capped
 
 if typing.TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 T = TypeVar("T")
 
+MAX_RECIPE_BYTES = MiB
+"""A recipe picks values; a bigger file is not a recipe."""
 DTYPES = ("fp32", "fp16", "bf16")
 BACKENDS = ("webdataset", "zarr")
 NAMED_PLACEMENTS = (
@@ -502,8 +506,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}={value!r} must be a table")
         return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if tp in (int, float) and isinstance(value, int) and not isinstance(value, bool):
+        if not -(1 << 63) <= value < 1 << 63:  # TOML integers are 64-bit; float() would overflow
+            raise ConfigError(f"{where}={value} does not fit in a 64-bit integer")
+        return float(value) if tp is float else value
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}={value} must be a finite number")
     if tp is Any:
         return value
     if tp in (int, float) and isinstance(value, bool):
@@ -546,6 +554,8 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise ConfigError(f"--set value {text[:40]!r}... nests too deeply") from None
 
 
 def apply_override(data: dict[str, Any], assignment: str, stage: str | None = None) -> None:
@@ -644,13 +654,30 @@ def load_recipe(
     data: dict[str, Any] = {}
     if path is not None:
         source = resolve_recipe(path)
+        fix = "fix the recipe, or start from a shipped one (`wandistill recipes copy NAME`)"
+        raw = (
+            read_capped(
+                source, max_bytes=MAX_RECIPE_BYTES, what="recipe", fix=fix, error=ConfigError
+            )
+            if isinstance(source, Path)
+            else source.read_bytes()  # a shipped recipe: package data
+        )
         try:
-            data = tomllib.loads(source.read_text(encoding="utf-8"))
+            data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"recipe {str(path)!r} is not valid TOML: {e}") from None
+        except RecursionError:  # tomllib recurses per nesting level
+            raise ConfigError(f"recipe {str(path)!r} nests too deeply", fix=fix) from None
     for assignment in overrides or []:
         apply_override(data, assignment, stage)
     try:
         return from_dict(Recipe, data)
     except TypeError as e:  # a missing kw-only field would land here; keep it one line
         raise ConfigError(f"recipe {path}: {e}") from None
+    except ConfigError as e:
+        if path is None:
+            raise
+        raise ConfigError(  # name the file: the key may come from it or from a --set
+            f"recipe {str(path)!r}: {e.message}",
+            fix=e.fix or "fix that key in the recipe (or in the --set override)",
+        ) from None

@@ -29,15 +29,17 @@ import tarfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Annotated, Any, BinaryIO
 
 import google_crc32c
 import numpy as np
 import torch
 import webdataset as wds
+from pydantic import StringConstraints
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from wandistill.cache.formats import Name, OwnMeta, RecordMeta, TensorInfo
 from wandistill.cache.schema import (
     DTYPE_NAMES,
     DTYPE_NAMES_BY_SAFETENSORS,
@@ -48,6 +50,7 @@ from wandistill.cache.schema import (
 )
 from wandistill.errors import CacheError, CorruptRecordError
 from wandistill.fsutil import fsync_dir, temp_name
+from wandistill.validate import MiB, check, inside, parse_json
 
 BLOCK = tarfile.BLOCKSIZE
 META_KEY = "wandistill"
@@ -58,6 +61,20 @@ MEMBER_EXTS = ("json", "safetensors")
 """The only members a wandistill shard holds, one of each per record."""
 HEAD_READ = 4096
 """First read of a record: the length prefix and (almost always) the whole header."""
+MAX_HEADER_BYTES = 100 * MiB
+"""safetensors' own cap on a header; a longer length prefix is corruption."""
+_META = "__metadata__"
+_Metadata = dict[str, Annotated[str, StringConstraints(max_length=100 * MiB)]]
+_Table = dict[Name, TensorInfo]
+
+
+def _checked_json(data: bytes | str | None, what: str, tp: Any, obj: Any = None) -> Any:
+    """Parse (unless `obj` is given) and check one piece of a record against its schema; a
+    failure is a CacheError that the read paths turn into a CorruptRecordError."""
+    fix = "run `wandistill cache verify`; restore the shard, or pass --skip-corrupt"
+    if data is not None:  # every value is typed by `tp`: no separate walk needed
+        obj = parse_json(data, what, fix=fix, error=CacheError, walk=False)
+    return check(tp, obj, what, fix=fix, error=CacheError)
 
 
 def crc32c(data: Any) -> int:
@@ -231,12 +248,9 @@ class WebDatasetSource:
     def path(self, entry: dict[str, Any]) -> Path:
         """The shard's file; a manifest `file` outside the cache directory is refused."""
         rel = entry.get("file")
-        problem = member_name_problem(rel) if isinstance(rel, str) else "is not a string"
-        if problem:
-            raise CacheError(
-                f"shard {entry.get('name')}: manifest file {rel!r} {problem} (manifest edited?)"
-            )
-        return self.cache / rel
+        if not isinstance(rel, str):
+            raise CacheError(f"shard {entry.get('name')}: manifest file {rel!r} is not a string")
+        return inside(self.cache, rel, f"shard {entry.get('name')}: manifest file", CacheError)
 
     def check_file(self, entry: dict[str, Any]) -> str | None:
         """Why this shard cannot be read at all (missing, wrong size, bad path), or None."""
@@ -277,30 +291,39 @@ class WebDatasetSource:
     # ------------------------------------------------------------------ headers
 
     def _parse_header(
-        self, entry: dict[str, Any], i: int, head: bytes
+        self, entry: dict[str, Any], i: int, head: bytes, *, typed: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Check a record's header bytes (length prefix + JSON) and split off its metadata."""
+        """Check a record's header bytes (length prefix + JSON) and split off its metadata.
+
+        A header whose crc32c matches the (schema-checked, sealed) manifest entry is the one the
+        writer produced from typed tensors: on the training hot path it is only parsed (strict
+        JSON, ~7 us), and `_span` checks each tensor it uses. Any other header (a cache without
+        checksums), and every header `verify` reads (`typed`), is also checked against the
+        schema (~17 us more; docs/reliability.md)."""
         crcs = entry.get("crc32c")
         if crcs is not None and crc32c(head) != crcs[i][0]:
             raise ValueError(
                 "safetensors header fails its crc32c check (the header bytes changed, or the "
                 "manifest's offsets were edited)"
             )
-        table = json.loads(head[8:])
-        if not isinstance(table, dict):
-            raise ValueError("safetensors header is not a JSON object")
-        meta = table.pop("__metadata__", None) or {}
+        typed = typed or crcs is None
+        table = _checked_json(head[8:], "safetensors header", dict[str, Any])
+        meta = table.pop(_META, None) or {}
+        if typed:
+            _checked_json(None, "safetensors __metadata__", _Metadata, meta)
+            _checked_json(None, "safetensors header", _Table, table)  # typed; used as read
         if META_KEY not in meta:
             return table, None  # written before checksums existed
-        own = json.loads(meta[META_KEY])
-        if own.get("key") != entry["keys"][i]:
-            raise ValueError(f"the data belongs to record {own.get('key')} (manifest keys edited?)")
-        return table, own["crc32c"]
+        own = _checked_json(meta[META_KEY], "safetensors metadata", OwnMeta if typed else Any)
+        key, sums = (own.key, own.crc32c) if typed else (own["key"], own["crc32c"])
+        if key != entry["keys"][i]:
+            raise ValueError(f"the data belongs to record {key} (manifest keys edited?)")
+        return table, sums
 
     def _header_len(self, entry: dict[str, Any], i: int, prefix: bytes) -> int:
         length = entry["offsets"][i][1]
         hlen = int.from_bytes(prefix[:8], "little")
-        if len(prefix) < 8 or hlen <= 0 or 8 + hlen > length:
+        if len(prefix) < 8 or hlen <= 0 or 8 + hlen > length or hlen > MAX_HEADER_BYTES:
             raise ValueError(
                 f"bad safetensors header length {hlen} (record is {length} bytes): the record "
                 "bytes changed, or the manifest's offsets were edited"
@@ -372,10 +395,10 @@ class WebDatasetSource:
         crcs = entry.get("crc32c")
         if crcs is not None and crc32c(data) != crcs[i][1]:
             raise ValueError("json member fails its crc32c check")
-        meta = json.loads(data)
-        if not isinstance(meta, dict) or meta.get("key") != entry["keys"][i]:
-            found = meta.get("key") if isinstance(meta, dict) else None
-            raise ValueError(f"json member names key {found!r} (manifest keys edited?)")
+        meta = _checked_json(data, "json member", dict[str, Any])
+        _checked_json(None, "json member", RecordMeta, meta)
+        if meta["key"] != entry["keys"][i]:
+            raise ValueError(f"json member names key {meta['key']!r} (manifest keys edited?)")
         return meta
 
     def read_ranges(
@@ -441,7 +464,7 @@ class WebDatasetSource:
         """Read and check a whole record: header, every tensor and row, the json member."""
         blob = self.read_blob(entry, i)
         hlen = self._header_len(entry, i, blob)
-        _, sums = self._parse_header(entry, i, blob[: 8 + hlen])
+        _, sums = self._parse_header(entry, i, blob[: 8 + hlen], typed=True)
         tensors = st_load(blob)
         if sums is not None:
             if set(sums) != set(tensors):

@@ -98,6 +98,7 @@ class CacheWriter:
         fields: list[dict[str, str]],
         dims: dict[str, Any] | None = None,
         shared: dict[str, torch.Tensor] | None = None,
+        numerics: dict[str, Any] | None = None,
         rank: int = 0,
         shard_records: int = 64,
     ) -> None:
@@ -107,10 +108,18 @@ class CacheWriter:
         self.rank = rank
         self.shard_records = shard_records
         self.sink = _make_sink(backend, self.path, shard_records)
-        self._open_cache(backend, teacher, settings, fields, dims or {}, shared or {})
+        header = mf.Manifest(
+            backend=backend,
+            teacher=teacher,
+            settings=settings,
+            fields=fields,
+            dims=dims or {},
+            numerics=numerics or {},
+        )
+        self._open_cache(header, shared or {})
         committed = mf.committed_shards(self.path, self.manifest)
         self._keys = {k for s in committed for k in s["keys"]}
-        self._mine = [s for s in mf.read_journals(self.path) if s["rank"] == rank]
+        self._mine = [s for s in mf.read_journals(self.path, backend) if s["rank"] == rank]
         seqs = [
             int(m.group(2))
             for s in committed
@@ -124,15 +133,7 @@ class CacheWriter:
         self.records_skipped = 0
         self.bytes_written = 0
 
-    def _open_cache(
-        self,
-        backend: str,
-        teacher: dict[str, Any],
-        settings: dict[str, Any],
-        fields: list[dict[str, str]],
-        dims: dict[str, Any],
-        shared: dict[str, torch.Tensor],
-    ) -> None:
+    def _open_cache(self, new: mf.Manifest, shared: dict[str, torch.Tensor]) -> None:
         try:
             (self.path / SHARD_DIR).mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -140,9 +141,6 @@ class CacheWriter:
                 f"cannot create cache directory {str(self.path)!r}: {e.strerror}",
                 fix="choose a writable --out directory",
             ) from None
-        new = mf.Manifest(
-            backend=backend, teacher=teacher, settings=settings, fields=fields, dims=dims
-        )
         if shared:
             blob, new.shared = shared_blob(shared)
         fresh = True

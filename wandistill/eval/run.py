@@ -116,7 +116,10 @@ def load_student(path: str | Path) -> torch.nn.Module:
     """The student folder as a WanTransformer3DModel; an unloadable folder is a usage error."""
     from diffusers import WanTransformer3DModel
 
+    from wandistill.student.config import check_saved_config
+
     require_safetensors(path, "student")
+    check_saved_config(path)
     try:
         return load_pretrained(WanTransformer3DModel, path)
     except (OSError, ValueError, KeyError, TypeError) as e:

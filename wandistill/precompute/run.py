@@ -41,6 +41,7 @@ from wandistill.cache.writer import CacheWriter
 from wandistill.config import PrecomputeConfig
 from wandistill.errors import WandistillError
 from wandistill.fsutil import atomic_write_json
+from wandistill.precompute.numerics import record_numerics
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.progress import Progress
 from wandistill.teacher.folder import TeacherFolder
@@ -238,6 +239,7 @@ def _run(
         backend=cfg.cache.backend,
         teacher=fingerprint,
         settings=settings,
+        numerics=record_numerics(batch_size=cfg.sampler.batch_size, device=info.device),
         fields=field_specs(
             latent_dtype=torch.float32,
             model_dtype=dtype,
@@ -322,6 +324,7 @@ def _run(
             settings=settings,
             fields=header.fields,
             dims=_dims(teacher, shape, settings),
+            numerics=header.numerics,
             shared={
                 "negative_prompt_embeds": neg_embeds[cfg.sampler.negative_prompt],
                 "timesteps": timesteps,

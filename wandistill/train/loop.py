@@ -291,7 +291,10 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
                 )
             fields.append(f"feature.{name}")
     out = Path(cfg.out)
-    if not resume and ckpt_io.resolve_latest(out / "checkpoints") is not None:
+    latest = ckpt_io.resolve_latest(out / "checkpoints")
+    if resume and latest is not None:
+        ckpt_io.check_state(latest)  # a bad checkpoint fails here, before anything is built
+    if not resume and latest is not None:
         problems.append(
             f"--out {cfg.out!r} holds checkpoints of an earlier run; pass --resume to continue "
             "it, or choose a new --out"
@@ -424,6 +427,14 @@ def restore(
             console.print(f"train: no checkpoint in {root}, starting at step 0")
         return 0
     ck = ckpt_io.load_checkpoint(root / name)
+    parts = {
+        "student.safetensors": model.student.state_dict(),
+        "ema.safetensors": ema.state_dict(),
+        "projections.safetensors": model.projection_state(),
+    }
+    if target is not None and ck.target:
+        parts["target.safetensors"] = target.state_dict()
+    ckpt_io.check_restorable(ck, root / name, parts, optimizer, scheduler)
     saved = ck.state.get("meta", {})
     if saved.get("student_config") != meta["student_config"]:
         raise UsageError(
