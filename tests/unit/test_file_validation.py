@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import Field
 from safetensors.torch import load_file, save_file
 
 from wandistill.cli import main
@@ -67,13 +68,15 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> RealFiles:
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        (b'{"a": NaN}', "not valid JSON"),
-        (b'{"a": Infinity}', "not valid JSON"),
+        (b'{"a": NaN}', "a is nan, not a finite number"),
+        (b'{"a": {"b": Infinity}}', "a.b is inf, not a finite number"),
         (b'{"a": [1e999]}', "a[0] is inf, not a finite number"),
         (b"[" * 40 + b"]" * 40, "nests deeper than 32 levels"),
-        (b"[" * 5000 + b"]" * 5000, "recursion limit exceeded"),
-        (b'{"a": "\xff"}', "not valid JSON"),
+        (b"[" * 5000 + b"]" * 5000, ": nests deeper than 32 levels"),
+        (b'{"a": "\xff"}', "not valid JSON (not UTF-8 text at byte 7)"),
         (b'{"a": "\\ud800"}', "not valid JSON"),
+        (b'{"a": 1, "a": 2}', "not valid JSON (duplicate key 'a')"),
+        (b'{"a": ' + b"9" * 5000 + b"}", "not valid JSON (Exceeds the limit"),
         (b"", "not valid JSON"),
     ],
 )
@@ -122,6 +125,28 @@ def test_a_schema_error_names_the_field_and_the_named_item(obj: Any, message: st
     with pytest.raises(UsageError) as e:
         check(_Doc, obj, "doc 'd.json'", fix="f")
     assert e.value.message == f"doc 'd.json': {message}"
+
+
+class _Inner(Schema):
+    ratio: float = Field(json_schema_extra={"fix": "use a ratio in (0, 1)"}, gt=0, lt=1)
+
+
+class _Outer(Schema):
+    inner: _Inner
+    steps: int
+
+
+def test_a_field_that_declares_a_fix_gives_it_instead_of_the_files(tmp_path: Path) -> None:
+    with pytest.raises(UsageError) as e:
+        check(_Outer, {"inner": {"ratio": 1.5}, "steps": 1}, "doc 'd.json'", fix="file fix")
+    assert e.value.message.startswith("doc 'd.json': inner.ratio = 1.5")
+    assert e.value.fix == "use a ratio in (0, 1)"
+    path = tmp_path / "d.json"
+    path.write_text('{"inner": {"ratio": 0.5}}')
+    with pytest.raises(UsageError) as e:
+        load_json_file(path, _Outer, what="doc", fix="file fix")
+    assert e.value.message == f"doc {str(path)!r}: steps is missing"
+    assert e.value.fix == "file fix"
 
 
 def test_inside_refuses_names_that_leave_their_folder_even_through_a_symlink(
@@ -237,7 +262,7 @@ def _edit_json(path: Path, edit: Any) -> None:
             "attributes.wandistill: block_records = -1",
         ),
         ("xt/zarr.json", lambda m: m.update(shape=[2**50, 2]), "shape[0] = 1125899906842624"),
-        ("xt/zarr.json", lambda m: m.update(codecs=[]), "codecs: list should have at least 1"),
+        ("xt/zarr.json", lambda m: m.update(codecs=[]), "codecs = []: list should have at least 1"),
         ("xt/zarr.json", lambda m: m.update(data_type="float99"), "zarr cannot read it"),
         ("xt/zarr.json", lambda m: m.update(attributes={"wandistill_dtype": 5}), "not a dtype"),
     ],
