@@ -215,7 +215,7 @@ CASES = [
     Case("pre-teacher-incomplete", _with(PRE, "--teacher", "{t_nocfg}"), 2,
          "teacher folder is missing '{t_nocfg}/transformer/config.json'"),
     Case("pre-teacher-bad-json", _with(PRE, "--teacher", "{t_badjson}"), 2,
-         "'{t_badjson}/model_index.json' is not valid JSON", fix=False),
+         "teacher file '{t_badjson}/model_index.json': not valid JSON", fix=False),
     Case("pre-prompts-missing", _with(PRE, "--prompts", "{tmp}/nope.txt"), 2,
          "prompt file '{tmp}/nope.txt' does not exist"),
     Case("pre-prompts-is-dir", _with(PRE, "--prompts", "{pdir}"), 2,
