@@ -943,8 +943,9 @@ def parse_placement(
         close = difflib.get_close_matches(text, NAMES, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         raise UsageError(
-            f"placement {text!r} is not known",
-            fix=f"{hint}use one of {', '.join(NAMES)}, cuda:N or a device-map .json file",
+            f"placement={text!r} must be one of {', '.join(NAMES)}, cuda:N or a device-map "
+            ".json file",
+            fix=f"{hint}pass one of those",
         )
     return table[text]
 

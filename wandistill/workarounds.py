@@ -34,6 +34,7 @@ __all__ = [
     "mixed_map_kwargs",
     "never_split",
     "offload_hooks",
+    "offload_index",
     "redispatch_disk",
     "remove_diffusers_hooks",
     "restore_fp32_offloaded",
