@@ -125,7 +125,7 @@ def _number(num: str, what: str, value: Any) -> float:
 
 def _nearest_size(text: str) -> str:
     """The accepted spelling closest to a refused size: keep the number, fix the unit."""
-    m = re.match(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)", text)
+    m = re.match(r"\s*-?(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)", text)
     if not m:
         return "80GiB (or 80GB, 512MiB, 2TiB)"
     unit = (m.group(2) or "G").upper()
