@@ -172,7 +172,7 @@ class Need:
 class LoadContext(Protocol):
     """What `Placement.load` gets from the loader (wandistill.teacher.placement)."""
 
-    def from_pretrained(
+    def load_weights(
         self, comp: Component, dtype: torch.dtype, **kwargs: Any
     ) -> torch.nn.Module: ...
 
@@ -259,10 +259,12 @@ class Placement:
         return True
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        raise NotImplementedError
+        """Memory per device while `phase` runs (every concrete strategy defines it)."""
+        raise TypeError(f"placement {self} is chosen by a plan; it is never planned itself")
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
-        raise NotImplementedError
+        """Put one component there (every concrete strategy defines it)."""
+        raise TypeError(f"placement {self} is resolved per component before loading")
 
     def execution_device(self, model: torch.nn.Module | None = None) -> torch.device:
         """Where inputs of a component loaded with this placement must go (`model`: the loaded
@@ -318,7 +320,7 @@ class Cpu(Placement):
         return Need({"cpu": CPU_OVERHEAD + _weights(ctx, phase) + phase.activation_bytes})
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
-        return Loaded(ctx.from_pretrained(comp, dtype))
+        return Loaded(ctx.load_weights(comp, dtype))
 
     def allowed_devices(self, model: torch.nn.Module) -> set[str] | None:
         return {"cpu"}
@@ -370,7 +372,7 @@ class Cuda(Placement):
         return Need({"cpu": CPU_OVERHEAD, self.device: total})
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
-        return Loaded(ctx.from_pretrained(comp, dtype, device_map=self.device))
+        return Loaded(ctx.load_weights(comp, dtype, device_map=self.device))
 
     def on_gpu(self, gpu: int) -> Placement:
         return Cuda(gpu)
@@ -435,7 +437,7 @@ class AccelerateMap(Placement):
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
         budget = self.budget(comp.name)
-        return Loaded(ctx.from_pretrained(comp, dtype, device_map=self.name, max_memory=budget))
+        return Loaded(ctx.load_weights(comp, dtype, device_map=self.name, max_memory=budget))
 
     def execution_device(self, model: torch.nn.Module | None = None) -> torch.device:
         import torch
@@ -522,7 +524,7 @@ class ModuleMap(Placement):
         if "disk" in self.mapping.values():
             extra["offload_folder"] = str(ctx.offload_folder(comp.name))
             extra.update(workarounds.mixed_map_kwargs(component_class(comp)))
-        return Loaded(ctx.from_pretrained(comp, dtype, device_map=self.mapping, **extra))
+        return Loaded(ctx.load_weights(comp, dtype, device_map=self.mapping, **extra))
 
     def execution_device(self, model: torch.nn.Module | None = None) -> torch.device:
         import torch
@@ -603,9 +605,6 @@ class DeviceMapFile(Placement):
             notes += [need.note] if need.note else []
             budgets.update(need.max_memory)
         return Need(devices, "; ".join(notes), budgets)
-
-    def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
-        raise AssertionError("load_component loads a device-map file per component")
 
 
 def _gpu_indices(entry: Placement) -> list[int]:
@@ -735,18 +734,14 @@ class ModelOffload(_Offload):
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
         biggest = max(ctx.comps[c].weight_bytes for c in phase.components)
-        gpu = self.device or ctx.gpu
-        return Need(
-            {
-                "cpu": CPU_OVERHEAD + _weights(ctx, phase),
-                gpu: biggest + phase.activation_bytes + CUDA_OVERHEAD,
-            }
-        )
+        devices = {"cpu": CPU_OVERHEAD + _weights(ctx, phase)}
+        _merge(devices, {self.device or ctx.gpu: biggest + phase.activation_bytes + CUDA_OVERHEAD})
+        return Need(devices)
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
         from accelerate import cpu_offload_with_hook
 
-        model, hook = cpu_offload_with_hook(ctx.from_pretrained(comp, dtype), self.device)
+        model, hook = cpu_offload_with_hook(ctx.load_weights(comp, dtype), self.device)
         return Loaded(model, hook)
 
     def allowed_devices(self, model: torch.nn.Module) -> set[str] | None:
@@ -788,19 +783,15 @@ class GroupOffload(_Offload):
                 on_gpu = max(on_gpu, inflight * c.largest_leaf_bytes)
             else:
                 on_gpu = max(on_gpu, c.resident_bytes + inflight * c.largest_group_bytes)
-        gpu = self.device or ctx.gpu
-        return Need(
-            {
-                "cpu": CPU_OVERHEAD + _weights(ctx, phase),
-                gpu: on_gpu + phase.activation_bytes + CUDA_OVERHEAD,
-            }
-        )
+        devices = {"cpu": CPU_OVERHEAD + _weights(ctx, phase)}
+        _merge(devices, {self.device or ctx.gpu: on_gpu + phase.activation_bytes + CUDA_OVERHEAD})
+        return Need(devices)
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
         import torch
         from diffusers.hooks import apply_group_offloading
 
-        model = ctx.from_pretrained(comp, dtype)
+        model = ctx.load_weights(comp, dtype)
         device = torch.device(self.device or "cpu")
         streams = device.type == "cuda"
         apply_group_offloading(
@@ -854,9 +845,7 @@ class DiskOffload(_Offload):
         import torch
 
         folder = ctx.offload_folder(comp.name)
-        model = ctx.from_pretrained(
-            comp, dtype, device_map={"": "disk"}, offload_folder=str(folder)
-        )
+        model = ctx.load_weights(comp, dtype, device_map={"": "disk"}, offload_folder=str(folder))
         workarounds.redispatch_disk(model, torch.device(self.device or "cpu"), folder)
         return Loaded(model)
 

@@ -182,8 +182,8 @@ class _Loader:
     folder: Path | None = None
     created: list[Path] = field(default_factory=list)
 
-    def from_pretrained(self, comp: Component, dtype: torch.dtype, **kwargs: Any) -> Any:
-        """The library loader, local safetensors only, load failures as one-line errors."""
+    def load_weights(self, comp: Component, dtype: torch.dtype, **kwargs: Any) -> Any:
+        """The library's from_pretrained: local safetensors only, failures as one-line errors."""
         cls = component_class(comp)
         try:
             return load_pretrained(cls, comp.path, **workarounds.dtype_kwarg(cls, dtype), **kwargs)

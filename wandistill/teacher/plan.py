@@ -749,9 +749,7 @@ class PlanContext:
         """Every module and tensor name of component `name` (tied ones under each name)."""
         model = self.models[name]
         tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
-        return {n for n, _ in model.named_modules(remove_duplicate=False)} | {
-            n for n, _ in tensors
-        }
+        return {n for n, _ in model.named_modules(remove_duplicate=False)} | {n for n, _ in tensors}
 
     def simulate_device_map(self, phase: Phase, strategy: str, *, low_zero: bool) -> Need:
         """accelerate's own device-map algorithm on the meta models, GPUs only (plus the CPU
@@ -926,10 +924,8 @@ _FLAGS = {"cpu": "--cpu-mem", "disk": "--disk"}
 def too_small(plan: Plan) -> UsageError:
     """The one-line error for a described machine on which nothing fits: the strategy closest
     to fitting (least memory short), what it needs per device, and the flags that would do."""
-    fixable = [
-        s for s in plan.strategies if not s.note.startswith(tuple(p.name for p in plan.phases))
-    ]
-    pool = fixable or list(plan.strategies)
+    spilled = tuple(f"{p.name}: " for p in plan.phases)  # device maps that spill: no size fixes
+    pool = [s for s in plan.strategies if not s.note.startswith(spilled)] or list(plan.strategies)
 
     def short(s: StrategyPlan) -> int:
         inv = plan.inventory
