@@ -150,10 +150,6 @@ def parse_max_memory(caps: Mapping[Any, Any] | None, what: str = "max_memory") -
     return tuple(sorted(out, key=lambda kv: (isinstance(kv[0], str), str(kv[0]))))
 
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:.1f} GiB"
-
-
 # --------------------------------------------------------------------------- protocol
 
 
