@@ -180,7 +180,7 @@ def recipes_list(ctx: typer.Context) -> None:
     for name in shipped_recipe_names():
         r = load_recipe(name)
         t = r.precompute.teacher
-        table.add_row(name, r.description, t.path, t.placement)
+        table.add_row(name, r.description, t.path, str(t.placement))
     out.print(table)
 
 
@@ -393,6 +393,16 @@ def _out_dir(path: str | Path, flag: str = "--out") -> None:
         )
 
 
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        help="auto (a GPU if the models fit one, else the CPU), cpu, cuda or cuda:N; loads the "
+        "teacher's text encoder / VAE with the same placement machinery as precompute.",
+    ),
+]
+
+
 @app.command("eval")
 def eval_cmd(
     cache: Annotated[Path, typer.Option(help="Cache with held-out records (or a separate one).")],
@@ -406,16 +416,26 @@ def eval_cmd(
     ] = None,
     split: Annotated[str, typer.Option(help="holdout (default) or all.")] = "holdout",
     max_records: Annotated[int | None, typer.Option(help="Evaluate at most N records.")] = None,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Compare the student's samples with the teacher's cached final latents."""
     from wandistill.eval.run import evaluate
+    from wandistill.placements import parse_device
 
     if split not in ("holdout", "all"):
         raise UsageError(f"--split {split!r} must be holdout or all")
     _positive(steps=steps, max_records=max_records)
+    where = parse_device(device)
     _out_dir(out_dir)
     result = evaluate(
-        cache, student, out_dir, teacher=teacher, steps=steps, split=split, max_records=max_records
+        cache,
+        student,
+        out_dir,
+        teacher=teacher,
+        steps=steps,
+        split=split,
+        max_records=max_records,
+        device=where,
     )
     out.print(result.table(), highlight=False)
     out.print(f"wrote {out_dir / 'eval.md'}, {out_dir / 'eval.json'}, {result.grid}")
@@ -439,11 +459,15 @@ def sample_cmd(
         int, typer.Option(help="Text padding length; use the cache's (512 for real Wan).")
     ] = 512,
     limit: Annotated[int, typer.Option(help="At most N prompts.")] = 16,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Generate images from prompts with the student (or the teacher, for comparison)."""
     from wandistill.config import SamplerConfig
     from wandistill.eval.sample import sample
+    from wandistill.placements import parse_device
     from wandistill.precompute.prompts import read_prompts
+
+    where = parse_device(device)
 
     try:
         SamplerConfig(
@@ -475,6 +499,7 @@ def sample_cmd(
         width=width,
         num_frames=num_frames,
         seed=seed,
+        device=where,
     )
     out.print(f"wrote {len(paths)} images and {out_dir / 'grid.png'}")
 
@@ -553,17 +578,30 @@ def plan_cmd(
     dtype: Annotated[str | None, typer.Option(help="fp32, fp16 or bf16.")] = None,
     overrides: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    gpus: Annotated[
+        int | None, typer.Option("--gpus", help="What-if: plan for a machine with N GPUs...")
+    ] = None,
+    gpu_mem: Annotated[
+        str | None, typer.Option("--gpu-mem", help="...of this memory each (80GiB, 80GB)...")
+    ] = None,
+    cpu_mem: Annotated[
+        str | None, typer.Option("--cpu-mem", help="...this much RAM (512GiB)...")
+    ] = None,
+    disk: Annotated[
+        str | None, typer.Option("--disk", help="...and this much offload disk (default 1TiB).")
+    ] = None,
 ) -> None:
-    """Memory each placement needs per phase and device here, what fits, and auto's pick."""
+    """Memory each placement needs per phase and device, what fits, and auto's pick: on this
+    machine, or on one described with --gpus/--gpu-mem/--cpu-mem/--disk."""
     from wandistill.config import load_recipe
     from wandistill.teacher.folder import TeacherFolder
-    from wandistill.teacher.placement import check_placement
     from wandistill.teacher.plan import (
         Inventory,
         SamplerSizes,
         dtype_from_name,
         make_plan,
         render_plan,
+        too_small,
     )
 
     if teacher and config:
@@ -579,32 +617,39 @@ def plan_cmd(
             "no teacher to plan",
             fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
         )
-    # Validated as precompute would (custom code, pickles, bad configs); weights may be absent.
-    if config:
-        source = TeacherFolder.published(config)
+    what_if = any(v is not None for v in (gpus, gpu_mem, cpu_mem, disk))
+    if what_if:
+        inventory = Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk)
+        cfg.teacher.placement.check(len(inventory.gpus))  # cuda:3 on --gpus 2 is an error
     else:
-        source = TeacherFolder.open(cfg.teacher.path, complete=False)
-    inventory = Inventory.detect(cfg.teacher.offload_folder or cfg.cache.path)
+        inventory = Inventory.detect(cfg.teacher.offload_folder or cfg.cache.path)
+    # Validated as precompute would (custom code, pickles, bad configs); weights may be absent.
+    source = (
+        TeacherFolder.published(config)
+        if config
+        else TeacherFolder.open(cfg.teacher.path, complete=False)
+    )
     plan = make_plan(
         source,
         dtype=dtype_from_name(cfg.teacher.dtype),
         sizes=SamplerSizes.from_config(cfg),
         inventory=inventory,
         placement=cfg.teacher.placement,
-        group_offload_level=cfg.teacher.group_offload_level,
-        max_memory=cfg.teacher.max_memory or None,
     )
     if as_json:
         out.print_json(json.dumps(plan.to_json()))
-        return
-    for renderable in render_plan(plan):
-        out.print(renderable)
-    if recipe is not None and not config:
-        _show_recording(load_recipe(recipe, sets, stage="precompute"))
-    try:
-        check_placement(cfg.teacher.placement, gpus=len(inventory.gpus))
-    except UsageError as e:
-        err.print(f"[yellow]requested placement:[/yellow] {e.message}", highlight=False)
+    else:
+        for renderable in render_plan(plan):
+            out.print(renderable)
+        if recipe is not None and not config:
+            _show_recording(load_recipe(recipe, sets, stage="precompute"))
+    if what_if and plan.auto.placement is None:
+        raise too_small(plan)
+    if not what_if:
+        try:
+            cfg.teacher.placement.check(len(inventory.gpus))
+        except UsageError as e:
+            err.print(f"[yellow]requested placement:[/yellow] {e.message}", highlight=False)
 
 
 # --------------------------------------------------------------------------- entry point

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 import tomllib
 
-from wandistill.errors import ConfigError
+from wandistill.errors import ConfigError, UsageError
+from wandistill.placements import GROUP_LEVELS, Cpu, Placement, parse_placement
 from wandistill.validate import MiB, read_capped
 
 if typing.TYPE_CHECKING:
@@ -35,18 +36,6 @@ MAX_RECIPE_BYTES = MiB
 """A recipe picks values; a bigger file is not a recipe."""
 DTYPES = ("fp32", "fp16", "bf16")
 BACKENDS = ("webdataset", "zarr")
-NAMED_PLACEMENTS = (
-    "cpu",
-    "cuda",
-    "gpu0",
-    "balanced",
-    "balanced_low_0",
-    "sequential",
-    "auto",
-    "model-offload",
-    "group-offload",
-    "disk-offload",
-)
 
 
 def _problems(*checks: tuple[bool, str]) -> None:
@@ -56,17 +45,15 @@ def _problems(*checks: tuple[bool, str]) -> None:
         raise ConfigError("; ".join(bad))
 
 
-def placement_is_valid(p: str) -> bool:
-    return p in NAMED_PLACEMENTS or p.startswith("cuda:") or p.endswith(".json")
-
-
 @dataclass(kw_only=True, slots=True)
 class TeacherConfig:
     path: str = ""
     """Local diffusers Wan folder (Wan 2.1: `transformer`; Wan 2.2 A14B: also `transformer_2`)."""
-    placement: str = "cpu"
+    placement: Placement = field(default_factory=Cpu)
     """cpu, cuda, cuda:N, gpu0, balanced, balanced_low_0, sequential, auto, a device-map .json,
-    model-offload, group-offload or disk-offload."""
+    model-offload, group-offload or disk-offload. Written as text, parsed here once into its
+    typed strategy (`wandistill.placements`), with group_offload_level and max_memory folded
+    in; everything downstream takes the object."""
     dtype: str = "fp32"
     """Compute dtype of the teacher; layers Wan keeps in fp32 stay fp32."""
     offload_folder: str = ""
@@ -80,15 +67,18 @@ class TeacherConfig:
         _problems(
             (self.dtype in DTYPES, f"teacher.dtype={self.dtype!r} must be one of {DTYPES}"),
             (
-                placement_is_valid(self.placement),
-                f"teacher.placement={self.placement!r} must be one of {NAMED_PLACEMENTS}, "
-                "cuda:N or a device-map .json file",
-            ),
-            (
-                self.group_offload_level in ("block_level", "leaf_level"),
+                self.group_offload_level in GROUP_LEVELS,
                 "teacher.group_offload_level must be block_level or leaf_level",
             ),
         )
+        try:
+            self.placement = parse_placement(
+                self.placement,
+                group_offload_level=self.group_offload_level,
+                max_memory=self.max_memory,
+            )
+        except UsageError as e:
+            raise ConfigError(f"teacher.{e.message}", fix=e.fix) from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -480,6 +470,10 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against annotation `tp`; ints widen to float, nothing else is converted."""
     origin = typing.get_origin(tp)
+    if tp is Placement:  # parsed (with its sibling keys) in TeacherConfig.__post_init__
+        if not isinstance(value, str):
+            raise ConfigError(f'{where}={value!r} must be a string, e.g. "auto"')
+        return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a table ([{where}]), got {value!r}")
@@ -544,8 +538,18 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     return cls(**kwargs)
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Any) -> Any:
+    """A config as plain JSON-able data: recipe values back in the form a recipe writes them
+    (a placement as its --placement text)."""
+    if hasattr(cfg, "to_recipe"):
+        return cfg.to_recipe()
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    return cfg
 
 
 def _parse_value(text: str) -> Any:

@@ -51,6 +51,14 @@ SAFETENSORS_BYTES: Mapping[str, int] = {
     "C64": 8,
 }
 """Bytes per element of every safetensors dtype code torch can load."""
+COMPONENT_CLASSES: Mapping[str, tuple[str, str]] = {
+    "text_encoder": ("transformers", "UMT5EncoderModel"),
+    "transformer": ("diffusers", "WanTransformer3DModel"),
+    "transformer_2": ("diffusers", "WanTransformer3DModel"),
+    "vae": ("diffusers", "AutoencoderKLWan"),
+}
+"""The components of a Wan teacher folder and the (library, class) that loads each. Here, not in
+teacher/, because recipe parsing (`wandistill.placements`) needs the names too."""
 FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
 
 MAX_HEADER_BYTES = 100_000_000
@@ -405,6 +413,7 @@ def load_pretrained(cls: Any, path: str | Path, **kwargs: Any) -> Any:
 
 
 __all__ = [
+    "COMPONENT_CLASSES",
     "SAFETENSORS_BYTES",
     "SafetensorsFile",
     "Reader",

@@ -25,6 +25,7 @@ from wandistill.errors import UsageError
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.fsutil import atomic_write_bytes, atomic_write_json
 from wandistill.modelfolder import load_pretrained, refuse_custom_code, require_safetensors
+from wandistill.placements import Auto, Cpu, Cuda, Placement
 from wandistill.teacher.folder import TeacherFolder
 
 
@@ -140,8 +141,10 @@ def evaluate(
     split: str = "holdout",
     max_records: int | None = None,
     grid_records: int = 8,
-    device: str = "cpu",
+    device: Placement | None = None,
 ) -> EvalResult:
+    """`device` (`--device`, parsed by `placements.parse_device`): where the student and the
+    teacher's VAE run, through the same placement objects precompute uses; default the CPU."""
     if not Path(student_path).is_dir():
         raise UsageError(
             f"student {str(student_path)!r} does not exist",
@@ -149,6 +152,8 @@ def evaluate(
         )
     refuse_custom_code(student_path, "student")
     folder = TeacherFolder.open(teacher) if teacher is not None else None
+    placement = _device_placement(device or Cpu(), folder)
+    device = placement.execution_device()
     torch.manual_seed(0)
     student = load_student(student_path).to(device).eval().requires_grad_(False)
     with CacheStore(cache) as store:
@@ -157,7 +162,9 @@ def evaluate(
         records = _held_out(store, split, max_records)
     inputs = {"--cache": cache, "--student": student_path, "--teacher": teacher}
     with outputs.claim(out_dir, "eval", inputs=inputs) as out:  # every input checked out
-        return _evaluate(student, records, settings, out.path, folder, steps, grid_records, device)
+        return _evaluate(
+            student, records, settings, out.path, folder, steps, grid_records, placement
+        )
 
 
 def _evaluate(
@@ -168,9 +175,10 @@ def _evaluate(
     folder: TeacherFolder | None,
     steps: int | None,
     grid_records: int,
-    device: str,
+    placement: Placement,
 ) -> EvalResult:
     """Sample, score and write eval.json / eval.md / grid.png into the claimed folder."""
+    device = placement.execution_device()
     msl = int(settings["max_sequence_length"])
     n_steps = steps or int(settings["num_inference_steps"])
     scheduler = make_scheduler(settings)
@@ -206,7 +214,7 @@ def _evaluate(
         step_loss=float(np.mean(step_losses)),
         per_record=per_record,
     )
-    decoded = _decode(folder, records, finals, result) if folder is not None else None
+    decoded = _decode(folder, records, finals, result, placement) if folder else None
     write_grid(records, finals, decoded, out / "grid.png", grid_records)
     result.grid = str(out / "grid.png")
     atomic_write_json(out / "eval.json", asdict(result))
@@ -289,13 +297,38 @@ def write_grid(
     save_png(Image.fromarray(np.concatenate(lines, axis=0)), path)
 
 
+def _device_placement(device: Placement, folder: TeacherFolder | None) -> Placement:
+    """`device` made concrete: auto is a GPU if the VAE fits one (the first GPU if there is no
+    teacher to plan), else the CPU."""
+    from wandistill.teacher import placement as pl
+    from wandistill.teacher.plan import SamplerSizes
+
+    if folder is not None:
+        sizes = SamplerSizes(previews=True)  # Wan 480p decode: what a real teacher's eval does
+        return pl.resolve_placement(
+            device,
+            folder=folder,
+            dtype=torch.float32,
+            sizes=sizes,
+            components=("vae",),
+            only=(Cuda, Cpu),
+        )
+    if isinstance(device, Auto):
+        device = Cuda() if torch.cuda.is_available() else Cpu()
+    return pl.resolve_placement(device, folder={}, dtype=torch.float32)
+
+
 def _decode(
-    teacher: TeacherFolder, records: list[Record], finals: list[torch.Tensor], result: EvalResult
+    teacher: TeacherFolder,
+    records: list[Record],
+    finals: list[torch.Tensor],
+    result: EvalResult,
+    placement: Placement,
 ) -> tuple[np.ndarray, np.ndarray]:
     from wandistill.teacher import placement as pl
     from wandistill.teacher.decode import decode_latents
 
-    vae = pl.load_component(teacher, "vae", dtype=torch.float32, placement="cpu")
+    vae = pl.load_component(teacher, "vae", dtype=torch.float32, placement=placement)
     t_img = decode_latents(vae, torch.stack([r.final_latent for r in records]))
     s_img = decode_latents(vae, torch.stack(finals))
     scores = [min(image_psnr(s, t), 100.0) for s, t in zip(s_img, t_img, strict=True)]

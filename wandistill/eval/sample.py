@@ -17,6 +17,7 @@ from PIL import Image
 from wandistill import outputs
 from wandistill.errors import UsageError
 from wandistill.modelfolder import refuse_custom_code
+from wandistill.placements import Cpu, Cuda, Placement
 from wandistill.teacher.decode import save_png
 from wandistill.teacher.folder import TeacherFolder
 
@@ -34,12 +35,21 @@ def sample(
     num_frames: int = 1,
     max_sequence_length: int = 512,
     seed: int = 0,
-    device: str = "cpu",
+    device: Placement | None = None,
 ) -> list[Path]:
-    """Write `<out>/<i>.png` per prompt and `<out>/grid.png`; returns the PNG paths."""
+    """Write `<out>/<i>.png` per prompt and `<out>/grid.png`; returns the PNG paths.
+
+    `device` (`--device`): where the text encoder, VAE and denoiser run, loaded through the
+    same placement objects precompute uses (auto: a GPU if they fit one, else the CPU)."""
     from wandistill.eval.run import load_student
+    from wandistill.teacher import placement as pl
+    from wandistill.teacher.plan import SamplerSizes
 
     folder = TeacherFolder.open(teacher)
+    sizes = SamplerSizes(height, width, num_frames, 1, max_sequence_length, previews=True)
+    placement = pl.resolve_placement(
+        device or Cpu(), folder=folder, dtype=torch.float32, sizes=sizes, only=(Cuda, Cpu)
+    )
     model = None
     if student is not None:
         if not Path(student).is_dir():
@@ -48,9 +58,9 @@ def sample(
                 fix="pass <out>/student from `wandistill train`",
             )
         refuse_custom_code(student, "student")
-        model = load_student(student)
+        model = load_student(student).to(placement.execution_device())
         guidance_scale = 1.0
-    pipe = _pipeline(folder, model).to(device)
+    pipe = _pipeline(folder, model, placement)
     pipe.set_progress_bar_config(disable=True)
     call = dict(
         height=height,
@@ -93,15 +103,15 @@ def _sample_into(
     return paths
 
 
-def _pipeline(folder: TeacherFolder, student: torch.nn.Module | None) -> Any:
+def _pipeline(folder: TeacherFolder, student: torch.nn.Module | None, placement: Placement) -> Any:
     """WanPipeline from the folder's parts, loaded like precompute loads them (safetensors only,
-    fp32 on the CPU). A student replaces both experts, so no boundary."""
+    fp32, with `placement`). A student replaces both experts, so no boundary."""
     from diffusers import WanPipeline
 
     from wandistill.teacher import placement as pl
 
     def load(name: str) -> torch.nn.Module:
-        return pl.load_component(folder, name, dtype=torch.float32, placement="cpu")
+        return pl.load_component(folder, name, dtype=torch.float32, placement=placement)
 
     two = student is None and folder.boundary_ratio is not None
     return WanPipeline(

@@ -41,14 +41,15 @@ from wandistill.cache.writer import CacheWriter
 from wandistill.config import PrecomputeConfig
 from wandistill.errors import WandistillError
 from wandistill.fsutil import atomic_write_json
+from wandistill.placements import Placement
 from wandistill.precompute.numerics import record_numerics
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.progress import Progress
 from wandistill.teacher.folder import TeacherFolder
+from wandistill.teacher.plan import SamplerSizes
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-CPU_PLACEMENTS = ("cpu",)
 
 
 @dataclass(slots=True)
@@ -119,11 +120,11 @@ def _key(p: Prompt, settings: dict[str, Any]) -> str:
     return record_key(p.text, p.seed, {**settings, **own})
 
 
-def _device_kind(placement: str) -> str:
+def _device_kind(placement: Placement) -> str:
     """The device torchrun ranks bind to: CPU placements use gloo, the rest the rank's GPU."""
     import torch
 
-    if placement in CPU_PLACEMENTS or not torch.cuda.is_available():
+    if placement.cpu_only or not torch.cuda.is_available():
         return "cpu"
     return "auto"
 
@@ -263,7 +264,7 @@ def _run(
         cfg.teacher.placement,
         folder=teacher,
         dtype=dtype,
-        sampler=cfg.sampler,
+        sizes=SamplerSizes.from_config(cfg),  # the sizes `wandistill plan` plans for
         world_size=info.world_size,
         local_rank=info.local_rank,
     )
@@ -274,8 +275,6 @@ def _run(
         dtype=dtype,
         placement=placement,
         offload_dir=Path(cfg.teacher.offload_folder or cache / ".offload.tmp") / f"rank{info.rank}",
-        max_memory=cfg.teacher.max_memory or None,
-        group_offload_level=cfg.teacher.group_offload_level,
     )
 
     # Phase 1: text embeddings for the prompts still to do, then free the encoder.

@@ -32,7 +32,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from wandistill.errors import UsageError
-from wandistill.modelfolder import Reader, Weights, code_files, custom_code_error, read_weights
+from wandistill.modelfolder import (
+    COMPONENT_CLASSES,
+    Reader,
+    Weights,
+    code_files,
+    custom_code_error,
+    read_weights,
+)
 from wandistill.validate import OpenSchema, Schema, check, label
 
 __all__ = [
@@ -49,13 +56,6 @@ __all__ = [
     "validate_config",
 ]
 
-#: Components precompute may load, with their library and class (model_index.json layout).
-COMPONENT_CLASSES: Mapping[str, tuple[str, str]] = {
-    "text_encoder": ("transformers", "UMT5EncoderModel"),
-    "transformer": ("diffusers", "WanTransformer3DModel"),
-    "transformer_2": ("diffusers", "WanTransformer3DModel"),
-    "vae": ("diffusers", "AutoencoderKLWan"),
-}
 WEIGHT_STEMS = {"diffusers": "diffusion_pytorch_model", "transformers": "model"}
 CODE_LIBRARIES = ("diffusers", "transformers")
 """The only libraries whose classes a model folder's model_index.json may name."""

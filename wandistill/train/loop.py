@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import inspect
 import os
 import signal
 import threading
@@ -65,13 +64,9 @@ from wandistill.train.failures import (
 )
 from wandistill.train.metrics import MetricsLog, peak_memory, truncate_after
 from wandistill.train.optim import build_optimizer, build_scheduler
+from wandistill.workarounds import ddp_no_buffer_sync
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
-NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}  # torch >= 2.13 name
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-    else {"broadcast_buffers": False}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,7 +389,7 @@ def setup(
         trainer.ddp = DistributedDataParallel(
             model,
             device_ids=[info.device.index] if info.device.type == "cuda" else None,
-            **NO_BUFFER_SYNC,  # the only buffers are RoPE tables, equal on every rank
+            **ddp_no_buffer_sync(),  # the only buffers are RoPE tables, equal on every rank
         )
     trainer.metrics = MetricsLog(plan.out, enabled=info.is_main, tensorboard=cfg.tensorboard)
     if info.is_main:
