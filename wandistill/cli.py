@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -71,7 +72,11 @@ def teacher_make_tiny(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing teacher at PATH.")] = False,
 ) -> None:
     """Write a tiny random-weight Wan teacher that WanPipeline loads and runs on CPU."""
+    from wandistill.bounds import SEED, flag_problem
     from wandistill.teacher.tiny import make_tiny_teacher
+
+    if (problem := flag_problem("--seed", seed, SEED)) is not None:
+        raise UsageError(problem)
 
     blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
@@ -312,6 +317,12 @@ def eval_cmd(
     if split not in ("holdout", "all"):
         raise UsageError(f"--split {split!r} must be holdout or all")
     _positive(steps=steps, max_records=max_records)
+    from wandistill.bounds import flag_problem, range_of
+    from wandistill.config import SamplerConfig
+
+    steps_range = range_of(SamplerConfig, "num_inference_steps")
+    if steps is not None and steps_range and (p := flag_problem("--steps", steps, steps_range)):
+        raise UsageError(p)
     _out_dir(out_dir)
     result = evaluate(
         cache, student, out_dir, teacher=teacher, steps=steps, split=split, max_records=max_records
@@ -344,20 +355,24 @@ def sample_cmd(
     from wandistill.eval.sample import sample
     from wandistill.precompute.prompts import read_prompts
 
-    try:
+    try:  # the flags get the recipe's ranges (finite, in range) through the same config class
         SamplerConfig(
             height=height,
             width=width,
             num_frames=num_frames,
             num_inference_steps=steps,
             max_sequence_length=max_sequence_length,
+            guidance_scale=guidance_scale,
+            seed=seed,
         )
     except ConfigError as e:  # name the flags, not the recipe keys
+        flags = {"num_inference_steps": "steps"}
         raise UsageError(
-            e.message.replace("sampler.num_inference_steps", "--steps")
-            .replace("sampler.max_sequence_length", "--max-sequence-length")
-            .replace("sampler.num_frames", "--num-frames")
-            .replace("sampler.", "--")
+            re.sub(
+                r"sampler\.(\w+)",
+                lambda m: "--" + flags.get(m[1], m[1]).replace("_", "-"),
+                e.message,
+            )
         ) from None
     _positive(limit=limit)
     _out_dir(out_dir)

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wandistill.bounds import PROMPT_SEED
 from wandistill.errors import UsageError
 
 
@@ -79,6 +80,8 @@ def _parse_jsonl(line: str, lineno: int, base_seed: int) -> Prompt | None:
         or (neg is not None and not isinstance(neg, str))
     ):
         raise ValueError("'seed' must be an integer and 'negative_prompt' a string")
+    if PROMPT_SEED.problem("seed", seed) is not None:  # negative or beyond 64 bits: torch would
+        raise ValueError(PROMPT_SEED.problem("seed", seed))  # alias or overflow; a bad line
     text = obj["prompt"].strip()
     return Prompt(text, seed, lineno, neg) if text else None
 
