@@ -213,7 +213,8 @@ def precompute_cmd(
             out.print(line, highlight=False)
     out.print(
         f"cache {s.cache}: {s.records_written} records written, {s.records_skipped} already "
-        f"there, {_human(s.bytes_written)} in {s.seconds:.1f} s",
+        f"there, {s.prompts_encoded} prompts encoded, {_human(s.bytes_written)} in "
+        f"{s.seconds:.1f} s",
         highlight=False,
     )
 

@@ -19,8 +19,9 @@ import torch
 from safetensors.torch import save as st_save
 
 from wandistill.cache import manifest as mf
-from wandistill.cache.schema import SHARED_NAME, Record, dtype_name
+from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name
 from wandistill.errors import CacheError, UsageError
+from wandistill.finite import refuse_nonfinite_record
 from wandistill.fsutil import fsync_dir, temp_name
 
 SHARD_DIR = "shards"
@@ -177,6 +178,7 @@ class CacheWriter:
         if record.key in self._keys or record.key in self._open:
             self.records_skipped += 1
             return False
+        refuse_nonfinite_record(record.key, record.tensors(), STEP_FIELDS)  # never committed
         try:
             if not self._begun:
                 self.sink.begin(shard_name(self.rank, self._seq))

@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -36,11 +38,14 @@ import torch
 
 from wandistill import dist, testing_hooks
 from wandistill.cache import manifest as mf
+from wandistill.cache.embeds import EmbedStore, own_negative_name
 from wandistill.cache.schema import dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
 from wandistill.config import PrecomputeConfig, refuse_custom_code
 from wandistill.errors import UsageError, WandistillError
+from wandistill.finite import NonFiniteError
 from wandistill.fsutil import atomic_write_json
+from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.progress import Progress
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
@@ -57,6 +62,8 @@ class Summary:
     bytes_written: int
     seconds: float
     prompts: int
+    prompts_encoded: int = 0
+    """Prompts this process ran through the text encoder (0 when a resume found them all)."""
 
 
 @dataclass(slots=True)
@@ -300,7 +307,7 @@ def _run(
 
     keys = [_key(p, settings) for p in prompts]
     bs = cfg.sampler.batch_size
-    batches = [list(range(i, min(i + bs, len(prompts)))) for i in range(0, len(prompts), bs)]
+    batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
     mine = batches[info.rank :: info.world_size]
     todo = [b for b in mine if not all(keys[i] in done for i in b)]
     placement = pl.resolve_placement(
@@ -319,73 +326,64 @@ def _run(
         group_offload_level=cfg.teacher.group_offload_level,
     )
 
-    # Phase 1: text embeddings for the prompts still to do, then free the encoder.
-    from transformers import AutoTokenizer
-
-    from wandistill.teacher.encode import encode_trimmed
-
-    with stop.interruptible():  # loading and encoding write nothing: a signal aborts them
-        tokenizer = AutoTokenizer.from_pretrained(teacher.path / "tokenizer", local_files_only=True)
-        needed = sorted({i for b in todo for i in b})
-        negatives = sorted(
-            {cfg.sampler.negative_prompt}
-            | {prompts[i].negative_prompt for i in needed if prompts[i].negative_prompt is not None}
-        )
-        encoder = pl.load_component(teacher.path, "text_encoder", **load_kw)
-        try:
-            msl = cfg.sampler.max_sequence_length
-            embeds: dict[int, torch.Tensor] = {}
-            for start in range(0, len(needed), bs):
-                chunk = needed[start : start + bs]
-                with pl.oom_guard_for(encoder):
-                    enc = encode_trimmed(
-                        tokenizer,
-                        encoder,
-                        [prompts[i].text for i in chunk],
-                        max_sequence_length=msl,
-                        dtype=dtype,
-                    )
-                embeds.update(zip(chunk, enc.embeds, strict=True))
-                report.truncated.extend(
-                    prompts[i].line for i, tr in zip(chunk, enc.truncated, strict=True) if tr
-                )
-            neg = encode_trimmed(
-                tokenizer, encoder, negatives, max_sequence_length=msl, dtype=dtype
-            )
-            neg_embeds = dict(zip(negatives, neg.embeds, strict=True))
-        finally:
-            pl.unload(encoder)
-
-    timesteps, sigmas = RecordingSampler(teacher.scheduler, _spec(cfg, teacher, shape)).schedule()
-    writer = (
-        None
-        if null_sink
-        else CacheWriter(
-            cache,
-            backend=cfg.cache.backend,
-            teacher=fingerprint,
-            settings=settings,
-            fields=header.fields,
-            dims=_dims(teacher, shape, settings),
-            shared={
-                "negative_prompt_embeds": neg_embeds[cfg.sampler.negative_prompt],
-                "timesteps": timesteps,
-                "sigmas": sigmas,
-            },
-            rank=info.rank,
-            shard_records=cfg.cache.shard_records,
-        )
+    # Phase 1: text embeddings for the prompts still to do, straight to disk (embeds/). The
+    # cache (manifest, shared tensors) is created first, so embeds/ only ever lives in a cache.
+    scratch = Path(tempfile.mkdtemp(prefix="wandistill-embeds-")) if null_sink else cache
+    store = EmbedStore(scratch, rank=info.rank, flush_records=cfg.cache.shard_records)
+    ejob = EncodeJob(
+        teacher_path=teacher.path,
+        prompts=prompts,
+        keys=keys,
+        batches=todo,
+        negative_prompt=cfg.sampler.negative_prompt,
+        max_sequence_length=cfg.sampler.max_sequence_length,
+        dtype=dtype,
+        load_kw=load_kw,
+        rank=info.rank,
+        show_progress=info.is_main and not quiet,
     )
+    encoder = TextEncoder(ejob, stop.interruptible)
+    try:
+        default_negative = recipe_negative(ejob, store, encoder)
+        timesteps, sigmas = RecordingSampler(
+            teacher.scheduler, _spec(cfg, teacher, shape)
+        ).schedule()
+        writer = (
+            None
+            if null_sink
+            else CacheWriter(
+                cache,
+                backend=cfg.cache.backend,
+                teacher=fingerprint,
+                settings=settings,
+                fields=header.fields,
+                dims=_dims(teacher, shape, settings),
+                shared={
+                    "negative_prompt_embeds": default_negative,
+                    "timesteps": timesteps,
+                    "sigmas": sigmas,
+                },
+                rank=info.rank,
+                shard_records=cfg.cache.shard_records,
+            )
+        )
+        encoded = encode_phase(ejob, store, encoder, stop.check)
+    except BaseException:
+        if null_sink:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    finally:
+        encoder.close()
 
-    def job(i: int) -> Job:
+    def job(i: int) -> Job:  # embeddings streamed from the store, one batch at a time
         p = prompts[i]
         own = p.negative_prompt is not None
         return Job(
             key=keys[i],
             prompt=p.text,
             seed=p.seed,
-            embeds=embeds[i],
-            negative=neg_embeds[p.negative_prompt if own else cfg.sampler.negative_prompt],
+            embeds=store.get(keys[i]),
+            negative=store.get(own_negative_name(keys[i])) if own else default_negative,
             own_negative=own,
             extra={"line": p.line, **({"negative_prompt": p.negative_prompt} if own else {})},
         )
@@ -441,6 +439,10 @@ def _run(
             writer.close()  # commit the open shard's complete records
         written = writer.records_written if writer else 0
         raise Stopped(stop.signum or signal.SIGTERM, written, info) from None
+    except NonFiniteError:
+        if writer is not None:
+            writer.close()  # the records before the refused batch are good: commit them
+        raise
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -448,6 +450,9 @@ def _run(
     finally:
         for m in resident.values():
             pl.unload(m)
+        store.close_reader()
+        if null_sink:
+            shutil.rmtree(scratch, ignore_errors=True)
     if writer is not None:
         writer.close()
         if cfg.previews > 0:
@@ -455,7 +460,12 @@ def _run(
     _barrier(info, stop, writer.records_written if writer else 0)
     if writer is not None and info.is_main:
         mf.finalize(cache, complete=True)
+        store.reload()  # every rank's commits: which prompts were truncated
+        report.truncated = [
+            p.line for p, k in zip(prompts, keys, strict=True) if k in store.truncated
+        ]
         atomic_write_json(cache / "prompts_report.json", report.to_json())
+        store.remove()  # every record holds its own embeddings now
     written = writer.records_written if writer else sum(len(b) for b in todo)
     return Summary(
         cache=str(cache),
@@ -464,6 +474,7 @@ def _run(
         bytes_written=writer.bytes_written if writer else 0,
         seconds=time.perf_counter() - t0,
         prompts=len(prompts),
+        prompts_encoded=encoded,
     )
 
 
