@@ -1,7 +1,14 @@
-"""One progress bar for long work: rate, ETA and optional byte count; silent off rank 0."""
+"""One progress bar for long work: rate, ETA and optional byte count; silent off rank 0.
+
+Also the process's progress beat: `beat()` (called by every `Progress.advance`, every denoising
+step and every model load) tells listeners this process is getting on with its work;
+`wandistill.dist` publishes it so that a rank waiting for the others can tell a slow peer from a
+stuck one.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import TracebackType
 
 from rich.progress import (
@@ -13,6 +20,22 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.progress import Progress as RichProgress
+
+_listeners: list[Callable[[], None]] = []
+
+
+def on_beat(listener: Callable[[], None], *, remove: bool = False) -> None:
+    if remove:
+        if listener in _listeners:
+            _listeners.remove(listener)
+    elif listener not in _listeners:
+        _listeners.append(listener)
+
+
+def beat() -> None:
+    """This process made progress (cheap: listeners rate-limit themselves)."""
+    for listener in _listeners:
+        listener()
 
 
 class Progress:
@@ -60,6 +83,7 @@ class Progress:
             self._bar.stop()
 
     def advance(self, n: int = 1, *, bytes_total: int | None = None, **fields: float) -> None:
+        beat()
         if self._bar is None or self._task is None:
             return
         self._bar.advance(self._task, n)

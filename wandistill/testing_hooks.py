@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 from wandistill.errors import UsageError, WandistillError
@@ -64,6 +65,8 @@ def at(stage: str, point: str, n: int, rank: int = 0) -> bool:
     if action == "nan":
         return True
     if action == "hang":
+        print(f"{KILL_ENV}: rank {rank} hangs at {stage} {point} {n} (t={time.time():.3f})",
+              file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     if action == "kill":

@@ -21,6 +21,7 @@ for its own shards; the manifest is then never marked complete.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import shutil
@@ -41,7 +42,7 @@ from wandistill.cache import manifest as mf
 from wandistill.cache.embeds import EmbedStore, own_negative_name
 from wandistill.cache.schema import dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
-from wandistill.config import PrecomputeConfig, refuse_custom_code
+from wandistill.config import PrecomputeConfig, refuse_custom_code, to_dict
 from wandistill.errors import UsageError, WandistillError
 from wandistill.finite import NonFiniteError
 from wandistill.fsutil import atomic_write_json
@@ -256,7 +257,11 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
     prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed)
     with _StopSignals() as stop:
-        info = dist.init(_device_kind(cfg.teacher.placement))
+        info = dist.init(
+            _device_kind(cfg.teacher.placement),
+            timeout_s=cfg.dist_timeout,
+            config=run_identity(cfg),
+        )
         try:
             return _run(
                 cfg, teacher, prompts, report, info, stop, null_sink=null_sink, quiet=quiet, t0=t0
@@ -478,12 +483,26 @@ def _run(
     )
 
 
+def run_identity(cfg: PrecomputeConfig) -> dict[str, Any]:
+    """What every rank must agree on: the resolved config and the prompt file's bytes (a
+    same-named but different file on another node would split the work inconsistently)."""
+    sha = hashlib.sha256()
+    with contextlib.suppress(OSError), open(cfg.prompts, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return {"precompute": to_dict(cfg), "prompt_file_sha256": sha.hexdigest()}
+
+
 def _barrier(info: dist.DistInfo, stop: _StopSignals, records: int) -> None:
     """Wait for every rank before rank 0 marks the cache complete; never after a stop, and a
-    rank that stopped or died on the way is one clear line, not a gloo traceback."""
+    rank that stopped or died on the way is one clear line, not a gloo traceback. No deadline
+    while the others are alive (the last rank may still be denoising); `dist_timeout` once one
+    has stopped beating."""
     if stop.signum is None:
         try:
-            dist.barrier(info)
+            dist.wait_for_all(info, "precompute-done", lambda: stop.signum is not None)
+        except dist.DistTimeout:
+            raise
         except Exception as e:
             if stop.signum is None:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -125,7 +125,10 @@ def run(
     if follow:
         wait_for_manifest(cfg)
     plan = validate(cfg, resume=resume)
-    info = dist.init(cfg.device)
+    flags = {"resume": resume, "follow": follow, "skip_corrupt": skip_corrupt}
+    info = dist.init(
+        cfg.device, timeout_s=cfg.dist_timeout, config={"train": to_dict(cfg), "flags": flags}
+    )
     started = time.perf_counter()
     trainer: Trainer | None = None
     ok = False
