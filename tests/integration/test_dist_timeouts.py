@@ -214,8 +214,10 @@ def test_a_rank_that_hangs_mid_training_is_named_when_the_collective_times_out(
     assert (tmp_path / "run" / "checkpoints" / "checkpoint-2").is_dir()
     hang = float(re.search(r"hangs at train step 3 \(t=(\d+\.\d+)\)", err).group(1))
     end = float(re.search(r"rank 0 exit \S+ at (\d+\.\d+)", err).group(1))
-    print(f"rank 1 hangs after step 3: rank 0 exited {end - hang:.1f} s after the hang began "
-          f"(timeout {TIMEOUT_S} s): {line.group(0)[:160]}")
+    print(
+        f"rank 1 hangs after step 3: rank 0 exited {end - hang:.1f} s after the hang began "
+        f"(timeout {TIMEOUT_S} s): {line.group(0)[:160]}"
+    )
 
 
 def test_a_rank_that_hangs_mid_precompute_is_named_by_the_rank_waiting_at_the_end(
@@ -259,3 +261,21 @@ def test_a_rank_that_hangs_mid_precompute_is_named_by_the_rank_waiting_at_the_en
         f"rank 1 hangs after its first record: rank 0 exited {end - hang:.1f} s after the "
         f"hang began, having finished its own work (timeout {TIMEOUT_S} s)"
     )
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_step(cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = train_argv(cache, out, "steps=6", "checkpoint_every=2")
+    code, err = torchrun(
+        [argv, argv], tmp_path / "err", WANDISTILL_TEST_KILL_AT="train:loss:3:1:nan"
+    )
+    assert code != 0
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} exit 1 at", err), err[-3000:]
+    lines = re.findall(
+        r"error: non-finite loss at step 3 \(rank 1: [^)]*\): training stopped.*", err
+    )
+    assert len(lines) == 2 and "checkpoint-2" in lines[0], err[-3000:]
+    assert not rank_traceback(err)
+    assert sorted(p.name for p in (out / "checkpoints").glob("checkpoint-*")) == ["checkpoint-2"]
+    assert not (out / "student").exists()
