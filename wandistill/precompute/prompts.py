@@ -106,7 +106,7 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
         )
     report = PromptReport(path=str(p))
     prompts: list[Prompt] = []
-    seen: set[tuple[str, int | None, str | None]] = set()
+    seen: set[tuple[str, int, str | None] | str] = set()
     try:
         f = open(p, "rb")  # noqa: SIM115 - closed by the with below
     except OSError as e:
@@ -138,8 +138,12 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
                 prompt = Prompt(line, base_seed + lineno - 1, lineno)
             # A .txt seed is implicit (its line), so a repeated line is a duplicate; a .jsonl line
             # with the same prompt and an explicit other seed is another sample.
-            seed_part = prompt.seed if p.suffix == ".jsonl" else None
-            ident = (prompt.text, seed_part, prompt.negative_prompt)
+            # (A .txt line's identity is its text: the string itself, no tuple per line.)
+            ident = (
+                (prompt.text, prompt.seed, prompt.negative_prompt)
+                if p.suffix == ".jsonl"
+                else prompt.text
+            )
             if ident in seen:
                 report.duplicate.append(lineno)
                 continue
