@@ -139,6 +139,16 @@ class EmbedStore:
             return None
         return shard
 
+    def truncated_keys(self) -> set[str]:
+        """Every rank's truncated record keys (rank 0 reads them at the end, for the report),
+        from the commit records alone: no index of every name is built."""
+        out: set[str] = set()
+        for side in sorted(self.dir.glob("r*.json")) if self.dir.is_dir() else ():
+            shard = self._committed(side)
+            if shard is not None:
+                out.update(shard.truncated)
+        return out
+
     # ------------------------------------------------------------------ writing
 
     def has(self, name: str) -> bool:

@@ -465,10 +465,8 @@ def _run(
     _barrier(info, stop, writer.records_written if writer else 0)
     if writer is not None and info.is_main:
         mf.finalize(cache, complete=True)
-        store.reload()  # every rank's commits: which prompts were truncated
-        report.truncated = [
-            p.line for p, k in zip(prompts, keys, strict=True) if k in store.truncated
-        ]
+        cut = store.truncated_keys()  # every rank's commits: which prompts were truncated
+        report.truncated = [p.line for p, k in zip(prompts, keys, strict=True) if k in cut]
         atomic_write_json(cache / "prompts_report.json", report.to_json())
         store.remove()  # every record holds its own embeddings now
     written = writer.records_written if writer else sum(len(b) for b in todo)
