@@ -91,13 +91,15 @@ def encode_only(cfg, mode: str) -> dict:  # noqa: ANN001 - a PrecomputeConfig
     import torch
 
     from wandistill.cache.embeds import EmbedStore
-    from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase
+    from wandistill.precompute import encode_phase as ep
+    from wandistill.precompute.encode_phase import EncodeJob, TextEncoder
     from wandistill.precompute.prompts import read_prompts
     from wandistill.precompute.run import _key, inspect_teacher, sampler_settings
+    from wandistill.precompute.table import PromptTable
     from wandistill.teacher.placement import resolve_placement
 
     teacher = inspect_teacher(cfg.teacher.path, None)
-    prompts, _ = read_prompts(cfg.prompts)
+    prompts = PromptTable(read_prompts(cfg.prompts)[0])  # as precompute.run holds them
     settings = sampler_settings(teacher, cfg)
     keys = [_key(p, settings) for p in prompts]
     bs = cfg.sampler.batch_size
@@ -122,7 +124,7 @@ def encode_only(cfg, mode: str) -> dict:  # noqa: ANN001 - a PrecomputeConfig
     t0 = time.perf_counter()
     if mode == "encode":
         store = EmbedStore(cfg.cache.path, flush_records=cfg.cache.shard_records)
-        encoded = encode_phase(job, store, encoder, lambda: None)
+        encoded = ep.encode_phase(job, store, encoder, lambda: None)
     else:  # the old way: every embedding held in memory until the denoise phase
         kept: dict[int, torch.Tensor] = {}
         for b in batches:

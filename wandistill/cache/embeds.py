@@ -67,6 +67,7 @@ class EmbedShard:
     bytes: int
     sha256: str
     names: list[str]
+    """Tensor names (emptied once indexed by `EmbedStore.index`)."""
     truncated: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -115,6 +116,7 @@ class EmbedStore:
             self.shards.append(shard)
             for name in shard.names:
                 self.index.setdefault(name, pos)
+            shard.names = []  # indexed: not kept twice (memory must not grow with the prompts)
             self.truncated.update(shard.truncated)
             m = _SHARD_RE.fullmatch(shard.name)
             if m and int(m.group(1)) == self.rank:
@@ -197,6 +199,7 @@ class EmbedStore:
         self.shards.append(shard)
         for n in shard.names:
             self.index.setdefault(n, pos)
+        shard.names = []
         self.truncated.update(shard.truncated)
         self._seq += 1
         self._buffer, self._buffer_truncated, self._buffer_bytes = {}, [], 0

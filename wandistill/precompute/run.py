@@ -29,7 +29,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -48,6 +48,7 @@ from wandistill.finite import NonFiniteError
 from wandistill.fsutil import atomic_write_json
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
+from wandistill.precompute.table import PromptTable
 from wandistill.progress import Progress
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
 
@@ -255,7 +256,9 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
     """Run precompute as this process's rank; rank 0 finalizes the manifest at the end."""
     t0 = time.perf_counter()
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
-    prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed)
+    parsed, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed)
+    prompts = PromptTable(parsed)  # compact columns for the whole run; the objects are freed
+    del parsed
     with _StopSignals() as stop:
         info = dist.init(
             _device_kind(cfg.teacher.placement),
@@ -275,7 +278,7 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
 def _run(
     cfg: PrecomputeConfig,
     teacher: Teacher,
-    prompts: list[Prompt],
+    prompts: PromptTable,
     report: PromptReport,
     info: dist.DistInfo,
     stop: _StopSignals,
@@ -547,7 +550,7 @@ def _dims(teacher: Teacher, shape: tuple[int, ...], settings: dict[str, Any]) ->
 def _previews(
     cfg: PrecomputeConfig,
     teacher: Teacher,
-    prompts: list[Prompt],
+    prompts: Sequence[Prompt],
     keys: list[str],
     load_kw: dict[str, Any],
     info: dist.DistInfo,
