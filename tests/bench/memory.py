@@ -95,13 +95,13 @@ def encode_only(cfg, mode: str) -> dict:  # noqa: ANN001 - a PrecomputeConfig
     from wandistill.precompute.encode_phase import EncodeJob, TextEncoder
     from wandistill.precompute.prompts import read_prompts
     from wandistill.precompute.run import _key, inspect_teacher, sampler_settings
-    from wandistill.precompute.table import PromptTable
+    from wandistill.precompute.table import KeyTable, PromptTable
     from wandistill.teacher.placement import resolve_placement
 
     teacher = inspect_teacher(cfg.teacher.path, None)
     prompts = PromptTable(read_prompts(cfg.prompts)[0])  # as precompute.run holds them
     settings = sampler_settings(teacher, cfg)
-    keys = [_key(p, settings) for p in prompts]
+    keys = KeyTable(_key(p, settings) for p in prompts)
     bs = cfg.sampler.batch_size
     batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
     after_plan = rss_mib()

@@ -43,7 +43,7 @@ ENCODE_FAST = ENCODE_POINTS[:2]
 def committed_prompt_embeddings(cache: Path) -> int:
     """Prompt embeddings (not negative prompts) held by committed embedding shards."""
     store = EmbedStore(cache)
-    return sum(1 for name in store.index if "negative" not in name)
+    return sum(1 for name in store.index.names() if "negative" not in name)
 
 
 def encoded_by(log: Path, nproc: int = 1) -> int:

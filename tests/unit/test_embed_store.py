@@ -26,7 +26,7 @@ def test_embeddings_come_back_bit_exact_from_committed_shards(tmp_path: Path) ->
     store.add(negative_name(""), _emb(99, torch.float32))
     store.flush()
     again = EmbedStore(tmp_path)  # a new run (resume) sees every committed embedding
-    assert sorted(again.index) == sorted([*(f"k{i}" for i in range(5)), negative_name("")])
+    assert sorted(again.index.names()) == sorted([*(f"k{i}" for i in range(5)), negative_name("")])
     for i in range(5):
         got = again.get(f"k{i}")
         assert got.dtype == torch.bfloat16 and torch.equal(
@@ -44,10 +44,10 @@ def test_a_shard_without_its_commit_record_is_ignored_and_overwritten(tmp_path: 
     store.flush()
     (tmp_path / EMBED_DIR / "r00000-000001.json").unlink()  # killed between publish and commit
     again = EmbedStore(tmp_path, flush_records=1)
-    assert set(again.index) == {"a"} and not again.has("b")
+    assert set(again.index.names()) == {"a"} and not again.has("b")
     again.add("b", _emb(2))
     again.flush()  # same sequence number: the uncommitted file is replaced
-    assert set(EmbedStore(tmp_path).index) == {"a", "b"}
+    assert set(EmbedStore(tmp_path).index.names()) == {"a", "b"}
 
 
 def test_every_rank_sees_every_ranks_commits_and_numbers_its_own(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_every_rank_sees_every_ranks_commits_and_numbers_its_own(tmp_path: Path)
         store.add(f"r{rank}", _emb(rank))
         store.flush()
     one = EmbedStore(tmp_path, rank=1, flush_records=1)
-    assert set(one.index) == {"r0", "r1"}
+    assert set(one.index.names()) == {"r0", "r1"}
     one.add("r1b", _emb(5))
     one.flush()
     assert (tmp_path / EMBED_DIR / "r00001-000001.safetensors").is_file()
@@ -87,3 +87,20 @@ def test_a_truncated_or_edited_commit_record_only_means_encoding_again(tmp_path:
     assert not EmbedStore(tmp_path).has("a")
     store.remove()
     assert not (tmp_path / EMBED_DIR).exists()
+
+
+def test_the_name_index_holds_record_keys_compactly_and_finds_every_name() -> None:
+    from wandistill.cache.embeds import NameIndex
+
+    keys = [f"{i:032x}" for i in range(0, 20_000, 3)]
+    index = NameIndex()
+    for pos, key in enumerate(keys):
+        index.add(key, pos // 100)
+        index.add(f"{key}.negative", 7)
+    index.add(negative_name("x"), 5)
+    index.add(keys[0], 99)  # first one wins
+    assert index.get(keys[0]) == 0 and index.get(keys[-1]) == (len(keys) - 1) // 100
+    assert index.get(f"{keys[5]}.negative") == 7 and index.get(negative_name("x")) == 5
+    assert f"{1:032x}" not in index and "not-a-key" not in index
+    assert f"{0x100:032x}" not in index  # ends in a zero byte: no padding confusion
+    assert len(index.names()) == 2 * len(keys) + 1

@@ -48,7 +48,7 @@ from wandistill.finite import NonFiniteError
 from wandistill.fsutil import atomic_write_json
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
-from wandistill.precompute.table import PromptTable
+from wandistill.precompute.table import KeyTable, PromptTable
 from wandistill.progress import Progress
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
 
@@ -313,7 +313,7 @@ def _run(
         mf.check_compatible(cache, existing, header)  # fail before loading any weights
         done = {k for s in existing.shards for k in s["keys"]}
 
-    keys = [_key(p, settings) for p in prompts]
+    keys = KeyTable(_key(p, settings) for p in prompts)
     bs = cfg.sampler.batch_size
     batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
     mine = batches[info.rank :: info.world_size]
@@ -551,7 +551,7 @@ def _previews(
     cfg: PrecomputeConfig,
     teacher: Teacher,
     prompts: Sequence[Prompt],
-    keys: list[str],
+    keys: Sequence[str],
     load_kw: dict[str, Any],
     info: dist.DistInfo,
 ) -> None:

@@ -1,4 +1,4 @@
-"""The prompt list precompute keeps for a whole run, in compact columns.
+"""The prompt list and record keys precompute keeps for a whole run, in compact columns.
 
 `read_prompts` returns one `Prompt` object per line (with its own seed and line-number ints):
 about 250 bytes a prompt besides the text. Precompute holds the list for the whole run and every
@@ -10,7 +10,7 @@ is ~10% of the process. `PromptTable` keeps the texts in a list and the numbers 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
 from wandistill.precompute.prompts import Prompt
@@ -39,9 +39,47 @@ class PromptTable(Sequence[Prompt]):
     def __getitem__(self, i: int | slice) -> Prompt | list[Prompt]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(i)
+        i %= n
         return Prompt(self._texts[i], self._seeds[i], self._lines[i], self._negatives.get(i))
 
     def __iter__(self) -> Iterator[Prompt]:
+        return (self[i] for i in range(len(self)))
+
+
+class KeyTable(Sequence[str]):
+    """Record keys (32 hex digits each) as 16 bytes each; the string is made on access.
+
+    A list of 100k key strings is ~9 MB; this is 1.6 MB."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        raw = bytearray()
+        for k in keys:
+            b = bytes.fromhex(k)
+            if len(b) != 16:
+                raise ValueError(f"record key {k!r} is not 32 hex digits")
+            raw += b
+        self._raw = bytes(raw)
+
+    def __len__(self) -> int:
+        return len(self._raw) // 16
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(i)
+        i %= n
+        return self._raw[16 * i : 16 * i + 16].hex()
+
+    def __iter__(self) -> Iterator[str]:
         return (self[i] for i in range(len(self)))
