@@ -99,7 +99,7 @@ def encode_only(cfg, mode: str) -> dict:  # noqa: ANN001 - a PrecomputeConfig
     from wandistill.teacher.placement import resolve_placement
 
     teacher = inspect_teacher(cfg.teacher.path, None)
-    prompts = PromptTable(read_prompts(cfg.prompts)[0])  # as precompute.run holds them
+    prompts, _ = read_prompts(cfg.prompts, into=PromptTable())  # as precompute.run does
     settings = sampler_settings(teacher, cfg)
     keys = KeyTable(_key(p, settings) for p in prompts)
     bs = cfg.sampler.batch_size

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from wandistill.bounds import PROMPT_SEED
 from wandistill.errors import UsageError
@@ -86,8 +87,13 @@ def _parse_jsonl(line: str, lineno: int, base_seed: int) -> Prompt | None:
     return Prompt(text, seed, lineno, neg) if text else None
 
 
-def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt], PromptReport]:
-    """Parse a prompt file; a prompt without a seed gets `base_seed + (line - 1)`."""
+def read_prompts(
+    path: str | Path, *, base_seed: int = 0, into: Any = None
+) -> tuple[list[Prompt], PromptReport]:
+    """Parse a prompt file; a prompt without a seed gets `base_seed + (line - 1)`.
+
+    `into`: where the prompts go (anything with `append` and `len`; default a new list), e.g.
+    precompute's compact `PromptTable`, so 100k prompts are never 100k objects at once."""
     p = Path(path)
     if not str(path):
         raise UsageError("no prompt file given", fix="pass --prompts FILE (.txt or .jsonl)")
@@ -105,7 +111,7 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
             fix="one prompt per line (.txt) or one JSON object per line (.jsonl)",
         )
     report = PromptReport(path=str(p))
-    prompts: list[Prompt] = []
+    prompts = [] if into is None else into
     seen: set[tuple[str, int, str | None] | str] = set()
     try:
         f = open(p, "rb")  # noqa: SIM115 - closed by the with below

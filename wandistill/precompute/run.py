@@ -256,9 +256,7 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
     """Run precompute as this process's rank; rank 0 finalizes the manifest at the end."""
     t0 = time.perf_counter()
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
-    parsed, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed)
-    prompts = PromptTable(parsed)  # compact columns for the whole run; the objects are freed
-    del parsed
+    prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed, into=PromptTable())
     with _StopSignals() as stop:
         info = dist.init(
             _device_kind(cfg.teacher.placement),

@@ -4,7 +4,9 @@
 about 250 bytes a prompt besides the text. Precompute holds the list for the whole run and every
 rank holds all of it (batches are assigned by position), so at 100k prompts that overhead alone
 is ~10% of the process. `PromptTable` keeps the texts in a list and the numbers in typed arrays
-(16 bytes a prompt), and hands out a `Prompt` on access, so callers index it like the list.
+(16 bytes a prompt), is filled line by line by `read_prompts(..., into=PromptTable())` (so the
+objects never exist all at once: freed objects would not give their memory back to the OS), and
+hands out a `Prompt` on access, so callers index it like the list.
 """
 
 from __future__ import annotations
@@ -19,13 +21,21 @@ from wandistill.precompute.prompts import Prompt
 class PromptTable(Sequence[Prompt]):
     """A read-only sequence of prompts: texts, seeds, line numbers, sparse own negatives."""
 
-    def __init__(self, prompts: Sequence[Prompt]) -> None:
-        self._texts = [p.text for p in prompts]
-        self._seeds = array("Q", (p.seed for p in prompts))
-        self._lines = array("q", (p.line for p in prompts))
-        self._negatives = {
-            i: p.negative_prompt for i, p in enumerate(prompts) if p.negative_prompt is not None
-        }
+    def __init__(self, prompts: Iterable[Prompt] = ()) -> None:
+        self._texts: list[str] = []
+        self._seeds = array("Q")
+        self._lines = array("q")
+        self._negatives: dict[int, str] = {}
+        for p in prompts:
+            self.append(p)
+
+    def append(self, p: Prompt) -> None:
+        """Add one prompt (`read_prompts(..., into=PromptTable())` fills it line by line)."""
+        if p.negative_prompt is not None:
+            self._negatives[len(self._texts)] = p.negative_prompt
+        self._texts.append(p.text)
+        self._seeds.append(p.seed)
+        self._lines.append(p.line)
 
     def __len__(self) -> int:
         return len(self._texts)
