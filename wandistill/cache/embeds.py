@@ -166,7 +166,6 @@ class EmbedStore:
         self.shards: list[EmbedShard] = []
         self.index = NameIndex()
         """Tensor name -> position in `shards`, for every committed name."""
-        self.truncated: set[str] = set()
         self._seq = 0
         self._buffer: dict[str, torch.Tensor] = {}
         self._buffer_truncated: list[str] = []
@@ -180,7 +179,7 @@ class EmbedStore:
 
     def reload(self) -> None:
         """Re-read every rank's commit records (rank 0 does this at the end for the report)."""
-        self.shards, self.index, self.truncated = [], NameIndex(), set()
+        self.shards, self.index = [], NameIndex()
         if not self.dir.is_dir():
             return
         for side in sorted(self.dir.glob("r*.json")):
@@ -191,8 +190,7 @@ class EmbedStore:
             self.shards.append(shard)
             for name in shard.names:
                 self.index.add(name, pos)
-            shard.names = []  # indexed: not kept twice (memory must not grow with the prompts)
-            self.truncated.update(shard.truncated)
+            shard.names, shard.truncated = [], []  # indexed; memory must not grow with prompts
             m = _SHARD_RE.fullmatch(shard.name)
             if m and int(m.group(1)) == self.rank:
                 self._seq = max(self._seq, int(m.group(2)) + 1)
@@ -216,14 +214,14 @@ class EmbedStore:
             return None
         return shard
 
-    def truncated_keys(self) -> set[str]:
+    def truncated_keys(self) -> NameIndex:
         """Every rank's truncated record keys (rank 0 reads them at the end, for the report),
-        from the commit records alone: no index of every name is built."""
-        out: set[str] = set()
+        from the commit records, as a compact set (`key in store.truncated_keys()`)."""
+        out = NameIndex()
         for side in sorted(self.dir.glob("r*.json")) if self.dir.is_dir() else ():
             shard = self._committed(side)
-            if shard is not None:
-                out.update(shard.truncated)
+            for key in shard.truncated if shard is not None else ():
+                out.add(key, 0)
         return out
 
     # ------------------------------------------------------------------ writing
@@ -274,8 +272,7 @@ class EmbedStore:
         self.shards.append(shard)
         for n in shard.names:
             self.index.add(n, pos)
-        shard.names = []
-        self.truncated.update(shard.truncated)
+        shard.names, shard.truncated = [], []
         self._seq += 1
         self._buffer, self._buffer_truncated, self._buffer_bytes = {}, [], 0
 
