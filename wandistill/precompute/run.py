@@ -1,7 +1,9 @@
 """`wandistill precompute`: the only place the teacher is ever loaded.
 
 Phases, so that at most one big model is resident at a time:
-1. encode: tokenizer + UMT5 over this rank's prompts (and the negative prompts), then freed;
+1. encode: tokenizer + UMT5 over this rank's prompts (and the negative prompts), then freed; the
+   embeddings go to the cache's embedding store as they are made (`encode_phase.py`), so memory
+   does not grow with the prompt file and a resume never encodes a prompt twice;
 2. denoise: the transformer (Wan 2.2: `transformer` for the high-noise steps of a group of
    batches, then `transformer_2` for their low-noise steps), records written as batches finish;
 3. previews: optionally, the VAE decodes the first few final latents to PNG for eval.
@@ -267,7 +269,7 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
             return _run(
                 cfg, teacher, prompts, report, info, stop, null_sink=null_sink, quiet=quiet, t0=t0
             )
-        except _Stop:  # before the cache writer existed: nothing to flush
+        except _Stop:  # before any record: nothing to flush (embeddings commit themselves)
             raise Stopped(stop.signum or signal.SIGTERM, 0, info) from None
         finally:
             dist.cleanup()
