@@ -24,7 +24,7 @@ Points (the stages call `at()` there, nowhere else):
     term   send SIGTERM to this process (the graceful-stop path, at a reproducible point)
     int    send SIGINT to this process (same, as Ctrl-C would)
     raise  raise a WandistillError (a rank failing with an error)
-    hang   sleep forever (a rank that never arrives; torchrun or the test kills it)
+    hang   sleep forever (a rank that never arrives / hangs); SIGTERM ends it at once
     nan    make `at()` return True: the caller poisons its value with NaN
 
 Because the point is counted by the process itself, a seeded list of kill points is exact and
@@ -64,7 +64,8 @@ def at(stage: str, point: str, n: int, rank: int = 0) -> bool:
     action = parts[4] if len(parts) > 4 else "kill"
     if action == "nan":
         return True
-    if action == "hang":
+    if action == "hang":  # stuck, but torchrun's SIGTERM still ends it (no 30 s SIGKILL grace)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         print(f"{KILL_ENV}: rank {rank} hangs at {stage} {point} {n} (t={time.time():.3f})",
               file=sys.stderr, flush=True)
         while True:
