@@ -21,7 +21,7 @@ from typing import Any
 from wandistill import __version__
 from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION, canonical_json
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.fsutil import atomic_write_json, fsync_dir, temp_name
+from wandistill.fsutil import atomic_open, atomic_write_json, fsync_dir, temp_name
 
 JOURNAL_DIR = "journal"
 
@@ -180,6 +180,25 @@ def read_journals(cache: Path) -> list[dict[str, Any]]:
         except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
             raise CacheError(f"journal {str(p)!r} is corrupt ({e})") from None
     return entries
+
+
+def entry_json(entry: dict[str, Any]) -> bytes:
+    """One shard entry as compact JSON (a writer keeps its journal entries in this form)."""
+    return json.dumps(entry, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def write_journal_chunks(cache: Path, rank: int, entries: list[bytes]) -> None:
+    """`write_journal` for entries already serialized by `entry_json`: the same JSON document,
+    streamed, so a writer never re-serializes (or holds as objects) every entry it committed."""
+    path = journal_path(cache, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path, "wb") as f:
+        f.write(b'{"rank": %d, "shards": [\n' % rank)
+        for i, chunk in enumerate(entries):
+            if i:
+                f.write(b",\n")
+            f.write(chunk)
+        f.write(b"\n]}\n")
 
 
 def write_journal(cache: Path, rank: int, shards: list[dict[str, Any]]) -> None:

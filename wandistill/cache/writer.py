@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from wandistill.cache import manifest as mf
+from wandistill.cache.keyindex import NameIndex
 from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name
 from wandistill.errors import CacheError, UsageError
 from wandistill.finite import refuse_nonfinite_record
@@ -110,8 +111,13 @@ class CacheWriter:
         self.sink = _make_sink(backend, self.path, shard_records)
         self._open_cache(backend, teacher, settings, fields, dims or {}, shared or {})
         committed = mf.committed_shards(self.path, self.manifest)
-        self._keys = {k for s in committed for k in s["keys"]}
-        self._mine = [s for s in mf.read_journals(self.path) if s["rank"] == rank]
+        self._keys = NameIndex()  # compact: memory must not grow with the prompt file
+        for s in committed:
+            for k in s["keys"]:
+                self._keys.add(k, 0)
+        self._mine = [  # this rank's journal entries, serialized once (not as Python objects)
+            mf.entry_json(s) for s in mf.read_journals(self.path) if s["rank"] == rank
+        ]
         seqs = [
             int(m.group(2))
             for s in committed
@@ -171,7 +177,7 @@ class CacheWriter:
 
     @property
     def existing_keys(self) -> frozenset[str]:
-        return frozenset(self._keys)
+        return frozenset(self._keys.names())
 
     def write(self, record: Record) -> bool:
         """Add one record; returns False when it was already in the cache."""
@@ -208,11 +214,13 @@ class CacheWriter:
         )
         mf.seal_entry(entry)  # lets `cache verify` spot a hand-edited entry
         try:
-            mf.write_journal(self.path, self.rank, [*self._mine, entry])
+            chunk = mf.entry_json(entry)
+            mf.write_journal_chunks(self.path, self.rank, [*self._mine, chunk])
         except OSError as e:  # the shard file is published but not committed: redone on resume
             raise _naming(e, self.path) from e
-        self._mine.append(entry)
-        self._keys.update(self._open)
+        self._mine.append(chunk)
+        for k in self._open:
+            self._keys.add(k, 0)
         self.records_written += len(self._open)
         self.bytes_written += int(entry["bytes"])
         self._open = []
