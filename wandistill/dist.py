@@ -176,7 +176,8 @@ def _join(rank: int, world: int, timeout: float) -> Any:
     store.set(f"arrived/{rank}", "1")
     store.add("arrived", 1)
     _wait_keys(store, "arrived", world, rank, timeout, "joined the job")
-    _state.update(store=store, tcp=tcp, timeout=timeout, rank=rank, world=world)
+    host = rank == 0 and not agent
+    _state.update(store=store, tcp=tcp, timeout=timeout, rank=rank, world=world, host=host)
     _start_heartbeat(store, rank, timeout)
     return tcp
 
@@ -276,6 +277,14 @@ def wait_for_all(
         _wait_keys(store, name, info.world_size, info.rank, timeout, f"finished ({name})", stalled)
     except _Interrupted:
         return
+    # The store's host (rank 0 without torchrun's agent store) must not exit, taking the store
+    # with it, before every rank has seen that all are done: it waits for their "left" marks.
+    store.add(f"{name}/left", 1)
+    deadline = time.monotonic() + timeout
+    while _state.get("host") and time.monotonic() < deadline:
+        if int(store.add(f"{name}/left", 0)) >= info.world_size:
+            break
+        time.sleep(_POLL_S)
 
 
 class _Interrupted(Exception):
