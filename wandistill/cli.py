@@ -12,6 +12,7 @@ import errno
 import functools
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -81,7 +82,11 @@ def teacher_make_tiny(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing teacher at PATH.")] = False,
 ) -> None:
     """Write a tiny random-weight Wan teacher that WanPipeline loads and runs on CPU."""
+    from wandistill.bounds import SEED, flag_problem
     from wandistill.teacher.tiny import make_tiny_teacher
+
+    if (problem := flag_problem("--seed", seed, SEED)) is not None:
+        raise UsageError(problem)
 
     blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
@@ -271,7 +276,8 @@ def precompute_cmd(
             out.print(line, highlight=False)
     out.print(
         f"cache {s.cache}: {s.records_written} records written, {s.records_skipped} already "
-        f"there, {_human(s.bytes_written)} in {s.seconds:.1f} s",
+        f"there, {s.prompts_encoded} prompts encoded, {_human(s.bytes_written)} in "
+        f"{s.seconds:.1f} s",
         highlight=False,
     )
 
@@ -425,6 +431,12 @@ def eval_cmd(
     if split not in ("holdout", "all"):
         raise UsageError(f"--split {split!r} must be holdout or all")
     _positive(steps=steps, max_records=max_records)
+    from wandistill.bounds import flag_problem, range_of
+    from wandistill.config import SamplerConfig
+
+    steps_range = range_of(SamplerConfig, "num_inference_steps")
+    if steps is not None and steps_range and (p := flag_problem("--steps", steps, steps_range)):
+        raise UsageError(p)
     where = parse_device(device)
     _out_dir(out_dir)
     result = evaluate(
@@ -469,20 +481,24 @@ def sample_cmd(
 
     where = parse_device(device)
 
-    try:
+    try:  # the flags get the recipe's ranges (finite, in range) through the same config class
         SamplerConfig(
             height=height,
             width=width,
             num_frames=num_frames,
             num_inference_steps=steps,
             max_sequence_length=max_sequence_length,
+            guidance_scale=guidance_scale,
+            seed=seed,
         )
     except ConfigError as e:  # name the flags, not the recipe keys
+        flags = {"num_inference_steps": "steps"}
         raise UsageError(
-            e.message.replace("sampler.num_inference_steps", "--steps")
-            .replace("sampler.max_sequence_length", "--max-sequence-length")
-            .replace("sampler.num_frames", "--num-frames")
-            .replace("sampler.", "--")
+            re.sub(
+                r"sampler\.(\w+)",
+                lambda m: "--" + flags.get(m[1], m[1]).replace("_", "-"),
+                e.message,
+            )
         ) from None
     _positive(limit=limit)
     _out_dir(out_dir)

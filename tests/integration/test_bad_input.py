@@ -237,7 +237,7 @@ CASES = [
          "unknown key 'precompute.sampler.heigth': did you mean precompute.sampler.height?",
          fix=False),
     Case("pre-height-negative", [*PRE, "--set", "sampler.height=-16"], 2,
-         "sampler.height=-16 must be a positive multiple of 16", fix=False),
+         "sampler.height=-16 must be >= 16 (allowed: [16, 8192])", fix=False),
     Case("pre-height-not-vae-multiple", [*PRE, "--set", "sampler.height=40"], 2,
          "sampler.height=40 must be a positive multiple of 16", fix=False),
     Case("pre-frames-not-4k+1", [*PRE, "--set", "sampler.num_frames=80"], 2,

@@ -28,7 +28,7 @@ from wandistill import __version__
 from wandistill.cache.formats import JOURNALS, MANIFESTS, SEALED
 from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.fsutil import atomic_write_json, fsync_dir, temp_name
+from wandistill.fsutil import atomic_open, atomic_write_json, fsync_dir, temp_name
 from wandistill.validate import GiB, check, parse_json, read_capped, seal
 
 JOURNAL_DIR = "journal"
@@ -242,6 +242,25 @@ def journal_files(cache: Path, backend: str) -> list[tuple[Path, list[dict[str, 
 def read_journals(cache: Path, backend: str) -> list[dict[str, Any]]:
     """Shard entries committed by writers since the last finalize, ordered by rank and sequence."""
     return [e for _, entries in journal_files(cache, backend) for e in entries]
+
+
+def entry_json(entry: dict[str, Any]) -> bytes:
+    """One shard entry as compact JSON (a writer keeps its journal entries in this form)."""
+    return json.dumps(entry, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def write_journal_chunks(cache: Path, rank: int, entries: list[bytes]) -> None:
+    """`write_journal` for entries already serialized by `entry_json`: the same JSON document,
+    streamed, so a writer never re-serializes (or holds as objects) every entry it committed."""
+    path = journal_path(cache, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path, "wb") as f:
+        f.write(b'{"rank": %d, "shards": [\n' % rank)
+        for i, chunk in enumerate(entries):
+            if i:
+                f.write(b",\n")
+            f.write(chunk)
+        f.write(b"\n]}\n")
 
 
 def write_journal(cache: Path, rank: int, shards: list[dict[str, Any]]) -> None:

@@ -634,9 +634,47 @@ class UnsafeMemberError(CacheError):
     """A webdataset member wandistill will not decode (pickle-backed, unknown, unsafe name)."""
 
 
+class CorruptMemberError(CacheError):
+    """A member read with stock webdataset whose bytes fail the checksums written with it."""
+
+
+def checked_tensors(blob: bytes) -> dict[str, torch.Tensor]:
+    """Decode a record's `.safetensors` member and check every tensor (and step row) against the
+    crc32c the writer put in its header, so a flipped byte raises instead of returning wrong
+    numbers. Members written before checksums existed carry none and are returned unverified."""
+    try:
+        hlen = int.from_bytes(blob[:8], "little")
+        if len(blob) < 8 or hlen <= 0 or 8 + hlen > len(blob):
+            raise ValueError(f"bad header length {hlen} for a {len(blob)}-byte member")
+        meta = json.loads(blob[8 : 8 + hlen]).get("__metadata__") or {}
+        own = json.loads(meta[META_KEY]) if META_KEY in meta else None
+        tensors = st_load(blob)
+    except Exception as e:  # safetensors / json raise their own types on damaged bytes
+        raise CorruptMemberError(
+            f"a .safetensors member cannot be decoded ({type(e).__name__}: {e})",
+            fix="run `wandistill cache verify` on the cache",
+        ) from None
+    if own is None:
+        return tensors
+    want, got = own.get("crc32c", {}), tensor_checksums(tensors)
+    bad = sorted(n for n in set(want) | set(got) if want.get(n) != got.get(n))
+    if bad:
+        name = bad[0]
+        w, g = want.get(name), got.get(name)
+        pairs = zip(w, g, strict=False) if isinstance(w, list) and isinstance(g, list) else ()
+        rows = [i for i, (a, b) in enumerate(pairs) if a != b]
+        where = f" step {rows[0]}" if rows else ""
+        raise CorruptMemberError(
+            f"record {own.get('key')}: tensor {name!r}{where} fails its crc32c check (its bytes "
+            f"changed after they were written; {len(bad)} tensor(s) differ)",
+            fix="run `wandistill cache verify` on the cache; restore the shard",
+        )
+    return tensors
+
+
 _SAFE_DECODERS: dict[str, Callable[[bytes], Any]] = {
     "json": json.loads,
-    "safetensors": st_load,
+    "safetensors": checked_tensors,
     "txt": lambda data: data.decode("utf-8"),
 }
 
@@ -648,8 +686,15 @@ class SafeDecoder:
     `.safetensors` and `.txt` and raises `UnsafeMemberError` for every other extension, so
     webdataset's default post-handlers (which unpickle `.pth`/`.pyd`) are never reached.
     `.map(safe_decoder())`: decodes a whole sample the same way and also refuses a sample whose
-    `__key__` is an absolute path or contains `..`.
+    `__key__` is an absolute path or contains `..`, or whose members name another record.
+
+    Checksums are verified by default: every tensor (every step row of x_t, teacher output,
+    timesteps, features) against the crc32c in its own header (`CorruptMemberError` on a
+    mismatch). `verify=False` skips that (e.g. to salvage what is readable of a damaged shard).
     """
+
+    def __init__(self, *, verify: bool = True) -> None:
+        self.verify = verify
 
     def __call__(self, key_or_sample: str | dict[str, Any], data: bytes | None = None) -> Any:
         if isinstance(key_or_sample, dict):
@@ -666,6 +711,8 @@ class SafeDecoder:
                 "only .json and .safetensors members",
                 fix="run `wandistill cache verify` on the cache",
             )
+        if ext == "safetensors" and not self.verify:
+            return st_load(data)
         return decode(data)
 
     def decode_sample(self, sample: dict[str, Any]) -> dict[str, Any]:
@@ -677,12 +724,20 @@ class SafeDecoder:
                 out[k] = v
                 continue
             out[k] = self.decode_member(k, v)
+        meta = out.get("json")
+        if self.verify and isinstance(meta, dict) and "__key__" in out:
+            if meta.get("key") not in (None, out["__key__"]):
+                raise CorruptMemberError(
+                    f"sample {out['__key__']}: its .json member names record {meta.get('key')!r}",
+                    fix="run `wandistill cache verify` on the cache",
+                )
         return out
 
 
-def safe_decoder() -> SafeDecoder:
-    """A decoder for stock webdataset reads of a cache: `.decode(safe_decoder())` or `.map(...)`."""
-    return SafeDecoder()
+def safe_decoder(*, verify: bool = True) -> SafeDecoder:
+    """A decoder for stock webdataset reads of a cache: `.decode(safe_decoder())` or `.map(...)`;
+    every tensor is checked against its crc32c unless `verify=False`."""
+    return SafeDecoder(verify=verify)
 
 
 def iter_members(path: str | Path) -> Iterator[tarfile.TarInfo]:

@@ -39,6 +39,7 @@ from wandistill.cache.schema import SHARED_NAME
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
 from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
+from wandistill.finite import check_step, check_weights
 from wandistill.fsutil import atomic_write_json
 from wandistill.progress import Progress
 from wandistill.student.config import (
@@ -128,7 +129,10 @@ def run(
     if follow:
         wait_for_manifest(cfg)
     plan = validate(cfg, resume=resume)
-    info = dist.init(cfg.device)
+    flags = {"resume": resume, "follow": follow, "skip_corrupt": skip_corrupt}
+    info = dist.init(
+        cfg.device, timeout_s=cfg.dist_timeout, config={"train": to_dict(cfg), "flags": flags}
+    )
     started = time.perf_counter()
     trainer: Trainer | None = None
     folder: outputs.OutputFolder | None = None
@@ -536,6 +540,7 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
                 raise Stopped(signum, step, info)
             t0 = time.perf_counter()
             wait = 0.0
+            terms: dict[str, torch.Tensor] = {}  # this step's terms, for the finiteness check
             batch: dict[str, Any] | None = None
             for micro in range(cfg.grad_accum):
                 w0 = time.perf_counter()
@@ -547,8 +552,12 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
                 no_sync = info.distributed and not last
                 with t.ddp.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
                     losses, counts = forward(t, batch)
+                    if testing_hooks.at("train", "loss", step + 1, info.rank):  # test-only NaN
+                        losses = {k: v * float("nan") for k, v in losses.items()}
                     (losses["loss"] / cfg.grad_accum).backward()
                 window.add_micro(losses, counts, cfg.grad_accum)
+                for k, v in losses.items():
+                    terms[k] = terms.get(k, 0.0) + v.detach()
             if batch is None:  # --follow: the cache is complete and every batch is used
                 t.optimizer.zero_grad(set_to_none=True)
                 if info.is_main:
@@ -558,6 +567,7 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 t.model.parameters(), cfg.optim.grad_clip or float("inf")
             )
+            check_step(info, step + 1, terms, grad_norm, saved)  # every rank, before the update
             t.optimizer.step()
             t.scheduler.step()
             t.optimizer.zero_grad(set_to_none=True)
@@ -704,6 +714,8 @@ def set_rng(states: dict[str, torch.Tensor], info: dist.DistInfo) -> None:
 
 
 def save(t: Trainer, step: int) -> None:
+    weights = {"student": t.model.parameters(), "student_ema": t.ema.shadow}
+    check_weights(t.info, step, weights)  # never a checkpoint (or final student) of NaN weights
     rng = rng_states(t.info)  # a collective: every rank takes part
     if not t.info.is_main:
         return
