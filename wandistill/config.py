@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.resources
-import math
 import os
 import types
 import typing
@@ -447,11 +446,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}={value!r} must be a table")
         return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
     if tp in (int, float) and isinstance(value, int) and not isinstance(value, bool):
-        if not -(1 << 63) <= value < 1 << 63:  # TOML integers are 64-bit; float() would overflow
-            raise ConfigError(f"{where}={value} does not fit in a 64-bit integer")
-        return float(value) if tp is float else value
-    if tp is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}={value} must be a finite number")
+        # Widen to float only where it cannot overflow; every numeric field declares its range
+        # (wandistill/bounds.py), which refuses a huge int or a NaN / inf with the range named.
+        return float(value) if tp is float and -(1 << 63) <= value < 1 << 63 else value
     if tp is Any:
         return value
     if tp in (int, float) and isinstance(value, bool):

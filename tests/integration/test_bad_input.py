@@ -471,7 +471,7 @@ def test_disk_full_in_precompute_keeps_every_committed_shard(
     if where == "tar-write":
         monkeypatch.setattr(wds._HashingFile, "write", _enospc)
     else:
-        monkeypatch.setattr(mf, "atomic_write_json", _enospc)
+        monkeypatch.setattr(mf, "write_journal_chunks", _enospc)
     code, _, err = _cli(capsys, _pre_args(world, prompts, cache))
     text = " ".join(err.split())
     assert code == 1 and "Traceback" not in err and len(_error_lines(err)) == 1, err

@@ -50,7 +50,7 @@ def committed_prompt_embeddings(cache: Path) -> int:
 
 
 def encoded_by(log: Path, nproc: int = 1) -> int:
-    found = re.findall(r"(\d+) prompts\s+encoded", logs(log, nproc))
+    found = re.findall(r"(\d+)\s+prompts\s+encoded", logs(log, nproc))
     assert len(found) == nproc, logs(log, nproc)
     return sum(map(int, found))
 

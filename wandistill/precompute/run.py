@@ -264,9 +264,6 @@ def _run(
         ),
     )
     done: set[str] = set()
-    if not null_sink:  # own the cache (one writing job) before reading what another job wrote
-        inputs = {"--teacher": teacher.path, "--prompts": cfg.prompts}
-        owned.enter_context(outputs.claim(cache, "cache", info, inputs=inputs))
     if not null_sink and mf.manifest_path(cache).is_file():
         existing = mf.load_committed(cache)
         if existing.shards:  # a cache without records binds nothing: a fixed run takes it over
@@ -286,6 +283,9 @@ def _run(
         world_size=info.world_size,
         local_rank=info.local_rank,
     )
+    if not null_sink:  # every input checked: own the cache (one writing job), then write
+        inputs = {"--teacher": teacher.path, "--prompts": cfg.prompts}
+        owned.enter_context(outputs.claim(cache, "cache", info, inputs=inputs))
     load_kw: dict[str, Any] = dict(
         dtype=dtype,
         placement=placement,
