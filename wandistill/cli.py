@@ -139,6 +139,7 @@ def cache_info(
     for f in m.fields:
         fields.add_row(f["name"], f["dtype"], f["shape"])
     out.print(fields)
+    _print_footprint(path)
     settings = Table(title="sampler settings", show_header=False)
     for k, v in m.settings.items():
         settings.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
@@ -150,6 +151,32 @@ def cache_info(
         sha = s["sha256"] if isinstance(s["sha256"], str) else f"{len(s['sha256'])} files"
         shards.add_row(s["name"], str(s["records"]), _human(s["bytes"]), sha[:16])
     out.print(shards)
+
+
+def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -> None:
+    """Bytes per record per field, here and at real Wan sizes, for this cache's settings."""
+    from wandistill.cache.storage import WAN_SIZES, footprint
+
+    fp = footprint(path)
+    if fp is None:
+        return
+    table = Table(title=f"footprint per record (projection: {fp.embed_len:.0f}-token prompts)")
+    for col in ("field", "stored as", "here", *WAN_SIZES):
+        table.add_column(col, justify="left" if col in ("field", "stored as") else "right")
+    for name, n in fp.here.items():
+        sizes = [_human(fp.projected[k].get(name, 0)) for k in WAN_SIZES]
+        table.add_row(name, fp.fields.get(name, "(scale)"), _human(n), *sizes)
+    totals = {k: sum(v.values()) for k, v in fp.projected.items()}
+    table.add_row("total", "", _human(sum(fp.here.values())), *map(_human, totals.values()))
+    for n in records:
+        table.add_row(f"x {n:,} records", "", "", *(_human(t * n) for t in totals.values()))
+    out.print(table)
+    ratio = fp.on_disk / max(1, sum(fp.here.values()))
+    out.print(
+        f"on disk here: {_human(fp.on_disk)} per record ({ratio:.2f}x the stored tensors: "
+        "compression and container overhead; projections are before compression)",
+        highlight=False,
+    )
 
 
 @cache_app.command("verify")
