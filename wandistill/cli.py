@@ -179,6 +179,28 @@ def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -
     )
 
 
+@cache_app.command("merge")
+def cache_merge(
+    inputs: Annotated[list[Path], typer.Argument(help="Input cache directories (2 or more).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="The merged cache (new or empty).")],
+) -> None:
+    """Join finished caches of one teacher and settings into one (shards hard-linked, not
+    copied, where the disk allows; see docs/cache-format.md)."""
+    from wandistill.cache.merge import MergeConfig, merge
+
+    _out_dir(out_dir)
+    s = merge(MergeConfig(inputs=tuple(inputs), out=out_dir))
+    if s.unchanged:
+        out.print(f"{out_dir} already is this merge ({s.records} records); nothing to do")
+        return
+    out.print(
+        f"merged {s.records} records ({' + '.join(map(str, s.per_input))}) into {s.shards} "
+        f"shards of {out_dir}: {s.linked} hard-linked, {s.copied} copied, {s.rewritten} "
+        f"re-written; {s.duplicates} duplicate record(s) dropped (first input kept)",
+        highlight=False,
+    )
+
+
 @cache_app.command("verify")
 def cache_verify(path: Annotated[Path, typer.Argument(help="Cache directory.")]) -> None:
     """Check every shard's checksum and decode every record; exit 1 if anything is wrong."""
