@@ -89,9 +89,7 @@ def test_mismatched_caches_are_refused_naming_the_key_and_both(
     assert code != 0 and "backend" in err and not m.exists()
 
 
-def test_an_incomplete_input_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_an_incomplete_input_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
     write_cache(a, range(2))
     write_cache(b, range(2, 4), finalize=False, complete=False)  # still in its journal

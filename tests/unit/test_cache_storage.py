@@ -12,7 +12,7 @@ import webdataset as wds
 import zarr
 
 from wandistill.cache.reader import open_cache
-from wandistill.cache.storage import FP8_MAX, Storage, fp8_decode, fp8_encode, footprint
+from wandistill.cache.storage import FP8_MAX, Storage, footprint, fp8_decode, fp8_encode
 from wandistill.cache.wds import safe_decoder
 from wandistill.config import CacheConfig
 from wandistill.errors import CacheMismatchError, ConfigError
