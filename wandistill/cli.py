@@ -191,13 +191,18 @@ def cache_merge(
     _out_dir(out_dir)
     s = merge(MergeConfig(inputs=tuple(inputs), out=out_dir))
     if s.unchanged:
-        out.print(f"{out_dir} already is this merge ({s.records} records); nothing to do")
+        out.print(
+            f"{out_dir} already is this merge ({s.records} records); nothing to do",
+            highlight=False,
+            soft_wrap=True,
+        )
         return
     out.print(
         f"merged {s.records} records ({' + '.join(map(str, s.per_input))}) into {s.shards} "
         f"shards of {out_dir}: {s.linked} hard-linked, {s.copied} copied, {s.rewritten} "
         f"re-written; {s.duplicates} duplicate record(s) dropped (first input kept)",
         highlight=False,
+        soft_wrap=True,
     )
 
 

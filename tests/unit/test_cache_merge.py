@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import webdataset as wds
+import zarr
 
 from wandistill.cache.merge import MergeConfig, merge
 from wandistill.cache.reader import open_cache
@@ -46,6 +48,7 @@ def test_merge_keeps_every_key_once_first_input_first(
     code, out, err = _run(capsys, "cache", "merge", str(a), str(b), "--out", str(m))
     assert code == 0, err
     assert "11 records (6 + 5)" in out and "2 duplicate" in out
+    assert "3 hard-linked, 0 copied, 1 re-written" in out  # b's first shard holds 4 and 5
     keys_a, keys_b = _keys(a), _keys(b)
     assert _keys(m) == keys_a + [k for k in keys_b if k not in keys_a]
     with open_cache(m) as store, open_cache(b) as other:
@@ -150,3 +153,24 @@ def test_an_interrupted_merge_reruns_to_the_same_bytes(
     assert files(tmp_path / "m") == files(tmp_path / "fresh")
     with open_cache(tmp_path / "m") as store:
         assert store.verify() == [] and len(store) == 6
+
+
+def test_whole_zarr_entries_are_hard_links_read_by_stock_zarr(tmp_path: Path) -> None:
+    a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
+    write_cache(a, range(0, 3), backend="zarr", negative=True)  # ragged field, shifted tokens
+    write_cache(b, range(3, 8), backend="zarr", negative=True)
+    summary = merge(MergeConfig(inputs=(a, b), out=m))
+    assert (summary.linked, summary.rewritten) == (3, 0)
+    # b's first zarr shard (rows 0..3 there) is M's second record block: same inode.
+    assert os.path.samefile(b / "data.zarr/xt/c/0/0/0/0/0/0", m / "data.zarr/xt/c/1/0/0/0/0/0")
+    group = zarr.open_group(m / "data.zarr", mode="r")
+    with open_cache(m) as store, open_cache(b) as other:
+        assert store.verify() == []
+        for key in _keys(b):
+            entry, i = store.locate()[key]
+            row = entry["rows"][0] + i
+            want = other.read_key(key)
+            got = store.read_key(key)
+            assert torch.equal(got.prompt_embeds, want.prompt_embeds)
+            assert torch.equal(got.negative_prompt_embeds, want.negative_prompt_embeds)
+            assert torch.equal(torch.from_numpy(np.asarray(group["noise"][row])), want.noise)

@@ -168,6 +168,7 @@ class _Merger:
         self.out = out
         self.backend = stores[0].manifest.backend
         self.summary = MergeSummary(out=out, per_input=[0] * len(stores))
+        self._linker: Any = None
 
     def _sink(self) -> Any:
         if self.backend == "webdataset":
@@ -182,12 +183,29 @@ class _Merger:
         fields = first.manifest.fields
         return ZarrSink(self.out, block_records=block, compression=compression_of(fields))
 
+    def _link_zarr(self, store: CacheStore, src: dict[str, Any]) -> Any:
+        """(M's entry, hard-linked) for a whole zarr entry linked into M; None to re-write."""
+        if self.backend != "zarr":
+            return None
+        if self._linker is None:
+            from wandistill.cache.zarr_merge import ZarrLinker
+
+            self._linker = ZarrLinker(self.out, _link_or_copy)
+        return self._linker.add(store.path, src)
+
     def shard(self, seq: int, step: _Step) -> dict[str, Any]:
         """Write M's shard `seq` from `step`; its committed (sealed) entry."""
         name = shard_name(MERGE_RANK, seq)
         store = self.stores[step.source]
         src = step.entry
-        if step.rows is None and self.backend == "webdataset":
+        linked_entry = self._link_zarr(store, src) if step.rows is None else None
+        if linked_entry is not None:
+            entry, linked = linked_entry
+            self.summary.linked += linked
+            self.summary.copied += not linked
+            keys = list(src["keys"])
+            entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
+        elif step.rows is None and self.backend == "webdataset":
             dst = self.out / SHARD_DIR / f"{name}.tar"
             linked = _link_or_copy(store.source.path(src), dst)
             self.summary.linked += linked
