@@ -159,13 +159,15 @@ def test_whole_zarr_entries_are_hard_links_read_by_stock_zarr(tmp_path: Path) ->
     a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
     write_cache(a, range(0, 3), backend="zarr", negative=True)  # ragged field, shifted tokens
     write_cache(b, range(3, 8), backend="zarr", negative=True)
-    summary = merge(MergeConfig(inputs=(a, b), out=m))
-    assert (summary.linked, summary.rewritten) == (3, 0)
+    c = tmp_path / "c"  # another zarr layout (2-row blocks): re-written, not linked
+    write_cache(c, range(8, 10), backend="zarr", negative=True, shard_records=2)
+    summary = merge(MergeConfig(inputs=(a, b, c), out=m))
+    assert (summary.linked, summary.rewritten, summary.records) == (3, 1, 10)
     # b's first zarr shard (rows 0..3 there) is M's second record block: same inode.
     assert os.path.samefile(b / "data.zarr/xt/c/0/0/0/0/0/0", m / "data.zarr/xt/c/1/0/0/0/0/0")
     group = zarr.open_group(m / "data.zarr", mode="r")
     with open_cache(m) as store, open_cache(b) as other:
-        assert store.verify() == []
+        assert store.verify() == [] and _keys(m) == _keys(a) + _keys(b) + _keys(c)
         for key in _keys(b):
             entry, i = store.locate()[key]
             row = entry["rows"][0] + i

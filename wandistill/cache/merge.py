@@ -5,14 +5,15 @@ by several inputs is kept from the first input that holds it, argument order), w
 header (teacher, settings, numerics, fields, dims, shared tensors) unchanged. Keys, and so the
 held-out split (a function of the key and `settings.holdout_fraction`), are those of the inputs.
 
-No copy where the disk allows. A webdataset shard whose records are all kept is hard-linked into
-`M/shards/` under a new name (`r00000-<seq>`): the same inode, no bytes copied, and M stays a
-self-contained folder that stock webdataset, `cache verify` and `train` read like any other
-(a relative path out of M would break those, and a symlink would follow its target's fate).
-Across filesystems, where a hard link cannot be made, the shard is copied. A shard that holds a
-key an earlier input already brought, and every zarr shard (the zarr backend keeps one group of
-arrays indexed by row, which cannot take another group's files), are re-written record by record
-through the backend's own writer, bytes as stored (no decode, no re-encode).
+No copy where the disk allows. A shard whose records are all kept is hard-linked into M: a
+webdataset tar into `M/shards/` under a new name (`r00000-<seq>`), a zarr entry's zarr shard
+files into M's `data.zarr` at shifted whole-shard coordinates (`zarr_merge.py`). Same inodes, no
+bytes copied, and M stays a self-contained folder that stock webdataset/zarr, `cache verify` and
+`train` read like any other (a relative path out of M would break those, and a symlink would
+follow its target's fate). Across filesystems, where a hard link cannot be made, files are
+copied. A shard that holds a key an earlier input already brought, and a zarr entry whose layout
+differs from M's, are re-written record by record through the backend's own writer, bytes as
+stored (no decode, no re-encode).
 
 Safety. Every input is checked before anything is written: each must be a complete cache
 (`complete` in its manifest, no journal left), and all must agree on every sealed block but
