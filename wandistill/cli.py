@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from wandistill import __version__
-from wandistill.errors import ConfigError, UsageError, WandistillError
+from wandistill.errors import CacheError, ConfigError, UsageError, WandistillError
 
 if TYPE_CHECKING:
     from wandistill.config import Recipe
@@ -157,7 +157,11 @@ def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -
     """Bytes per record per field, here and at real Wan sizes, for this cache's settings."""
     from wandistill.cache.storage import WAN_SIZES, footprint
 
-    fp = footprint(path)
+    try:
+        fp = footprint(path)
+    except CacheError as e:  # info still shows the rest; verify names the damage
+        err.print(f"footprint: not computed ({e.message})", highlight=False, soft_wrap=True)
+        return
     if fp is None:
         return
     table = Table(title=f"footprint per record (projection: {fp.embed_len:.0f}-token prompts)")

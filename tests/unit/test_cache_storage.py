@@ -14,6 +14,7 @@ import zarr
 from wandistill.cache.reader import open_cache
 from wandistill.cache.storage import FP8_MAX, Storage, footprint, fp8_decode, fp8_encode
 from wandistill.cache.wds import safe_decoder
+from wandistill.cli import main
 from wandistill.config import CacheConfig
 from wandistill.errors import CacheMismatchError, ConfigError
 
@@ -113,8 +114,13 @@ def test_bad_storage_options_are_config_errors() -> None:
     assert storage.stored("xt") == "float8_e4m3fn" and storage.stored("teacher_out") is None
 
 
-def test_footprint_projects_bytes_per_field_to_wan_sizes(tmp_path: Path) -> None:
+def test_footprint_projects_bytes_per_field_to_wan_sizes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     write_cache(tmp_path, range(3), storage=Storage(dtype="fp8"))
+    main(["cache", "info", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "480p" in out and "720p" in out and "x 100,000 records" in out and "scale" in out
     fp = footprint(tmp_path)
     assert fp is not None
     steps, latent = 3, 16 * 21 * 60 * 104
