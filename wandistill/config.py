@@ -200,7 +200,7 @@ class CacheConfig:
     compression_level: int = num(3, ge=1, le=22)
 
     def __post_init__(self) -> None:
-        from wandistill.cache.storage import COMPRESSIONS, STORE_DTYPES, TRAJECTORY
+        from wandistill.cache.storage import COMPRESSIONS, STORE_DTYPES, TRAJECTORY, ZARR_ONLY
 
         names = tuple(STORE_DTYPES)
         keys = f"keys are {', '.join(TRAJECTORY)}, values one of {', '.join(names)}"
@@ -217,8 +217,7 @@ class CacheConfig:
             ),
             (
                 self.compression == "none" or self.backend == "zarr",
-                f"cache.compression={self.compression!r} needs cache.backend = 'zarr' (a "
-                "webdataset record is read by byte range, one recorded step at a time)",
+                f"cache.compression={self.compression!r} {ZARR_ONLY}",
             ),
         )
 

@@ -43,6 +43,11 @@ STORE_DTYPES: dict[str, str | None] = {
 TRAJECTORY = ("xt", "teacher_out", "final_latent", "features")
 """Fields whose stored dtype the recipe chooses (`features`: every `feature.<name>`)."""
 COMPRESSIONS = ("none", "zstd")
+ZARR_ONLY = (
+    "needs cache.backend = 'zarr' (a webdataset record is read by byte range, one recorded step "
+    "at a time, which a compressed member would defeat)"
+)
+"""Why compression is refused for webdataset (the recipe check and the writer say the same)."""
 
 
 def _group(name: str) -> str | None:

@@ -21,7 +21,7 @@ from safetensors.torch import save as st_save
 from wandistill.cache import manifest as mf
 from wandistill.cache.keyindex import NameIndex
 from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name
-from wandistill.cache.storage import RecordCodec, compression_of
+from wandistill.cache.storage import ZARR_ONLY, RecordCodec, compression_of
 from wandistill.errors import CacheError, UsageError
 from wandistill.finite import refuse_nonfinite_record
 from wandistill.fsutil import fsync_dir, temp_name
@@ -66,8 +66,7 @@ def _make_sink(
 
         if compression is not None:
             raise UsageError(
-                "cache.compression needs cache.backend = 'zarr' (a webdataset record is read "
-                "by byte range, one recorded step at a time)",
+                f"cache.compression={compression[0]!r} {ZARR_ONLY}",
                 fix="set cache.backend = 'zarr', or cache.compression = 'none'",
             )
         return WebDatasetSink(cache)
