@@ -116,10 +116,15 @@ def _human(n: float) -> str:
 def cache_info(
     path: Annotated[Path, typer.Argument(help="Cache directory.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
+    records: Annotated[
+        list[int] | None,
+        typer.Option("--records", help="Project the footprint to N records (repeatable)."),
+    ] = None,
 ) -> None:
-    """Records, bytes, fields, sampler settings and shards of a cache."""
+    """Records, bytes, fields, footprint (here and at Wan 480p/720p), settings and shards."""
     from wandistill.cache.manifest import load_committed
 
+    _positive(records=min(records) if records else None)
     m = load_committed(path)
     if as_json:
         out.print_json(json.dumps(m.to_json()))
@@ -139,7 +144,7 @@ def cache_info(
     for f in m.fields:
         fields.add_row(f["name"], f["dtype"], f["shape"])
     out.print(fields)
-    _print_footprint(path)
+    _print_footprint(path, tuple(records or (10_000, 100_000)))
     settings = Table(title="sampler settings", show_header=False)
     for k, v in m.settings.items():
         settings.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
