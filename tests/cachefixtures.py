@@ -8,6 +8,7 @@ import torch
 
 from wandistill.cache import CacheWriter, Record, record_key
 from wandistill.cache.schema import field_specs
+from wandistill.cache.storage import Storage
 from wandistill.teacher.tiny import TRANSFORMER_CONFIG
 
 SETTINGS = {"max_sequence_length": 24, "record_steps": [0, 2, 3], "num_inference_steps": 4}
@@ -66,6 +67,7 @@ def write_cache(
     finalize: bool = True,
     complete: bool = True,
     settings: dict | None = None,
+    storage: Storage | None = None,
     **record_kw: object,
 ) -> CacheWriter:
     features = list(record_kw.get("features", ()))  # type: ignore[arg-type]
@@ -75,10 +77,12 @@ def write_cache(
         teacher=TEACHER,
         settings=settings or SETTINGS,
         dims=DIMS,
-        fields=field_specs(
-            latent_dtype=record_kw.get("latent_dtype", torch.float32),  # type: ignore[arg-type]
-            embed_dtype=record_kw.get("embed_dtype", torch.bfloat16),  # type: ignore[arg-type]
-            features=features,
+        fields=(storage or Storage()).apply(
+            field_specs(
+                latent_dtype=record_kw.get("latent_dtype", torch.float32),  # type: ignore[arg-type]
+                embed_dtype=record_kw.get("embed_dtype", torch.bfloat16),  # type: ignore[arg-type]
+                features=features,
+            )
         ),
         shared={"negative_prompt_embeds": torch.zeros(5, 32), "sigmas": torch.linspace(1, 0, 5)},
         rank=rank,

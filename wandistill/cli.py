@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from wandistill import __version__
-from wandistill.errors import ConfigError, UsageError, WandistillError
+from wandistill.errors import CacheError, ConfigError, UsageError, WandistillError
 
 if TYPE_CHECKING:
     from wandistill.config import Recipe
@@ -116,10 +116,15 @@ def _human(n: float) -> str:
 def cache_info(
     path: Annotated[Path, typer.Argument(help="Cache directory.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
+    records: Annotated[
+        list[int] | None,
+        typer.Option("--records", help="Project the footprint to N records (repeatable)."),
+    ] = None,
 ) -> None:
-    """Records, bytes, fields, sampler settings and shards of a cache."""
+    """Records, bytes, fields, footprint (here and at Wan 480p/720p), settings and shards."""
     from wandistill.cache.manifest import load_committed
 
+    _positive(records=min(records) if records else None)
     m = load_committed(path)
     if as_json:
         out.print_json(json.dumps(m.to_json()))
@@ -139,6 +144,7 @@ def cache_info(
     for f in m.fields:
         fields.add_row(f["name"], f["dtype"], f["shape"])
     out.print(fields)
+    _print_footprint(path, tuple(records or (10_000, 100_000)))
     settings = Table(title="sampler settings", show_header=False)
     for k, v in m.settings.items():
         settings.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
@@ -150,6 +156,63 @@ def cache_info(
         sha = s["sha256"] if isinstance(s["sha256"], str) else f"{len(s['sha256'])} files"
         shards.add_row(s["name"], str(s["records"]), _human(s["bytes"]), sha[:16])
     out.print(shards)
+
+
+def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -> None:
+    """Bytes per record per field, here and at real Wan sizes, for this cache's settings."""
+    from wandistill.cache.storage import WAN_SIZES, footprint
+
+    try:
+        fp = footprint(path)
+    except CacheError as e:  # info still shows the rest; verify names the damage
+        err.print(f"footprint: not computed ({e.message})", highlight=False, soft_wrap=True)
+        return
+    if fp is None:
+        return
+    table = Table(title=f"footprint per record (projection: {fp.embed_len:.0f}-token prompts)")
+    for col in ("field", "stored as", "here", *WAN_SIZES):
+        table.add_column(col, justify="left" if col in ("field", "stored as") else "right")
+    for name, n in fp.here.items():
+        sizes = [_human(fp.projected[k].get(name, 0)) for k in WAN_SIZES]
+        table.add_row(name, fp.fields.get(name, "(scale)"), _human(n), *sizes)
+    totals = {k: sum(v.values()) for k, v in fp.projected.items()}
+    table.add_row("total", "", _human(sum(fp.here.values())), *map(_human, totals.values()))
+    for n in records:
+        table.add_row(f"x {n:,} records", "", "", *(_human(t * n) for t in totals.values()))
+    out.print(table)
+    ratio = fp.on_disk / max(1, sum(fp.here.values()))
+    out.print(
+        f"on disk here: {_human(fp.on_disk)} per record ({ratio:.2f}x the stored tensors: "
+        "compression and container overhead; projections are before compression)",
+        highlight=False,
+    )
+
+
+@cache_app.command("merge")
+def cache_merge(
+    inputs: Annotated[list[Path], typer.Argument(help="Input cache directories (2 or more).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="The merged cache (new or empty).")],
+) -> None:
+    """Join finished caches of one teacher and settings into one (shards hard-linked, not
+    copied, where the disk allows; see docs/cache-format.md)."""
+    from wandistill.cache.merge import MergeConfig, merge
+
+    _out_dir(out_dir)
+    s = merge(MergeConfig(inputs=tuple(inputs), out=out_dir))
+    if s.unchanged:
+        out.print(
+            f"{out_dir} already is this merge ({s.records} records); nothing to do",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
+    out.print(
+        f"merged {s.records} records ({' + '.join(map(str, s.per_input))}) into {s.shards} "
+        f"shards of {out_dir}: {s.linked} hard-linked, {s.copied} copied, {s.rewritten} "
+        f"re-written; {s.duplicates} duplicate record(s) dropped (first input kept)",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 @cache_app.command("verify")

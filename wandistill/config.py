@@ -29,6 +29,8 @@ from wandistill.validate import MiB, read_capped
 if typing.TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
+    from wandistill.cache.storage import Storage
+
 T = TypeVar("T")
 
 MAX_RECIPE_BYTES = MiB
@@ -186,10 +188,46 @@ class CacheConfig:
     """Records per shard: the unit of atomic publication, resume and follow mode."""
     holdout_fraction: float = num(0.0, ge=0, lt=1)
     """Share of prompts marked held-out (by key hash) for eval; train skips them."""
+    store_dtype: str = "model"
+    """Stored dtype of x_t, teacher output, final latent and features: model (as computed: the
+    teacher's dtype, fp32 for the final latent), fp32, bf16, fp16 or fp8 (e4m3 with a float32
+    scale per recorded step). Readers hand out the computed dtype (docs/cache-format.md)."""
+    store_dtypes: dict[str, str] = field(default_factory=dict)
+    """Per-field overrides of store_dtype: keys xt, teacher_out, final_latent, features."""
+    compression: str = "none"
+    """none or zstd (zarr backend: each inner chunk, before its crc32c)."""
+    compression_level: int = num(3, ge=1, le=22)
 
     def __post_init__(self) -> None:
+        from wandistill.cache.storage import COMPRESSIONS, STORE_DTYPES, TRAJECTORY, ZARR_ONLY
+
+        names = tuple(STORE_DTYPES)
+        keys = f"keys are {', '.join(TRAJECTORY)}, values one of {', '.join(names)}"
         _problems(
             (self.backend in BACKENDS, f"cache.backend={self.backend!r} must be one of {BACKENDS}"),
+            (self.store_dtype in names, f"cache.store_dtype={self.store_dtype!r}: one of {names}"),
+            *(
+                (k in TRAJECTORY and v in names, f"cache.store_dtypes.{k}={v!r}: {keys}")
+                for k, v in self.store_dtypes.items()
+            ),
+            (
+                self.compression in COMPRESSIONS,
+                f"cache.compression={self.compression!r} must be one of {COMPRESSIONS}",
+            ),
+            (
+                self.compression == "none" or self.backend == "zarr",
+                f"cache.compression={self.compression!r} {ZARR_ONLY}",
+            ),
+        )
+
+    def storage(self) -> Storage:
+        from wandistill.cache.storage import Storage
+
+        return Storage(
+            dtype=self.store_dtype,
+            dtypes=tuple(sorted(self.store_dtypes.items())),
+            compression=self.compression,
+            level=self.compression_level,
         )
 
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, JsonValue, StringConstraints, model_validator
 
-from wandistill.cache.schema import DTYPES_BY_NAME, FORMAT_NAME
+from wandistill.cache.schema import DTYPES, DTYPES_BY_NAME, FORMAT_NAME
 from wandistill.validate import OpenSchema, Schema, rel_path_problem
 
 # ----------------------------------------------------------------------------- scalar types
@@ -66,7 +66,7 @@ class RecordMeta(Schema):
 class TensorInfo(Schema):
     """One entry of a safetensors header."""
 
-    dtype: Literal["F32", "F16", "BF16", "F64", "I64", "I32", "U8"]
+    dtype: Literal[tuple(d.safetensors for d in DTYPES)]  # type: ignore[valid-type]
     shape: Annotated[list[Annotated[int, Field(ge=0, le=1 << 32)]], Field(max_length=8)]
     data_offsets: Span
     """Checked against the shape and the record's extent where they are used (`_span`)."""
@@ -157,8 +157,15 @@ ENTRIES: dict[str, type[Entry]] = {"webdataset": WdsEntry, "zarr": ZarrEntry}
 class FieldSpecModel(Schema):
     name: Name
     dtype: Dtype
+    """The dtype the field is stored in."""
     shape: Annotated[str, StringConstraints(pattern=r"^[A-Z*](,[A-Z*]){0,7}$")]
     doc: Text = ""
+    decoded: Dtype | None = None
+    """The dtype readers hand out when it is not `dtype` (storage options, storage.py)."""
+    scaled: bool = False
+    """Stored as fp8 with a float32 `scale.<name>` (per recorded step, or per tensor)."""
+    compression: Literal["zstd"] | None = None
+    compression_level: Annotated[int, Field(ge=1, le=22)] | None = None
 
 
 class TeacherBlock(OpenSchema):

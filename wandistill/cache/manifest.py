@@ -376,6 +376,16 @@ def mismatches(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> li
     return out
 
 
+def _stored(spec: dict[str, Any]) -> str:
+    """How a field is stored, in one word: name:dtype, plus its storage options (storage.py)."""
+    text = f"{spec['name']}:{spec['dtype']}"
+    if spec.get("decoded"):
+        text += f" (of {spec['decoded']}{', scaled' if spec.get('scaled') else ''})"
+    if spec.get("compression"):
+        text += f" {spec['compression']}-{spec.get('compression_level')}"
+    return text
+
+
 def check_compatible(cache: Path, existing: Manifest, new: Manifest) -> None:
     """Refuse to mix records from another teacher, sampler settings, numerics or backend.
 
@@ -414,15 +424,13 @@ def check_compatible(cache: Path, existing: Manifest, new: Manifest) -> None:
         block_diffs = mismatches(old, now)
         names.extend(f"{block}." + d.split(":", 1)[0] for d in block_diffs)
         diffs.extend(f"{block}." + d for d in block_diffs)
-    if [(f["name"], f["dtype"]) for f in existing.fields] != [
-        (f["name"], f["dtype"]) for f in new.fields
-    ]:
+    if [_stored(f) for f in existing.fields] != [_stored(f) for f in new.fields]:
         names.append("fields")
         diffs.append(
             "fields: cache has "
-            + ", ".join(f"{f['name']}:{f['dtype']}" for f in existing.fields)
+            + ", ".join(map(_stored, existing.fields))
             + "; this run has "
-            + ", ".join(f"{f['name']}:{f['dtype']}" for f in new.fields)
+            + ", ".join(map(_stored, new.fields))
         )
     if diffs:
         shown = "\n  ".join(diffs[:12]) + ("\n  ..." if len(diffs) > 12 else "")

@@ -16,6 +16,7 @@ from safetensors.torch import load as st_load
 
 from wandistill.cache import manifest as mf
 from wandistill.cache.schema import SHARED_NAME, Record, dtype_name, pad_embeds
+from wandistill.cache.storage import RecordCodec
 from wandistill.errors import CacheError, UsageError
 from wandistill.validate import MiB, inside, read_capped
 
@@ -60,6 +61,8 @@ class CacheStore:
         """False for `verify`: report edited shard entries (and what they break) as problems."""
         self.manifest = mf.load_committed(self.path, check_entries=check_entries)
         self.source = _make_source(self.manifest.backend, self.path)
+        self.codec = RecordCodec(self.manifest.fields)
+        """Decodes stored dtypes (fp8 + scale, bf16, ...) back to the record's (storage.py)."""
 
     # --------------------------------------------------------------- layout
 
@@ -91,7 +94,8 @@ class CacheStore:
     # --------------------------------------------------------------- reads
 
     def read_record(self, entry: dict[str, Any], i: int) -> Record:
-        return self.source.read_record(entry, i)
+        """Record i of a shard, decoded (the dtypes it had before the cache stored it)."""
+        return self.codec.decode_record(self.source.read_record(entry, i))
 
     def read_key(self, key: str) -> Record:
         where = self.locate().get(key)
@@ -115,8 +119,8 @@ class CacheStore:
         """
         from wandistill.cache.schema import is_step_field
 
-        wanted = {n: (step if is_step_field(n) else None) for n in names}
-        out = self.source.read_tensors(entry, i, wanted)
+        wanted = {n: (step if is_step_field(n) else None) for n in self.codec.wanted(names)}
+        out = self.codec.decode(self.source.read_tensors(entry, i, wanted))
         if pad and "prompt_embeds" in out:
             out["prompt_len"] = torch.tensor(out["prompt_embeds"].shape[0])
             out["prompt_embeds"] = pad_embeds(out["prompt_embeds"], self.max_sequence_length)
@@ -201,7 +205,7 @@ class CacheStore:
             if not entry["keys"]:
                 continue
             try:
-                tensors = self.read_record(entry, 0).tensors()
+                tensors = self.source.read_record(entry, 0).tensors()  # as stored
             except Exception:  # already reported by the backend's verify
                 continue
             where = f"shard {entry['name']} record {entry['keys'][0]}"

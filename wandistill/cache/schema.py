@@ -21,6 +21,9 @@ FORMAT_NAME = "wandistill-cache"
 MANIFEST_NAME = "manifest.json"
 SHARED_NAME = "shared.safetensors"
 FEATURE_PREFIX = "feature."
+SCALE_PREFIX = "scale."
+"""`scale.<field>`: the float32 scale of a field stored as fp8 (one per recorded step for a step
+field, one per tensor otherwise; see wandistill/cache/storage.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +65,8 @@ class DType:
     """The cache's name for it (manifest `fields`, zarr attribute)."""
     torch: torch.dtype
     numpy: str
-    """The numpy (= zarr) dtype that stores it. bfloat16 has none: its bits go in as uint16, and
-    the array carries attribute {ZARR_DTYPE_ATTR: "bfloat16"}."""
+    """The numpy (= zarr) dtype that stores it. bfloat16 and float8_e4m3fn have none: their bits
+    go in as uint16 / uint8, and the array carries attribute {ZARR_DTYPE_ATTR: <name>}."""
     safetensors: str
     """Its code in a safetensors header."""
 
@@ -71,6 +74,11 @@ class DType:
     def as_bits(self) -> bool:
         """Stored as another dtype's bits (zarr has no such dtype)."""
         return self.numpy != self.name
+
+    @property
+    def bits(self) -> torch.dtype:
+        """The torch dtype a tensor is viewed as to hand its bits to numpy (`as_bits` only)."""
+        return {1: torch.uint8, 2: torch.int16}[self.torch.itemsize]
 
 
 DTYPES: tuple[DType, ...] = (
@@ -81,6 +89,7 @@ DTYPES: tuple[DType, ...] = (
     DType("int64", torch.int64, "int64", "I64"),
     DType("int32", torch.int32, "int32", "I32"),
     DType("uint8", torch.uint8, "uint8", "U8"),
+    DType("float8_e4m3fn", torch.float8_e4m3fn, "uint8", "F8_E4M3"),
 )
 DTYPE_BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 DTYPE_NAMES: dict[torch.dtype, str] = {d.torch: d.name for d in DTYPES}
@@ -93,6 +102,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def is_step_field(name: str) -> bool:
+    """A tensor with a leading step axis (a field's fp8 scale follows its field)."""
+    name = name.removeprefix(SCALE_PREFIX)
     return name in STEP_FIELDS or name.startswith(FEATURE_PREFIX)
 
 
@@ -113,6 +124,8 @@ class Record:
     negative_prompt_embeds: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     """Small JSON-able metadata (e.g. the prompt's own negative prompt, its line number)."""
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Field name -> fp8 scale, only in a record as stored (decoded records have none)."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {name: getattr(self, name) for name in FIELD_NAMES}
@@ -120,6 +133,8 @@ class Record:
             out["negative_prompt_embeds"] = self.negative_prompt_embeds
         for name, t in self.features.items():
             out[FEATURE_PREFIX + name] = t
+        for name, t in self.scales.items():
+            out[SCALE_PREFIX + name] = t
         return {k: v.detach().contiguous().cpu() for k, v in out.items()}
 
     def meta(self) -> dict[str, Any]:
@@ -137,6 +152,9 @@ class Record:
         features = {
             k[len(FEATURE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(FEATURE_PREFIX)
         }
+        scales = {
+            k[len(SCALE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(SCALE_PREFIX)
+        }
         return cls(
             key=meta["key"],
             prompt=meta["prompt"],
@@ -144,6 +162,7 @@ class Record:
             features=features,
             negative_prompt_embeds=tensors.get("negative_prompt_embeds"),
             extra=meta.get("extra", {}),
+            scales=scales,
             **{name: tensors[name] for name in FIELD_NAMES},
         )
 

@@ -693,8 +693,16 @@ class SafeDecoder:
     mismatch). `verify=False` skips that (e.g. to salvage what is readable of a damaged shard).
     """
 
-    def __init__(self, *, verify: bool = True) -> None:
+    def __init__(self, *, verify: bool = True, cache: str | Path | None = None) -> None:
         self.verify = verify
+        self.codec: Any = None
+        """With `cache`: its fields' storage options, so tensors come back decoded (fp8 with
+        its scale, bf16, ... -> the dtype the record had; wandistill/cache/storage.py)."""
+        if cache is not None:
+            from wandistill.cache.manifest import read_manifest
+            from wandistill.cache.storage import RecordCodec
+
+            self.codec = RecordCodec(read_manifest(cache).fields)
 
     def __call__(self, key_or_sample: str | dict[str, Any], data: bytes | None = None) -> Any:
         if isinstance(key_or_sample, dict):
@@ -712,8 +720,12 @@ class SafeDecoder:
                 fix="run `wandistill cache verify` on the cache",
             )
         if ext == "safetensors" and not self.verify:
-            return st_load(data)
-        return decode(data)
+            tensors = st_load(data)
+        else:
+            tensors = decode(data)
+        if ext == "safetensors" and self.codec is not None:
+            return self.codec.decode(tensors)
+        return tensors
 
     def decode_sample(self, sample: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -734,10 +746,12 @@ class SafeDecoder:
         return out
 
 
-def safe_decoder(*, verify: bool = True) -> SafeDecoder:
+def safe_decoder(*, verify: bool = True, cache: str | Path | None = None) -> SafeDecoder:
     """A decoder for stock webdataset reads of a cache: `.decode(safe_decoder())` or `.map(...)`;
-    every tensor is checked against its crc32c unless `verify=False`."""
-    return SafeDecoder(verify=verify)
+    every tensor is checked against its crc32c unless `verify=False`. Pass `cache` (its
+    directory) to get tensors decoded from the cache's storage dtypes; without it they come back
+    as stored (an fp8 field with its `scale.<field>` tensor)."""
+    return SafeDecoder(verify=verify, cache=cache)
 
 
 def iter_members(path: str | Path) -> Iterator[tarfile.TarInfo]:

@@ -21,6 +21,7 @@ from safetensors.torch import save as st_save
 from wandistill.cache import manifest as mf
 from wandistill.cache.keyindex import NameIndex
 from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name
+from wandistill.cache.storage import ZARR_ONLY, RecordCodec, compression_of
 from wandistill.errors import CacheError, UsageError
 from wandistill.finite import refuse_nonfinite_record
 from wandistill.fsutil import fsync_dir, temp_name
@@ -56,15 +57,23 @@ def _naming(e: OSError, cache: Path) -> OSError:
     return OSError(e.errno, e.strerror or str(e), str(cache))
 
 
-def _make_sink(backend: str, cache: Path, shard_records: int) -> ShardSink:
+def _make_sink(
+    backend: str, cache: Path, shard_records: int, fields: list[dict[str, Any]]
+) -> ShardSink:
+    compression = compression_of(fields)
     if backend == "webdataset":
         from wandistill.cache.wds import WebDatasetSink
 
+        if compression is not None:
+            raise UsageError(
+                f"cache.compression={compression[0]!r} {ZARR_ONLY}",
+                fix="set cache.backend = 'zarr', or cache.compression = 'none'",
+            )
         return WebDatasetSink(cache)
     if backend == "zarr":
         from wandistill.cache.zarr_backend import ZarrSink
 
-        return ZarrSink(cache, block_records=shard_records)
+        return ZarrSink(cache, block_records=shard_records, compression=compression)
     raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
 
 
@@ -109,7 +118,7 @@ class CacheWriter:
         self.path = Path(path)
         self.rank = rank
         self.shard_records = shard_records
-        self.sink = _make_sink(backend, self.path, shard_records)
+        self.sink = _make_sink(backend, self.path, shard_records, fields)
         header = mf.Manifest(
             backend=backend,
             teacher=teacher,
@@ -119,6 +128,8 @@ class CacheWriter:
             numerics=numerics or {},
         )
         self._open_cache(header, shared or {})
+        self.codec = RecordCodec(self.manifest.fields)
+        """Converts each record to the stored dtypes the fields declare (storage.py)."""
         committed = mf.committed_shards(self.path, self.manifest)
         self._keys = NameIndex()  # compact: memory must not grow with the prompt file
         for s in committed:
@@ -189,6 +200,7 @@ class CacheWriter:
             self.records_skipped += 1
             return False
         refuse_nonfinite_record(record.key, record.tensors(), STEP_FIELDS)  # never committed
+        record = self.codec.encode(record)
         try:
             if not self._begun:
                 self.sink.begin(shard_name(self.rank, self._seq))

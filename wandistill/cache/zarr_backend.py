@@ -17,10 +17,12 @@ are not compressed (float latents do not compress: zstd gains ~1.09x)::
 
 A step field is chunked one (record, step) per inner chunk, so a training sample that wants one
 recorded step reads that chunk (plus the zarr shard's index). Dtypes come from the one table in
-`schema.DTYPES`: bf16 has no zarr dtype and is stored as its uint16 bits with array attribute
-{"wandistill_dtype": "bfloat16"}. Dtypes and trailing shapes are fixed by the first record that
-creates an array. Per-record metadata (key, prompt, seed, extra) lives in the shard's manifest
-entry (`schema.ZarrShardEntry.meta`), which is the commit record anyway.
+`schema.DTYPES`: bf16 (fp8) has no zarr dtype and is stored as its uint16 (uint8) bits with array
+attribute {"wandistill_dtype": "bfloat16"} ("float8_e4m3fn"). With `cache.compression = "zstd"`
+each inner chunk is zstd-compressed (zarr's ZstdCodec) before its crc32c. Dtypes and trailing
+shapes are fixed by the first record that creates an array. Per-record metadata (key, prompt,
+seed, extra) lives in the shard's manifest entry (`schema.ZarrShardEntry.meta`), which is the
+commit record anyway.
 
 Row ownership and concurrency. zarr 3.1 rewrites a whole zarr shard on every write that touches
 it (read-modify-write, no locking), so two partial writes into one zarr shard lose rows, and
@@ -79,7 +81,7 @@ import numpy as np
 import torch
 import zarr
 from zarr.abc.store import RangeByteRequest, Store, SuffixByteRequest
-from zarr.codecs import Crc32cCodec
+from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.core.sync import sync
 from zarr.experimental.cache_store import CacheStore
 from zarr.storage import LocalStore, MemoryStore, WrapperStore
@@ -204,9 +206,9 @@ def _dtype_of(t: torch.Tensor) -> DType:
 
 
 def _numpy_view(t: torch.Tensor, dtype: DType) -> np.ndarray:
-    """A numpy array over a CPU tensor's memory (no copy); bf16 as its uint16 bits."""
+    """A numpy array over a CPU tensor's memory (no copy); bf16 / fp8 as their integer bits."""
     if dtype.as_bits:
-        return t.view(torch.int16).numpy().view(dtype.numpy)
+        return t.view(dtype.bits).numpy().view(dtype.numpy)
     return t.numpy()
 
 
@@ -216,7 +218,7 @@ def to_torch(a: Any, dtype: DType) -> torch.Tensor:
     if not a.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
         a = a.copy(order="C")
     if dtype.as_bits:
-        return torch.from_numpy(a.view(np.int16)).view(dtype.torch)
+        return torch.from_numpy(a.view(np.dtype(dtype.numpy))).view(dtype.bits).view(dtype.torch)
     return torch.from_numpy(a)
 
 
@@ -385,6 +387,7 @@ class ZarrSink:
         block_records: int | None = None,
         token_chunk: int | None = None,
         token_block: int | None = None,
+        compression: tuple[str, int] | None = None,
     ) -> None:
         """Layout defaults are the module constants, read at call time; they only matter when
         this sink creates the group; an existing group's recorded layout always wins."""
@@ -399,6 +402,8 @@ class ZarrSink:
         self.block_records = block_records
         self.token_chunk = token_chunk
         self.token_block = token_block
+        self.compression = compression
+        """(codec, level) for new arrays' inner chunks (the manifest's fields declare it)."""
         self._pool: dict[str, np.ndarray] = {}
         """Per-field block buffers, reused from shard to shard (fresh memory costs page faults)."""
         self._reset(None)
@@ -566,11 +571,18 @@ class ZarrSink:
             dtype=dtype.numpy,
             chunks=chunks,
             shards=shards,
-            compressors=[Crc32cCodec()],
+            compressors=[*self._compressors(), Crc32cCodec()],
             fill_value=fill,
             attributes={ZARR_DTYPE_ATTR: dtype.name} if dtype.as_bits else {},
             config=_WRITE_CONFIG,
         )
+
+    def _compressors(self) -> list[Any]:
+        if self.compression is None:
+            return []
+        codec, level = self.compression
+        assert codec == "zstd", codec  # the only codec formats.FieldSpecModel admits
+        return [ZstdCodec(level=level)]
 
     def _arrays(self, group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         """Every array this shard writes, by path, created when missing."""

@@ -256,11 +256,13 @@ def _run(
         teacher=fingerprint,
         settings=settings,
         numerics=record_numerics(batch_size=cfg.sampler.batch_size, device=info.device),
-        fields=field_specs(
-            latent_dtype=torch.float32,
-            model_dtype=dtype,
-            embed_dtype=dtype,
-            features=list(cfg.sampler.features),
+        fields=cfg.cache.storage().apply(
+            field_specs(
+                latent_dtype=torch.float32,
+                model_dtype=dtype,
+                embed_dtype=dtype,
+                features=list(cfg.sampler.features),
+            )
         ),
     )
     done: set[str] = set()

@@ -1,0 +1,274 @@
+"""The cache footprint a user chooses: the stored dtype of trajectory tensors and compression.
+
+The recipe's `[cache]` options (`store_dtype`, `store_dtypes`, `compression`,
+`compression_level`) become per-field entries of the manifest's sealed `fields` list
+(`dtype` = as stored, `decoded` = what readers hand out, `scaled`, `compression`), so they are
+declared once, refused on resume when changed, and read back by every reader from there.
+
+fp8 (`float8_e4m3fn`) is stored with a float32 scale `scale.<field>`: one per recorded step for
+a step field (each step's x_t is its own tensor, and training reads one step), one per tensor
+otherwise. The scale maps the tensor's largest magnitude to e4m3's largest finite value (448),
+so nothing saturates; decoding is `fp8.float() * scale`. bf16/fp16/fp32 are plain casts.
+
+Readers decode transparently (`RecordCodec.decode`): the student gets the dtype the record had
+before it was stored (the teacher's dtype for x_t / teacher output / features, float32 for the
+final latent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from wandistill.cache.schema import (
+    DTYPE_BY_NAME,
+    FEATURE_PREFIX,
+    SCALE_PREFIX,
+    Record,
+    is_step_field,
+)
+
+FP8 = "float8_e4m3fn"
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+STORE_DTYPES: dict[str, str | None] = {
+    "model": None,
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp8": FP8,
+}
+"""Recipe name -> stored dtype (`model`: as computed, no conversion)."""
+TRAJECTORY = ("xt", "teacher_out", "final_latent", "features")
+"""Fields whose stored dtype the recipe chooses (`features`: every `feature.<name>`)."""
+COMPRESSIONS = ("none", "zstd")
+ZARR_ONLY = (
+    "needs cache.backend = 'zarr' (a webdataset record is read by byte range, one recorded step "
+    "at a time, which a compressed member would defeat)"
+)
+"""Why compression is refused for webdataset (the recipe check and the writer say the same)."""
+
+
+def _group(name: str) -> str | None:
+    """The recipe key (`TRAJECTORY`) that chooses field `name`'s stored dtype, or None."""
+    if name.startswith(FEATURE_PREFIX):
+        return "features"
+    return name if name in TRAJECTORY else None
+
+
+@dataclass(frozen=True, slots=True)
+class Storage:
+    """The storage options of a cache, as the recipe gives them (checked by CacheConfig)."""
+
+    dtype: str = "model"
+    dtypes: tuple[tuple[str, str], ...] = ()
+    """Per-field overrides (`TRAJECTORY` key -> recipe dtype name)."""
+    compression: str = "none"
+    level: int = 3
+
+    def stored(self, name: str) -> str | None:
+        """The dtype field `name` is stored in (None: as computed)."""
+        group = _group(name)
+        if group is None:
+            return None
+        return STORE_DTYPES[dict(self.dtypes).get(group, self.dtype)]
+
+    def apply(self, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The manifest's field specs with these options written into them."""
+        out = []
+        for spec in specs:
+            spec = dict(spec)
+            stored = self.stored(spec["name"])
+            if stored is not None and stored != spec["dtype"]:
+                spec["decoded"], spec["dtype"] = spec["dtype"], stored
+                if stored == FP8:
+                    spec["scaled"] = True
+            if self.compression != "none":
+                spec["compression"], spec["compression_level"] = self.compression, self.level
+            out.append(spec)
+        return out
+
+
+def compression_of(fields: list[dict[str, Any]]) -> tuple[str, int] | None:
+    """The (codec, level) the fields declare (one per cache), or None."""
+    for spec in fields:
+        if spec.get("compression"):
+            return str(spec["compression"]), int(spec.get("compression_level") or 3)
+    return None
+
+
+def fp8_encode(t: torch.Tensor, *, per_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 tensor, float32 scale): per leading-axis row when `per_step`, else one scalar."""
+    x = t.detach().float()
+    if per_step and x.dim() >= 1:
+        amax = x.abs().reshape(x.shape[0], -1).amax(dim=1) if x.numel() else x.new_zeros(x.shape[0])
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        view = scale.reshape(-1, *([1] * (x.dim() - 1)))
+    else:
+        amax = x.abs().amax() if x.numel() else x.new_zeros(())
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        view = scale
+    q = (x / view).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.to(torch.float32)
+
+
+def fp8_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`q * scale` in `dtype`; `scale` has one value per leading row of `q`, or one in all."""
+    view = scale.reshape(-1, *([1] * (q.dim() - 1))) if scale.dim() and q.dim() else scale
+    return (q.float() * view.float()).to(dtype)
+
+
+class RecordCodec:
+    """Encodes records as the manifest's fields say they are stored, and decodes them back."""
+
+    def __init__(self, fields: list[dict[str, Any]]) -> None:
+        self.stored = {f["name"]: f["dtype"] for f in fields}
+        self.decoded = {f["name"]: f["decoded"] for f in fields if f.get("decoded")}
+        self.scaled = {f["name"] for f in fields if f.get("scaled")}
+
+    @property
+    def identity(self) -> bool:
+        return not self.decoded
+
+    def encode(self, record: Record) -> Record:
+        """The record as it is stored (a new Record; tensors are converted, scales added)."""
+        if self.identity:
+            return record
+        tensors = record.tensors()
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            want = self.decoded.get(name) and self.stored[name]
+            if not want:
+                out[name] = t
+            elif name in self.scaled:
+                out[name], out[SCALE_PREFIX + name] = fp8_encode(t, per_step=is_step_field(name))
+            else:
+                out[name] = t.to(DTYPE_BY_NAME[want].torch)
+        return Record.from_parts(record.meta(), out)
+
+    def wanted(self, names: list[str]) -> list[str]:
+        """The stored tensors to read for these fields (a scaled field brings its scale)."""
+        return [*names, *(SCALE_PREFIX + n for n in names if n in self.scaled)]
+
+    def decode(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stored tensors (scales included) -> the fields as the record had them."""
+        if self.identity:
+            return tensors
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if name.startswith(SCALE_PREFIX) and name[len(SCALE_PREFIX) :] in self.scaled:
+                continue
+            dtype = self.decoded.get(name)
+            if dtype is None:
+                out[name] = t
+            elif name in self.scaled:
+                scale = tensors.get(SCALE_PREFIX + name)
+                if scale is None:
+                    raise KeyError(f"{name!r} is stored as fp8 but {SCALE_PREFIX}{name} is missing")
+                out[name] = fp8_decode(t, scale, DTYPE_BY_NAME[dtype].torch)
+            else:
+                out[name] = t.to(DTYPE_BY_NAME[dtype].torch)
+        return out
+
+    def decode_record(self, record: Record) -> Record:
+        if self.identity:
+            return record
+        return Record.from_parts(record.meta(), self.decode(record.tensors()))
+
+
+# ------------------------------------------------------------------------------ footprint
+
+WAN_SIZES: dict[str, tuple[int, int, int, int]] = {
+    "480p": (16, 21, 60, 104),
+    "720p": (16, 21, 90, 160),
+}
+"""Latent (C, F, H, W) of real Wan videos: 832x480 and 1280x720, 81 frames (VAE: 4x time,
+8x space)."""
+WAN_TEXT_DIM = 4096
+"""UMT5-XXL's width: the real prompt embedding's D."""
+_TEXT = ("prompt_embeds", "negative_prompt_embeds")
+
+
+def field_bytes(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Bytes of each stored field of one record (an fp8 field's scale counted with it)."""
+    out: dict[str, int] = {}
+    for name, t in tensors.items():
+        field_name = name.removeprefix(SCALE_PREFIX)
+        out[field_name] = out.get(field_name, 0) + t.numel() * t.element_size()
+    return out
+
+
+def projected_bytes(
+    tensors: dict[str, torch.Tensor], latent: tuple[int, int, int, int], embed_len: float
+) -> dict[str, int]:
+    """Bytes per field of a record like this one (same dtypes, recorded steps, features) at
+    latent size `latent` (C, F, H, W) with the real text width and `embed_len` tokens.
+
+    Latent-sized tensors (noise, x_t, teacher output, final latent, features: their token count
+    follows F*H*W) scale with the latent's element count; scales and timesteps do not."""
+    have = tensors.get("noise")
+    if have is None or have.dim() != 4 or not have.numel():
+        raise ValueError("a record without a 4-d noise latent cannot be projected")
+    ratio = (latent[0] * latent[1] * latent[2] * latent[3]) / have.numel()
+    out: dict[str, int] = {}
+    for name, t in tensors.items():
+        field_name = name.removeprefix(SCALE_PREFIX)
+        size = t.element_size()
+        if name.startswith(SCALE_PREFIX) or name == "timesteps":
+            n = t.numel() * size
+        elif name in _TEXT:  # a per-record negative keeps its own length
+            rows = embed_len if name == "prompt_embeds" else t.shape[0]
+            n = round(rows * WAN_TEXT_DIM * size)
+        else:
+            n = round(t.numel() * ratio) * size
+        out[field_name] = out.get(field_name, 0) + n
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """What `cache info` prints: stored bytes per record per field, here and projected."""
+
+    fields: dict[str, str]
+    """Field -> how it is stored (dtype, scale, compression)."""
+    here: dict[str, int]
+    """Bytes per record per field in this cache (uncompressed)."""
+    projected: dict[str, dict[str, int]]
+    """Size name (WAN_SIZES) -> bytes per record per field."""
+    embed_len: float
+    """Mean prompt length (tokens) the projection uses: this cache's first shard's."""
+    on_disk: float
+    """Bytes per record on disk (after compression, with container overhead)."""
+
+
+def footprint(path: Any) -> Footprint | None:
+    """This cache's footprint from its first record (None: no record yet)."""
+    from wandistill.cache.reader import open_cache
+
+    with open_cache(path) as store:
+        if not len(store):
+            return None
+        entry = store.entries[0]
+        tensors = store.source.read_record(entry, 0).tensors()  # as stored
+        n = min(int(entry["records"]), 64)
+        if "meta" in entry:
+            lens = [int(m["embed_len"]) for m in entry["meta"][:n]]
+        else:
+            lens = [int(store.source.read_meta(entry, i)["embed_len"]) for i in range(n)]
+        embed_len = sum(lens) / len(lens)
+        described = {}
+        for spec in store.manifest.fields:
+            text = spec["dtype"]
+            if spec.get("decoded"):
+                text += f" (of {spec['decoded']}{' + scale' if spec.get('scaled') else ''})"
+            if spec.get("compression"):
+                text += f", {spec['compression']}-{spec.get('compression_level')}"
+            described[spec["name"]] = text
+        return Footprint(
+            fields=described,
+            here=field_bytes(tensors),
+            projected={k: projected_bytes(tensors, v, embed_len) for k, v in WAN_SIZES.items()},
+            embed_len=embed_len,
+            on_disk=store.manifest.num_bytes / len(store),
+        )
