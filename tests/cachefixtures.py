@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from wandistill.cache import CacheWriter, Record, record_key
+from wandistill.cache.encoding import Storage
 from wandistill.cache.schema import field_specs
-from wandistill.cache.storage import Storage
 from wandistill.teacher.tiny import TRANSFORMER_CONFIG
 
 SETTINGS = {"max_sequence_length": 24, "record_steps": [0, 2, 3], "num_inference_steps": 4}

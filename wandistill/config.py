@@ -29,7 +29,7 @@ from wandistill.validate import MiB, read_capped
 if typing.TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-    from wandistill.cache.storage import Storage
+    from wandistill.cache.encoding import Storage
 
 T = TypeVar("T")
 
@@ -199,7 +199,7 @@ class CacheConfig:
     compression_level: int = num(3, ge=1, le=22)
 
     def __post_init__(self) -> None:
-        from wandistill.cache.storage import COMPRESSIONS, STORE_DTYPES, TRAJECTORY, ZARR_ONLY
+        from wandistill.cache.encoding import COMPRESSIONS, STORE_DTYPES, TRAJECTORY, ZARR_ONLY
 
         names = tuple(STORE_DTYPES)
         keys = f"keys are {', '.join(TRAJECTORY)}, values one of {', '.join(names)}"
@@ -221,7 +221,7 @@ class CacheConfig:
         )
 
     def storage(self) -> Storage:
-        from wandistill.cache.storage import Storage
+        from wandistill.cache.encoding import Storage
 
         return Storage(
             dtype=self.store_dtype,

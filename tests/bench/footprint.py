@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from wandistill.cache.encoding import STORE_DTYPES, WAN_SIZES, Storage, projected_bytes
 from wandistill.cache.reader import open_cache
 from wandistill.cache.schema import Record, field_specs, record_key
-from wandistill.cache.storage import STORE_DTYPES, WAN_SIZES, Storage, projected_bytes
 from wandistill.cache.writer import CacheWriter
 
 STEPS = 50
@@ -148,7 +148,7 @@ def errors() -> dict[str, dict[str, tuple[float, float]]]:
         fields = Storage(dtype=choice).apply(
             field_specs(latent_dtype=torch.float32, embed_dtype=torch.float32, features=[])
         )
-        from wandistill.cache.storage import RecordCodec
+        from wandistill.cache.encoding import RecordCodec
 
         codec = RecordCodec(fields)
         rec = Record(key="k", prompt="p", seed=0, **t)  # type: ignore[arg-type]

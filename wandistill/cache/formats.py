@@ -161,7 +161,7 @@ class FieldSpecModel(Schema):
     shape: Annotated[str, StringConstraints(pattern=r"^[A-Z*](,[A-Z*]){0,7}$")]
     doc: Text = ""
     decoded: Dtype | None = None
-    """The dtype readers hand out when it is not `dtype` (storage options, storage.py)."""
+    """The dtype readers hand out when it is not `dtype` (storage options, encoding.py)."""
     scaled: bool = False
     """Stored as fp8 with a float32 `scale.<name>` (per recorded step, or per tensor)."""
     compression: Literal["zstd"] | None = None

@@ -377,7 +377,7 @@ def mismatches(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> li
 
 
 def _stored(spec: dict[str, Any]) -> str:
-    """How a field is stored, in one word: name:dtype, plus its storage options (storage.py)."""
+    """How a field is stored, in one word: name:dtype, plus its storage options (encoding.py)."""
     text = f"{spec['name']}:{spec['dtype']}"
     if spec.get("decoded"):
         text += f" (of {spec['decoded']}{', scaled' if spec.get('scaled') else ''})"

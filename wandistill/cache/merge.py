@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.cache import manifest as mf
+from wandistill.cache.encoding import compression_of
 from wandistill.cache.formats import SEALED
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import SHARED_NAME, ZARR_DATA_NAME
-from wandistill.cache.storage import compression_of
 from wandistill.cache.writer import SHARD_DIR, shard_name
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
 from wandistill.fsutil import fsync_dir, temp_name

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load as st_load
 
 from wandistill.cache import manifest as mf
+from wandistill.cache.encoding import RecordCodec
 from wandistill.cache.schema import SHARED_NAME, Record, dtype_name, pad_embeds
-from wandistill.cache.storage import RecordCodec
 from wandistill.errors import CacheError, UsageError
 from wandistill.validate import MiB, inside, read_capped
 
@@ -62,7 +62,7 @@ class CacheStore:
         self.manifest = mf.load_committed(self.path, check_entries=check_entries)
         self.source = _make_source(self.manifest.backend, self.path)
         self.codec = RecordCodec(self.manifest.fields)
-        """Decodes stored dtypes (fp8 + scale, bf16, ...) back to the record's (storage.py)."""
+        """Decodes stored dtypes (fp8 + scale, bf16, ...) back to the record's (encoding.py)."""
 
     # --------------------------------------------------------------- layout
 

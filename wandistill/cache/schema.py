@@ -23,7 +23,7 @@ SHARED_NAME = "shared.safetensors"
 FEATURE_PREFIX = "feature."
 SCALE_PREFIX = "scale."
 """`scale.<field>`: the float32 scale of a field stored as fp8 (one per recorded step for a step
-field, one per tensor otherwise; see wandistill/cache/storage.py)."""
+field, one per tensor otherwise; see wandistill/cache/encoding.py)."""
 
 
 @dataclass(frozen=True, slots=True)

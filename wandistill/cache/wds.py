@@ -697,10 +697,10 @@ class SafeDecoder:
         self.verify = verify
         self.codec: Any = None
         """With `cache`: its fields' storage options, so tensors come back decoded (fp8 with
-        its scale, bf16, ... -> the dtype the record had; wandistill/cache/storage.py)."""
+        its scale, bf16, ... -> the dtype the record had; wandistill/cache/encoding.py)."""
         if cache is not None:
+            from wandistill.cache.encoding import RecordCodec
             from wandistill.cache.manifest import read_manifest
-            from wandistill.cache.storage import RecordCodec
 
             self.codec = RecordCodec(read_manifest(cache).fields)
 

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import save as st_save
 
 from wandistill.cache import manifest as mf
+from wandistill.cache.encoding import ZARR_ONLY, RecordCodec, compression_of
 from wandistill.cache.keyindex import NameIndex
 from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name
-from wandistill.cache.storage import ZARR_ONLY, RecordCodec, compression_of
 from wandistill.errors import CacheError, UsageError
 from wandistill.finite import refuse_nonfinite_record
 from wandistill.fsutil import fsync_dir, temp_name
@@ -129,7 +129,7 @@ class CacheWriter:
         )
         self._open_cache(header, shared or {})
         self.codec = RecordCodec(self.manifest.fields)
-        """Converts each record to the stored dtypes the fields declare (storage.py)."""
+        """Converts each record to the stored dtypes the fields declare (encoding.py)."""
         committed = mf.committed_shards(self.path, self.manifest)
         self._keys = NameIndex()  # compact: memory must not grow with the prompt file
         for s in committed:

@@ -256,7 +256,7 @@ def _run(
         teacher=fingerprint,
         settings=settings,
         numerics=record_numerics(batch_size=cfg.sampler.batch_size, device=info.device),
-        fields=cfg.cache.storage().apply(
+        fields=cfg.cache.encoding().apply(
             field_specs(
                 latent_dtype=torch.float32,
                 model_dtype=dtype,

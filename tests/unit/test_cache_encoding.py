@@ -11,8 +11,8 @@ import torch
 import webdataset as wds
 import zarr
 
+from wandistill.cache.encoding import FP8_MAX, Storage, footprint, fp8_decode, fp8_encode
 from wandistill.cache.reader import open_cache
-from wandistill.cache.storage import FP8_MAX, Storage, footprint, fp8_decode, fp8_encode
 from wandistill.cache.wds import safe_decoder
 from wandistill.cli import main
 from wandistill.config import CacheConfig
