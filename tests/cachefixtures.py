@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from wandistill.cache import CacheWriter, Record, record_key
-from wandistill.cache.encoding import Storage
+from wandistill.cache.encoding import Encoding
 from wandistill.cache.schema import field_specs
 from wandistill.teacher.tiny import TRANSFORMER_CONFIG
 
@@ -67,7 +67,7 @@ def write_cache(
     finalize: bool = True,
     complete: bool = True,
     settings: dict | None = None,
-    storage: Storage | None = None,
+    encoding: Encoding | None = None,
     **record_kw: object,
 ) -> CacheWriter:
     features = list(record_kw.get("features", ()))  # type: ignore[arg-type]
@@ -77,7 +77,7 @@ def write_cache(
         teacher=TEACHER,
         settings=settings or SETTINGS,
         dims=DIMS,
-        fields=(storage or Storage()).apply(
+        fields=(encoding or Encoding()).apply(
             field_specs(
                 latent_dtype=record_kw.get("latent_dtype", torch.float32),  # type: ignore[arg-type]
                 embed_dtype=record_kw.get("embed_dtype", torch.bfloat16),  # type: ignore[arg-type]

@@ -29,7 +29,7 @@ from wandistill.validate import MiB, read_capped
 if typing.TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-    from wandistill.cache.encoding import Storage
+    from wandistill.cache.encoding import Encoding
 
 T = TypeVar("T")
 
@@ -220,10 +220,10 @@ class CacheConfig:
             ),
         )
 
-    def storage(self) -> Storage:
-        from wandistill.cache.encoding import Storage
+    def encoding(self) -> Encoding:
+        from wandistill.cache.encoding import Encoding
 
-        return Storage(
+        return Encoding(
             dtype=self.store_dtype,
             dtypes=tuple(sorted(self.store_dtypes.items())),
             compression=self.compression,

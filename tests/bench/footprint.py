@@ -13,7 +13,7 @@ the velocity teacher_out = noise - x0; the final latent is x0. The prompt embedd
 Each layout is written through CacheWriter (the real backends, --records records, one shard) at
 latent 16x21x15x26 (a quarter of 480p's height and width: same frames and channels), and its
 bytes per record read from the manifest. The same function `wandistill cache info` uses
-(storage.projected_bytes) projects each layout to real Wan 480p (16x21x60x104) and 720p
+(encoding.projected_bytes) projects each layout to real Wan 480p (16x21x60x104) and 720p
 (16x21x90x160); compression is measured at the small shape only.
 
 naive    fp32 everything, prompt embedding padded to 512 tokens, every one of the 50 steps.
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from wandistill.cache.encoding import STORE_DTYPES, WAN_SIZES, Storage, projected_bytes
+from wandistill.cache.encoding import STORE_DTYPES, WAN_SIZES, Encoding, projected_bytes
 from wandistill.cache.reader import open_cache
 from wandistill.cache.schema import Record, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
@@ -110,7 +110,7 @@ def record(i: int, dtype: torch.dtype, steps: list[int], pad: int) -> Record:
 def write(out: Path, name: str, records: int) -> dict[str, object]:
     backend, dtype, steps, pad, choice = LAYOUTS[name]
     dtype_choice, _, codec = (choice or "model").partition("+")
-    storage = Storage(dtype=dtype_choice, compression=codec or "none")
+    storage = Encoding(dtype=dtype_choice, compression=codec or "none")
     fields = storage.apply(
         field_specs(latent_dtype=torch.float32, model_dtype=dtype, embed_dtype=dtype, features=[])
     )
@@ -145,7 +145,7 @@ def errors() -> dict[str, dict[str, tuple[float, float]]]:
     t = trajectory(0, RECORDED)
     out: dict[str, dict[str, tuple[float, float]]] = {}
     for choice in ("bf16", "fp16", "fp8"):
-        fields = Storage(dtype=choice).apply(
+        fields = Encoding(dtype=choice).apply(
             field_specs(latent_dtype=torch.float32, embed_dtype=torch.float32, features=[])
         )
         from wandistill.cache.encoding import RecordCodec

@@ -11,7 +11,7 @@ import torch
 import webdataset as wds
 import zarr
 
-from wandistill.cache.encoding import FP8_MAX, Storage, footprint, fp8_decode, fp8_encode
+from wandistill.cache.encoding import FP8_MAX, Encoding, footprint, fp8_decode, fp8_encode
 from wandistill.cache.reader import open_cache
 from wandistill.cache.wds import safe_decoder
 from wandistill.cli import main
@@ -31,7 +31,9 @@ place of each format's mantissa (e4m3: 3 bits, bf16: 7, fp16: 10)."""
 def test_stored_dtype_is_declared_and_read_back_as_the_computed_dtype(
     tmp_path: Path, backend: str, dtype: str
 ) -> None:
-    write_cache(tmp_path, range(3), backend=backend, storage=Storage(dtype=dtype), features=("b0",))
+    write_cache(
+        tmp_path, range(3), backend=backend, encoding=Encoding(dtype=dtype), features=("b0",)
+    )
     with open_cache(tmp_path) as store:
         specs = {f["name"]: f for f in store.manifest.fields}
         assert specs["xt"]["decoded"] == "float32" and specs["noise"].get("decoded") is None
@@ -63,14 +65,14 @@ def test_fp8_scale_is_per_recorded_step_and_zero_stays_zero() -> None:
 
 
 def test_resume_with_another_storage_choice_is_refused_naming_fields(tmp_path: Path) -> None:
-    write_cache(tmp_path, range(2), storage=Storage(dtype="fp8"), finalize=False, complete=False)
+    write_cache(tmp_path, range(2), encoding=Encoding(dtype="fp8"), finalize=False, complete=False)
     with pytest.raises(CacheMismatchError, match=r"(?s)different fields.*xt:bfloat16"):
-        write_cache(tmp_path, range(2, 4), storage=Storage(dtype="bf16"))
+        write_cache(tmp_path, range(2, 4), encoding=Encoding(dtype="bf16"))
 
 
 def test_zstd_zarr_cache_reads_with_stock_zarr(tmp_path: Path) -> None:
-    storage = Storage(dtype="fp8", dtypes=(("final_latent", "fp32"),), compression="zstd")
-    write_cache(tmp_path, range(3), backend="zarr", storage=storage)
+    encoding = Encoding(dtype="fp8", dtypes=(("final_latent", "fp32"),), compression="zstd")
+    write_cache(tmp_path, range(3), backend="zarr", encoding=encoding)
     group = zarr.open_group(tmp_path / "data.zarr", mode="r")
     codecs = [c["name"] for c in group["xt"].metadata.to_dict()["codecs"]]
     assert codecs == ["sharding_indexed"]
@@ -90,7 +92,7 @@ def test_zstd_zarr_cache_reads_with_stock_zarr(tmp_path: Path) -> None:
 
 
 def test_stock_webdataset_decoder_decodes_with_the_cache(tmp_path: Path) -> None:
-    write_cache(tmp_path, range(3), storage=Storage(dtype="fp8"))
+    write_cache(tmp_path, range(3), encoding=Encoding(dtype="fp8"))
     tars = sorted(str(p) for p in (tmp_path / "shards").glob("*.tar"))
     raw = next(iter(wds.WebDataset(tars, shardshuffle=False).decode(safe_decoder())))
     assert raw["safetensors"]["xt"].dtype == torch.float8_e4m3fn  # as stored, scale beside it
@@ -110,14 +112,14 @@ def test_bad_storage_options_are_config_errors() -> None:
         CacheConfig(store_dtype="fp4")
     with pytest.raises(ConfigError, match=r"store_dtypes.noise='bf16'"):
         CacheConfig(store_dtypes={"noise": "bf16"})
-    storage = CacheConfig(backend="zarr", store_dtypes={"xt": "fp8"}, compression="zstd").storage()
+    storage = CacheConfig(backend="zarr", store_dtypes={"xt": "fp8"}, compression="zstd").encoding()
     assert storage.stored("xt") == "float8_e4m3fn" and storage.stored("teacher_out") is None
 
 
 def test_footprint_projects_bytes_per_field_to_wan_sizes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    write_cache(tmp_path, range(3), storage=Storage(dtype="fp8"))
+    write_cache(tmp_path, range(3), encoding=Encoding(dtype="fp8"))
     main(["cache", "info", str(tmp_path)])
     out = capsys.readouterr().out
     assert "480p" in out and "720p" in out and "x 100,000 records" in out and "scale" in out

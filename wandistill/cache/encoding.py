@@ -58,7 +58,7 @@ def _group(name: str) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Storage:
+class Encoding:
     """The storage options of a cache, as the recipe gives them (checked by CacheConfig)."""
 
     dtype: str = "model"
