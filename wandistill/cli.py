@@ -391,66 +391,84 @@ def _out_dir(path: str | Path, flag: str = "--out") -> None:
         )
 
 
+RunOpt = Annotated[
+    Path | None,
+    typer.Option("--run", help="Run folder of a finished `train` (its K and scheduler)."),
+]
+ExportOpt = Annotated[
+    Path | None, typer.Option("--export", help="A folder written by `wandistill export`.")
+]
+StudentOpt = Annotated[
+    Path | None, typer.Option("--student", help="A finished run's student/ or student_ema/ folder.")
+]
+EmaOpt = Annotated[
+    bool, typer.Option("--ema/--no-ema", help="With --run: the EMA weights (default) or the raw.")
+]
+
+
 @app.command("eval")
 def eval_cmd(
     cache: Annotated[Path, typer.Option(help="Cache with held-out records (or a separate one).")],
-    student: Annotated[Path, typer.Option(help="Student folder (<train out>/student).")],
     out_dir: Annotated[Path, typer.Option("--out", help="Where eval.md/json and grid.png go.")],
+    run: RunOpt = None,
+    export: ExportOpt = None,
+    student: StudentOpt = None,
+    ema: EmaOpt = True,
     teacher: Annotated[
-        Path | None, typer.Option(help="Teacher folder: adds VAE-decoded PSNR and images.")
+        Path | None,
+        typer.Option(help="The cache's teacher: adds teacher@K (the teacher at K steps, CFG)."),
+    ] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(help="Run of a step-imitating student: adds baseline@K and baseline@N."),
     ] = None,
     steps: Annotated[
-        int | None, typer.Option(help="Student sampler steps (default: teacher's).")
+        int | None, typer.Option(help="Sampler steps K (default: the student's own K).")
     ] = None,
     split: Annotated[str, typer.Option(help="holdout (default) or all.")] = "holdout",
     max_records: Annotated[int | None, typer.Option(help="Evaluate at most N records.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Records per pipeline call.")] = 8,
+    decode: Annotated[
+        bool, typer.Option("--decode", help="Grid of VAE-decoded frames (needs --teacher).")
+    ] = False,
 ) -> None:
-    """Compare the student's samples with the teacher's cached final latents."""
+    """The K-step student vs the teacher's N-step result on held-out records, beside the teacher
+    at K steps and a step-imitating baseline: a table (R_K), JSON and a PNG grid."""
     from wandistill.eval.run import evaluate
+    from wandistill.student.folders import open_student, read_run
+    from wandistill.teacher.folder import TeacherFolder
 
     if split not in ("holdout", "all"):
         raise UsageError(f"--split {split!r} must be holdout or all")
-    _positive(steps=steps, max_records=max_records)
+    _positive(steps=steps, max_records=max_records, batch_size=batch_size)
     _out_dir(out_dir)
+    chosen = open_student(run=run, export=export, student=student, ema=ema)
+    assert chosen is not None  # required=True
+    base = read_run(baseline, ema=ema, flag="--baseline") if baseline is not None else None
+    folder = TeacherFolder.open(teacher) if teacher is not None else None
     result = evaluate(
-        cache, student, out_dir, teacher=teacher, steps=steps, split=split, max_records=max_records
+        cache,
+        chosen,
+        out_dir,
+        teacher=folder,
+        baseline=base,
+        steps=steps,
+        split=split,
+        max_records=max_records,
+        batch_size=batch_size,
+        decode=decode,
     )
     out.print(result.table(), highlight=False)
     out.print(f"wrote {out_dir / 'eval.md'}, {out_dir / 'eval.json'}, {result.grid}")
 
 
-@app.command("sample")
-def sample_cmd(
-    teacher: Annotated[Path, typer.Option(help="Teacher folder (text encoder, VAE, scheduler).")],
-    prompts: Annotated[Path, typer.Option(help="Prompt file (.txt or .jsonl).")],
-    out_dir: Annotated[Path, typer.Option("--out", help="Where the PNGs and grid.png go.")],
-    student: Annotated[
-        Path | None, typer.Option(help="Student folder; omit to sample the teacher.")
-    ] = None,
-    steps: Annotated[int, typer.Option(help="Sampler steps.")] = 8,
-    height: Annotated[int, typer.Option()] = 32,
-    width: Annotated[int, typer.Option()] = 32,
-    num_frames: Annotated[int, typer.Option()] = 1,
-    guidance_scale: Annotated[float, typer.Option(help="Teacher only.")] = 5.0,
-    seed: Annotated[int, typer.Option()] = 0,
-    max_sequence_length: Annotated[
-        int, typer.Option(help="Text padding length; use the cache's (512 for real Wan).")
-    ] = 512,
-    limit: Annotated[int, typer.Option(help="At most N prompts.")] = 16,
-) -> None:
-    """Generate images from prompts with the student (or the teacher, for comparison)."""
+def _check_sampler_flags(**given: int | None) -> None:
+    """The sampler flags given, checked as a recipe's [precompute.sampler] is (named as flags)."""
     from wandistill.config import SamplerConfig
-    from wandistill.eval.sample import sample
-    from wandistill.precompute.prompts import read_prompts
 
+    values = {k: v for k, v in given.items() if v is not None}
     try:
-        SamplerConfig(
-            height=height,
-            width=width,
-            num_frames=num_frames,
-            num_inference_steps=steps,
-            max_sequence_length=max_sequence_length,
-        )
+        SamplerConfig(**values)
     except ConfigError as e:  # name the flags, not the recipe keys
         raise UsageError(
             e.message.replace("sampler.num_inference_steps", "--steps")
@@ -458,21 +476,80 @@ def sample_cmd(
             .replace("sampler.num_frames", "--num-frames")
             .replace("sampler.", "--")
         ) from None
+
+
+@app.command("sample")
+def sample_cmd(
+    prompts: Annotated[Path, typer.Option(help="Prompt file (.txt or .jsonl).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Where the PNGs and grid.png go.")],
+    export: ExportOpt = None,
+    run: RunOpt = None,
+    student: StudentOpt = None,
+    ema: EmaOpt = True,
+    teacher: Annotated[
+        Path | None,
+        typer.Option(
+            help="Teacher folder: the text encoder and VAE for --run/--student; alone, "
+            "the teacher is sampled."
+        ),
+    ] = None,
+    cache: Annotated[
+        Path | None, typer.Option(help="Teacher alone: take the defaults from this cache.")
+    ] = None,
+    steps: Annotated[int | None, typer.Option(help="Sampler steps (default: K).")] = None,
+    height: Annotated[int | None, typer.Option(help="Default: the cache's.")] = None,
+    width: Annotated[int | None, typer.Option(help="Default: the cache's.")] = None,
+    num_frames: Annotated[int | None, typer.Option(help="Default: the cache's.")] = None,
+    guidance_scale: Annotated[
+        float | None, typer.Option(help="Teacher only (a student samples with 1.0).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Prompt i draws its noise from SEED + i.")] = 0,
+    max_sequence_length: Annotated[
+        int | None, typer.Option(help="Text padding length (default: the cache's).")
+    ] = None,
+    limit: Annotated[int, typer.Option(help="At most N prompts.")] = 16,
+) -> None:
+    """Images from prompts through WanPipeline: an exported student, a run's student with its
+    teacher's text encoder and VAE, or the teacher itself."""
+    from wandistill.eval.sample import SampleOptions, sample
+    from wandistill.precompute.prompts import read_prompts
+    from wandistill.student.folders import open_student, sizes_from_settings
+    from wandistill.teacher.folder import TeacherFolder
+
     _positive(limit=limit)
-    _out_dir(out_dir)
-    items, _ = read_prompts(prompts)
-    paths = sample(
-        teacher,
-        [p.text for p in items[:limit]],
-        out_dir,
-        student=student,
-        steps=steps,
-        guidance_scale=guidance_scale,
-        max_sequence_length=max_sequence_length,
+    _check_sampler_flags(
+        num_inference_steps=steps,
         height=height,
         width=width,
         num_frames=num_frames,
+        max_sequence_length=max_sequence_length,
+    )
+    _out_dir(out_dir)
+    chosen = open_student(run=run, export=export, student=student, ema=ema, required=False)
+    sizes, n = None, None
+    if cache is not None:
+        from wandistill.cache.manifest import load_committed
+
+        settings = load_committed(cache).settings
+        sizes, n = sizes_from_settings(settings), settings.get("num_inference_steps")
+    options = SampleOptions(
+        steps=steps,
+        guidance_scale=guidance_scale,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        max_sequence_length=max_sequence_length,
         seed=seed,
+    )
+    items, _ = read_prompts(prompts)
+    paths = sample(
+        [p.text for p in items[:limit]],
+        out_dir,
+        student=chosen,
+        teacher=TeacherFolder.open(teacher) if teacher is not None else None,
+        sizes=sizes,
+        teacher_steps=n,
+        options=options,
     )
     out.print(f"wrote {len(paths)} images and {out_dir / 'grid.png'}")
 
