@@ -209,6 +209,42 @@ def test_the_export_folder_is_complete_linked_readable_and_replaceable(
     assert (out / "text_encoder").is_dir() and not (out / "text_encoder").is_symlink()
     assert json.loads((out / "wandistill_export.json").read_text())["weights"] == "student"
     assert [p.name for p in tmp_path.iterdir()] == ["export"], "no temp folder left behind"
+    pieces = {"model_index.json", "transformer", "scheduler", "tokenizer", "text_encoder", "vae"}
+    assert {p.name for p in out.iterdir()} == pieces | {
+        "wandistill_export.json",
+        ".wandistill.json",
+        ".wandistill.lock",
+    }
+
+
+def test_an_export_over_an_export_removes_the_old_index_first_and_installs_the_new_one_last(
+    tmp_path: Path,
+    world: dict[str, Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reader that finds model_index.json finds every piece it names: while the entries move,
+    OUT has no model_index.json."""
+    from wandistill.student import export as export_mod
+
+    out = tmp_path / "export"
+    _export(capsys, world, "wan21", out)
+    (out / ".wandistill.json").unlink()  # an export made before output claims: still adopted
+    moves: list[tuple[str, str]] = []
+    real = os.replace
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        if Path(dst).is_relative_to(out) and not Path(src).name.endswith(".tmp"):
+            moves.append((Path(src).name, str(Path(dst).relative_to(out))))  # not atomic writes
+        real(src, dst)
+
+    monkeypatch.setattr(export_mod.os, "replace", replace)
+    _export(capsys, world, "wan21", out)
+    first, last = moves[0], moves[-1]
+    assert first[0] == "model_index.json" and first[1].startswith(".export.old")
+    assert last == ("model_index.json", "model_index.json")
+    installed = [dst for _, dst in moves if not dst.startswith(".")]
+    assert set(installed) >= {"transformer", "scheduler", "vae", "wandistill_export.json"}
 
 
 def _snapshot(path: Path) -> dict[str, bytes]:
@@ -236,7 +272,7 @@ def test_export_refuses_bad_runs_teachers_and_outputs_writing_nothing(
     other = make_tiny_teacher(tmp_path / "other", seed=5)  # another text encoder and VAE
     run21, t21 = world["run_wan21"], world["teacher_wan21"]
     cases = [
-        (run21, t21, foreign, "exists and is not a wandistill export"),
+        (run21, t21, foreign, "is not empty and was not written by wandistill"),
         (unfinished, t21, tmp_path / "a", "holds no finished student"),
         (nan_run, t21, tmp_path / "b", "hold NaN or inf"),
         (run21, other, tmp_path / "c", "is not the one the run's cache was made with"),

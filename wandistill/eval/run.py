@@ -211,21 +211,18 @@ def evaluate(
         if teacher is not None:
             _check_teacher(teacher, store.manifest.teacher, cache)
         records = held_out(store, split, max_records)
-    if baseline is not None:
-        baseline.check_steps(k, "--steps (the baseline)")
+    for who in (student, baseline):
+        if who is not None:
+            _check_source(who, store.manifest.teacher, cache)
     model = student.load().to(device)
     _check_fit(model, dims, cache, student.label)
     legs = [_student_leg(f"student@{k}", "student", model, student, k)]
     if baseline is not None:
-        base = baseline.load().to(device)
-        _check_fit(base, dims, cache, baseline.label)
-        m = baseline.num_inference_steps
-        legs += [_student_leg(f"baseline@{s}", "baseline", base, baseline, s) for s in (k, m)]
-        legs = legs if m != k else legs[:2]
+        legs += _baseline_legs(baseline, k, dims, cache, device)
     if teacher is not None:
         legs.insert(0, _teacher_leg(teacher, settings, k, device))
     inputs = {"--cache": cache, "--teacher": teacher.path if teacher else None}
-    inputs |= {"--student": student.path, "--baseline": baseline.path if baseline else None}
+    inputs |= {student.flag: student.path, "--baseline": baseline.path if baseline else None}
     batches = _batches(records, settings, shared, batch_size)
     with outputs.claim(out_dir, "eval", inputs=inputs) as out:  # every input checked out
         loss = _step_loss(model, batches, device)
@@ -267,6 +264,18 @@ def _check_fit(model: torch.nn.Module, dims: dict[str, Any], cache: str | Path, 
         )
 
 
+def _check_source(who: FinishedStudent, recorded: dict[str, Any], cache: str | Path) -> None:
+    """A run knows its teacher's fingerprint: it must be the cache's (an export does not)."""
+    mine = who.sampling.teacher.fingerprint if who.sampling is not None else None
+    want = recorded.get("fingerprint")
+    if mine and want and mine != want:
+        raise UsageError(
+            f"{who.label} was distilled from another teacher ({who.sampling.teacher.path}) than "
+            f"cache {str(cache)!r} holds ({recorded.get('path')})",
+            fix="evaluate on a cache of the teacher the student was distilled from",
+        )
+
+
 def _check_teacher(teacher: TeacherFolder, recorded: dict[str, Any], cache: str | Path) -> None:
     """teacher@K must be the very teacher whose trajectories the cache holds."""
     want = recorded.get("fingerprint")
@@ -290,6 +299,17 @@ def _student_leg(
         return sample_latents(pipe, batch.noise, batch.embeds, s).cpu()
 
     return Leg(Column(name, role, steps, steps, 0.0), sample)
+
+
+def _baseline_legs(
+    baseline: FinishedStudent, k: int, dims: dict[str, Any], cache: str | Path, device: str
+) -> list[Leg]:
+    """The step-imitating student at K and at its own steps (N)."""
+    baseline.check_steps(k, "--steps (the baseline)")
+    model = baseline.load().to(device)
+    _check_fit(model, dims, cache, baseline.label)
+    m = baseline.num_inference_steps
+    return [_student_leg(f"baseline@{s}", "baseline", model, baseline, s) for s in sorted({k, m})]
 
 
 def _teacher_leg(teacher: TeacherFolder, settings: dict[str, Any], k: int, device: str) -> Leg:
@@ -332,7 +352,9 @@ def _teacher_leg(teacher: TeacherFolder, settings: dict[str, Any], k: int, devic
             guidance_scale_2=None if g2 is None else float(g2),
         ).cpu()
 
-    return Leg(Column(f"teacher@{k}", "teacher", k, k * (2 if cfg else 1), 0.0), sample)
+    # At K = N the column re-samples the cached reference: named apart from it.
+    name = f"teacher@{k}" if k != int(settings["num_inference_steps"]) else f"teacher@{k} again"
+    return Leg(Column(name, "teacher", k, k * (2 if cfg else 1), 0.0), sample)
 
 
 def _batches(

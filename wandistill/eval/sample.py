@@ -73,7 +73,7 @@ def sample(
     pipe.set_progress_bar_config(disable=True)
     inputs = {"--teacher": teacher.path if teacher else None}
     if student is not None:
-        inputs[f"--{student.kind}"] = student.path
+        inputs[student.flag] = student.path
     with outputs.claim(out_dir, "sample", inputs=inputs) as folder:
         return _sample_into(pipe, prompts, folder.path, call, opts.seed)
 

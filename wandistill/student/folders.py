@@ -149,6 +149,8 @@ class FinishedStudent:
     """The run's sampling.json (runs only)."""
     label: str = ""
     """How messages name it: `--run '/x/run'`."""
+    flag: str = "--run"
+    """The flag that named it (for the output-overlap check)."""
 
     @property
     def num_inference_steps(self) -> int:
@@ -217,6 +219,7 @@ def read_run(run: str | Path, *, ema: bool = True, flag: str = "--run") -> Finis
         sizes=sampling.sampler or _cache_sizes(sampling.cache),
         sampling=sampling,
         label=label,
+        flag=flag,
     )
 
 
@@ -244,6 +247,7 @@ def read_student(weights: str | Path, *, flag: str = "--student") -> FinishedStu
         sizes=run.sizes,
         sampling=run.sampling,
         label=label,
+        flag=flag,
     )
 
 
@@ -269,6 +273,7 @@ def read_export(folder: str | Path, *, flag: str = "--export") -> FinishedStuden
         schedule=marker.student_schedule.schedule(),
         sizes=marker.sampler,
         label=label,
+        flag=flag,
     )
 
 
