@@ -566,12 +566,16 @@ def demo_cmd(
     baseline: Annotated[
         bool, typer.Option("--baseline/--no-baseline", help="Also train a step-imitating student.")
     ] = True,
+    teacher: Annotated[
+        Path | None,
+        typer.Option(help="Use this Wan teacher folder instead of training the tiny one."),
+    ] = None,
 ) -> None:
     """Trained tiny teacher -> precompute (16 steps, CFG) -> a 4-step student -> eval against the
     teacher at 4 steps; prints the table, writes grid.png and loss.png."""
     from wandistill.demo import run_demo
 
-    result = run_demo(root, recipe, overrides, baseline=baseline)
+    result = run_demo(root, recipe, overrides, baseline=baseline, teacher=teacher)
     out.print()
     out.print(result.eval.table(), highlight=False)
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in result.seconds.items())

@@ -95,9 +95,11 @@ def run_demo(
     overrides: list[str] | None = None,
     quiet: bool = False,
     baseline: bool = True,
+    teacher: str | Path | None = None,
 ) -> DemoResult:
+    """`teacher`: a Wan teacher folder to use instead of the trained tiny one (tests pass a
+    random tiny teacher to skip the minute of teacher training)."""
     from wandistill.precompute import run as precompute
-    from wandistill.teacher.trained import ensure_trained_teacher
 
     root = Path(root)
     seconds: dict[str, float] = {}
@@ -108,7 +110,11 @@ def run_demo(
         seconds[stage] = time.perf_counter() - clock
         clock = time.perf_counter()
 
-    teacher = ensure_trained_teacher(root, seed=TEACHER_SEED, progress=not quiet)
+    if teacher is None:
+        from wandistill.teacher.trained import ensure_trained_teacher
+
+        teacher = ensure_trained_teacher(root, seed=TEACHER_SEED, progress=not quiet)
+    teacher = Path(teacher).absolute()
     lap("teacher")
     paths = [
         f'precompute.teacher.path="{teacher}"',
@@ -146,6 +152,7 @@ def _train(cfg: TrainConfig) -> None:
 
 
 def _evaluate(cache: str, root: Path, teacher: Path, baseline: bool) -> EvalResult:
+    """student@K, teacher@K and (if trained) the baseline on the held-out prompts."""
     from wandistill.eval.run import evaluate
     from wandistill.student.folders import read_run
     from wandistill.teacher.folder import TeacherFolder

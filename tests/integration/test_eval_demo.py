@@ -108,12 +108,31 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "COLUMNS": "120"}
 
 
+DEMO_SETS = [  # the demo's recipe, made cheap: 4 teacher steps, a K = 2 student, a few steps
+    "precompute.sampler.num_inference_steps=4",
+    "precompute.sampler.height=32",
+    "precompute.sampler.width=32",
+    "train.student.num_inference_steps=2",
+    "train.steps=4",
+    "train.batch_size=8",
+    "train.checkpoint_every=4",
+    "train.data_threads=1",
+    'train.device="cpu"',
+]
+
+
 @pytest.mark.slow
 def test_demo_runs_end_to_end_and_a_rerun_reuses_everything(tmp_path: Path) -> None:
+    """The demo's whole path (teacher given: the tiny random one, so no minute of teacher
+    training): precompute -> few-step student + baseline -> eval with teacher@K."""
+    teacher = make_tiny_teacher(tmp_path / "teacher")
     cmd = [sys.executable, "-m", "wandistill", "demo", "--root", str(tmp_path / "demo")]
+    cmd += ["--teacher", str(teacher), *(x for s in DEMO_SETS for x in ("--set", s))]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "latent PSNR vs teacher" in first.stdout
+    for text in ("| student@2 | 2 | 2 |", "| teacher@2 | 2 | 4 |", "| baseline@4 |", "R_2 ="):
+        assert text in first.stdout, first.stdout
+    assert "noise | teacher@4 | teacher@2 | student@2 | baseline@2 | baseline@4" in first.stdout
     for name in ("grid.png", "loss.png", "eval/eval.json", "run/student/config.json"):
         assert (tmp_path / "demo" / name).is_file(), name
     manifest = json.loads((tmp_path / "demo" / "cache" / "manifest.json").read_text())
