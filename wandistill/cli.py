@@ -442,10 +442,10 @@ def eval_cmd(
         raise UsageError(f"--split {split!r} must be holdout or all")
     _positive(steps=steps, max_records=max_records, batch_size=batch_size)
     _out_dir(out_dir)
+    folder = TeacherFolder.open(teacher) if teacher is not None else None
     chosen = open_student(run=run, export=export, student=student, ema=ema)
     assert chosen is not None  # required=True
     base = read_run(baseline, ema=ema, flag="--baseline") if baseline is not None else None
-    folder = TeacherFolder.open(teacher) if teacher is not None else None
     result = evaluate(
         cache,
         chosen,
@@ -525,6 +525,7 @@ def sample_cmd(
         max_sequence_length=max_sequence_length,
     )
     _out_dir(out_dir)
+    folder = TeacherFolder.open(teacher) if teacher is not None else None
     chosen = open_student(run=run, export=export, student=student, ema=ema, required=False)
     sizes, n = None, None
     if cache is not None:
@@ -546,7 +547,7 @@ def sample_cmd(
         [p.text for p in items[:limit]],
         out_dir,
         student=chosen,
-        teacher=TeacherFolder.open(teacher) if teacher is not None else None,
+        teacher=folder,
         sizes=sizes,
         teacher_steps=n,
         options=options,

@@ -110,6 +110,7 @@ def run_demo(
         seconds[stage] = time.perf_counter() - clock
         clock = time.perf_counter()
 
+    load_recipe(recipe, overrides)  # a bad recipe or --set fails before a minute of teacher
     if teacher is None:
         from wandistill.teacher.trained import ensure_trained_teacher
 

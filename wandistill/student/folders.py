@@ -140,7 +140,7 @@ class FinishedStudent:
 
     kind: Literal["run", "export"]
     path: Path
-    """The run or export folder."""
+    """The folder the flag named: the run, the run's weights folder, or the export."""
     weights: Path
     """The WanTransformer3DModel folder (config.json + safetensors)."""
     schedule: StudentSchedule
@@ -160,10 +160,8 @@ class FinishedStudent:
         """The student as a WanTransformer3DModel (fp32, eval mode, no grad)."""
         from diffusers import WanTransformer3DModel
 
-        from wandistill.modelfolder import load_pretrained, refuse_custom_code, require_safetensors
+        from wandistill.modelfolder import load_pretrained
 
-        refuse_custom_code(self.weights, "student")
-        require_safetensors(self.weights, "student")
         try:
             model = load_pretrained(WanTransformer3DModel, self.weights)
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -203,13 +201,14 @@ def read_run(run: str | Path, *, ema: bool = True, flag: str = "--run") -> Finis
         raise UsageError(
             f"{label} does not exist", fix="pass the --out folder of `wandistill train`"
         )
-    if not (run / SAMPLING).is_file() or not _has_weights(weights):
+    if not (run / SAMPLING).is_file() or not weights.is_dir():
         raise UsageError(
             f"{label} holds no finished student ({SAMPLING} and {name}/ are written when "
             "`wandistill train` ends)",
             fix="pass the --out folder of a finished `wandistill train`, or finish it with "
             "--resume",
         )
+    _check_weights(weights, f"{label}: {name}/", "re-run `wandistill train ... --resume`")
     sampling = _read(run / SAMPLING, SamplingFile, "run file", _RESUME_FIX)
     return FinishedStudent(
         kind="run",
@@ -227,11 +226,9 @@ def read_student(weights: str | Path, *, flag: str = "--student") -> FinishedStu
     """A run's student/ or student_ema/ folder: its schedule comes from the run's sampling.json."""
     weights = Path(weights)
     label = f"{flag} {str(weights)!r}"
-    if not _has_weights(weights):
-        raise UsageError(
-            f"{label} is not a student folder (config.json + safetensors)",
-            fix="pass <run>/student_ema or <run>/student of a finished `wandistill train`",
-        )
+    _check_weights(
+        weights, label, "pass <run>/student_ema or <run>/student of a finished `wandistill train`"
+    )
     if not (weights.parent / SAMPLING).is_file():
         raise UsageError(
             f"{label}: the run around it has no {SAMPLING}, so the student's K-step schedule is "
@@ -241,7 +238,7 @@ def read_student(weights: str | Path, *, flag: str = "--student") -> FinishedStu
     run = read_run(weights.parent, flag=flag)
     return FinishedStudent(
         kind="run",
-        path=run.path,
+        path=weights,
         weights=weights,
         schedule=run.schedule,
         sizes=run.sizes,
@@ -263,8 +260,7 @@ def read_export(folder: str | Path, *, flag: str = "--export") -> FinishedStuden
     missing = [p for p in PIPELINE_PIECES if not (folder / p).exists()]
     if missing:
         raise UsageError(f"{label} is incomplete: {', '.join(missing)} missing", fix=fix)
-    if not _has_weights(folder / "transformer"):
-        raise UsageError(f"{label}: transformer/ holds no config.json and safetensors", fix=fix)
+    _check_weights(folder / "transformer", f"{label}: transformer/", fix)
     marker = _read(folder / EXPORT_MARKER, ExportMarker, "export file", _EXPORT_FIX)
     return FinishedStudent(
         kind="export",
@@ -284,6 +280,19 @@ def _read(path: Path, model: type[Any], what: str, fix: str) -> Any:
 
 def _has_weights(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _check_weights(folder: Path, label: str, fix: str) -> None:
+    """The one check of a student weights folder: present, no custom code, no pickle-only
+    weights (named with the conversion), config.json + safetensors."""
+    from wandistill.modelfolder import refuse_custom_code, require_safetensors
+
+    if not folder.is_dir():
+        raise UsageError(f"{label} does not exist", fix=fix)
+    refuse_custom_code(folder, "student")
+    require_safetensors(folder, "student")
+    if not _has_weights(folder):
+        raise UsageError(f"{label} is not a student folder (config.json + safetensors)", fix=fix)
 
 
 def _cache_sizes(cache: str | None) -> SamplerSizes | None:
