@@ -1,18 +1,21 @@
 """The `wandistill` command line: parse, build a config, call the room that does the work.
 
 `main()` is the only place that turns exceptions into exit codes: a `WandistillError` prints one
-line (and its fix) and exits 2 for usage errors or 1 for runtime failures; `--debug` (or
-WANDISTILL_DEBUG=1) shows the traceback instead.
+line (and its fix) and exits 2 for usage errors or 1 for runtime failures; any other exception is
+a bug: one line naming a crash log (in the temp folder) that holds the traceback, exit 1.
+`--debug` (or WANDISTILL_DEBUG=1) shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
+import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -79,7 +82,11 @@ def teacher_make_tiny(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing teacher at PATH.")] = False,
 ) -> None:
     """Write a tiny random-weight Wan teacher that WanPipeline loads and runs on CPU."""
+    from wandistill.bounds import SEED, flag_problem
     from wandistill.teacher.tiny import make_tiny_teacher
+
+    if (problem := flag_problem("--seed", seed, SEED)) is not None:
+        raise UsageError(problem)
 
     blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
@@ -150,7 +157,7 @@ def cache_verify(path: Annotated[Path, typer.Argument(help="Cache directory.")])
     """Check every shard's checksum and decode every record; exit 1 if anything is wrong."""
     from wandistill.cache.reader import open_cache
 
-    with open_cache(path) as store:
+    with open_cache(path, check_entries=False) as store:  # verify reports edited entries itself
         problems = store.verify()
         n, shards = len(store), len(store.entries)
     if problems:
@@ -178,7 +185,7 @@ def recipes_list(ctx: typer.Context) -> None:
     for name in shipped_recipe_names():
         r = load_recipe(name)
         t = r.precompute.teacher
-        table.add_row(name, r.description, t.path, t.placement)
+        table.add_row(name, r.description, t.path, str(t.placement))
     out.print(table)
 
 
@@ -269,7 +276,8 @@ def precompute_cmd(
             out.print(line, highlight=False)
     out.print(
         f"cache {s.cache}: {s.records_written} records written, {s.records_skipped} already "
-        f"there, {_human(s.bytes_written)} in {s.seconds:.1f} s",
+        f"there, {s.prompts_encoded} prompts encoded, {_human(s.bytes_written)} in "
+        f"{s.seconds:.1f} s",
         highlight=False,
     )
 
@@ -404,6 +412,14 @@ StudentOpt = Annotated[
 EmaOpt = Annotated[
     bool, typer.Option("--ema/--no-ema", help="With --run: the EMA weights (default) or the raw.")
 ]
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        help="auto (a GPU if the models fit one, else the CPU), cpu, cuda or cuda:N; loads the "
+        "teacher's text encoder / VAE with the same placement machinery as precompute.",
+    ),
+]
 
 
 @app.command("eval")
@@ -431,16 +447,20 @@ def eval_cmd(
     decode: Annotated[
         bool, typer.Option("--decode", help="Grid of VAE-decoded frames (needs --teacher).")
     ] = False,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """The K-step student vs the teacher's N-step result on held-out records, beside the teacher
     at K steps and a step-imitating baseline: a table (R_K), JSON and a PNG grid."""
     from wandistill.eval.run import evaluate
+    from wandistill.placements import parse_device
     from wandistill.student.folders import open_student, read_run
     from wandistill.teacher.folder import TeacherFolder
 
     if split not in ("holdout", "all"):
         raise UsageError(f"--split {split!r} must be holdout or all")
     _positive(steps=steps, max_records=max_records, batch_size=batch_size)
+    _check_sampler_flags(num_inference_steps=steps)
+    where = parse_device(device)
     _out_dir(out_dir)
     folder = TeacherFolder.open(teacher) if teacher is not None else None
     chosen = open_student(run=run, export=export, student=student, ema=ema)
@@ -457,24 +477,28 @@ def eval_cmd(
         max_records=max_records,
         batch_size=batch_size,
         decode=decode,
+        device=where,
     )
     out.print(result.table(), highlight=False)
     out.print(f"wrote {out_dir / 'eval.md'}, {out_dir / 'eval.json'}, {result.grid}")
 
 
-def _check_sampler_flags(**given: int | None) -> None:
-    """The sampler flags given, checked as a recipe's [precompute.sampler] is (named as flags)."""
+def _check_sampler_flags(**given: float | None) -> None:
+    """The sampler flags given, checked as a recipe's [precompute.sampler] is: the recipe's
+    ranges (finite, in range) through the same config class, named as flags."""
     from wandistill.config import SamplerConfig
 
     values = {k: v for k, v in given.items() if v is not None}
     try:
         SamplerConfig(**values)
     except ConfigError as e:  # name the flags, not the recipe keys
+        flags = {"num_inference_steps": "steps"}
         raise UsageError(
-            e.message.replace("sampler.num_inference_steps", "--steps")
-            .replace("sampler.max_sequence_length", "--max-sequence-length")
-            .replace("sampler.num_frames", "--num-frames")
-            .replace("sampler.", "--")
+            re.sub(
+                r"sampler\.(\w+)",
+                lambda m: "--" + flags.get(m[1], m[1]).replace("_", "-"),
+                e.message,
+            )
         ) from None
 
 
@@ -508,10 +532,12 @@ def sample_cmd(
         int | None, typer.Option(help="Text padding length (default: the cache's).")
     ] = None,
     limit: Annotated[int, typer.Option(help="At most N prompts.")] = 16,
+    device: DeviceOpt = "cpu",
 ) -> None:
     """Images from prompts through WanPipeline: an exported student, a run's student with its
     teacher's text encoder and VAE, or the teacher itself."""
     from wandistill.eval.sample import SampleOptions, sample
+    from wandistill.placements import parse_device
     from wandistill.precompute.prompts import read_prompts
     from wandistill.student.folders import open_student, sizes_from_settings
     from wandistill.teacher.folder import TeacherFolder
@@ -523,7 +549,10 @@ def sample_cmd(
         width=width,
         num_frames=num_frames,
         max_sequence_length=max_sequence_length,
+        guidance_scale=guidance_scale,
+        seed=seed,
     )
+    where = parse_device(device)
     _out_dir(out_dir)
     folder = TeacherFolder.open(teacher) if teacher is not None else None
     chosen = open_student(run=run, export=export, student=student, ema=ema, required=False)
@@ -551,6 +580,7 @@ def sample_cmd(
         sizes=sizes,
         teacher_steps=n,
         options=options,
+        device=where,
     )
     out.print(f"wrote {len(paths)} images and {out_dir / 'grid.png'}")
 
@@ -641,17 +671,30 @@ def plan_cmd(
     dtype: Annotated[str | None, typer.Option(help="fp32, fp16 or bf16.")] = None,
     overrides: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    gpus: Annotated[
+        int | None, typer.Option("--gpus", help="What-if: plan for a machine with N GPUs...")
+    ] = None,
+    gpu_mem: Annotated[
+        str | None, typer.Option("--gpu-mem", help="...of this memory each (80GiB, 80GB)...")
+    ] = None,
+    cpu_mem: Annotated[
+        str | None, typer.Option("--cpu-mem", help="...this much RAM (512GiB)...")
+    ] = None,
+    disk: Annotated[
+        str | None, typer.Option("--disk", help="...and this much offload disk (default 1TiB).")
+    ] = None,
 ) -> None:
-    """Memory each placement needs per phase and device here, what fits, and auto's pick."""
+    """Memory each placement needs per phase and device, what fits, and auto's pick: on this
+    machine, or on one described with --gpus/--gpu-mem/--cpu-mem/--disk."""
     from wandistill.config import load_recipe
     from wandistill.teacher.folder import TeacherFolder
-    from wandistill.teacher.placement import check_placement
     from wandistill.teacher.plan import (
         Inventory,
         SamplerSizes,
         dtype_from_name,
         make_plan,
         render_plan,
+        too_small,
     )
 
     if teacher and config:
@@ -667,32 +710,39 @@ def plan_cmd(
             "no teacher to plan",
             fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
         )
-    # Validated as precompute would (custom code, pickles, bad configs); weights may be absent.
-    if config:
-        source = TeacherFolder.published(config)
+    what_if = any(v is not None for v in (gpus, gpu_mem, cpu_mem, disk))
+    if what_if:
+        inventory = Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk)
+        cfg.teacher.placement.check(len(inventory.gpus))  # cuda:3 on --gpus 2 is an error
     else:
-        source = TeacherFolder.open(cfg.teacher.path, complete=False)
-    inventory = Inventory.detect(cfg.teacher.offload_folder or cfg.cache.path)
+        inventory = Inventory.detect(cfg.teacher.offload_folder or cfg.cache.path)
+    # Validated as precompute would (custom code, pickles, bad configs); weights may be absent.
+    source = (
+        TeacherFolder.published(config)
+        if config
+        else TeacherFolder.open(cfg.teacher.path, complete=False)
+    )
     plan = make_plan(
         source,
         dtype=dtype_from_name(cfg.teacher.dtype),
         sizes=SamplerSizes.from_config(cfg),
         inventory=inventory,
         placement=cfg.teacher.placement,
-        group_offload_level=cfg.teacher.group_offload_level,
-        max_memory=cfg.teacher.max_memory or None,
     )
     if as_json:
         out.print_json(json.dumps(plan.to_json()))
-        return
-    for renderable in render_plan(plan):
-        out.print(renderable)
-    if recipe is not None and not config:
-        _show_recording(load_recipe(recipe, sets, stage="precompute"))
-    try:
-        check_placement(cfg.teacher.placement, gpus=len(inventory.gpus))
-    except UsageError as e:
-        err.print(f"[yellow]requested placement:[/yellow] {e.message}", highlight=False)
+    else:
+        for renderable in render_plan(plan):
+            out.print(renderable)
+        if recipe is not None and not config:
+            _show_recording(load_recipe(recipe, sets, stage="precompute"))
+    if what_if and plan.auto.placement is None:
+        raise too_small(plan)
+    if not what_if:
+        try:
+            cfg.teacher.placement.check(len(inventory.gpus))
+        except UsageError as e:
+            err.print(f"[yellow]requested placement:[/yellow] {e.message}", highlight=False)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -709,10 +759,17 @@ def _fail(message: str, code: int, fix: str | None = None) -> None:
     sys.exit(code)
 
 
+@functools.cache
+def _command() -> Any:
+    """The click command tree, built once: typer rebuilds it on every `app()` call (~0.1 s of
+    signature inspection), which in-process callers (tests, the demo) would pay each time."""
+    return typer.main.get_command(app)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point; see the module docstring for the exit-code contract."""
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = _command()(args=argv, standalone_mode=False)
     except WandistillError as e:
         if _debug:
             raise
@@ -746,5 +803,35 @@ def main(argv: list[str] | None = None) -> None:
                 "check the path and its permissions, or choose another one",
             )
         _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 1)
+    except Exception as e:  # a bug: one line and a crash log, not a traceback
+        if _debug:
+            raise
+        _crash(e)
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+def _crash(e: Exception) -> None:
+    """Write the traceback of an unexpected error to a crash log and say where, in one line."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(e))
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    what = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    rank = os.environ.get("RANK")
+    try:
+        fd, log = tempfile.mkstemp(
+            prefix=f"wandistill-crash-{'' if rank is None else f'rank{rank}-'}", suffix=".log"
+        )
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"wandistill {__version__}\nargv: {sys.argv}\n\n{text}")
+    except OSError:  # nowhere to write it: show it rather than lose it
+        err.print(text, highlight=False, markup=False)
+        log = "(shown above)"
+    _fail(
+        f"internal error ({what}); the traceback is in {log}",
+        1,
+        "this is a bug in wandistill: please report it with that log (--debug or "
+        "WANDISTILL_DEBUG=1 shows the traceback here)",
+    )

@@ -22,27 +22,20 @@ from typing import Any, TypeVar
 
 import tomllib
 
-from wandistill.errors import ConfigError
+from wandistill.bounds import SEED, TIMEOUT_S, checked, num
+from wandistill.errors import ConfigError, UsageError
+from wandistill.placements import GROUP_LEVELS, Cpu, Placement, parse_placement
+from wandistill.validate import MiB, read_capped
 
 if typing.TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 T = TypeVar("T")
 
+MAX_RECIPE_BYTES = MiB
+"""A recipe picks values; a bigger file is not a recipe."""
 DTYPES = ("fp32", "fp16", "bf16")
 BACKENDS = ("webdataset", "zarr")
-NAMED_PLACEMENTS = (
-    "cpu",
-    "cuda",
-    "gpu0",
-    "balanced",
-    "balanced_low_0",
-    "sequential",
-    "auto",
-    "model-offload",
-    "group-offload",
-    "disk-offload",
-)
 
 
 def _problems(*checks: tuple[bool, str]) -> None:
@@ -52,17 +45,15 @@ def _problems(*checks: tuple[bool, str]) -> None:
         raise ConfigError("; ".join(bad))
 
 
-def placement_is_valid(p: str) -> bool:
-    return p in NAMED_PLACEMENTS or p.startswith("cuda:") or p.endswith(".json")
-
-
 @dataclass(kw_only=True, slots=True)
 class TeacherConfig:
     path: str = ""
     """Local diffusers Wan folder (Wan 2.1: `transformer`; Wan 2.2 A14B: also `transformer_2`)."""
-    placement: str = "cpu"
+    placement: Placement = field(default_factory=Cpu)
     """cpu, cuda, cuda:N, gpu0, balanced, balanced_low_0, sequential, auto, a device-map .json,
-    model-offload, group-offload or disk-offload."""
+    model-offload, group-offload or disk-offload. Written as text, parsed here once into its
+    typed strategy (`wandistill.placements`), with group_offload_level and max_memory folded
+    in; everything downstream takes the object."""
     dtype: str = "fp32"
     """Compute dtype of the teacher; layers Wan keeps in fp32 stay fp32."""
     offload_folder: str = ""
@@ -76,83 +67,75 @@ class TeacherConfig:
         _problems(
             (self.dtype in DTYPES, f"teacher.dtype={self.dtype!r} must be one of {DTYPES}"),
             (
-                placement_is_valid(self.placement),
-                f"teacher.placement={self.placement!r} must be one of {NAMED_PLACEMENTS}, "
-                "cuda:N or a device-map .json file",
-            ),
-            (
-                self.group_offload_level in ("block_level", "leaf_level"),
+                self.group_offload_level in GROUP_LEVELS,
                 "teacher.group_offload_level must be block_level or leaf_level",
             ),
         )
+        try:
+            self.placement = parse_placement(
+                self.placement,
+                group_offload_level=self.group_offload_level,
+                max_memory=self.max_memory,
+            )
+        except UsageError as e:
+            raise ConfigError(f"teacher.{e.message}", fix=e.fix) from None
 
 
 @dataclass(kw_only=True, slots=True)
+@checked("sampler")
 class SamplerConfig:
-    height: int = 480
+    height: int = num(480, ge=16, le=8192)
     """Pixel height; divisible by 16 (VAE factor 8 x patch 2)."""
-    width: int = 832
+    width: int = num(832, ge=16, le=8192)
     """Pixel width; divisible by 16."""
-    num_frames: int = 81
+    num_frames: int = num(81, ge=1, le=4097)
     """Frames; 4k+1 (the Wan VAE compresses time by 4)."""
-    num_inference_steps: int = 50
-    guidance_scale: float = 5.0
+    num_inference_steps: int = num(50, ge=1, le=1000)
+    """Teacher sampler steps (at most the scheduler's 1000 training timesteps)."""
+    guidance_scale: float = num(5.0, ge=0, le=100)
     """CFG scale g in uncond + g * (cond - uncond); 1.0 disables the uncond pass."""
-    guidance_scale_2: float | None = None
+    guidance_scale_2: float | None = num(None, ge=0, le=100)
     """Wan 2.2 A14B: scale for the low-noise expert (transformer_2); defaults to guidance_scale."""
-    flow_shift: float | None = None
+    flow_shift: float | None = num(None, gt=0, le=100)
     """Override of the scheduler's flow shift; None keeps the teacher folder's value."""
     negative_prompt: str = ""
-    max_sequence_length: int = 512
+    max_sequence_length: int = num(512, ge=1, le=8192)
     """Text length the pipeline pads to; embeddings are stored trimmed and re-padded on read."""
-    record_steps: list[int] = field(default_factory=list)
+    record_steps: list[int] = num(list_of=(), ge=0, le=999)
     """Step indices whose (x_t, t, teacher output) are recorded. With record_every and
     record_for_student_steps also empty, every step is recorded; otherwise the recorded steps are
     the union of the three (see `recorded_steps`)."""
-    record_every: int = 0
+    record_every: int = num(0, ge=0, le=1000)
     """Also record every n-th step (0, n, 2n, ...); 0: off. `record_every = 4` of 16 steps
     records what a 4-step student needs (the steps its schedule visits) when 4 divides 16."""
-    record_for_student_steps: list[int] = field(default_factory=list)
+    record_for_student_steps: list[int] = num(list_of=(), ge=1, le=1000)
     """Also record the teacher steps a K-step student is trained at (trajectory objective), for
     each K listed, e.g. [1, 2, 4]: the steps where the student's K-step schedule meets the
     teacher's N-step one (every N/K-th step for Wan's UniPC flow schedule; K must land on it)."""
     features: list[str] = field(default_factory=list)
     """Named teacher blocks whose outputs are recorded, e.g. ["blocks.3", "blocks.7"]."""
-    seed: int = 0
+    seed: int = num(0, ge=SEED.ge, le=SEED.le)
     """Base seed; a prompt without its own seed gets seed + its line index."""
-    batch_size: int = 1
+    batch_size: int = num(1, ge=1, le=4096)
     """Prompts denoised together."""
-    expert_group_batches: int = 16
+    expert_group_batches: int = num(16, ge=1, le=100_000)
     """Wan 2.2: batches that run their high-noise steps before the swap to transformer_2
     (bigger groups mean fewer expert loads, more latents held in memory)."""
 
     def __post_init__(self) -> None:
         _problems(
             (
-                self.expert_group_batches > 0,
-                f"sampler.expert_group_batches={self.expert_group_batches} must be positive",
-            ),
-            (
-                self.height > 0 and self.height % 16 == 0,
+                self.height % 16 == 0,
                 f"sampler.height={self.height} must be a positive multiple of 16",
             ),
             (
-                self.width > 0 and self.width % 16 == 0,
+                self.width % 16 == 0,
                 f"sampler.width={self.width} must be a positive multiple of 16",
             ),
             (
-                self.num_frames > 0 and self.num_frames % 4 == 1,
+                self.num_frames % 4 == 1,
                 f"sampler.num_frames={self.num_frames} must be 4k+1 (1, 5, 9, ... 81)",
             ),
-            (
-                self.num_inference_steps > 0,
-                f"sampler.num_inference_steps={self.num_inference_steps} must be positive",
-            ),
-            (
-                self.max_sequence_length > 0,
-                f"sampler.max_sequence_length={self.max_sequence_length} must be positive",
-            ),
-            (self.batch_size > 0, f"sampler.batch_size={self.batch_size} must be positive"),
             (
                 all(0 <= s < self.num_inference_steps for s in self.record_steps),
                 f"sampler.record_steps={self.record_steps} must lie in "
@@ -194,55 +177,52 @@ class SamplerConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+@checked("cache")
 class CacheConfig:
     path: str = "cache/default"
     """Cache directory (local path)."""
     backend: str = "webdataset"
     """webdataset (tar shards) or zarr (v3 group)."""
-    shard_records: int = 64
+    shard_records: int = num(64, ge=1, le=1_000_000)
     """Records per shard: the unit of atomic publication, resume and follow mode."""
-    holdout_fraction: float = 0.0
+    holdout_fraction: float = num(0.0, ge=0, lt=1)
     """Share of prompts marked held-out (by key hash) for eval; train skips them."""
 
     def __post_init__(self) -> None:
         _problems(
             (self.backend in BACKENDS, f"cache.backend={self.backend!r} must be one of {BACKENDS}"),
-            (self.shard_records > 0, f"cache.shard_records={self.shard_records} must be positive"),
-            (
-                0.0 <= self.holdout_fraction < 1.0,
-                f"cache.holdout_fraction={self.holdout_fraction} must be in [0, 1)",
-            ),
         )
 
 
 @dataclass(kw_only=True, slots=True)
+@checked("precompute")
 class PrecomputeConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     prompts: str = ""
     """Prompt file: .txt (one per line) or .jsonl ({"prompt", "seed"?, "negative_prompt"?})."""
-    previews: int = 0
+    previews: int = num(0, ge=0, le=100_000)
     """VAE-decode this many teacher samples to PNG for eval."""
+    dist_timeout: float | None = num(None, gt=TIMEOUT_S.gt, le=TIMEOUT_S.le)
+    """Seconds a rank waits for the others (rendezvous, collectives) before it exits naming the
+    missing rank. None: WANDISTILL_DIST_TIMEOUT, else 300."""
 
 
 @dataclass(kw_only=True, slots=True)
+@checked("student.init_from_teacher")
 class TeacherInitConfig:
     path: str = ""
     """Teacher folder (or its transformer folder, or a .safetensors file) whose tensors initialise
     the student; empty: random init. Read lazily with safetensors, never the whole teacher."""
     component: str = "transformer"
     """Which transformer of the teacher folder (Wan 2.2 A14B: transformer or transformer_2)."""
-    blocks: list[int] = field(default_factory=list)
+    blocks: list[int] = num(list_of=(), ge=0, le=10_000)
     """Teacher block indices copied into student blocks 0..k-1 (k <= student.num_layers); the
     embedders and output head are copied too. Empty: only those non-block tensors."""
 
     def __post_init__(self) -> None:
         _problems(
-            (
-                all(b >= 0 for b in self.blocks),
-                f"student.init_from_teacher.blocks={self.blocks} must be >= 0",
-            ),
             (
                 not self.blocks or bool(self.path),
                 "student.init_from_teacher.blocks is set but init_from_teacher.path is empty",
@@ -251,35 +231,28 @@ class TeacherInitConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+@checked("student")
 class StudentConfig:
-    num_layers: int | None = None
+    num_layers: int | None = num(None, ge=1, le=1024)
     """Transformer blocks. None: from config_file, else the teacher's (the cache records the
     teacher's transformer config; the student starts from it)."""
-    num_attention_heads: int | None = None
-    attention_head_dim: int | None = None
+    num_attention_heads: int | None = num(None, ge=1, le=1024)
+    attention_head_dim: int | None = num(None, ge=2, le=4096)
     """Per-head width; even (Wan's 3-axis RoPE splits it). Width = heads x head_dim."""
-    ffn_dim: int | None = None
+    ffn_dim: int | None = num(None, ge=1, le=1 << 20)
     config_file: str = ""
     """Optional JSON with WanTransformer3DModel config keys; the four fields above override it.
     text_dim, in_channels and out_channels must match the cache."""
     init_from_teacher: TeacherInitConfig = field(default_factory=TeacherInitConfig)
     """Optional init from teacher tensors: `init_from_teacher = {path = "...", blocks = [0, 4]}`."""
-    num_inference_steps: int | None = None
+    num_inference_steps: int | None = num(None, ge=1, le=1000)
     """K: the sampler steps the student is trained for (1, 2, 4, ...). None: the teacher's N,
     i.e. step imitation with the teacher's own scheduler. A K-step student samples with a
     first-order flow scheduler whose K steps land on the teacher's schedule (see docs/export.md);
     the trajectory objective trains it at exactly those K recorded steps."""
 
     def __post_init__(self) -> None:
-        sizes = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
         _problems(
-            *(
-                (
-                    getattr(self, n) is None or getattr(self, n) > 0,
-                    f"student.{n}={getattr(self, n)} must be positive",
-                )
-                for n in sizes
-            ),
             (
                 self.attention_head_dim is None or self.attention_head_dim % 2 == 0,
                 f"student.attention_head_dim={self.attention_head_dim} must be even "
@@ -298,62 +271,50 @@ class StudentConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+@checked("optim")
 class OptimConfig:
-    lr: float = 1e-4
+    lr: float = num(1e-4, gt=0, le=10)
     """Peak learning rate of AdamW (reached after warmup, then cosine decay)."""
-    weight_decay: float = 0.01
+    weight_decay: float = num(0.01, ge=0, le=10)
     """Applied to matrices only; biases, norms and modulation tables are not decayed."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
+    betas: list[float] = num(list_of=(0.9, 0.999), ge=0, lt=1)
+    """AdamW (beta1, beta2)."""
+    warmup_steps: int = num(0, ge=0, le=10**9)
     """Linear warmup from lr/warmup_steps to lr."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = num(0.0, ge=0, le=1)
     """Cosine decay ends at lr * min_lr_ratio on the last step."""
-    grad_clip: float = 1.0
+    grad_clip: float = num(1.0, ge=0, le=1e6)
     """Clip the global gradient norm to this; 0 disables clipping."""
-    ema_decay: float = 0.999
+    ema_decay: float = num(0.999, ge=0, lt=1)
     """EMA of the student's weights, updated after every optimizer step; 0 keeps a plain copy."""
 
     def __post_init__(self) -> None:
-        _problems(
-            (self.lr > 0, f"optim.lr={self.lr} must be positive"),
-            (self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0"),
-            (len(self.betas) == 2, f"optim.betas={self.betas} needs two values"),
-            (
-                all(0.0 <= b < 1.0 for b in self.betas),
-                f"optim.betas={self.betas} must lie in [0, 1)",
-            ),
-            (self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0"),
-            (
-                0.0 <= self.min_lr_ratio <= 1.0,
-                f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]",
-            ),
-            (self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0: off)"),
-            (0.0 <= self.ema_decay < 1.0, f"optim.ema_decay={self.ema_decay} must be in [0, 1)"),
-        )
+        _problems((len(self.betas) == 2, f"optim.betas={self.betas} needs two values"))
 
 
 @dataclass(kw_only=True, slots=True)
+@checked("loss")
 class LossConfig:
-    output: float = 1.0
+    output: float = num(1.0, ge=0, le=1e6)
     """Weight of teacher-output matching: MSE between the student's prediction at a recorded
     (x_t, t) and the teacher's guided (CFG) output there."""
-    final_latent: float = 0.0
+    final_latent: float = num(0.0, ge=0, le=1e6)
     """Weight of final-latent matching: MSE between x0 = x_t - sigma_t * v_student and the
     teacher's final latent."""
-    feature: float = 0.0
+    feature: float = num(0.0, ge=0, le=1e6)
     """Weight of feature matching through learned student-to-teacher-width projections."""
     feature_map: dict[str, str] = field(default_factory=dict)
     """Teacher feature (recorded by precompute) -> student block, e.g. {"blocks.8" = "blocks.1"}."""
-    trajectory: float = 0.0
+    trajectory: float = num(0.0, ge=0, le=1e6)
     """Weight of trajectory regression (ODE / knowledge distillation for a K-step student): at
     the recorded points the K-step student is sampled at, x0 = x_t - sigma_t * v_student matches
     the final latent of that teacher trajectory. Needs those K steps recorded."""
-    consistency: float = 0.0
+    consistency: float = num(0.0, ge=0, le=1e6)
     """Weight of consistency distillation: x0 of the student at a recorded point x_{t_n} matches
     x0 of a stop-gradient EMA copy of the student at the cached next point x_{t_(n+1)} (the
     teacher's ODE step, read from the cache); at the last step the target is the final latent.
     Needs every teacher step recorded."""
-    consistency_target_decay: float = 0.95
+    consistency_target_decay: float = num(0.95, ge=0, lt=1)
     """EMA decay of the consistency target network (updated after every optimizer step; 0 makes
     the target a stop-gradient copy of the current student). 0.95 as in Song et al. 2023 (CD)."""
 
@@ -369,14 +330,9 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         _problems(
-            *((w >= 0, f"loss.{n}={w} must be >= 0") for n, w in self.weights().items()),
             (
                 sum(self.weights().values()) > 0,
                 "loss: every weight is 0, so nothing would be trained; set loss.output = 1.0",
-            ),
-            (
-                0.0 <= self.consistency_target_decay < 1.0,
-                f"loss.consistency_target_decay={self.consistency_target_decay} must be in [0, 1)",
             ),
             (
                 self.feature == 0 or bool(self.feature_map),
@@ -387,18 +343,19 @@ class LossConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+@checked("train")
 class TrainConfig:
     cache: str = ""
     """Cache directory written by `wandistill precompute` (the only input besides this recipe)."""
     out: str = ""
     """Run directory: checkpoints/, metrics.jsonl, student/ and student_ema/ at the end."""
-    steps: int = 100
+    steps: int = num(100, ge=1, le=10**9)
     """Optimizer steps (each = grad_accum micro-batches on every rank)."""
-    batch_size: int = 1
+    batch_size: int = num(1, ge=1, le=65_536)
     """Per-rank micro-batch of (record, recorded step) samples."""
-    grad_accum: int = 1
+    grad_accum: int = num(1, ge=1, le=65_536)
     """Micro-batches per optimizer step; gradients are synchronised on the last one only."""
-    seed: int = 0
+    seed: int = num(0, ge=SEED.ge, le=SEED.le)
     """Student init and data order."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK when there is a GPU, else cpu), cpu or cuda."""
@@ -406,29 +363,29 @@ class TrainConfig:
     """no or bf16 (autocast; weights, optimizer state and EMA stay fp32)."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block in backward: less activation memory, ~30% slower."""
-    checkpoint_every: int = 50
+    checkpoint_every: int = num(50, ge=1, le=10**9)
     """Write checkpoints/checkpoint-<step>/ every this many steps (and at the last step)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = num(2, ge=1, le=10_000)
     """Keep only the newest this many checkpoints."""
-    log_every: int = 10
+    log_every: int = num(10, ge=1, le=10**9)
     """Write a metrics.jsonl row (losses averaged over ranks) every this many steps."""
     tensorboard: bool = True
     """Also write TensorBoard events to <out>/tensorboard when tensorboard is installed."""
-    data_threads: int = 4
+    data_threads: int = num(4, ge=1, le=256)
     """Reader threads per rank."""
-    follow_poll_interval: float = 2.0
+    follow_poll_interval: float = num(2.0, gt=0, le=3600)
     """--follow: seconds between looks for newly committed shards."""
-    follow_timeout: float = 3600.0
+    follow_timeout: float = num(3600.0, ge=0, le=TIMEOUT_S.le)
     """--follow: give up after this many seconds without a new shard; 0 waits forever."""
+    dist_timeout: float | None = num(None, gt=TIMEOUT_S.gt, le=TIMEOUT_S.le)
+    """Seconds a rank waits for the others (rendezvous, collectives, a checkpoint being saved)
+    before it exits naming the missing rank. None: WANDISTILL_DIST_TIMEOUT, else 300."""
     student: StudentConfig = field(default_factory=StudentConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
         _problems(
-            (self.steps > 0, f"train.steps={self.steps} must be positive"),
-            (self.batch_size > 0, f"train.batch_size={self.batch_size} must be positive"),
-            (self.grad_accum > 0, f"train.grad_accum={self.grad_accum} must be positive"),
             (
                 self.device in ("auto", "cpu", "cuda"),
                 f"train.device={self.device!r} must be auto, cpu or cuda",
@@ -436,24 +393,6 @@ class TrainConfig:
             (
                 self.mixed_precision in ("no", "bf16"),
                 f"train.mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'",
-            ),
-            (
-                self.checkpoint_every > 0,
-                f"train.checkpoint_every={self.checkpoint_every} must be positive",
-            ),
-            (
-                self.keep_checkpoints > 0,
-                f"train.keep_checkpoints={self.keep_checkpoints} must be positive",
-            ),
-            (self.log_every > 0, f"train.log_every={self.log_every} must be positive"),
-            (self.data_threads > 0, f"train.data_threads={self.data_threads} must be positive"),
-            (
-                self.follow_poll_interval > 0,
-                f"train.follow_poll_interval={self.follow_poll_interval} must be positive",
-            ),
-            (
-                self.follow_timeout >= 0,
-                f"train.follow_timeout={self.follow_timeout} must be >= 0 (0: wait forever)",
             ),
         )
 
@@ -476,6 +415,10 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check `value` against annotation `tp`; ints widen to float, nothing else is converted."""
     origin = typing.get_origin(tp)
+    if tp is Placement:  # parsed (with its sibling keys) in TeacherConfig.__post_init__
+        if not isinstance(value, str):
+            raise ConfigError(f'{where}={value!r} must be a string, e.g. "auto"')
+        return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a table ([{where}]), got {value!r}")
@@ -502,8 +445,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}={value!r} must be a table")
         return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if tp in (int, float) and isinstance(value, int) and not isinstance(value, bool):
+        # Widen to float only where it cannot overflow; every numeric field declares its range
+        # (wandistill/bounds.py), which refuses a huge int or a NaN / inf with the range named.
+        return float(value) if tp is float and -(1 << 63) <= value < 1 << 63 else value
     if tp is Any:
         return value
     if tp in (int, float) and isinstance(value, bool):
@@ -536,8 +481,18 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     return cls(**kwargs)
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Any) -> Any:
+    """A config as plain JSON-able data: recipe values back in the form a recipe writes them
+    (a placement as its --placement text)."""
+    if hasattr(cfg, "to_recipe"):
+        return cfg.to_recipe()
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    return cfg
 
 
 def _parse_value(text: str) -> Any:
@@ -546,6 +501,8 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise ConfigError(f"--set value {text[:40]!r}... nests too deeply") from None
 
 
 def apply_override(data: dict[str, Any], assignment: str, stage: str | None = None) -> None:
@@ -644,13 +601,30 @@ def load_recipe(
     data: dict[str, Any] = {}
     if path is not None:
         source = resolve_recipe(path)
+        fix = "fix the recipe, or start from a shipped one (`wandistill recipes copy NAME`)"
+        raw = (
+            read_capped(
+                source, max_bytes=MAX_RECIPE_BYTES, what="recipe", fix=fix, error=ConfigError
+            )
+            if isinstance(source, Path)
+            else source.read_bytes()  # a shipped recipe: package data
+        )
         try:
-            data = tomllib.loads(source.read_text(encoding="utf-8"))
+            data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"recipe {str(path)!r} is not valid TOML: {e}") from None
+        except RecursionError:  # tomllib recurses per nesting level
+            raise ConfigError(f"recipe {str(path)!r} nests too deeply", fix=fix) from None
     for assignment in overrides or []:
         apply_override(data, assignment, stage)
     try:
         return from_dict(Recipe, data)
     except TypeError as e:  # a missing kw-only field would land here; keep it one line
         raise ConfigError(f"recipe {path}: {e}") from None
+    except ConfigError as e:
+        if path is None:
+            raise
+        raise ConfigError(  # name the file: the key may come from it or from a --set
+            f"recipe {str(path)!r}: {e.message}",
+            fix=e.fix or "fix that key in the recipe (or in the --set override)",
+        ) from None

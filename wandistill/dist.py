@@ -4,22 +4,53 @@ Both stages use it: precompute to split prompts and gather shard commits, train 
 cache code never import torch.distributed. Collectives that carry Python objects go through JSON
 bytes in uint8 tensors, never `*_object` collectives (those pickle).
 
-Failure contract: a rank that raises exits non-zero straight away (no barrier on the error path);
-torchrun then stops every other worker, so no rank waits forever in a collective.
+Every rank exits; none waits forever:
+- a rank that raises exits non-zero straight away (no barrier on the error path); torchrun then
+  stops every other worker;
+- joining has a deadline: every rank registers in the rendezvous store and waits at most the
+  timeout for the others, then exits naming the ranks that never arrived (a rank whose store
+  host, rank 0, never comes up says so too);
+- every collective has the same timeout (`WANDISTILL_DIST_TIMEOUT`, or the recipe's
+  `dist_timeout`, default 300 s: minutes, not torch's half hour); when one fails, the survivors
+  report in the store and name the ranks that did not (`unresponsive_ranks`);
+- waits that may legitimately be long (precompute's last rank still denoising) go through
+  `wait_for_all`, which has no deadline while the peers make progress (every denoising step,
+  encoded batch, training step or model load beats), and exits naming a peer that made none
+  for the timeout (dead, frozen or hung);
+- at start the ranks all-gather a digest of their resolved configuration and all exit, naming the
+  differing keys, if they do not run the same one (`check_same_config`).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
+import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from wandistill.errors import UsageError
+from wandistill import __version__, testing_hooks
+from wandistill.bounds import TIMEOUT_S
+from wandistill.errors import UsageError, WandistillError
+
+TIMEOUT_ENV = "WANDISTILL_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+_POLL_S = 0.05
+
+
+class DistTimeout(WandistillError):
+    """A rank did not arrive, answer or finish within the distributed timeout."""
+
+
+_state: dict[str, Any] = {}
+"""The job's rendezvous store and heartbeat of this process (set by `init`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +75,40 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def init(device: str = "auto", *, timeout_s: float = 1800.0) -> DistInfo:
+def resolve_timeout(value: float | None = None) -> float:
+    """The distributed timeout in seconds: the recipe's value, else WANDISTILL_DIST_TIMEOUT, else
+    300; checked like every other number (finite, positive, at most a week)."""
+    if value is not None:
+        return float(value)
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    problem = TIMEOUT_S.problem(TIMEOUT_ENV, seconds)
+    if problem is not None:
+        raise UsageError(
+            problem.replace("=nan", f"={raw!r}"), fix=f"set {TIMEOUT_ENV} to a number of seconds"
+        )
+    return seconds
+
+
+def init(
+    device: str = "auto",
+    *,
+    timeout_s: float | None = None,
+    config: dict[str, Any] | None = None,
+) -> DistInfo:
     """Join the torchrun job if there is one; pick this rank's device.
 
     `device`: "auto" (cuda:LOCAL_RANK when CUDA is available, else cpu), "cpu" or "cuda".
-    The backend follows the device: nccl for CUDA, gloo for CPU.
+    The backend follows the device: nccl for CUDA, gloo for CPU. `timeout_s` (None: see
+    `resolve_timeout`) bounds joining and every collective. `config`: the resolved configuration
+    (JSON-able); every rank must run the same one (`check_same_config`).
     """
+    timeout = resolve_timeout(timeout_s)
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -73,15 +132,229 @@ def init(device: str = "auto", *, timeout_s: float = 1800.0) -> DistInfo:
     if world > 1:
         backend = "nccl" if want_cuda else "gloo"
         if not dist.is_initialized():
+            testing_hooks.at("dist", "init", 0, rank)  # test-only: a rank that never arrives
+            store = _join(rank, world, timeout)
             dist.init_process_group(
                 backend=backend,
-                timeout=datetime.timedelta(seconds=timeout_s),
+                store=dist.PrefixStore("default_pg", store),
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=timeout),
                 device_id=dev if want_cuda else None,
             )
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
+    info = DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
+    if config is not None:
+        check_same_config(info, config)
+    return info
+
+
+def _join(rank: int, world: int, timeout: float) -> Any:
+    """The rendezvous store (torchrun's agent store, or hosted by rank 0 as env:// does), after
+    every rank has registered in it; else a DistTimeout naming the ranks that never arrived."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _env_int("MASTER_PORT", 29500)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    try:
+        tcp = dist.TCPStore(
+            addr,
+            port,
+            world_size=world,
+            is_master=rank == 0 and not agent,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,  # we wait ourselves, so we can name who is missing
+            multi_tenant=True,
+        )
+    except (RuntimeError, OSError) as e:  # DistNetworkError / DistStoreError / socket errors
+        host = "torchrun's agent" if agent else "rank 0"
+        raise DistTimeout(
+            f"rank {rank} of {world}: no rendezvous at {addr}:{port} within {timeout:g} s; "
+            f"{host}, which hosts it, never arrived ({_first_line(e)})",
+            fix=f"start every rank (check rank 0's log), or raise {TIMEOUT_ENV}",
+        ) from None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"wandistill/{attempt}", tcp)
+    store.set(f"arrived/{rank}", "1")
+    store.add("arrived", 1)
+    _wait_keys(store, "arrived", world, rank, timeout, "joined the job")
+    host = rank == 0 and not agent
+    _state.update(store=store, tcp=tcp, timeout=timeout, rank=rank, world=world, host=host)
+    _start_heartbeat(store, rank, timeout)
+    return tcp
+
+
+def _wait_keys(
+    store: Any,
+    name: str,
+    world: int,
+    rank: int,
+    timeout: float,
+    what: str,
+    alive: Callable[[list[int]], list[int]] | None = None,
+) -> None:
+    """Wait until all `world` ranks have set `<name>/<r>`. Without `alive`: at most `timeout`
+    seconds. With `alive(missing) -> stalled ranks`: for as long as no missing rank stalls."""
+    deadline = time.monotonic() + timeout
+    while int(store.add(name, 0)) < world:
+        missing = [r for r in range(world) if not store.check([f"{name}/{r}"])]
+        stalled = alive(missing) if alive is not None else None
+        if stalled or (alive is None and time.monotonic() > deadline):
+            late = stalled or missing
+            raise DistTimeout(
+                f"rank {rank} of {world}: {_ranks(late)} {'has' if len(late) == 1 else 'have'} "
+                f"not {what} within {timeout:g} s ({TIMEOUT_ENV})",
+                fix=f"see {_ranks(late)}'s log (it never started, hangs or died); "
+                f"raise {TIMEOUT_ENV} if it is just slow; then re-run",
+            )
+        time.sleep(_POLL_S)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _first_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[^\]]*\]:?\s*", "", text)[:200]
+
+
+# --------------------------------------------------------------------------- heartbeat
+
+
+def _start_heartbeat(store: Any, rank: int, timeout: float) -> None:
+    """Publish this rank's progress: every `progress.beat()` of the main thread (a denoising
+    step, an encoded batch, a training step, a model load) bumps `beat/<rank>` in the store, at
+    most every `period` seconds. `wait_for_all` reads it: a rank that makes no progress for the
+    timeout is named, whether it died, froze or hangs."""
+    from wandistill import progress
+
+    period = max(0.05, min(2.0, timeout / 10))
+    last = [0.0]
+
+    def publish() -> None:
+        now = time.monotonic()
+        if now - last[0] < period:
+            return
+        last[0] = now
+        try:
+            store.add(f"beat/{rank}", 1)
+        except Exception:  # the store's host is gone: the job is ending anyway
+            pass
+
+    progress.on_beat(publish)
+    _state["heartbeat"] = publish
+
+
+def wait_for_all(
+    info: DistInfo, name: str, interrupted: Callable[[], bool] = lambda: False
+) -> None:
+    """A barrier with no deadline while the missing ranks are alive (their heartbeat goes on),
+    and a DistTimeout naming them once one has not beaten for the timeout. Returns early (the
+    caller checks why) once `interrupted()` is true, e.g. a stop signal arrived."""
+    if not info.distributed or "store" not in _state:
+        return
+    from wandistill import progress
+
+    store, timeout = _state["store"], _state["timeout"]
+    store.set(f"{name}/{info.rank}", "1")
+    store.add(name, 1)
+    seen: dict[int, tuple[int, float]] = {}
+
+    def stalled(missing: list[int]) -> list[int]:
+        if interrupted():
+            raise _Interrupted
+        progress.beat()  # waiting is progress too: the others may be waiting on us
+        now, out = time.monotonic(), []
+        for r in missing:
+            beats = int(store.add(f"beat/{r}", 0))
+            last = seen.get(r)
+            if last is None or beats != last[0]:
+                seen[r] = (beats, now)
+            elif now - last[1] > timeout:
+                out.append(r)
+        return out
+
+    try:
+        _wait_keys(store, name, info.world_size, info.rank, timeout, f"finished ({name})", stalled)
+    except _Interrupted:
+        return
+    # The store's host (rank 0 without torchrun's agent store) must not exit, taking the store
+    # with it, before every rank has seen that all are done: it waits for their "left" marks.
+    store.add(f"{name}/left", 1)
+    deadline = time.monotonic() + timeout
+    while _state.get("host") and time.monotonic() < deadline:
+        if int(store.add(f"{name}/left", 0)) >= info.world_size:
+            break
+        time.sleep(_POLL_S)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def unresponsive_ranks(info: DistInfo, wait_s: float | None = None) -> list[int]:
+    """After a collective failed here: report in the store and return the ranks that do not
+    report too within `wait_s` (default: a tenth of the timeout, 2..15 s). The survivors of a
+    failed collective all get here together; the ranks missing are the ones that stopped,
+    died or hang. [] if the store itself is gone (rank 0, its host, is the one that stopped)."""
+    store = _state.get("store")
+    if store is None or not info.distributed:
+        return []
+    wait = wait_s if wait_s is not None else min(15.0, max(2.0, _state["timeout"] / 10))
+    try:
+        store.set(f"failed/{info.rank}", "1")
+        deadline = time.monotonic() + wait
+        while True:
+            missing = [r for r in range(info.world_size) if not store.check([f"failed/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(_POLL_S)
+    except Exception:  # the store's host is gone too
+        return []
+
+
+# --------------------------------------------------------------------------- same config
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
+    if isinstance(obj, dict):
+        out: dict[str, str] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out or {prefix.rstrip("."): "{}"}
+    return {prefix.rstrip("."): json.dumps(obj, sort_keys=True, default=str)}
+
+
+def check_same_config(info: DistInfo, config: dict[str, Any]) -> None:
+    """Every rank runs the same resolved configuration, or every rank exits naming the keys that
+    differ (and each rank's value). Two small collectives; the second only on a mismatch."""
+    if not info.distributed:
+        return
+    flat = _flatten({**config, "wandistill_version": __version__})
+    digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    digests = all_gather_json(info, digest)
+    if len(set(digests)) == 1:
+        return
+    views: list[dict[str, str]] = all_gather_json(info, flat)
+    keys = sorted({k for v in views for k in v})
+    differ = [k for k in keys if len({v.get(k, "<absent>") for v in views}) > 1]
+    shown = "; ".join(
+        f"{k}: " + ", ".join(f"rank {r} {v.get(k, '<absent>')}" for r, v in enumerate(views))
+        for k in differ[:6]
+    ) + (f"; ... ({len(differ)} keys in all)" if len(differ) > 6 else "")
+    raise UsageError(
+        f"rank {info.rank} of {info.world_size}: the ranks run different configurations; "
+        f"differing keys: {shown}",
+        fix="launch every rank with the same recipe, --set overrides, flags and prompt file",
+    )
 
 
 def cleanup() -> None:
+    from wandistill import progress
+
+    beat = _state.pop("heartbeat", None)
+    if beat is not None:
+        progress.on_beat(beat, remove=True)
+    _state.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,7 +1,8 @@
 """Error types the CLI turns into one clear line and an exit code, never a traceback.
 
 A user error (bad flag, missing path, wrong recipe key) exits 2; a runtime failure (corrupt cache,
-disk full, out of memory) exits 1. Everything else is a bug and keeps its traceback.
+disk full, out of memory) exits 1. Anything else is a bug: the CLI prints one line naming a crash
+log that holds the traceback (exit 1), or the traceback itself with --debug.
 """
 
 from __future__ import annotations

@@ -48,10 +48,12 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
         f.close()
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
         f.close()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # a failed write() names no file; the error should
         raise
 
 

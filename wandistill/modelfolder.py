@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from wandistill import jsonfile
 from wandistill.errors import UsageError
+from wandistill.validate import MiB, OpenSchema, Schema, check, label, parse_json, read_capped
 
 SAFETENSORS_BYTES: Mapping[str, int] = {
     "F64": 8,
@@ -51,6 +51,14 @@ SAFETENSORS_BYTES: Mapping[str, int] = {
     "C64": 8,
 }
 """Bytes per element of every safetensors dtype code torch can load."""
+COMPONENT_CLASSES: Mapping[str, tuple[str, str]] = {
+    "text_encoder": ("transformers", "UMT5EncoderModel"),
+    "transformer": ("diffusers", "WanTransformer3DModel"),
+    "transformer_2": ("diffusers", "WanTransformer3DModel"),
+    "vae": ("diffusers", "AutoencoderKLWan"),
+}
+"""The components of a Wan teacher folder and the (library, class) that loads each. Here, not in
+teacher/, because recipe parsing (`wandistill.placements`) needs the names too."""
 FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
 
 MAX_HEADER_BYTES = 100_000_000
@@ -66,10 +74,10 @@ _SHARD_NAME = re.compile(r"^[\w.\-]+\.safetensors$")
 # --------------------------------------------------------------------------- safetensors files
 
 
-class TensorInfo(BaseModel):
+class TensorInfo(Schema):
     """One tensor entry of a safetensors header."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     dtype: Literal[tuple(SAFETENSORS_BYTES)]  # type: ignore[valid-type]
     shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=16)
@@ -103,7 +111,7 @@ def _weights_fix(path: Path) -> str:
 
 def read_safetensors(path: Path, *, what: str = "weight file") -> SafetensorsFile:
     """Read and check one .safetensors file's header; UsageError naming the file otherwise."""
-    name = jsonfile.where(what, path)
+    name = label(what, path)
     fix = _weights_fix(path)
     try:
         with open(path, "rb") as f:
@@ -124,7 +132,7 @@ def read_safetensors(path: Path, *, what: str = "weight file") -> SafetensorsFil
             h.update(f.read(_SAMPLE))
     except OSError as e:
         raise UsageError(f"cannot read {name}: {e.strerror or e}", fix=fix) from None
-    value = jsonfile.parse(header, name=f"{name} (header)", fix=fix, max_depth=4)
+    value = parse_json(header, f"{name} (header)", fix=fix, max_depth=4)
     if not isinstance(value, dict):
         raise UsageError(f"{name}: the header is not a JSON object", fix=fix)
     meta = value.pop("__metadata__", {})
@@ -133,11 +141,7 @@ def read_safetensors(path: Path, *, what: str = "weight file") -> SafetensorsFil
     tensors: dict[str, TensorInfo] = {}
     data_bytes = size - 8 - hlen
     for key, entry in value.items():
-        try:
-            info = TensorInfo.model_validate(entry)
-        except ValidationError as e:
-            msg, _ = jsonfile.one_line(e, TensorInfo, name=f"{name}: tensor {key!r}")
-            raise UsageError(msg, fix=fix) from None
+        info = check(TensorInfo, entry, f"{name}: tensor {key!r}", fix=fix)
         start, end = info.data_offsets
         if not start <= end <= data_bytes or end - start != info.nbytes:
             raise UsageError(
@@ -158,7 +162,9 @@ class Reader:
     headers. TeacherFolder keeps one per `open`, so the fingerprint hashes the very bytes that
     were validated; it also adds a check on every parsed JSON file (`check`)."""
 
-    BIG_BYTES = 64 << 20
+    SMALL_BYTES = 4 * MiB
+    """Config files (real Wan configs are a few KiB)."""
+    BIG_BYTES = 64 * MiB
     """tokenizer.json (UMT5's is ~16 MiB), index files, text and sentencepiece files."""
 
     def __init__(self, what: str = "weight file") -> None:
@@ -173,22 +179,21 @@ class Reader:
     def cap(self, path: Path) -> int:
         """Config files are small (4 MiB cap); tokenizer.json and index files may be large."""
         big = path.suffix != ".json" or path.name == "tokenizer.json"
-        return self.BIG_BYTES if big or path.name.endswith(".index.json") else jsonfile.MAX_BYTES
+        return self.BIG_BYTES if big or path.name.endswith(".index.json") else self.SMALL_BYTES
 
     def check(self, path: Path, value: Any) -> None:
         """Hook: refuse a parsed JSON value (TeacherFolder: entries that point at code)."""
 
     def blob(self, path: Path) -> bytes:
         if path not in self.blobs:
-            self.blobs[path] = jsonfile.read_bytes(
+            self.blobs[path] = read_capped(
                 path, what=self.what, fix=self.fix(path), max_bytes=self.cap(path)
             )
         return self.blobs[path]
 
     def json(self, path: Path) -> Any:
         if path not in self.values:
-            name = jsonfile.where(self.what, path)
-            value = jsonfile.parse(self.blob(path), name=name, fix=self.fix(path))
+            value = parse_json(self.blob(path), label(self.what, path), fix=self.fix(path))
             self.check(path, value)
             self.values[path] = value
         return self.values[path]
@@ -196,8 +201,8 @@ class Reader:
     def model(self, path: Path, model: type[M], fix: str | None = None) -> tuple[M, Any]:
         """(typed, parsed) for a JSON file; `fix` defaults to the reader's for that path."""
         value = self.json(path)
-        name = jsonfile.where(self.what, path)
-        return jsonfile.validate(model, value, name=name, fix=fix or self.fix(path)), value
+        where = label(self.what, path)
+        return check(model, value, where, fix=fix or self.fix(path)), value
 
     def header(self, path: Path) -> SafetensorsFile:
         if path not in self.headers:
@@ -214,10 +219,10 @@ class Reader:
 # --------------------------------------------------------------------------- a component's weights
 
 
-class WeightIndex(BaseModel):
+class WeightIndex(OpenSchema):
     """`<stem>.safetensors.index.json` of a sharded checkpoint."""
 
-    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     metadata: dict[str, Any] = Field(default_factory=dict)
     weight_map: dict[str, str] = Field(
@@ -266,8 +271,8 @@ def _own_library(folder: Path) -> tuple[str, str] | None:
     """(library, class) a folder's config.json names, to convert it with its own library."""
     path = folder / "config.json"
     try:
-        data = jsonfile.read_bytes(path, what="config", fix="")
-        config = jsonfile.parse(data, name=str(path), fix="")
+        data = read_capped(path, max_bytes=Reader.SMALL_BYTES, what="config", fix="")
+        config = parse_json(data, label("config", path), fix="")
     except UsageError:
         return None
     if not isinstance(config, dict):
@@ -341,7 +346,7 @@ def read_weights(
         bad = [s for s in shards if not _SHARD_NAME.match(s) or not (folder / s).is_file()]
         if bad:
             raise UsageError(
-                f"{jsonfile.where(what, index)} names shard {bad[0]!r}, which is not a "
+                f"{label(what, index)} names shard {bad[0]!r}, which is not a "
                 "safetensors file in that folder",
                 fix=fix,
             )
@@ -350,7 +355,7 @@ def read_weights(
         wrong = [k for k, s in parsed.weight_map.items() if held.get(k) != s]
         if wrong:
             raise UsageError(
-                f"{jsonfile.where(what, index)} maps tensor {wrong[0]!r} to "
+                f"{label(what, index)} maps tensor {wrong[0]!r} to "
                 f"{parsed.weight_map[wrong[0]]!r}, which does not hold it",
                 fix=fix,
             )
@@ -408,6 +413,7 @@ def load_pretrained(cls: Any, path: str | Path, **kwargs: Any) -> Any:
 
 
 __all__ = [
+    "COMPONENT_CLASSES",
     "SAFETENSORS_BYTES",
     "SafetensorsFile",
     "Reader",

@@ -11,12 +11,18 @@ stays for results.
 
 Work done before the display starts (`advance` before `__enter__`, e.g. records already in a cache
 or the step a run resumes from) counts towards the total but not towards the rate.
+
+Also the process's progress beat: `beat()` (called by every `Progress.advance`, every denoising
+step and every model load) tells listeners this process is getting on with its work;
+`wandistill.dist` publishes it so that a rank waiting for the others can tell a slow peer from a
+stuck one.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from types import TracebackType
 
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -33,6 +39,24 @@ def clock(seconds: float) -> str:
     h, rem = divmod(s, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+_listeners: list[Callable[[], None]] = []
+
+
+def on_beat(listener: Callable[[], None], *, remove: bool = False) -> None:
+    """Register (or remove) a function called on every `beat()`."""
+    if remove:
+        if listener in _listeners:
+            _listeners.remove(listener)
+    elif listener not in _listeners:
+        _listeners.append(listener)
+
+
+def beat() -> None:
+    """This process made progress (cheap: listeners rate-limit themselves)."""
+    for listener in _listeners:
+        listener()
 
 
 class Progress:
@@ -92,6 +116,7 @@ class Progress:
 
     def advance(self, n: int = 1, *, bytes_total: int | None = None, **fields: float) -> None:
         """Count `n` more units done; `fields` (e.g. loss=0.1) are shown after the ETA."""
+        beat()
         self.done += n
         extra = " ".join(f"{k}={v:.4g}" for k, v in fields.items())
         if bytes_total:

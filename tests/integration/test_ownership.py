@@ -158,7 +158,10 @@ def test_outputs_that_are_not_the_commands_own_are_refused_in_one_line(
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    # The spawned writer computes with this process's thread count: the numerics it records must
+    # match the in-process runs that resume or contend for the same cache.
+    threads = str(torch.get_num_threads())
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
     env["PYTHONPATH"] = f"{REPO / 'tests' / 'nopickle'}{os.pathsep}{REPO}"
     env["WANDISTILL_TEST_NO_PICKLE"] = "1"  # these processes also prove no pickle is loaded
     return env

@@ -20,6 +20,15 @@ import pytest
 import torch
 
 from wandistill.errors import UsageError, WandistillError
+from wandistill.placements import (
+    Balanced,
+    Cpu,
+    Cuda,
+    DiskOffload,
+    GroupOffload,
+    ModelOffload,
+    parse_placement,
+)
 from wandistill.teacher import placement as pl
 from wandistill.teacher.oom import is_oom, oom_error, oom_guard
 from wandistill.teacher.plan import Inventory, SamplerSizes
@@ -108,16 +117,15 @@ def _placements(teacher: Path, work: Path) -> dict[str, Callable[[str, torch.dty
     cpu_map.write_text(json.dumps(CPU_MAP))
     mixed = work / "mixed.json"
     mixed.write_text(json.dumps(MIXED_MAP))
-    cpu = torch.device("cpu")
-    sub = teacher.__truediv__
 
     def load(placement: str) -> Callable[[str, torch.dtype], object]:
         return lambda n, dt: pl.load_component(
-            teacher, n, dtype=dt, placement=placement, offload_dir=work / "offload"
+            teacher, n, dtype=dt, placement=parse_placement(placement), offload_dir=work / "offload"
         )
 
-    def hooked(strategy: str, level: str = "block_level") -> Callable[[str, torch.dtype], object]:
-        return lambda n, dt: pl._load(sub(n), n, dt, strategy, cpu, level=level)
+    def hooked(placement: object) -> Callable[[str, torch.dtype], object]:
+        """The offload hooks with the CPU as their execution device."""
+        return lambda n, dt: pl.load_component(teacher, n, dtype=dt, placement=placement)
 
     return {
         "cpu": load("cpu"),
@@ -125,9 +133,9 @@ def _placements(teacher: Path, work: Path) -> dict[str, Callable[[str, torch.dty
         "disk-offload": load("disk-offload"),
         "device-map-cpu": load(str(cpu_map)),
         "device-map-cpu+disk": load(str(mixed)),
-        "model-offload@cpu": hooked("model-offload"),
-        "group-offload@cpu": hooked("group-offload"),
-        "group-offload-leaf@cpu": hooked("group-offload", "leaf_level"),
+        "model-offload@cpu": hooked(ModelOffload(device="cpu")),
+        "group-offload@cpu": hooked(GroupOffload(device="cpu")),
+        "group-offload-leaf@cpu": hooked(GroupOffload(device="cpu", level="leaf_level")),
     }
 
 
@@ -201,7 +209,11 @@ def test_wan_fp32_layers_compute_in_fp32_in_bf16(
         (tmp_path / "m.json").write_text(json.dumps(MIXED_MAP))
         placement = str(tmp_path / "m.json")
     model = pl.load_component(
-        teacher, "transformer", dtype=torch.bfloat16, placement=placement, offload_dir=tmp_path
+        teacher,
+        "transformer",
+        dtype=torch.bfloat16,
+        placement=parse_placement(placement),
+        offload_dir=tmp_path,
     )
     # Wan casts activations to these layers' weight dtype; offloaded weights are loaded in their
     # placeholder's dtype. So what reaches the fp32 layers, and what they hold, must be fp32.
@@ -225,7 +237,11 @@ def test_wan_fp32_layers_compute_in_fp32_in_bf16(
 @pytest.mark.parametrize("placement", ["cpu", "disk-offload"])
 def test_umt5_wo_stays_fp32_under_fp16(teacher: Path, tmp_path: Path, placement: str) -> None:
     model = pl.load_component(
-        teacher, "text_encoder", dtype=torch.float16, placement=placement, offload_dir=tmp_path
+        teacher,
+        "text_encoder",
+        dtype=torch.float16,
+        placement=parse_placement(placement),
+        offload_dir=tmp_path,
     )
     wo = "encoder.block.0.layer.1.DenseReluDense.wo"
     q = "encoder.block.0.layer.0.SelfAttention.q"
@@ -239,7 +255,7 @@ def test_umt5_wo_stays_fp32_under_fp16(teacher: Path, tmp_path: Path, placement:
 
 def test_umt5_has_no_fp32_layers_under_bf16(teacher: Path) -> None:
     """transformers keeps UMT5's `wo` in fp32 only for fp16 (bf16 has fp32's range)."""
-    model = pl.load_component(teacher, "text_encoder", dtype=torch.bfloat16, placement="cpu")
+    model = pl.load_component(teacher, "text_encoder", dtype=torch.bfloat16, placement=Cpu())
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
@@ -251,11 +267,11 @@ def test_two_experts_sharing_an_offload_dir_keep_their_own_weights(
 ) -> None:
     expected = {}
     for name in ("transformer", "transformer_2"):
-        ref = pl.load_component(teacher, name, dtype=torch.float32, placement="cpu")
+        ref = pl.load_component(teacher, name, dtype=torch.float32, placement=Cpu())
         expected[name] = forward(ref, name, torch.float32)
     experts = {
         name: pl.load_component(
-            teacher, name, dtype=torch.float32, placement="disk-offload", offload_dir=tmp_path
+            teacher, name, dtype=torch.float32, placement=DiskOffload(), offload_dir=tmp_path
         )
         for name in ("transformer", "transformer_2")
     }
@@ -272,7 +288,7 @@ def test_two_experts_sharing_an_offload_dir_keep_their_own_weights(
 def test_unload_frees_weights_hooks_and_offload_folder(teacher: Path, tmp_path: Path) -> None:
     root = tmp_path / "cache" / ".offload" / "rank0"
     model = pl.load_component(
-        teacher, "transformer", dtype=torch.float32, placement="disk-offload", offload_dir=root
+        teacher, "transformer", dtype=torch.float32, placement=DiskOffload(), offload_dir=root
     )
     folder = pl.placement_of(model).offload_dir  # type: ignore[union-attr]
     assert folder is not None and folder.parent == root and any(folder.iterdir())
@@ -283,8 +299,8 @@ def test_unload_frees_weights_hooks_and_offload_folder(teacher: Path, tmp_path: 
 
 
 def test_group_offload_unload_removes_diffusers_hooks(teacher: Path) -> None:
-    model = pl._load(
-        teacher / "transformer", "transformer", torch.float32, "group-offload", torch.device("cpu")
+    model = pl.load_component(
+        teacher, "transformer", dtype=torch.float32, placement=GroupOffload(device="cpu")
     )
     assert any(hasattr(m, "_diffusers_hook") for m in model.modules())
     pl.unload(model)
@@ -295,31 +311,29 @@ def test_group_offload_unload_removes_diffusers_hooks(teacher: Path) -> None:
 
 
 def test_loaded_component_is_eval_frozen_and_reports_its_device(teacher: Path) -> None:
-    model = pl.load_component(teacher, "vae", dtype=torch.float32, placement="cpu")
+    model = pl.load_component(teacher, "vae", dtype=torch.float32, placement=Cpu())
     assert not model.training
     assert not any(p.requires_grad for p in model.parameters())
     assert pl.execution_device(model) == torch.device("cpu")
     placed = pl.placement_of(model)
-    assert placed is not None and placed.strategy == "cpu" and placed.component == "vae"
+    assert placed is not None and placed.placement == Cpu() and placed.component == "vae"
 
 
 def test_vae_runs_whole_under_disk_and_group_offload(teacher: Path, tmp_path: Path) -> None:
-    for placement in ("disk-offload",):
+    for placement in (DiskOffload(device="cpu"), GroupOffload(device="cpu")):
         model = pl.load_component(
             teacher, "vae", dtype=torch.float32, placement=placement, offload_dir=tmp_path
         )
-        assert pl.placement_of(model).strategy == "cpu"  # type: ignore[union-attr]
+        assert pl.placement_of(model).placement == Cpu()  # type: ignore[union-attr]
         assert not any(p.device.type == "meta" for p in model.parameters())
-    model = pl._load(teacher / "vae", "vae", torch.float32, "group-offload", torch.device("cpu"))
-    assert pl.placement_of(model).strategy == "cpu"  # type: ignore[union-attr]
 
 
 def test_a_weight_left_on_meta_is_an_error(teacher: Path) -> None:
-    model = pl.load_component(teacher, "transformer", dtype=torch.float32, placement="cpu")
+    model = pl.load_component(teacher, "transformer", dtype=torch.float32, placement=Cpu())
     block = model.blocks[0].ffn.net[0].proj
     block.weight = torch.nn.Parameter(torch.empty_like(block.weight, device="meta"))
     with pytest.raises(WandistillError, match="never loaded.*blocks.0.ffn"):
-        pl._check_placed(model, "transformer", "balanced", None)
+        pl._check_placed(model, "transformer", Balanced(), None)
 
 
 # --------------------------------------------------------------------------- usage errors
@@ -331,7 +345,9 @@ def test_cuda_placements_on_a_cpu_only_machine_are_usage_errors(
     teacher: Path, placement: str
 ) -> None:
     with pytest.raises(UsageError) as info:
-        pl.load_component(teacher, "transformer", dtype=torch.float32, placement=placement)
+        pl.load_component(
+            teacher, "transformer", dtype=torch.float32, placement=parse_placement(placement)
+        )
     message = str(info.value).splitlines()[0]
     assert f"placement {placement!r} needs CUDA" in message and "disk-offload" in message
     assert info.value.exit_code == 2
@@ -341,19 +357,22 @@ def test_cuda_placements_on_a_cpu_only_machine_are_usage_errors(
 def test_resolving_cuda_placements_without_gpus_is_a_usage_error(placement: str) -> None:
     with pytest.raises(UsageError, match="needs CUDA GPUs but none is visible"):
         pl.resolve_placement(
-            placement, folder="wan2.1-1.3b", dtype=torch.bfloat16, inventory=Inventory.cpu_only()
+            parse_placement(placement),
+            folder="wan2.1-1.3b",
+            dtype=torch.bfloat16,
+            inventory=Inventory.cpu_only(),
         )
 
 
 def test_unknown_placement_suggests_the_nearest() -> None:
     with pytest.raises(UsageError) as info:
-        pl.check_placement("balance", gpus=0)
+        parse_placement("balance")
     assert "did you mean balanced" in (info.value.fix or "")
 
 
 def test_cuda_index_beyond_the_visible_gpus_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="cuda:3.*1 visible"):
-        pl.check_placement("cuda:3", gpus=1)
+        parse_placement("cuda:3").check(gpus=1)
 
 
 def test_missing_component_folder_is_a_usage_error_naming_it(teacher: Path, tmp_path: Path) -> None:
@@ -362,7 +381,7 @@ def test_missing_component_folder_is_a_usage_error_naming_it(teacher: Path, tmp_
     broken = shutil.copytree(teacher, tmp_path / "teacher")
     shutil.rmtree(broken / "transformer")
     with pytest.raises(UsageError, match=str(broken / "transformer")):
-        pl.load_component(broken, "transformer", dtype=torch.float32, placement="cpu")
+        pl.load_component(broken, "transformer", dtype=torch.float32, placement=Cpu())
 
 
 @pytest.mark.parametrize(
@@ -379,21 +398,23 @@ def test_bad_device_map_files_are_usage_errors(tmp_path: Path, content: str, mat
     path = tmp_path / "map.json"
     path.write_text(content)
     with pytest.raises(UsageError, match=match):
-        pl.read_device_map_file(path, gpus=0)
+        parse_placement(str(path)).check(gpus=0)
 
 
 def test_device_map_without_the_component_is_a_usage_error(teacher: Path, tmp_path: Path) -> None:
     path = tmp_path / "map.json"
     path.write_text('{"transformer": "cpu"}')
     with pytest.raises(UsageError, match="no entry for 'vae'"):
-        pl.load_component(teacher, "vae", dtype=torch.float32, placement=str(path))
+        pl.load_component(teacher, "vae", dtype=torch.float32, placement=parse_placement(str(path)))
 
 
 def test_device_map_missing_modules_is_a_usage_error(teacher: Path, tmp_path: Path) -> None:
     path = tmp_path / "map.json"
     path.write_text('{"transformer": {"blocks": "cpu"}}')
     with pytest.raises(UsageError, match="does not cover every weight"):
-        pl.load_component(teacher, "transformer", dtype=torch.float32, placement=str(path))
+        pl.load_component(
+            teacher, "transformer", dtype=torch.float32, placement=parse_placement(str(path))
+        )
 
 
 # --------------------------------------------------------------------------- resolve
@@ -401,12 +422,14 @@ def test_device_map_missing_modules_is_a_usage_error(teacher: Path, tmp_path: Pa
 
 def test_resolve_turns_gpu0_into_cuda0_and_auto_into_the_plans_choice() -> None:
     one_gpu = Inventory.fake(1, 80)
-    kw = {"folder": "wan2.1-14b", "dtype": torch.bfloat16, "sampler": SamplerSizes()}
-    assert pl.resolve_placement("gpu0", inventory=one_gpu, **kw) == "cuda:0"
-    assert pl.resolve_placement("auto", inventory=one_gpu, **kw) == "cuda:0"
+    kw = {"folder": "wan2.1-14b", "dtype": torch.bfloat16, "sizes": SamplerSizes()}
+    auto = parse_placement("auto")
+    assert pl.resolve_placement(parse_placement("gpu0"), inventory=one_gpu, **kw) == Cuda(0)
+    assert pl.resolve_placement(auto, inventory=one_gpu, **kw) == Cuda(0)
     small = Inventory.fake(1, 24, cpu_gib=64)
-    assert pl.resolve_placement("auto", inventory=small, **kw) == "group-offload"
-    assert pl.resolve_placement("auto", inventory=Inventory.cpu_only(24), **kw) == "disk-offload"
+    assert pl.resolve_placement(auto, inventory=small, **kw) == GroupOffload(device="cuda:0")
+    cpu24 = Inventory.cpu_only(24)
+    assert pl.resolve_placement(auto, inventory=cpu24, **kw) == DiskOffload(device="cpu")
 
 
 def test_resolve_auto_under_torchrun_plans_for_the_ranks_own_gpu(
@@ -415,21 +438,24 @@ def test_resolve_auto_under_torchrun_plans_for_the_ranks_own_gpu(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     inv = Inventory.fake(4, 80)
     got = pl.resolve_placement(
-        "auto",
+        parse_placement("auto"),
         folder="wan2.1-14b",
         dtype=torch.bfloat16,
         inventory=inv,
         world_size=4,
         local_rank=2,
     )
-    assert got == "cuda:2"
+    assert got == Cuda(2)
 
 
 def test_resolve_auto_when_nothing_fits_is_a_runtime_error() -> None:
     tiny_machine = Inventory.cpu_only(cpu_gib=4, disk_gib=5)
     with pytest.raises(WandistillError, match="does not fit this machine") as info:
         pl.resolve_placement(
-            "auto", folder="wan2.1-14b", dtype=torch.bfloat16, inventory=tiny_machine
+            parse_placement("auto"),
+            folder="wan2.1-14b",
+            dtype=torch.bfloat16,
+            inventory=tiny_machine,
         )
     assert info.value.exit_code == 1
 
@@ -438,9 +464,12 @@ def test_auto_on_this_cpu_machine_loads_the_tiny_teacher_on_cpu(teacher: Path) -
     if torch.cuda.is_available():
         pytest.skip("checks a CPU-only machine")
     got = pl.resolve_placement(
-        "auto", folder=teacher, dtype=torch.float32, sampler=SamplerSizes(32, 32, 1, 1, 32)
+        parse_placement("auto"),
+        folder=teacher,
+        dtype=torch.float32,
+        sizes=SamplerSizes(32, 32, 1, 1, 32),
     )
-    assert got == "cpu"
+    assert got == Cpu()
 
 
 # --------------------------------------------------------------------------- out of memory
@@ -448,7 +477,7 @@ def test_auto_on_this_cpu_machine_loads_the_tiny_teacher_on_cpu(teacher: Path) -
 
 def test_cuda_oom_names_device_figures_strategy_and_next_flags() -> None:
     exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ...")
-    with pytest.raises(WandistillError) as info, oom_guard("cuda:0", "cuda:0", component="x"):
+    with pytest.raises(WandistillError) as info, oom_guard("cuda:0", Cuda(0), component="x"):
         raise exc
     err = info.value
     assert err.exit_code == 1 and isinstance(err.__cause__, torch.OutOfMemoryError)
@@ -460,7 +489,7 @@ def test_cuda_oom_names_device_figures_strategy_and_next_flags() -> None:
 
 
 def test_a_real_cpu_allocation_failure_becomes_a_one_line_error() -> None:
-    with pytest.raises(WandistillError) as info, oom_guard("cpu", "cpu"):
+    with pytest.raises(WandistillError) as info, oom_guard("cpu", Cpu()):
         torch.empty(1 << 60, dtype=torch.uint8)  # 1 EiB: the allocator refuses at once
     err = info.value
     assert err.message.startswith("out of memory on cpu with placement 'cpu':")
@@ -469,14 +498,14 @@ def test_a_real_cpu_allocation_failure_becomes_a_one_line_error() -> None:
 
 
 def test_group_offload_oom_suggests_leaf_level_then_disk() -> None:
-    err = oom_error(torch.OutOfMemoryError("GPU 1"), device="cuda:1", strategy="group-offload")
+    err = oom_error(torch.OutOfMemoryError("GPU 1"), device="cuda:1", placement=GroupOffload())
     assert "cuda:1" in err.message
     assert "group_offload_level=leaf_level" in (err.fix or "")
     assert (err.fix or "").index("leaf_level") < (err.fix or "").index("disk-offload")
 
 
 def test_a_loaded_component_guards_its_own_forward(teacher: Path) -> None:
-    model = pl.load_component(teacher, "transformer", dtype=torch.float32, placement="cpu")
+    model = pl.load_component(teacher, "transformer", dtype=torch.float32, placement=Cpu())
     with pytest.raises(WandistillError) as info, pl.oom_guard_for(model):
         raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 9 GB")
     assert "on cpu running transformer with placement 'cpu'" in info.value.message
@@ -485,7 +514,7 @@ def test_a_loaded_component_guards_its_own_forward(teacher: Path) -> None:
 def test_non_memory_errors_pass_through_the_guard() -> None:
     assert is_oom(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate"))
     assert not is_oom(RuntimeError("shape mismatch"))
-    with pytest.raises(RuntimeError, match="shape mismatch"), oom_guard("cpu", "cpu"):
+    with pytest.raises(RuntimeError, match="shape mismatch"), oom_guard("cpu", Cpu()):
         raise RuntimeError("shape mismatch")
 
 

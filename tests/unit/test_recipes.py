@@ -97,7 +97,7 @@ def test_recipes_lists_every_shipped_recipe_with_teacher_and_placement(
     for name in shipped_recipe_names():
         teacher = load_recipe(name).precompute.teacher
         row = next(line for line in out.splitlines() if f" {name} " in line)
-        assert teacher.placement in row, row
+        assert str(teacher.placement) in row, row
         assert Path(teacher.path).name[:8] in out  # long paths may fold onto the next line
 
 

@@ -36,7 +36,16 @@ def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int, seed: int
         opt.zero_grad()
 
 
+READER = {"epoch": 0, "batches_done": 3, "seed": 0, "world_size": 1, "batch_size": 2}
+META = {"student_config": {}, "teacher_fingerprint": None, "world_size": 1, "batch_size": 2}
+
+
 def _ckpt(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Checkpoint:
+    from wandistill.config import OptimConfig
+    from wandistill.train.optim import build_scheduler
+
+    scheduler = build_scheduler(opt, OptimConfig(), 100)
+    scheduler.last_epoch = step  # as after `step` optimizer steps
     return Checkpoint(
         step=step,
         student=model.state_dict(),
@@ -44,7 +53,12 @@ def _ckpt(step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Chec
         projections={},
         optimizer=opt.state_dict(),
         rng={"rank0.cpu": torch.get_rng_state()},
-        state={"step": step, "scheduler": {}, "reader": {"epoch": 0}, "meta": {}},
+        state={
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "reader": {**READER, "follow": False},
+            "meta": {**META, "grad_accum": 1},
+        },
     )
 
 
@@ -69,7 +83,7 @@ def test_a_checkpoint_is_only_safetensors_and_json_and_loads_back(tmp_path: Path
     assert path.name == "checkpoint-4"
     assert {p.suffix for p in path.iterdir()} == {".safetensors", ".json"}
     back = load_checkpoint(path)
-    assert back.step == 4 and back.state["reader"] == {"epoch": 0}
+    assert back.step == 4 and back.state["reader"] == {**READER, "follow": False}
     assert all(torch.equal(back.student[k], v) for k, v in model.state_dict().items())
     assert back.rng["rank0.cpu"].dtype == torch.uint8
 

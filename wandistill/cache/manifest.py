@@ -6,24 +6,39 @@ journal per writer rank under `journal/`. A writer publishes a shard by renaming
 then atomically rewriting its own journal, so concurrent ranks never contend for one file. The
 committed shards are the manifest's list plus every journal's; `finalize` folds the journals into
 the manifest. Nothing ever trusts a directory listing or an array shape.
+
+Every manifest and journal is checked against its schema (`wandistill/cache/formats.py`) when
+read, and is sealed: `header_sha256` holds a sha256 per block that defines what the records mean
+(teacher, settings, numerics, fields, dims, shared, ...), checked on every open, and each shard
+entry carries its own `entry_sha256`. A hand edit is one clear error, never records read under
+a meaning they were not written with.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from wandistill import __version__
-from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION, canonical_json
+from wandistill.cache.formats import JOURNALS, MANIFESTS, SEALED
+from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.fsutil import atomic_write_json, fsync_dir, temp_name
+from wandistill.fsutil import atomic_open, atomic_write_json, fsync_dir, temp_name
+from wandistill.validate import GiB, check, parse_json, read_capped, seal
 
 JOURNAL_DIR = "journal"
+_JOURNAL_NAME = re.compile(r"rank-(\d{5,7})\.json")
+READABLE_VERSIONS = (1, SCHEMA_VERSION)
+"""Schema 1 (no seal, no numerics) is still read; precompute refuses to add records to it."""
+HEADER_DIGEST = "header_sha256"
+MAX_MANIFEST_BYTES = GiB
+"""Cap on manifest.json and each journal (~150 bytes per record: far beyond any real cache)."""
+FIX_RESTORE = "restore manifest.json, or re-run `wandistill precompute` into a fresh directory"
 
 
 @dataclass(slots=True)
@@ -39,12 +54,15 @@ class Manifest:
     shards: list[dict[str, Any]] = field(default_factory=list)
     complete: bool = False
     shared: dict[str, Any] = field(default_factory=dict)
+    numerics: dict[str, Any] | None = field(default_factory=dict)
+    """How the records' bits were computed beyond the settings (batch size, threads, library
+    versions, device, math flags; docs/cache-format.md). None in a schema 1 manifest."""
     schema_version: int = SCHEMA_VERSION
     wandistill_version: str = __version__
     created: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "format": FORMAT_NAME,
             "schema_version": self.schema_version,
             "wandistill_version": self.wandistill_version,
@@ -56,49 +74,56 @@ class Manifest:
             "fields": self.fields,
             "dims": self.dims,
             "shared": self.shared,
-            "shards": self.shards,
         }
+        if self.schema_version >= 2:
+            data["numerics"] = self.numerics or {}
+            data[HEADER_DIGEST] = header_digests(data)
+        data["shards"] = self.shards
+        return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], where: str) -> Manifest:
-        if data.get("format") != FORMAT_NAME:
-            raise CacheError(f"{where} is not a wandistill cache manifest (no format field)")
-        if data.get("schema_version") != SCHEMA_VERSION:
+    def from_json(cls, data: Any, where: str) -> Manifest:
+        """Check parsed manifest JSON against its schema and seal; one CacheError if anything
+        is wrong (naming the field), else the manifest with its blocks as read."""
+        if not isinstance(data, dict):
             raise CacheError(
-                f"{where} has schema version {data.get('schema_version')}, this wandistill "
-                f"reads version {SCHEMA_VERSION}",
+                f"{where} is corrupt: the top level is a JSON {type(data).__name__}, not an object",
+                fix=FIX_RESTORE,
+            )
+        if data.get("format") != FORMAT_NAME:
+            raise CacheError(
+                f"{where} is not a wandistill cache manifest (no format field)", fix=FIX_RESTORE
+            )
+        version = data.get("schema_version")
+        if type(version) is not int or version not in READABLE_VERSIONS:
+            raise CacheError(
+                f"{where} has schema version {_shown(version)}, this wandistill reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}",
                 fix="re-run `wandistill precompute` into a new cache, or use a matching wandistill",
             )
-        for name, kind in (
-            ("teacher", dict),
-            ("settings", dict),
-            ("fields", list),
-            ("dims", dict),
-            ("shared", dict),
-            ("shards", list),
-        ):
-            if name in data and not isinstance(data[name], kind):
-                raise CacheError(
-                    f"{where} is corrupt: {name!r} must be a JSON "
-                    f"{'object' if kind is dict else 'list'}, not {type(data[name]).__name__}",
-                    fix="restore it, or re-run `wandistill precompute` into a fresh directory",
-                )
-        try:
-            return cls(
-                backend=data["backend"],
-                teacher=data["teacher"],
-                settings=data["settings"],
-                fields=data["fields"],
-                dims=dict(data.get("dims", {})),
-                shards=list(data.get("shards", [])),
-                complete=bool(data.get("complete", False)),
-                shared=dict(data.get("shared", {})),
-                schema_version=data["schema_version"],
-                wandistill_version=data.get("wandistill_version", "?"),
-                created=data.get("created", ""),
+        model = MANIFESTS.get(data.get("backend"))  # type: ignore[arg-type]
+        if model is None:
+            raise CacheError(
+                f"{where}: backend = {_shown(data.get('backend'))}: must be webdataset or zarr",
+                fix=FIX_RESTORE,
             )
-        except KeyError as e:
-            raise CacheError(f"{where} is corrupt: missing {e.args[0]!r}") from None
+        check(model, data, f"{where} is corrupt", fix=FIX_RESTORE, error=CacheError)
+        if version >= 2:
+            check_seal(data, where)
+        return cls(
+            backend=data["backend"],
+            teacher=data["teacher"],
+            settings=data["settings"],
+            fields=data["fields"],
+            dims=data["dims"],
+            shards=list(data["shards"]),
+            complete=data["complete"],
+            shared=data["shared"],
+            numerics=data.get("numerics"),
+            schema_version=version,
+            wandistill_version=data["wandistill_version"],
+            created=data["created"],
+        )
 
     @property
     def num_records(self) -> int:
@@ -107,6 +132,29 @@ class Manifest:
     @property
     def num_bytes(self) -> int:
         return sum(int(s["bytes"]) for s in self.shards)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def header_digests(data: dict[str, Any]) -> dict[str, str]:
+    """The manifest seal: sha256 of each block that defines what the records mean."""
+    return {name: seal(data.get(name)) for name in SEALED}
+
+
+def check_seal(data: dict[str, Any], where: str) -> None:
+    """Refuse a manifest whose sealed blocks changed since the cache was created."""
+    want = data.get(HEADER_DIGEST) or {}
+    got = header_digests(data)
+    changed = [name for name in SEALED if want.get(name) != got[name]]
+    if changed:
+        raise CacheError(
+            f"{where}: {', '.join(changed)} changed after the cache was written "
+            f"({HEADER_DIGEST} does not match; a hand edit would change what the records mean)",
+            fix="restore manifest.json; to use other settings, precompute into a new --out",
+        )
 
 
 def manifest_path(cache: str | Path) -> Path:
@@ -127,16 +175,11 @@ def read_manifest(cache: str | Path) -> Manifest:
             f"{str(cache)!r} is not a wandistill cache (no {MANIFEST_NAME})",
             fix="pass the --out directory of a `wandistill precompute` run",
         )
-    try:
-        data = json.loads(mpath.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CacheError(
-            f"{str(mpath)!r} is corrupt ({e})",
-            fix="restore it, or re-run `wandistill precompute` into a fresh directory",
-        ) from None
-    if not isinstance(data, dict):
-        raise CacheError(f"{str(mpath)!r} is corrupt (not a JSON object)")
-    return Manifest.from_json(data, repr(str(mpath)))
+    where = repr(str(mpath))
+    cap = MAX_MANIFEST_BYTES
+    data = read_capped(mpath, max_bytes=cap, what="manifest", fix=FIX_RESTORE, error=CacheError)
+    obj = parse_json(data, f"{where} is corrupt", fix=FIX_RESTORE, error=CacheError)
+    return Manifest.from_json(obj, where)
 
 
 def write_manifest(cache: str | Path, manifest: Manifest) -> None:
@@ -168,18 +211,56 @@ def journal_path(cache: Path, rank: int) -> Path:
     return cache / JOURNAL_DIR / f"rank-{rank:05d}.json"
 
 
-def read_journals(cache: Path) -> list[dict[str, Any]]:
-    """Shard entries committed by writers since the last finalize, ordered by rank and sequence."""
+def journal_files(cache: Path, backend: str) -> list[tuple[Path, list[dict[str, Any]]]]:
+    """Each writer's journal (path, shard entries), checked against the journal schema."""
     jdir = cache / JOURNAL_DIR
     if not jdir.is_dir():
         return []
-    entries: list[dict[str, Any]] = []
+    out: list[tuple[Path, list[dict[str, Any]]]] = []
     for p in sorted(jdir.glob("rank-*.json")):
-        try:
-            entries.extend(json.loads(p.read_text(encoding="utf-8"))["shards"])
-        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
-            raise CacheError(f"journal {str(p)!r} is corrupt ({e})") from None
-    return entries
+        where = f"journal {str(p)!r}"
+        fix = "restore the journal, or re-run `wandistill precompute` into a fresh directory"
+        m = _JOURNAL_NAME.fullmatch(p.name)
+        if m is None:
+            raise CacheError(f"{where}: not a journal name (rank-<5 digits>.json)", fix=fix)
+        data = read_capped(
+            p, max_bytes=MAX_MANIFEST_BYTES, what="journal", fix=fix, error=CacheError
+        )
+        obj = parse_json(data, f"{where} is corrupt", fix=fix, error=CacheError)
+        journal = check(JOURNALS[backend], obj, f"{where} is corrupt", fix=fix, error=CacheError)
+        ranks = {int(m.group(1)), journal.rank, *(e.rank for e in journal.shards)}
+        if len(ranks) != 1:
+            raise CacheError(
+                f"{where} is corrupt: its name, its rank and its entries' ranks disagree "
+                f"({sorted(ranks)})",
+                fix=fix,
+            )
+        out.append((p, obj["shards"]))
+    return out
+
+
+def read_journals(cache: Path, backend: str) -> list[dict[str, Any]]:
+    """Shard entries committed by writers since the last finalize, ordered by rank and sequence."""
+    return [e for _, entries in journal_files(cache, backend) for e in entries]
+
+
+def entry_json(entry: dict[str, Any]) -> bytes:
+    """One shard entry as compact JSON (a writer keeps its journal entries in this form)."""
+    return json.dumps(entry, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def write_journal_chunks(cache: Path, rank: int, entries: list[bytes]) -> None:
+    """`write_journal` for entries already serialized by `entry_json`: the same JSON document,
+    streamed, so a writer never re-serializes (or holds as objects) every entry it committed."""
+    path = journal_path(cache, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path, "wb") as f:
+        f.write(b'{"rank": %d, "shards": [\n' % rank)
+        for i, chunk in enumerate(entries):
+            if i:
+                f.write(b",\n")
+            f.write(chunk)
+        f.write(b"\n]}\n")
 
 
 def write_journal(cache: Path, rank: int, shards: list[dict[str, Any]]) -> None:
@@ -190,31 +271,50 @@ def write_journal(cache: Path, rank: int, shards: list[dict[str, Any]]) -> None:
 
 def committed_shards(cache: Path, manifest: Manifest) -> list[dict[str, Any]]:
     """Every committed shard: the manifest's list, then journal entries not yet folded in."""
+    return _committed(cache, manifest)[0]
+
+
+def _committed(
+    cache: Path, manifest: Manifest
+) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
+    """(committed entries, [(the file that lists it, entry)]) with journal entries folded in."""
     seen = {s["name"] for s in manifest.shards}
-    extra = [s for s in read_journals(cache) if s["name"] not in seen]
-    return [*manifest.shards, *extra]
+    mpath = str(manifest_path(cache))
+    sources = [(mpath, s) for s in manifest.shards]
+    for p, entries in journal_files(cache, manifest.backend):
+        sources += [(str(p), s) for s in entries if s["name"] not in seen]
+    return [s for _, s in sources], sources
 
 
-def load_committed(cache: str | Path) -> Manifest:
+def load_committed(cache: str | Path, *, check_entries: bool = True) -> Manifest:
     """The manifest with journal entries folded in (what a reader may use right now).
 
-    Structurally impossible shard entries (a hand edit: record count != keys, a wrong type, a
-    file outside the cache, a shard listed twice) are refused here, naming shard and field.
+    Every file was checked against its schema on the way in; here a shard listed twice, and
+    (`check_entries`) an entry edited after it was committed, are refused, naming the file and
+    the shard. `cache verify` passes check_entries=False and reports those edits itself, with
+    their consequences.
     """
     cache = Path(cache)
     manifest = read_manifest(cache)
-    manifest.shards = committed_shards(cache, manifest)
-    problems = [p for e in manifest.shards for p in entry_problems(e)]
+    manifest.shards, sources = _committed(cache, manifest)
+    problems: list[tuple[str, str]] = []
     names = [e["name"] for e in manifest.shards]
     problems += [
-        f"shard {n} is listed twice" for n in sorted({n for n in names if names.count(n) > 1})
+        (str(manifest_path(cache)), f"shard {n} is listed twice")
+        for n in sorted({n for n in names if names.count(n) > 1})
     ]
+    for where, entry in sources:
+        if manifest.schema_version >= 2 and ENTRY_DIGEST not in entry:
+            problems.append((where, f"shard {entry['name']}: entry has no {ENTRY_DIGEST}"))
+        elif check_entries and (edited := digest_problem(entry)):
+            problems.append((where, edited))
     if problems:
-        shown = "; ".join(problems[:3]) + (
+        where = problems[0][0]
+        shown = "; ".join(p for _, p in problems[:3]) + (
             f"; ... ({len(problems)} in all)" if len(problems) > 3 else ""
         )
         raise CacheError(
-            f"{str(manifest_path(cache))!r} is corrupt: {shown}",
+            f"{where!r} is corrupt: {shown}",
             fix="restore manifest.json (or the journal), or re-run `wandistill precompute` into "
             "a fresh directory",
         )
@@ -228,49 +328,9 @@ ENTRY_DIGEST = "entry_sha256"
 the shard is committed; `cache verify` reports an entry edited after that."""
 
 
-def _nonneg_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def entry_problems(entry: Any) -> list[str]:
-    """What makes a shard entry unusable as a commit record (types, counts, paths)."""
-    if not isinstance(entry, dict):
-        return [f"a shard entry is a {type(entry).__name__}, not an object"]
-    name = entry.get("name")
-    if not isinstance(name, str) or not name:
-        return [f"a shard entry has no name ({str(entry)[:80]})"]
-    out: list[str] = []
-    for key in ("records", "keys", "file", "bytes", "sha256"):
-        if key not in entry:
-            out.append(f"shard {name}: entry has no {key!r}")
-    if out:
-        return out
-    keys, records = entry["keys"], entry["records"]
-    if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
-        out.append(f"shard {name}: 'keys' must be a list of record keys")
-    elif not _nonneg_int(records):
-        out.append(f"shard {name}: 'records' = {records!r} is not a non-negative integer")
-    elif records != len(keys):
-        out.append(
-            f"shard {name}: manifest says {records} records but lists {len(keys)} keys "
-            "(manifest edited?)"
-        )
-    if not _nonneg_int(entry["bytes"]):
-        out.append(f"shard {name}: 'bytes' = {entry['bytes']!r} is not a non-negative integer")
-    if not isinstance(entry["sha256"], str | dict):
-        out.append(f"shard {name}: 'sha256' must be a hex string or an object")
-    rel = entry["file"]
-    if not isinstance(rel, str) or not rel:
-        out.append(f"shard {name}: 'file' must be a relative path")
-    elif rel.startswith(("/", "\\")) or ".." in Path(rel).parts or (len(rel) > 1 and rel[1] == ":"):
-        out.append(f"shard {name}: file {rel!r} is outside the cache directory (manifest edited?)")
-    return out
-
-
 def entry_digest(entry: dict[str, Any]) -> str:
     """sha256 of a shard entry's canonical JSON without its own digest field."""
-    body = {k: v for k, v in entry.items() if k != ENTRY_DIGEST}
-    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+    return seal({k: v for k, v in entry.items() if k != ENTRY_DIGEST})
 
 
 def seal_entry(entry: dict[str, Any]) -> dict[str, Any]:
@@ -317,10 +377,17 @@ def mismatches(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> li
 
 
 def check_compatible(cache: Path, existing: Manifest, new: Manifest) -> None:
-    """Refuse to mix records from another teacher, sampler settings or backend into a cache.
+    """Refuse to mix records from another teacher, sampler settings, numerics or backend.
 
     The first line of the error names what differs; one line per difference follows.
     """
+    if existing.schema_version != new.schema_version:
+        raise CacheMismatchError(
+            f"cache {str(cache)!r} was written with cache schema {existing.schema_version}, "
+            f"which does not record how its bits were computed; this wandistill writes schema "
+            f"{new.schema_version} and cannot add records to it without risking a mix",
+            fix="write to a new --out directory (the old cache stays readable for train/eval)",
+        )
     diffs: list[str] = []
     names: list[str] = []
     if existing.backend != new.backend:
@@ -340,9 +407,13 @@ def check_compatible(cache: Path, existing: Manifest, new: Manifest) -> None:
         changed = sorted({d.split(".", 1)[0].split(":", 1)[0] for d in parts})
         if changed:
             diffs.append(f"teacher components that differ: {', '.join(changed)}")
-    setting_diffs = mismatches(existing.settings, new.settings)
-    names.extend("settings." + d.split(":", 1)[0] for d in setting_diffs)
-    diffs.extend("settings." + d for d in setting_diffs)
+    for block, old, now in (
+        ("settings", existing.settings, new.settings),
+        ("numerics", existing.numerics or {}, new.numerics or {}),
+    ):
+        block_diffs = mismatches(old, now)
+        names.extend(f"{block}." + d.split(":", 1)[0] for d in block_diffs)
+        diffs.extend(f"{block}." + d for d in block_diffs)
     if [(f["name"], f["dtype"]) for f in existing.fields] != [
         (f["name"], f["dtype"]) for f in new.fields
     ]:
@@ -356,7 +427,14 @@ def check_compatible(cache: Path, existing: Manifest, new: Manifest) -> None:
     if diffs:
         shown = "\n  ".join(diffs[:12]) + ("\n  ..." if len(diffs) > 12 else "")
         head = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        numerics = any(n.startswith("numerics.") for n in names)
         raise CacheMismatchError(
             f"cache {str(cache)!r} was written with a different {head}:\n  {shown}",
-            fix="write to a new --out directory, or run with the cache's settings",
+            fix="write to a new --out directory, or run with the cache's settings"
+            + (
+                " (numerics: same sampler.batch_size, OMP_NUM_THREADS/torch threads, device, "
+                "library versions and math flags; see docs/cache-format.md)"
+                if numerics
+                else ""
+            ),
         )

@@ -7,6 +7,7 @@ the tensors a training sample needs, with a single recorded step sliced out of t
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,6 +17,10 @@ from safetensors.torch import load as st_load
 from wandistill.cache import manifest as mf
 from wandistill.cache.schema import SHARED_NAME, Record, dtype_name, pad_embeds
 from wandistill.errors import CacheError, UsageError
+from wandistill.validate import MiB, inside, read_capped
+
+MAX_SHARED_BYTES = 256 * MiB
+"""Cap on shared.safetensors (a negative-prompt embedding and a schedule: ~2 MB for Wan)."""
 
 
 class RecordSource(Protocol):
@@ -49,9 +54,11 @@ def _make_source(backend: str, cache: Path) -> RecordSource:
 class CacheStore:
     """Read side of a cache. `refresh()` picks up shards committed since it was opened."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, check_entries: bool = True) -> None:
         self.path = Path(path)
-        self.manifest = mf.load_committed(self.path)
+        self.check_entries = check_entries
+        """False for `verify`: report edited shard entries (and what they break) as problems."""
+        self.manifest = mf.load_committed(self.path, check_entries=check_entries)
         self.source = _make_source(self.manifest.backend, self.path)
 
     # --------------------------------------------------------------- layout
@@ -71,7 +78,7 @@ class CacheStore:
     def refresh(self) -> list[dict[str, Any]]:
         """Re-read the commit record; return the shard entries that are new since last time."""
         known = {e["name"] for e in self.manifest.shards}
-        self.manifest = mf.load_committed(self.path)
+        self.manifest = mf.load_committed(self.path, check_entries=self.check_entries)
         return [e for e in self.manifest.shards if e["name"] not in known]
 
     def locate(self) -> dict[str, tuple[dict[str, Any], int]]:
@@ -120,7 +127,19 @@ class CacheStore:
         path = self.path / SHARED_NAME
         if not path.is_file():
             return {}
-        return st_load(path.read_bytes())
+        fix = "restore it, or re-run `wandistill precompute` into a fresh directory"
+        data = read_capped(
+            path, max_bytes=MAX_SHARED_BYTES, what="cache file", fix=fix, error=CacheError
+        )
+        want = self.manifest.shared.get("sha256")
+        if want is not None and hashlib.sha256(data).hexdigest() != want:
+            raise CacheError(f"{str(path)!r} fails its sha256 check (changed or corrupt)", fix=fix)
+        try:
+            return st_load(data)
+        except Exception as e:  # safetensors raises its own error types on a bad header
+            raise CacheError(
+                f"{str(path)!r} is not a readable safetensors file ({e})", fix=fix
+            ) from None
 
     def unusable(self, entries: list[dict[str, Any]] | None = None) -> dict[str, str]:
         """Shards that cannot be read at all (file missing, truncated, outside the cache), by
@@ -136,7 +155,11 @@ class CacheStore:
             return None
         root = self.path / entry["file"]
         for rel in files:
-            if not (root / rel).is_file():
+            try:
+                full = inside(root, rel, f"shard {entry['name']}: file", CacheError)
+            except CacheError as e:
+                return e.message
+            if not full.is_file():
                 return f"shard {entry['name']}: file {entry['file']}/{rel} is missing"
         return None
 
@@ -157,8 +180,6 @@ class CacheStore:
                     )
                 seen[key] = entry["name"]
         if self.manifest.shared:
-            import hashlib
-
             path = self.path / SHARED_NAME
             if not path.is_file():
                 problems.append(f"{SHARED_NAME} is missing")
@@ -223,5 +244,5 @@ class CacheStore:
         self.close()
 
 
-def open_cache(path: str | Path) -> CacheStore:
-    return CacheStore(path)
+def open_cache(path: str | Path, *, check_entries: bool = True) -> CacheStore:
+    return CacheStore(path, check_entries=check_entries)

@@ -8,13 +8,15 @@ F latent frames, H/W latent height/width. Feature tensors are `feature.<name>` w
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-SCHEMA_VERSION = 1
+from wandistill.validate import canonical_json
+
+SCHEMA_VERSION = 2
+"""2: the manifest is sealed (`header_sha256`) and records `numerics`; 1 is still read."""
 FORMAT_NAME = "wandistill-cache"
 MANIFEST_NAME = "manifest.json"
 SHARED_NAME = "shared.safetensors"
@@ -144,10 +146,6 @@ class Record:
             extra=meta.get("extra", {}),
             **{name: tensors[name] for name in FIELD_NAMES},
         )
-
-
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def settings_digest(settings: dict[str, Any]) -> str:

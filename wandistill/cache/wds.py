@@ -29,15 +29,17 @@ import tarfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import Annotated, Any, BinaryIO
 
 import google_crc32c
 import numpy as np
 import torch
 import webdataset as wds
+from pydantic import StringConstraints
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from wandistill.cache.formats import Name, OwnMeta, RecordMeta, TensorInfo
 from wandistill.cache.schema import (
     DTYPE_NAMES,
     DTYPE_NAMES_BY_SAFETENSORS,
@@ -48,6 +50,7 @@ from wandistill.cache.schema import (
 )
 from wandistill.errors import CacheError, CorruptRecordError
 from wandistill.fsutil import fsync_dir, temp_name
+from wandistill.validate import MiB, check, inside, parse_json
 
 BLOCK = tarfile.BLOCKSIZE
 META_KEY = "wandistill"
@@ -58,6 +61,20 @@ MEMBER_EXTS = ("json", "safetensors")
 """The only members a wandistill shard holds, one of each per record."""
 HEAD_READ = 4096
 """First read of a record: the length prefix and (almost always) the whole header."""
+MAX_HEADER_BYTES = 100 * MiB
+"""safetensors' own cap on a header; a longer length prefix is corruption."""
+_META = "__metadata__"
+_Metadata = dict[str, Annotated[str, StringConstraints(max_length=100 * MiB)]]
+_Table = dict[Name, TensorInfo]
+
+
+def _checked_json(data: bytes | str | None, what: str, tp: Any, obj: Any = None) -> Any:
+    """Parse (unless `obj` is given) and check one piece of a record against its schema; a
+    failure is a CacheError that the read paths turn into a CorruptRecordError."""
+    fix = "run `wandistill cache verify`; restore the shard, or pass --skip-corrupt"
+    if data is not None:  # every value is typed by `tp`: no separate walk needed
+        obj = parse_json(data, what, fix=fix, error=CacheError, walk=False)
+    return check(tp, obj, what, fix=fix, error=CacheError)
 
 
 def crc32c(data: Any) -> int:
@@ -231,12 +248,9 @@ class WebDatasetSource:
     def path(self, entry: dict[str, Any]) -> Path:
         """The shard's file; a manifest `file` outside the cache directory is refused."""
         rel = entry.get("file")
-        problem = member_name_problem(rel) if isinstance(rel, str) else "is not a string"
-        if problem:
-            raise CacheError(
-                f"shard {entry.get('name')}: manifest file {rel!r} {problem} (manifest edited?)"
-            )
-        return self.cache / rel
+        if not isinstance(rel, str):
+            raise CacheError(f"shard {entry.get('name')}: manifest file {rel!r} is not a string")
+        return inside(self.cache, rel, f"shard {entry.get('name')}: manifest file", CacheError)
 
     def check_file(self, entry: dict[str, Any]) -> str | None:
         """Why this shard cannot be read at all (missing, wrong size, bad path), or None."""
@@ -277,30 +291,39 @@ class WebDatasetSource:
     # ------------------------------------------------------------------ headers
 
     def _parse_header(
-        self, entry: dict[str, Any], i: int, head: bytes
+        self, entry: dict[str, Any], i: int, head: bytes, *, typed: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Check a record's header bytes (length prefix + JSON) and split off its metadata."""
+        """Check a record's header bytes (length prefix + JSON) and split off its metadata.
+
+        A header whose crc32c matches the (schema-checked, sealed) manifest entry is the one the
+        writer produced from typed tensors: on the training hot path it is only parsed (strict
+        JSON, ~7 us), and `_span` checks each tensor it uses. Any other header (a cache without
+        checksums), and every header `verify` reads (`typed`), is also checked against the
+        schema (~17 us more; docs/reliability.md)."""
         crcs = entry.get("crc32c")
         if crcs is not None and crc32c(head) != crcs[i][0]:
             raise ValueError(
                 "safetensors header fails its crc32c check (the header bytes changed, or the "
                 "manifest's offsets were edited)"
             )
-        table = json.loads(head[8:])
-        if not isinstance(table, dict):
-            raise ValueError("safetensors header is not a JSON object")
-        meta = table.pop("__metadata__", None) or {}
+        typed = typed or crcs is None
+        table = _checked_json(head[8:], "safetensors header", dict[str, Any])
+        meta = table.pop(_META, None) or {}
+        if typed:
+            _checked_json(None, "safetensors __metadata__", _Metadata, meta)
+            _checked_json(None, "safetensors header", _Table, table)  # typed; used as read
         if META_KEY not in meta:
             return table, None  # written before checksums existed
-        own = json.loads(meta[META_KEY])
-        if own.get("key") != entry["keys"][i]:
-            raise ValueError(f"the data belongs to record {own.get('key')} (manifest keys edited?)")
-        return table, own["crc32c"]
+        own = _checked_json(meta[META_KEY], "safetensors metadata", OwnMeta if typed else Any)
+        key, sums = (own.key, own.crc32c) if typed else (own["key"], own["crc32c"])
+        if key != entry["keys"][i]:
+            raise ValueError(f"the data belongs to record {key} (manifest keys edited?)")
+        return table, sums
 
     def _header_len(self, entry: dict[str, Any], i: int, prefix: bytes) -> int:
         length = entry["offsets"][i][1]
         hlen = int.from_bytes(prefix[:8], "little")
-        if len(prefix) < 8 or hlen <= 0 or 8 + hlen > length:
+        if len(prefix) < 8 or hlen <= 0 or 8 + hlen > length or hlen > MAX_HEADER_BYTES:
             raise ValueError(
                 f"bad safetensors header length {hlen} (record is {length} bytes): the record "
                 "bytes changed, or the manifest's offsets were edited"
@@ -372,10 +395,10 @@ class WebDatasetSource:
         crcs = entry.get("crc32c")
         if crcs is not None and crc32c(data) != crcs[i][1]:
             raise ValueError("json member fails its crc32c check")
-        meta = json.loads(data)
-        if not isinstance(meta, dict) or meta.get("key") != entry["keys"][i]:
-            found = meta.get("key") if isinstance(meta, dict) else None
-            raise ValueError(f"json member names key {found!r} (manifest keys edited?)")
+        meta = _checked_json(data, "json member", dict[str, Any])
+        _checked_json(None, "json member", RecordMeta, meta)
+        if meta["key"] != entry["keys"][i]:
+            raise ValueError(f"json member names key {meta['key']!r} (manifest keys edited?)")
         return meta
 
     def read_ranges(
@@ -441,7 +464,7 @@ class WebDatasetSource:
         """Read and check a whole record: header, every tensor and row, the json member."""
         blob = self.read_blob(entry, i)
         hlen = self._header_len(entry, i, blob)
-        _, sums = self._parse_header(entry, i, blob[: 8 + hlen])
+        _, sums = self._parse_header(entry, i, blob[: 8 + hlen], typed=True)
         tensors = st_load(blob)
         if sums is not None:
             if set(sums) != set(tensors):
@@ -611,9 +634,47 @@ class UnsafeMemberError(CacheError):
     """A webdataset member wandistill will not decode (pickle-backed, unknown, unsafe name)."""
 
 
+class CorruptMemberError(CacheError):
+    """A member read with stock webdataset whose bytes fail the checksums written with it."""
+
+
+def checked_tensors(blob: bytes) -> dict[str, torch.Tensor]:
+    """Decode a record's `.safetensors` member and check every tensor (and step row) against the
+    crc32c the writer put in its header, so a flipped byte raises instead of returning wrong
+    numbers. Members written before checksums existed carry none and are returned unverified."""
+    try:
+        hlen = int.from_bytes(blob[:8], "little")
+        if len(blob) < 8 or hlen <= 0 or 8 + hlen > len(blob):
+            raise ValueError(f"bad header length {hlen} for a {len(blob)}-byte member")
+        meta = json.loads(blob[8 : 8 + hlen]).get("__metadata__") or {}
+        own = json.loads(meta[META_KEY]) if META_KEY in meta else None
+        tensors = st_load(blob)
+    except Exception as e:  # safetensors / json raise their own types on damaged bytes
+        raise CorruptMemberError(
+            f"a .safetensors member cannot be decoded ({type(e).__name__}: {e})",
+            fix="run `wandistill cache verify` on the cache",
+        ) from None
+    if own is None:
+        return tensors
+    want, got = own.get("crc32c", {}), tensor_checksums(tensors)
+    bad = sorted(n for n in set(want) | set(got) if want.get(n) != got.get(n))
+    if bad:
+        name = bad[0]
+        w, g = want.get(name), got.get(name)
+        pairs = zip(w, g, strict=False) if isinstance(w, list) and isinstance(g, list) else ()
+        rows = [i for i, (a, b) in enumerate(pairs) if a != b]
+        where = f" step {rows[0]}" if rows else ""
+        raise CorruptMemberError(
+            f"record {own.get('key')}: tensor {name!r}{where} fails its crc32c check (its bytes "
+            f"changed after they were written; {len(bad)} tensor(s) differ)",
+            fix="run `wandistill cache verify` on the cache; restore the shard",
+        )
+    return tensors
+
+
 _SAFE_DECODERS: dict[str, Callable[[bytes], Any]] = {
     "json": json.loads,
-    "safetensors": st_load,
+    "safetensors": checked_tensors,
     "txt": lambda data: data.decode("utf-8"),
 }
 
@@ -625,8 +686,15 @@ class SafeDecoder:
     `.safetensors` and `.txt` and raises `UnsafeMemberError` for every other extension, so
     webdataset's default post-handlers (which unpickle `.pth`/`.pyd`) are never reached.
     `.map(safe_decoder())`: decodes a whole sample the same way and also refuses a sample whose
-    `__key__` is an absolute path or contains `..`.
+    `__key__` is an absolute path or contains `..`, or whose members name another record.
+
+    Checksums are verified by default: every tensor (every step row of x_t, teacher output,
+    timesteps, features) against the crc32c in its own header (`CorruptMemberError` on a
+    mismatch). `verify=False` skips that (e.g. to salvage what is readable of a damaged shard).
     """
+
+    def __init__(self, *, verify: bool = True) -> None:
+        self.verify = verify
 
     def __call__(self, key_or_sample: str | dict[str, Any], data: bytes | None = None) -> Any:
         if isinstance(key_or_sample, dict):
@@ -643,6 +711,8 @@ class SafeDecoder:
                 "only .json and .safetensors members",
                 fix="run `wandistill cache verify` on the cache",
             )
+        if ext == "safetensors" and not self.verify:
+            return st_load(data)
         return decode(data)
 
     def decode_sample(self, sample: dict[str, Any]) -> dict[str, Any]:
@@ -654,12 +724,20 @@ class SafeDecoder:
                 out[k] = v
                 continue
             out[k] = self.decode_member(k, v)
+        meta = out.get("json")
+        if self.verify and isinstance(meta, dict) and "__key__" in out:
+            if meta.get("key") not in (None, out["__key__"]):
+                raise CorruptMemberError(
+                    f"sample {out['__key__']}: its .json member names record {meta.get('key')!r}",
+                    fix="run `wandistill cache verify` on the cache",
+                )
         return out
 
 
-def safe_decoder() -> SafeDecoder:
-    """A decoder for stock webdataset reads of a cache: `.decode(safe_decoder())` or `.map(...)`."""
-    return SafeDecoder()
+def safe_decoder(*, verify: bool = True) -> SafeDecoder:
+    """A decoder for stock webdataset reads of a cache: `.decode(safe_decoder())` or `.map(...)`;
+    every tensor is checked against its crc32c unless `verify=False`."""
+    return SafeDecoder(verify=verify)
 
 
 def iter_members(path: str | Path) -> Iterator[tarfile.TarInfo]:

@@ -19,8 +19,10 @@ import torch
 from safetensors.torch import save as st_save
 
 from wandistill.cache import manifest as mf
-from wandistill.cache.schema import SHARED_NAME, Record, dtype_name
+from wandistill.cache.keyindex import NameIndex
+from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name
 from wandistill.errors import CacheError, UsageError
+from wandistill.finite import refuse_nonfinite_record
 from wandistill.fsutil import fsync_dir, temp_name
 
 SHARD_DIR = "shards"
@@ -98,6 +100,7 @@ class CacheWriter:
         fields: list[dict[str, str]],
         dims: dict[str, Any] | None = None,
         shared: dict[str, torch.Tensor] | None = None,
+        numerics: dict[str, Any] | None = None,
         rank: int = 0,
         shard_records: int = 64,
     ) -> None:
@@ -107,10 +110,23 @@ class CacheWriter:
         self.rank = rank
         self.shard_records = shard_records
         self.sink = _make_sink(backend, self.path, shard_records)
-        self._open_cache(backend, teacher, settings, fields, dims or {}, shared or {})
+        header = mf.Manifest(
+            backend=backend,
+            teacher=teacher,
+            settings=settings,
+            fields=fields,
+            dims=dims or {},
+            numerics=numerics or {},
+        )
+        self._open_cache(header, shared or {})
         committed = mf.committed_shards(self.path, self.manifest)
-        self._keys = {k for s in committed for k in s["keys"]}
-        self._mine = [s for s in mf.read_journals(self.path) if s["rank"] == rank]
+        self._keys = NameIndex()  # compact: memory must not grow with the prompt file
+        for s in committed:
+            for k in s["keys"]:
+                self._keys.add(k, 0)
+        self._mine = [  # this rank's journal entries, serialized once (not as Python objects)
+            mf.entry_json(s) for s in mf.read_journals(self.path, backend) if s["rank"] == rank
+        ]
         seqs = [
             int(m.group(2))
             for s in committed
@@ -124,15 +140,7 @@ class CacheWriter:
         self.records_skipped = 0
         self.bytes_written = 0
 
-    def _open_cache(
-        self,
-        backend: str,
-        teacher: dict[str, Any],
-        settings: dict[str, Any],
-        fields: list[dict[str, str]],
-        dims: dict[str, Any],
-        shared: dict[str, torch.Tensor],
-    ) -> None:
+    def _open_cache(self, new: mf.Manifest, shared: dict[str, torch.Tensor]) -> None:
         try:
             (self.path / SHARD_DIR).mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -140,9 +148,6 @@ class CacheWriter:
                 f"cannot create cache directory {str(self.path)!r}: {e.strerror}",
                 fix="choose a writable --out directory",
             ) from None
-        new = mf.Manifest(
-            backend=backend, teacher=teacher, settings=settings, fields=fields, dims=dims
-        )
         if shared:
             blob, new.shared = shared_blob(shared)
         fresh = True
@@ -176,13 +181,14 @@ class CacheWriter:
 
     @property
     def existing_keys(self) -> frozenset[str]:
-        return frozenset(self._keys)
+        return frozenset(self._keys.names())
 
     def write(self, record: Record) -> bool:
         """Add one record; returns False when it was already in the cache."""
         if record.key in self._keys or record.key in self._open:
             self.records_skipped += 1
             return False
+        refuse_nonfinite_record(record.key, record.tensors(), STEP_FIELDS)  # never committed
         try:
             if not self._begun:
                 self.sink.begin(shard_name(self.rank, self._seq))
@@ -212,11 +218,13 @@ class CacheWriter:
         )
         mf.seal_entry(entry)  # lets `cache verify` spot a hand-edited entry
         try:
-            mf.write_journal(self.path, self.rank, [*self._mine, entry])
+            chunk = mf.entry_json(entry)
+            mf.write_journal_chunks(self.path, self.rank, [*self._mine, chunk])
         except OSError as e:  # the shard file is published but not committed: redone on resume
             raise _naming(e, self.path) from e
-        self._mine.append(entry)
-        self._keys.update(self._open)
+        self._mine.append(chunk)
+        for k in self._open:
+            self._keys.add(k, 0)
         self.records_written += len(self._open)
         self.bytes_written += int(entry["bytes"])
         self._open = []

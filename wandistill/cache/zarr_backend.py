@@ -71,7 +71,7 @@ import errno
 import fcntl
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,7 @@ from zarr.core.sync import sync
 from zarr.experimental.cache_store import CacheStore
 from zarr.storage import LocalStore, MemoryStore, WrapperStore
 
+from wandistill.cache.formats import ZarrArrayMeta, ZarrGroupAttrs, ZarrGroupMeta, ZarrNodeMeta
 from wandistill.cache.schema import (
     DTYPE_BY_NAME,
     DTYPE_NAMES,
@@ -97,6 +98,7 @@ from wandistill.cache.schema import (
 )
 from wandistill.errors import CacheError
 from wandistill.fsutil import fsync_dir
+from wandistill.validate import MiB, check, inside, parse_json, read_capped
 
 DATA_NAME = ZARR_DATA_NAME
 LOCK_NAME = "data.zarr.lock"
@@ -134,6 +136,66 @@ def zarr_store(location: str | Path, *, read_only: bool = False) -> Store:
     return LocalStore(Path(location), read_only=read_only)
 
 
+MAX_META_BYTES = 16 * MiB
+"""Cap on one zarr.json (ours are ~2 KB)."""
+_META_FIX = "restore data.zarr's metadata, or re-run `wandistill precompute` into a new cache"
+
+
+def check_metadata(root: Path) -> None:
+    """Check every zarr.json of the group (the group's and each array's) against its schema
+    before zarr-python parses it, so bad metadata is one CacheError naming the file.
+
+    Chunk folders (`c/`) are not walked; a symlinked folder is refused (it could lead outside
+    the cache). zarr-python itself is still the parser: this only bounds and types what it reads.
+    """
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        meta = folder / "zarr.json"
+        if meta.exists():
+            _check_meta_file(meta, group_root=folder == root)
+        for child in sorted(folder.iterdir()) if folder.is_dir() else ():
+            if child.is_symlink():
+                raise CacheError(
+                    f"{str(child)!r} is a symlink inside {DATA_NAME}; refused", fix=_META_FIX
+                )
+            if child.is_dir() and child.name != "c":
+                stack.append(child)
+
+
+def _check_meta_file(meta: Path, *, group_root: bool) -> None:
+    what = "zarr metadata"
+    where = f"{what} {str(meta)!r} is corrupt"
+    data = read_capped(meta, max_bytes=MAX_META_BYTES, what=what, fix=_META_FIX, error=CacheError)
+    obj = parse_json(data, where, fix=_META_FIX, error=CacheError)
+    node = check(ZarrNodeMeta, obj, where, fix=_META_FIX, error=CacheError)
+    if node.node_type == "array":
+        check(ZarrArrayMeta, obj, where, fix=_META_FIX, error=CacheError)
+        return
+    group = check(ZarrGroupMeta, obj, where, fix=_META_FIX, error=CacheError)
+    if group_root and GROUP_ATTR in group.attributes:
+        attrs = group.attributes[GROUP_ATTR]
+        check(
+            ZarrGroupAttrs,
+            attrs,
+            f"{where}: attributes.{GROUP_ATTR}",
+            fix=_META_FIX,
+            error=CacheError,
+        )
+
+
+def _zarr_call(what: str, fn: Callable[[], Any]) -> Any:
+    """Run a zarr-python call that parses metadata; its errors become one CacheError line."""
+    try:
+        return fn()
+    except (CacheError, OSError):
+        raise
+    except Exception as e:  # zarr raises many types for metadata it cannot make sense of
+        raise CacheError(
+            f"{what}: zarr cannot read it ({type(e).__name__}: {e})", fix=_META_FIX
+        ) from None
+
+
 def _dtype_of(t: torch.Tensor) -> DType:
     name = DTYPE_NAMES.get(t.dtype)
     if name is None:
@@ -159,7 +221,13 @@ def to_torch(a: Any, dtype: DType) -> torch.Tensor:
 
 
 def _array_dtype(arr: Any) -> DType:
-    return DTYPE_BY_NAME[str(arr.attrs.get(ZARR_DTYPE_ATTR, np.dtype(arr.dtype).name))]
+    name = str(arr.attrs.get(ZARR_DTYPE_ATTR, np.dtype(arr.dtype).name))
+    if name not in DTYPE_BY_NAME:
+        raise CacheError(
+            f"{DATA_NAME}/{arr.path} holds {name[:40]!r} items, not a dtype wandistill writes",
+            fix=_META_FIX,
+        )
+    return DTYPE_BY_NAME[name]
 
 
 def _ceil_to(n: int, block: int) -> int:
@@ -452,7 +520,11 @@ class ZarrSink:
 
     def _open_group(self, store: _SealingStore) -> tuple[Any, dict[str, Any]]:
         """The group (created with this sink's layout if new) and its recorded layout."""
-        group = zarr.open_group(store=store, mode="a", zarr_format=3)
+        check_metadata(self.root)
+        group = _zarr_call(
+            f"{DATA_NAME} in {str(self.root.parent)!r}",
+            lambda: zarr.open_group(store=store, mode="a", zarr_format=3),
+        )
         if GROUP_ATTR not in group.attrs:
             group.attrs[GROUP_ATTR] = {
                 "format": FORMAT_NAME,
@@ -619,12 +691,18 @@ class ZarrSource:
         self._arrays: dict[str, tuple[Any, DType]] = {}
         self._entries: dict[tuple[str, str], ZarrShardEntry] = {}
         self._small: dict[tuple[str, int, str], np.ndarray] = {}
+        if self.root.is_dir():  # bad metadata: one error at open, not one per record read
+            check_metadata(self.root)
 
     def _open_group(self) -> Any:
         if self._group is None:
             if not (self.root / "zarr.json").is_file():
                 raise CacheError(f"cache {str(self.cache)!r} has no {DATA_NAME} group")
-            self._group = zarr.open_group(store=self.store, mode="r", zarr_format=3)
+            check_metadata(self.root)
+            self._group = _zarr_call(
+                f"{DATA_NAME} in {str(self.cache)!r}",
+                lambda: zarr.open_group(store=self.store, mode="r", zarr_format=3),
+            )
         return self._group
 
     def _array(self, path: str, rows: int) -> tuple[Any, DType]:
@@ -632,9 +710,10 @@ class ZarrSource:
         got = self._arrays.get(path)
         if got is None or got[0].shape[0] < rows:
             group = self._open_group()
-            if path not in group:
+            where = f"{DATA_NAME}/{path}/zarr.json"
+            if not _zarr_call(where, lambda: path in group):
                 raise KeyError(f"{DATA_NAME} has no array {path!r}")
-            arr = group[path]
+            arr = _zarr_call(where, lambda: group[path])
             got = (arr, _array_dtype(arr))
             self._arrays[path] = got  # (a racing thread stores an equal pair)
             if arr.shape[0] < rows:
@@ -787,7 +866,11 @@ class ZarrSource:
         skip: set[int] = set()
         total, missing = 0, False
         for rel, digest in e.sha256.items():
-            path = self.root / rel
+            try:
+                path = inside(self.root, rel, f"shard {e.name}: file", CacheError)
+            except CacheError as err:
+                problems.append(err.message)
+                continue
             if not path.is_file():
                 missing = True
                 hit = self._affected(e, rel)
@@ -836,7 +919,10 @@ class ZarrSource:
                     if t.is_floating_point() and not bool(t.float().isfinite().all()):
                         raise ValueError("non-finite values")
             except Exception as err:  # every decode failure is reported, none is fatal here
-                problems.append(f"shard {e.name} record {key}: {type(err).__name__}: {err}")
+                what = (
+                    err.message if isinstance(err, CacheError) else f"{type(err).__name__}: {err}"
+                )
+                problems.append(f"shard {e.name} record {key}: {what}")
         return problems
 
     def close(self) -> None:

@@ -40,6 +40,7 @@ from wandistill.errors import UsageError
 from wandistill.eval import grid as gridmod
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.fsutil import atomic_write_bytes, atomic_write_json
+from wandistill.placements import Auto, Cpu, Cuda, Placement
 from wandistill.student.folders import FinishedStudent
 from wandistill.student.sampler import sample_latents, student_pipeline
 from wandistill.student.schedule import build_scheduler
@@ -198,9 +199,12 @@ def evaluate(
     grid_records: int = 8,
     batch_size: int = 8,
     decode: bool = False,
-    device: str = "cpu",
+    device: Placement | None = None,
 ) -> EvalResult:
-    """Check every input (nothing written on a problem), claim OUT, sample, score, write."""
+    """Check every input (nothing written on a problem), claim OUT, sample, score, write.
+
+    `device` (`--device`, parsed by `placements.parse_device`): where the students, the
+    teacher's experts and VAE run, through the placement objects precompute uses; default CPU."""
     k = student.check_steps(steps)
     if decode and teacher is None:
         raise UsageError("--decode needs the teacher's VAE", fix="pass --teacher TEACHER")
@@ -214,20 +218,23 @@ def evaluate(
     for who in (student, baseline):
         if who is not None:
             _check_source(who, store.manifest.teacher, cache)
-    model = student.load().to(device)
+    placement = _device_placement(device or Cpu(), teacher, settings)
+    where = placement.execution_device()
+    model = student.load().to(where)
     _check_fit(model, dims, cache, student.label)
     legs = [_student_leg(f"student@{k}", "student", model, student, k)]
     if baseline is not None:
-        legs += _baseline_legs(baseline, k, dims, cache, device)
+        legs += _baseline_legs(baseline, k, dims, cache, where)
     if teacher is not None:
-        legs.insert(0, _teacher_leg(teacher, settings, k, device))
+        legs.insert(0, _teacher_leg(teacher, settings, k, placement))
     inputs = {"--cache": cache, "--teacher": teacher.path if teacher else None}
     inputs |= {student.flag: student.path, "--baseline": baseline.path if baseline else None}
     batches = _batches(records, settings, shared, batch_size)
     with outputs.claim(out_dir, "eval", inputs=inputs) as out:  # every input checked out
-        loss = _step_loss(model, batches, device)
+        loss = _step_loss(model, batches, where)
         result, finals = _run(legs, batches, settings, loss)
-        _write(result, finals, records, out.path, teacher if decode else None, grid_records)
+        vae = (teacher, placement) if decode and teacher is not None else None
+        _write(result, finals, records, out.path, vae, grid_records)
         return result
 
 
@@ -302,7 +309,11 @@ def _student_leg(
 
 
 def _baseline_legs(
-    baseline: FinishedStudent, k: int, dims: dict[str, Any], cache: str | Path, device: str
+    baseline: FinishedStudent,
+    k: int,
+    dims: dict[str, Any],
+    cache: str | Path,
+    device: torch.device,
 ) -> list[Leg]:
     """The step-imitating student at K and at its own steps (N)."""
     baseline.check_steps(k, "--steps (the baseline)")
@@ -312,7 +323,9 @@ def _baseline_legs(
     return [_student_leg(f"baseline@{s}", "baseline", model, baseline, s) for s in sorted({k, m})]
 
 
-def _teacher_leg(teacher: TeacherFolder, settings: dict[str, Any], k: int, device: str) -> Leg:
+def _teacher_leg(
+    teacher: TeacherFolder, settings: dict[str, Any], k: int, placement: Placement
+) -> Leg:
     """The teacher in WanPipeline at K steps: the cache's scheduler, dtype and CFG."""
     from diffusers import WanPipeline
 
@@ -321,7 +334,7 @@ def _teacher_leg(teacher: TeacherFolder, settings: dict[str, Any], k: int, devic
 
     dtype = dtype_from_name(str(settings.get("dtype", "fp32")))
     experts = {
-        name: pl.load_component(teacher, name, dtype=dtype, placement="cpu").to(device)
+        name: pl.load_component(teacher, name, dtype=dtype, placement=placement)
         for name in teacher.experts
     }
     pipe = WanPipeline(
@@ -461,7 +474,7 @@ def _summary(
 
 
 @torch.no_grad()
-def _step_loss(model: torch.nn.Module, batches: list[Batch], device: str) -> float:
+def _step_loss(model: torch.nn.Module, batches: list[Batch], device: torch.device) -> float:
     """The student's output vs the teacher's guided output at every recorded (x_t, t)."""
     dtype = next(model.parameters()).dtype
     losses = []
@@ -486,14 +499,14 @@ def _write(
     finals: dict[str, torch.Tensor],
     records: list[Record],
     out: Path,
-    vae_teacher: TeacherFolder | None,
+    vae: tuple[TeacherFolder, Placement] | None,
     grid_records: int,
 ) -> None:
     """grid.png (latents, or VAE-decoded frames with --decode), eval.json, eval.md."""
     names = [c.name for c in result.columns]
     rows = min(grid_records, len(records))
-    if vae_teacher is not None:
-        frames = _decode(vae_teacher, finals, names, result)
+    if vae is not None:
+        frames = _decode(*vae, finals, names, result)
         cells = [[gridmod.frames_cell(frames[c][i]) for c in names] for i in range(rows)]
         result.view = "decoded"
     else:
@@ -506,14 +519,48 @@ def _write(
     atomic_write_bytes(out / "eval.md", (result.table() + "\n").encode())
 
 
+def _device_placement(
+    device: Placement, folder: TeacherFolder | None, settings: dict[str, Any]
+) -> Placement:
+    """`device` made concrete: auto is a GPU if the teacher's experts and VAE fit one at the
+    cache's sizes (the first GPU if there is no teacher to plan), else the CPU."""
+    from wandistill.teacher import placement as pl
+    from wandistill.teacher.plan import SamplerSizes, dtype_from_name
+
+    if folder is not None:
+        sizes = SamplerSizes(
+            int(settings["height"]),
+            int(settings["width"]),
+            int(settings["num_frames"]),
+            1,
+            int(settings["max_sequence_length"]),
+            previews=True,
+        )
+        return pl.resolve_placement(
+            device,
+            folder=folder,
+            dtype=dtype_from_name(str(settings.get("dtype", "fp32"))),
+            sizes=sizes,
+            components=(*folder.experts, "vae"),
+            only=(Cuda, Cpu),
+        )
+    if isinstance(device, Auto):
+        device = Cuda() if torch.cuda.is_available() else Cpu()
+    return pl.resolve_placement(device, folder={}, dtype=torch.float32)
+
+
 def _decode(
-    teacher: TeacherFolder, finals: dict[str, torch.Tensor], names: list[str], result: EvalResult
+    teacher: TeacherFolder,
+    placement: Placement,
+    finals: dict[str, torch.Tensor],
+    names: list[str],
+    result: EvalResult,
 ) -> dict[str, np.ndarray]:
     """Every column through the teacher's VAE; image PSNR of each against teacher@N's frames."""
     from wandistill.teacher import placement as pl
     from wandistill.teacher.decode import decode_latents
 
-    vae = pl.load_component(teacher, "vae", dtype=torch.float32, placement="cpu")
+    vae = pl.load_component(teacher, "vae", dtype=torch.float32, placement=placement)
     frames = {c: decode_latents(vae, finals[c]) for c in names}
     ref = frames[names[1]]
     for c in result.columns:

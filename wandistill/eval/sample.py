@@ -26,6 +26,7 @@ from PIL import Image
 
 from wandistill import outputs
 from wandistill.errors import UsageError
+from wandistill.placements import Cpu, Cuda, Placement
 from wandistill.student.folders import FinishedStudent, SamplerSizes
 from wandistill.teacher.decode import save_png
 from wandistill.teacher.folder import TeacherFolder
@@ -53,29 +54,54 @@ def sample(
     sizes: SamplerSizes | None = None,
     teacher_steps: int | None = None,
     options: SampleOptions | None = None,
-    device: str = "cpu",
+    device: Placement | None = None,
 ) -> list[Path]:
     """Write `<out>/<i>.png` per prompt and `<out>/grid.png`; returns the PNG paths.
 
-    `sizes` / `teacher_steps`: the teacher's defaults (a cache's settings), when no student."""
+    `sizes` / `teacher_steps`: the teacher's defaults (a cache's settings), when no student.
+    `device` (`--device`): where the text encoder, VAE and denoiser run, loaded through the
+    same placement objects precompute uses (auto: a GPU if they fit one, else the CPU)."""
     opts = options or SampleOptions()
-    if student is not None:
-        call = _student_call(student, opts)
-        if student.kind == "export":
-            pipe = _export_pipeline(student, teacher)
-        else:
-            pipe = _run_pipeline(student, _need_teacher(teacher, student))
-    else:
-        folder = _need_teacher(teacher, None)
-        call = _teacher_call(opts, sizes, teacher_steps)
-        pipe = _teacher_pipeline(folder)
-    pipe = pipe.to(device)
+    pipe, call = _pipeline(student, teacher, opts, sizes, teacher_steps, device)
     pipe.set_progress_bar_config(disable=True)
     inputs = {"--teacher": teacher.path if teacher else None}
     if student is not None:
         inputs[student.flag] = student.path
-    with outputs.claim(out_dir, "sample", inputs=inputs) as folder:
-        return _sample_into(pipe, prompts, folder.path, call, opts.seed)
+    with outputs.claim(out_dir, "sample", inputs=inputs) as claimed:
+        return _sample_into(pipe, prompts, claimed.path, call, opts.seed)
+
+
+def _pipeline(
+    student: FinishedStudent | None,
+    teacher: TeacherFolder | None,
+    opts: SampleOptions,
+    sizes: SamplerSizes | None,
+    teacher_steps: int | None,
+    device: Placement | None,
+) -> tuple[Any, dict[str, Any]]:
+    """The pipeline to call (on `device`) and the call's arguments."""
+    if student is not None:
+        call = _student_call(student, opts)
+        if student.kind == "export":
+            if teacher is not None:
+                raise UsageError(
+                    "--export and --teacher both given; an export brings its own text encoder "
+                    "and VAE",
+                    fix="leave --teacher out",
+                )
+            folder = TeacherFolder.open(student.path)  # the teacher-folder checks, typed configs
+            placement = _placement(device, folder, call)
+            pipe = _export_pipeline(student).to(placement.execution_device())
+        else:
+            folder = _need_teacher(teacher, student)
+            placement = _placement(device, folder, call)
+            pipe = _run_pipeline(student, folder, placement)
+    else:
+        folder = _need_teacher(teacher, None)
+        call = _teacher_call(opts, sizes, teacher_steps)
+        placement = _placement(device, folder, call)
+        pipe = _teacher_pipeline(folder, placement)
+    return pipe, call
 
 
 # --------------------------------------------------------------------------- call arguments
@@ -152,47 +178,62 @@ def _need_teacher(teacher: TeacherFolder | None, student: FinishedStudent | None
     )
 
 
-def _export_pipeline(student: FinishedStudent, teacher: TeacherFolder | None) -> Any:
+def _placement(device: Placement | None, folder: TeacherFolder, call: dict[str, Any]) -> Placement:
+    """`--device` made concrete for the pipeline at the call's sizes: Cuda or Cpu (auto: a GPU
+    if the pipeline fits one)."""
+    from wandistill.teacher import placement as pl
+    from wandistill.teacher.plan import SamplerSizes as PlanSizes
+
+    d = PlanSizes()
+    sizes = PlanSizes(
+        int(call.get("height", 480)),
+        int(call.get("width", 832)),
+        int(call.get("num_frames", 81)),
+        1,
+        int(call.get("max_sequence_length", d.max_sequence_length)),
+        cfg=float(call.get("guidance_scale", 5.0)) > 1.0,
+        previews=True,
+    )
+    return pl.resolve_placement(
+        device or Cpu(), folder=folder, dtype=torch.float32, sizes=sizes, only=(Cuda, Cpu)
+    )
+
+
+def _export_pipeline(student: FinishedStudent) -> Any:
     """`WanPipeline.from_pretrained(export)`, once the folder passed the teacher-folder checks
     (no custom code, safetensors only, configs typed)."""
     from diffusers import WanPipeline
 
     from wandistill.modelfolder import load_pretrained
 
-    if teacher is not None:
-        raise UsageError(
-            "--export and --teacher both given; an export brings its own text encoder and VAE",
-            fix="leave --teacher out",
-        )
-    TeacherFolder.open(student.path)
     return load_pretrained(WanPipeline, student.path)
 
 
-def _run_pipeline(student: FinishedStudent, teacher: TeacherFolder) -> Any:
+def _run_pipeline(student: FinishedStudent, teacher: TeacherFolder, placement: Placement) -> Any:
     """What `wandistill export` would write, in memory."""
     from diffusers import WanPipeline
 
     from wandistill.student.export import check_teacher
 
     check_teacher(teacher, student)
-    load = _loader(teacher)
+    load = _loader(teacher, placement)
     return WanPipeline(
         tokenizer=teacher.load_tokenizer(),
         text_encoder=load("text_encoder"),
         vae=load("vae"),
         scheduler=student.schedule.make_scheduler(),
-        transformer=student.load(),
+        transformer=student.load().to(placement.execution_device()),
         transformer_2=None,
         boundary_ratio=None,
         expand_timesteps=teacher.expand_timesteps,
     )
 
 
-def _teacher_pipeline(teacher: TeacherFolder) -> Any:
+def _teacher_pipeline(teacher: TeacherFolder, placement: Placement) -> Any:
     """The teacher's own WanPipeline (both experts and the boundary for Wan 2.2)."""
     from diffusers import WanPipeline
 
-    load = _loader(teacher)
+    load = _loader(teacher, placement)
     two = teacher.boundary_ratio is not None
     return WanPipeline(
         tokenizer=teacher.load_tokenizer(),
@@ -206,12 +247,12 @@ def _teacher_pipeline(teacher: TeacherFolder) -> Any:
     )
 
 
-def _loader(teacher: TeacherFolder) -> Any:
-    """Components loaded like precompute loads them: safetensors only, fp32, on the CPU."""
+def _loader(teacher: TeacherFolder, placement: Placement) -> Any:
+    """Components loaded like precompute loads them: safetensors only, fp32, with `placement`."""
     from wandistill.teacher import placement as pl
 
     def load(name: str) -> torch.nn.Module:
-        return pl.load_component(teacher, name, dtype=torch.float32, placement="cpu")
+        return pl.load_component(teacher, name, dtype=torch.float32, placement=placement)
 
     return load
 

@@ -13,7 +13,9 @@ import json
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from wandistill.bounds import PROMPT_SEED
 from wandistill.errors import UsageError
 
 
@@ -91,12 +93,19 @@ def _parse_jsonl(line: str, lineno: int, base_seed: int) -> Prompt | None:
         or (neg is not None and not isinstance(neg, str))
     ):
         raise ValueError("'seed' must be an integer and 'negative_prompt' a string")
+    if PROMPT_SEED.problem("seed", seed) is not None:  # negative or beyond 64 bits: torch would
+        raise ValueError(PROMPT_SEED.problem("seed", seed))  # alias or overflow; a bad line
     text = obj["prompt"].strip()
     return Prompt(text, seed, lineno, neg) if text else None
 
 
-def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt], PromptReport]:
-    """Parse a prompt file; a prompt without a seed gets `base_seed + (line - 1)`."""
+def read_prompts(
+    path: str | Path, *, base_seed: int = 0, into: Any = None
+) -> tuple[list[Prompt], PromptReport]:
+    """Parse a prompt file; a prompt without a seed gets `base_seed + (line - 1)`.
+
+    `into`: where the prompts go (anything with `append` and `len`; default a new list), e.g.
+    precompute's compact `PromptTable`, so 100k prompts are never 100k objects at once."""
     p = Path(path)
     if not str(path):
         raise UsageError("no prompt file given", fix="pass --prompts FILE (.txt or .jsonl)")
@@ -114,8 +123,8 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
             fix="one prompt per line (.txt) or one JSON object per line (.jsonl)",
         )
     report = PromptReport(path=str(p))
-    prompts: list[Prompt] = []
-    seen: set[tuple[str, int | None, str | None]] = set()
+    prompts = [] if into is None else into
+    seen: set[tuple[str, int, str | None] | str] = set()
     try:
         f = open(p, "rb")  # noqa: SIM115 - closed by the with below
     except OSError as e:
@@ -153,8 +162,12 @@ def read_prompts(path: str | Path, *, base_seed: int = 0) -> tuple[list[Prompt],
                 prompt = Prompt(line, base_seed + lineno - 1, lineno)
             # A .txt seed is implicit (its line), so a repeated line is a duplicate; a .jsonl line
             # with the same prompt and an explicit other seed is another sample.
-            seed_part = prompt.seed if p.suffix == ".jsonl" else None
-            ident = (prompt.text, seed_part, prompt.negative_prompt)
+            # (A .txt line's identity is its text: the string itself, no tuple per line.)
+            ident = (
+                (prompt.text, prompt.seed, prompt.negative_prompt)
+                if p.suffix == ".jsonl"
+                else prompt.text
+            )
             if ident in seen:
                 report.duplicate.append(lineno)
                 continue

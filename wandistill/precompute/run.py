@@ -1,7 +1,9 @@
 """`wandistill precompute`: the only place the teacher is ever loaded.
 
 Phases, so that at most one big model is resident at a time:
-1. encode: tokenizer + UMT5 over this rank's prompts (and the negative prompts), then freed;
+1. encode: tokenizer + UMT5 over this rank's prompts (and the negative prompts), then freed; the
+   embeddings go to the cache's embedding store as they are made (`encode_phase.py`), so memory
+   does not grow with the prompt file and a resume never encodes a prompt twice;
 2. denoise: the transformer (Wan 2.2: `transformer` for the high-noise steps of a group of
    batches, then `transformer_2` for their low-noise steps), records written as batches finish;
 3. previews: optionally, the VAE decodes the first few final latents to PNG for eval.
@@ -21,12 +23,15 @@ for its own shards; the manifest is then never marked complete.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -36,18 +41,24 @@ import torch
 
 from wandistill import dist, outputs, testing_hooks
 from wandistill.cache import manifest as mf
+from wandistill.cache.embeds import EmbedStore, own_negative_name
 from wandistill.cache.schema import dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
-from wandistill.config import PrecomputeConfig
+from wandistill.config import PrecomputeConfig, to_dict
 from wandistill.errors import WandistillError
+from wandistill.finite import NonFiniteError
 from wandistill.fsutil import atomic_write_json
+from wandistill.placements import Placement
+from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
+from wandistill.precompute.numerics import record_numerics
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
+from wandistill.precompute.table import KeyTable, PromptTable
 from wandistill.progress import Progress
 from wandistill.teacher.folder import TeacherFolder
+from wandistill.teacher.plan import SamplerSizes
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-CPU_PLACEMENTS = ("cpu",)
 
 
 @dataclass(slots=True)
@@ -58,6 +69,8 @@ class Summary:
     bytes_written: int
     seconds: float
     prompts: int
+    prompts_encoded: int = 0
+    """Prompts this process ran through the text encoder (0 when a resume found them all)."""
 
 
 Teacher = TeacherFolder
@@ -118,11 +131,11 @@ def _key(p: Prompt, settings: dict[str, Any]) -> str:
     return record_key(p.text, p.seed, {**settings, **own})
 
 
-def _device_kind(placement: str) -> str:
+def _device_kind(placement: Placement) -> str:
     """The device torchrun ranks bind to: CPU placements use gloo, the rest the rank's GPU."""
     import torch
 
-    if placement in CPU_PLACEMENTS or not torch.cuda.is_available():
+    if placement.cpu_only or not torch.cuda.is_available():
         return "cpu"
     return "auto"
 
@@ -199,15 +212,19 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
     t0 = time.perf_counter()
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
     recorded_steps(teacher, cfg)  # a K off the teacher's schedule fails before any work
-    prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed)
+    prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed, into=PromptTable())
     with _StopSignals() as stop, contextlib.ExitStack() as owned:
-        info = dist.init(_device_kind(cfg.teacher.placement))
+        info = dist.init(
+            _device_kind(cfg.teacher.placement),
+            timeout_s=cfg.dist_timeout,
+            config=run_identity(cfg),
+        )
         try:
             return _run(
                 cfg, teacher, prompts, report, info, stop, owned,
                 null_sink=null_sink, quiet=quiet, t0=t0,
             )  # fmt: skip
-        except _Stop:  # before the cache writer existed: nothing to flush
+        except _Stop:  # before any record: nothing to flush (embeddings commit themselves)
             raise Stopped(stop.signum or signal.SIGTERM, 0, info) from None
         finally:
             dist.cleanup()
@@ -216,7 +233,7 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
 def _run(
     cfg: PrecomputeConfig,
     teacher: Teacher,
-    prompts: list[Prompt],
+    prompts: PromptTable,
     report: PromptReport,
     info: dist.DistInfo,
     stop: _StopSignals,
@@ -238,6 +255,7 @@ def _run(
         backend=cfg.cache.backend,
         teacher=fingerprint,
         settings=settings,
+        numerics=record_numerics(batch_size=cfg.sampler.batch_size, device=info.device),
         fields=field_specs(
             latent_dtype=torch.float32,
             model_dtype=dtype,
@@ -252,16 +270,16 @@ def _run(
             mf.check_compatible(cache, existing, header)  # fail before loading any weights
         done = {k for s in existing.shards for k in s["keys"]}
 
-    keys = [_key(p, settings) for p in prompts]
+    keys = KeyTable(_key(p, settings) for p in prompts)
     bs = cfg.sampler.batch_size
-    batches = [list(range(i, min(i + bs, len(prompts)))) for i in range(0, len(prompts), bs)]
+    batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
     mine = batches[info.rank :: info.world_size]
     todo = [b for b in mine if not all(keys[i] in done for i in b)]
     placement = pl.resolve_placement(
         cfg.teacher.placement,
         folder=teacher,
         dtype=dtype,
-        sampler=cfg.sampler,
+        sizes=SamplerSizes.from_config(cfg),  # the sizes `wandistill plan` plans for
         world_size=info.world_size,
         local_rank=info.local_rank,
     )
@@ -272,75 +290,67 @@ def _run(
         dtype=dtype,
         placement=placement,
         offload_dir=Path(cfg.teacher.offload_folder or cache / ".offload.tmp") / f"rank{info.rank}",
-        max_memory=cfg.teacher.max_memory or None,
-        group_offload_level=cfg.teacher.group_offload_level,
     )
 
-    # Phase 1: text embeddings for the prompts still to do, then free the encoder.
-    from wandistill.teacher.encode import encode_trimmed
-
-    with stop.interruptible():  # loading and encoding write nothing: a signal aborts them
-        tokenizer = teacher.load_tokenizer()
-        needed = sorted({i for b in todo for i in b})
-        negatives = sorted(
-            {cfg.sampler.negative_prompt}
-            | {prompts[i].negative_prompt for i in needed if prompts[i].negative_prompt is not None}
-        )
-        encoder = pl.load_component(teacher, "text_encoder", **load_kw)
-        try:
-            msl = cfg.sampler.max_sequence_length
-            embeds: dict[int, torch.Tensor] = {}
-            for start in range(0, len(needed), bs):
-                chunk = needed[start : start + bs]
-                with pl.oom_guard_for(encoder):
-                    enc = encode_trimmed(
-                        tokenizer,
-                        encoder,
-                        [prompts[i].text for i in chunk],
-                        max_sequence_length=msl,
-                        dtype=dtype,
-                    )
-                embeds.update(zip(chunk, enc.embeds, strict=True))
-                report.truncated.extend(
-                    prompts[i].line for i, tr in zip(chunk, enc.truncated, strict=True) if tr
-                )
-            neg = encode_trimmed(
-                tokenizer, encoder, negatives, max_sequence_length=msl, dtype=dtype
+    # Phase 1: text embeddings for the prompts still to do, straight to disk (embeds/). The
+    # cache (manifest, shared tensors) is created first, so embeds/ only ever lives in a cache.
+    scratch = Path(tempfile.mkdtemp(prefix="wandistill-embeds-")) if null_sink else cache
+    store = EmbedStore(scratch, rank=info.rank, flush_records=cfg.cache.shard_records)
+    ejob = EncodeJob(
+        teacher=teacher,
+        prompts=prompts,
+        keys=keys,
+        batches=todo,
+        negative_prompt=cfg.sampler.negative_prompt,
+        max_sequence_length=cfg.sampler.max_sequence_length,
+        dtype=dtype,
+        load_kw=load_kw,
+        rank=info.rank,
+        show_progress=info.is_main and not quiet,
+    )
+    encoder = TextEncoder(ejob, stop.interruptible)
+    try:
+        default_negative = recipe_negative(ejob, store, encoder)
+        timesteps, sigmas = RecordingSampler(
+            teacher.scheduler, _spec(cfg, teacher, shape)
+        ).schedule()
+        writer = (
+            None
+            if null_sink
+            else CacheWriter(
+                cache,
+                backend=cfg.cache.backend,
+                teacher=fingerprint,
+                settings=settings,
+                fields=header.fields,
+                dims=_dims(teacher, shape, settings),
+                numerics=header.numerics,
+                shared={
+                    "negative_prompt_embeds": default_negative,
+                    "timesteps": timesteps,
+                    "sigmas": sigmas,
+                },
+                rank=info.rank,
+                shard_records=cfg.cache.shard_records,
             )
-            neg_embeds = dict(zip(negatives, neg.embeds, strict=True))
-        finally:
-            pl.unload(encoder)
-
-    timesteps, sigmas = RecordingSampler(teacher.scheduler, _spec(cfg, teacher, shape)).schedule()
-    writer = (
-        None
-        if null_sink
-        else CacheWriter(
-            cache,
-            backend=cfg.cache.backend,
-            teacher=fingerprint,
-            settings=settings,
-            fields=header.fields,
-            dims=_dims(teacher, shape, settings),
-            shared={
-                "negative_prompt_embeds": neg_embeds[cfg.sampler.negative_prompt],
-                "timesteps": timesteps,
-                "sigmas": sigmas,
-            },
-            rank=info.rank,
-            shard_records=cfg.cache.shard_records,
         )
-    )
+        encoded = encode_phase(ejob, store, encoder, stop.check)
+    except BaseException:
+        if null_sink:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    finally:
+        encoder.close()
 
-    def job(i: int) -> Job:
+    def job(i: int) -> Job:  # embeddings streamed from the store, one batch at a time
         p = prompts[i]
         own = p.negative_prompt is not None
         return Job(
             key=keys[i],
             prompt=p.text,
             seed=p.seed,
-            embeds=embeds[i],
-            negative=neg_embeds[p.negative_prompt if own else cfg.sampler.negative_prompt],
+            embeds=store.get(keys[i]),
+            negative=store.get(own_negative_name(keys[i])) if own else default_negative,
             own_negative=own,
             extra={"line": p.line, **({"negative_prompt": p.negative_prompt} if own else {})},
         )
@@ -394,6 +404,10 @@ def _run(
             writer.close()  # commit the open shard's complete records
         written = writer.records_written if writer else 0
         raise Stopped(stop.signum or signal.SIGTERM, written, info) from None
+    except NonFiniteError:
+        if writer is not None:
+            writer.close()  # the records before the refused batch are good: commit them
+        raise
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -401,6 +415,9 @@ def _run(
     finally:
         for m in resident.values():
             pl.unload(m)
+        store.close_reader()
+        if null_sink:
+            shutil.rmtree(scratch, ignore_errors=True)
     if writer is not None:
         writer.close()
         if cfg.previews > 0:
@@ -408,7 +425,10 @@ def _run(
     _barrier(info, stop, writer.records_written if writer else 0)
     if writer is not None and info.is_main:
         mf.finalize(cache, complete=True)
+        cut = store.truncated_keys()  # every rank's commits: which prompts were truncated
+        report.truncated = [p.line for p, k in zip(prompts, keys, strict=True) if k in cut]
         atomic_write_json(cache / "prompts_report.json", report.to_json())
+        store.remove()  # every record holds its own embeddings now
     written = writer.records_written if writer else sum(len(b) for b in todo)
     return Summary(
         cache=str(cache),
@@ -417,15 +437,30 @@ def _run(
         bytes_written=writer.bytes_written if writer else 0,
         seconds=time.perf_counter() - t0,
         prompts=len(prompts),
+        prompts_encoded=encoded,
     )
+
+
+def run_identity(cfg: PrecomputeConfig) -> dict[str, Any]:
+    """What every rank must agree on: the resolved config and the prompt file's bytes (a
+    same-named but different file on another node would split the work inconsistently)."""
+    sha = hashlib.sha256()
+    with contextlib.suppress(OSError), open(cfg.prompts, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return {"precompute": to_dict(cfg), "prompt_file_sha256": sha.hexdigest()}
 
 
 def _barrier(info: dist.DistInfo, stop: _StopSignals, records: int) -> None:
     """Wait for every rank before rank 0 marks the cache complete; never after a stop, and a
-    rank that stopped or died on the way is one clear line, not a gloo traceback."""
+    rank that stopped or died on the way is one clear line, not a gloo traceback. No deadline
+    while the others are alive (the last rank may still be denoising); `dist_timeout` once one
+    has stopped beating."""
     if stop.signum is None:
         try:
-            dist.barrier(info)
+            dist.wait_for_all(info, "precompute-done", lambda: stop.signum is not None)
+        except dist.DistTimeout:
+            raise
         except Exception as e:
             if stop.signum is None:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -472,8 +507,8 @@ def _dims(teacher: Teacher, shape: tuple[int, ...], settings: dict[str, Any]) ->
 def _previews(
     cfg: PrecomputeConfig,
     teacher: Teacher,
-    prompts: list[Prompt],
-    keys: list[str],
+    prompts: Sequence[Prompt],
+    keys: Sequence[str],
     load_kw: dict[str, Any],
     info: dist.DistInfo,
 ) -> None:

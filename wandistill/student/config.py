@@ -9,13 +9,15 @@ teacher's, so the student is a drop-in `transformer` for the teacher's `WanPipel
 from __future__ import annotations
 
 import inspect
-import json
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from wandistill.config import StudentConfig
 from wandistill.errors import UsageError
+from wandistill.validate import OpenSchema, check, load_json_file
 
 SIZE_KEYS = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
 
@@ -28,28 +30,86 @@ def init_params() -> frozenset[str]:
     return frozenset(inspect.signature(WanTransformer3DModel.__init__).parameters) - {"self"}
 
 
-def _read_config_file(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(
-            f"student.config_file {path!r} does not exist",
-            fix="point it at a JSON file of WanTransformer3DModel config keys",
-        )
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"student.config_file {path!r} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"student.config_file {path!r} must hold a JSON object")
-    data = {k: v for k, v in data.items() if not k.startswith("_")}
+Dim = Annotated[int, Field(ge=1, le=1 << 16)]
+MAX_PARAMS = 100e9
+"""A student bigger than this is a typo, not a distillation target (Wan 14B is 14e9)."""
+FIX_CONFIG = "point student.config_file at a JSON object of WanTransformer3DModel config keys"
+
+
+class StudentConfigFile(OpenSchema):
+    """WanTransformer3DModel config keys as found in a JSON file: `student.config_file`, the
+    teacher's transformer config recorded in the cache, a student folder's config.json. Every
+    key is optional; keys the installed diffusers does not take are refused separately."""
+
+    patch_size: (
+        Annotated[list[Annotated[int, Field(ge=1, le=64)]], Field(min_length=3, max_length=3)]
+        | None
+    ) = None
+    num_attention_heads: Annotated[int, Field(ge=1, le=4096)] | None = None
+    attention_head_dim: Annotated[int, Field(ge=2, le=4096)] | None = None
+    in_channels: Dim | None = None
+    out_channels: Dim | None = None
+    text_dim: Dim | None = None
+    freq_dim: Dim | None = None
+    ffn_dim: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    num_layers: Annotated[int, Field(ge=1, le=1024)] | None = None
+    cross_attn_norm: bool | None = None
+    qk_norm: Literal["rms_norm_across_heads"] | None = None
+    """The only norm diffusers' Wan blocks implement (they ignore the value otherwise)."""
+    eps: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
+    image_dim: Dim | None = None
+    added_kv_proj_dim: Dim | None = None
+    rope_max_seq_len: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    pos_embed_seq_len: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+
+
+def check_config(config: dict[str, Any], where: str, fix: str = FIX_CONFIG) -> dict[str, Any]:
+    """Types, ranges, keys the installed diffusers takes, and a sane size; `_` keys dropped."""
+    data = {k: v for k, v in config.items() if not k.startswith("_")}
+    check(StudentConfigFile, data, where, fix=fix)
     unknown = sorted(set(data) - init_params())
     if unknown:
         raise UsageError(
-            f"student.config_file {path!r} has keys WanTransformer3DModel does not take: "
-            f"{', '.join(unknown)}",
+            f"{where} has keys WanTransformer3DModel does not take: {', '.join(unknown)}",
             fix=f"use only: {', '.join(sorted(init_params()))}",
         )
     return data
+
+
+def estimated_params(config: dict[str, Any]) -> float:
+    """Rough parameter count of a Wan transformer (attention + cross-attention + FFN per block)."""
+    w = int(config.get("num_attention_heads", 40)) * int(config.get("attention_head_dim", 128))
+    ffn = int(config.get("ffn_dim", 13824))
+    return float(config.get("num_layers", 40)) * (8.0 * w * w + 2.0 * w * ffn)
+
+
+def check_saved_config(folder: str | Path) -> None:
+    """A student folder's config.json (what `train` exported), checked before diffusers reads
+    it: bad JSON, wrong types or an absurd size are one error naming the file, not a traceback
+    or a model too big to build."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return  # diffusers reports the folder as not a model folder
+    fix = "pass the student folder written by `wandistill train` (<out>/student)"
+    data, _ = load_json_file(path, dict[str, Any], what="student config", fix=fix)
+    data = check_config(data, f"student config {str(path)!r}", fix=fix)
+    _check_size(data, f"student config {str(path)!r}")
+
+
+def _check_size(config: dict[str, Any], where: str) -> None:
+    n = estimated_params(config)
+    if n > MAX_PARAMS:
+        raise UsageError(
+            f"{where} describes a model of ~{n / 1e9:.0f}B parameters, more than the "
+            f"{MAX_PARAMS / 1e9:.0f}B any distillation target has",
+            fix="check num_layers / num_attention_heads / attention_head_dim / ffn_dim",
+        )
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    where = f"student.config_file {path!r}"
+    data, _ = load_json_file(path, dict[str, Any], what="student.config_file", fix=FIX_CONFIG)
+    return check_config(data, where)
 
 
 def resolve_student_config(
@@ -75,6 +135,9 @@ def resolve_student_config(
             "transformer config to start from",
             fix="set them under [train.student] or in student.config_file",
         )
+    where = "the student config (the cache's teacher config, student.config_file, the recipe)"
+    check_config(base, where, fix="fix student.config_file or the [train.student] sizes")
+    _check_size(base, "the student config")
     return base
 
 

@@ -8,7 +8,7 @@ A student reaches eval, sample and export in one of three forms, and each has it
 - an export (`--export DIR`): the WanPipeline folder `wandistill export` writes, with its
   `wandistill_export.json`.
 
-`sampling.json` and `wandistill_export.json` are parsed through `wandistill.jsonfile` into the
+`sampling.json` and `wandistill_export.json` are parsed through `wandistill.validate` into the
 pydantic models below: a damaged file is one line naming the file and the field, never a
 KeyError. Whatever form it came in, a student carries its K-step schedule
 (`schedule.StudentSchedule`) and the sampler sizes of the cache it was distilled from, so sample
@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 from torch import nn
 
-from wandistill import jsonfile
 from wandistill.errors import UsageError
 from wandistill.student.schedule import StudentSchedule
+from wandistill.validate import Schema, load_json_file
 
 SAMPLING = "sampling.json"
 """Written by train at the end (wandistill.train.export); marks a finished run."""
@@ -45,10 +45,10 @@ _RESUME_FIX = "re-run the last `wandistill train ... --resume` to rewrite it"
 _EXPORT_FIX = "re-run `wandistill export` into that folder to rewrite it"
 
 
-class _Strict(BaseModel):
-    """Strict types (no "4" for 4); keys a later version may add are ignored."""
+class _Strict(Schema):
+    """Strict types (no "4" for 4), finite floats; keys a later version may add are ignored."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class ScheduleFile(_Strict):
@@ -274,7 +274,7 @@ def read_export(folder: str | Path, *, flag: str = "--export") -> FinishedStuden
 
 
 def _read(path: Path, model: type[Any], what: str, fix: str) -> Any:
-    parsed, _, _ = jsonfile.read_model(path, model, what=what, fix=fix)
+    parsed, _ = load_json_file(path, model, what=what, fix=fix)
     return parsed
 
 
@@ -284,8 +284,10 @@ def _has_weights(folder: Path) -> bool:
 
 def _check_weights(folder: Path, label: str, fix: str) -> None:
     """The one check of a student weights folder: present, no custom code, no pickle-only
-    weights (named with the conversion), config.json + safetensors."""
+    weights (named with the conversion), config.json + safetensors, config.json typed and of a
+    sane size (before diffusers reads it)."""
     from wandistill.modelfolder import refuse_custom_code, require_safetensors
+    from wandistill.student.config import check_saved_config
 
     if not folder.is_dir():
         raise UsageError(f"{label} does not exist", fix=fix)
@@ -293,6 +295,7 @@ def _check_weights(folder: Path, label: str, fix: str) -> None:
     require_safetensors(folder, "student")
     if not _has_weights(folder):
         raise UsageError(f"{label} is not a student folder (config.json + safetensors)", fix=fix)
+    check_saved_config(folder)
 
 
 def _cache_sizes(cache: str | None) -> SamplerSizes | None:

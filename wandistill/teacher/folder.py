@@ -31,9 +31,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from wandistill import jsonfile
 from wandistill.errors import UsageError
-from wandistill.modelfolder import Reader, Weights, code_files, custom_code_error, read_weights
+from wandistill.modelfolder import (
+    COMPONENT_CLASSES,
+    Reader,
+    Weights,
+    code_files,
+    custom_code_error,
+    read_weights,
+)
+from wandistill.validate import OpenSchema, Schema, check, label
 
 __all__ = [
     "COMPONENT_CLASSES",
@@ -49,13 +56,6 @@ __all__ = [
     "validate_config",
 ]
 
-#: Components precompute may load, with their library and class (model_index.json layout).
-COMPONENT_CLASSES: Mapping[str, tuple[str, str]] = {
-    "text_encoder": ("transformers", "UMT5EncoderModel"),
-    "transformer": ("diffusers", "WanTransformer3DModel"),
-    "transformer_2": ("diffusers", "WanTransformer3DModel"),
-    "vae": ("diffusers", "AutoencoderKLWan"),
-}
 WEIGHT_STEMS = {"diffusers": "diffusion_pytorch_model", "transformers": "model"}
 CODE_LIBRARIES = ("diffusers", "transformers")
 """The only libraries whose classes a model folder's model_index.json may name."""
@@ -86,8 +86,9 @@ Count = Annotated[int, Field(gt=0, le=1024)]
 """Layers, heads, blocks."""
 Small = Annotated[float, Field(gt=0, lt=1)]
 Prob = Annotated[float, Field(ge=0, lt=1)]
-_TYPED = ConfigDict(strict=True, extra="allow", frozen=True, populate_by_name=True)
-_TYPED_CLOSED = ConfigDict(strict=True, extra="forbid", frozen=True, populate_by_name=True)
+_TYPED = ConfigDict(frozen=True, populate_by_name=True)
+"""On top of `Schema` (strict, finite floats, unknown keys refused: model_index.json) or
+`OpenSchema` (unknown keys kept: the library configs, which hold many more)."""
 _REF_FIX = (
     "a WanPipeline folder lists text_encoder [transformers, UMT5EncoderModel], tokenizer, "
     "vae [diffusers, AutoencoderKLWan], scheduler and transformer [diffusers, "
@@ -112,10 +113,10 @@ Ref = list[str | None]
 _PIPELINE_PARTS = ("text_encoder", "tokenizer", "vae", "scheduler", "transformer", "transformer_2")
 
 
-class ModelIndex(BaseModel):
+class ModelIndex(Schema):
     """model_index.json of a WanPipeline folder."""
 
-    model_config = _TYPED_CLOSED
+    model_config = _TYPED
 
     class_name: Literal["WanPipeline"] = Field("WanPipeline", alias="_class_name")
     text_encoder: Ref = _ref("transformers", "UMT5EncoderModel")
@@ -157,7 +158,7 @@ class ModelIndex(BaseModel):
         return getattr(self, name, [None, None])[0] is not None
 
 
-class TransformerConfig(BaseModel):
+class TransformerConfig(OpenSchema):
     """transformer/config.json (and transformer_2): WanTransformer3DModel's arguments, with the
     library's defaults."""
 
@@ -186,7 +187,7 @@ class TransformerConfig(BaseModel):
     pos_embed_seq_len: Dim | None = None
 
 
-class VaeConfig(BaseModel):
+class VaeConfig(OpenSchema):
     """vae/config.json: AutoencoderKLWan's arguments, with the library's defaults."""
 
     model_config = _TYPED
@@ -223,7 +224,7 @@ class VaeConfig(BaseModel):
         return self
 
 
-class TextEncoderConfig(BaseModel):
+class TextEncoderConfig(OpenSchema):
     """text_encoder/config.json: the UMT5 encoder's config (transformers UMT5Config keys)."""
 
     model_config = _TYPED
@@ -244,7 +245,7 @@ class TextEncoderConfig(BaseModel):
     tie_word_embeddings: bool = True
 
 
-class SchedulerConfig(BaseModel):
+class SchedulerConfig(OpenSchema):
     """scheduler/scheduler_config.json: a diffusers scheduler class and its numbers."""
 
     model_config = _TYPED
@@ -286,7 +287,7 @@ def validate_config(name: str, config: Mapping[str, Any], *, source: str) -> Bas
         raise UsageError(
             f"unknown teacher component {name!r}", fix=f"use one of {', '.join(CONFIG_MODELS)}"
         )
-    return jsonfile.validate(CONFIG_MODELS[name], dict(config), name=source, fix=_fix(source))
+    return check(CONFIG_MODELS[name], dict(config), source, fix=_fix(source))
 
 
 # --------------------------------------------------------------------------- reading files
@@ -381,12 +382,8 @@ class TeacherFolder:
             )
         files = _Files(root)
         raw_index = _read_index(files)
-        index = jsonfile.validate(
-            ModelIndex,
-            raw_index,
-            name=jsonfile.where(WHAT, root / "model_index.json"),
-            fix=_fix("model_index.json"),
-        )
+        where = label(WHAT, root / "model_index.json")
+        index = check(ModelIndex, raw_index, where, fix=_fix("model_index.json"))
         components = {
             n: _component(files, n, complete) for n in COMPONENT_CLASSES if index.present(n)
         }
@@ -513,7 +510,7 @@ class TeacherFolder:
         except (TypeError, ValueError) as e:
             path = self.path / "scheduler" / "scheduler_config.json"
             raise UsageError(
-                f"{jsonfile.where(WHAT, path)}: {cls.__name__} refuses it: {e}",
+                f"{label(WHAT, path)}: {cls.__name__} refuses it: {e}",
                 fix=_fix("scheduler/scheduler_config.json"),
             ) from None
 
@@ -572,7 +569,7 @@ def _read_index(files: _Files) -> dict[str, Any]:
         raise custom_code_error(root, found, "teacher")
     if not isinstance(raw, dict):
         raise UsageError(
-            f"{jsonfile.where(WHAT, root / 'model_index.json')} is not a JSON object",
+            f"{label(WHAT, root / 'model_index.json')} is not a JSON object",
             fix=_fix("model_index.json"),
         )
     kind = raw.get("_class_name", "WanPipeline")
@@ -623,7 +620,7 @@ def _scheduler(
     typed, raw = files.model(_need(path), SchedulerConfig)
     if typed.class_name != index.scheduler[1]:
         raise UsageError(
-            f"{jsonfile.where(WHAT, files.root / 'model_index.json')}: scheduler = "
+            f"{label(WHAT, files.root / 'model_index.json')}: scheduler = "
             f"{index.scheduler[1]!r} but scheduler_config.json holds a {typed.class_name}",
             fix="make the two name the same scheduler class",
         )

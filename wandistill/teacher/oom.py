@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from wandistill.errors import WandistillError
-from wandistill.teacher.plan import GiB, read_meminfo
+from wandistill.placements import DiskOffload, GiB, GroupOffload, Placement
+from wandistill.teacher.plan import read_meminfo
 
 __all__ = ["is_oom", "memory_figures", "next_strategies", "oom_error", "oom_guard"]
 
@@ -29,7 +30,6 @@ _OOM_TEXT = (
     "can't allocate memory",
     "cannot allocate memory",
 )
-_LEAF = "--placement group-offload --set precompute.teacher.group_offload_level=leaf_level"
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -83,44 +83,36 @@ def memory_figures(device: torch.device) -> str:
     )
 
 
-_MODEL = "--placement model-offload"
-_GROUP = "--placement group-offload"
-_DISK = "--placement disk-offload"
-_AFTER: dict[str, list[str]] = {
-    "model-offload": [_GROUP, _LEAF, _DISK],
-    "group-offload": [_LEAF, _DISK],
-    "group-offload (leaf_level)": [_DISK],
-    "disk-offload": [],
-}
-
-
-def next_strategies(strategy: str, device: torch.device) -> list[str]:
-    """Flags to try after `strategy` ran out of memory on `device`, most promising first."""
+def next_strategies(placement: Placement | None, device: torch.device) -> list[str]:
+    """Flags to try after `placement` ran out of memory on `device`, most promising first."""
     if device.type == "cpu":
         # CPU RAM ran out: offloading to the CPU makes it worse; only the disk relieves it.
-        return [] if strategy == "disk-offload" else [_DISK]
-    if strategy == "gpu0" or strategy.startswith("cuda"):
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return (["--placement balanced"] if gpus > 1 else []) + [_MODEL, _GROUP, _DISK]
-    # balanced / sequential / balanced_low_0 / a device-map file spread weights already: stream.
-    return _AFTER.get(strategy, [_GROUP, _LEAF, _DISK])
+        return [] if isinstance(placement, DiskOffload) else [DiskOffload().flags()]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    after = (
+        placement.next_to_try(gpus)
+        if placement is not None
+        else [GroupOffload(), GroupOffload(level="leaf_level"), DiskOffload()]
+    )
+    return [p.flags() for p in after]
 
 
 def oom_error(
     exc: BaseException,
     *,
     device: torch.device | str,
-    strategy: str,
+    placement: Placement | None,
     component: str | None = None,
 ) -> WandistillError:
     """The `WandistillError` to raise for out-of-memory `exc` (see the module docstring).
 
-    `strategy` is the placement in use ("group-offload (leaf_level)" for leaf-level groups).
+    `placement` is the one in use (None: a module loaded elsewhere).
     """
     where = _oom_device(exc, torch.device(device))
     what = f" running {component}" if component else ""
-    message = f"out of memory on {where}{what} with placement {strategy!r}: {memory_figures(where)}"
-    steps = next_strategies(strategy, where)
+    label = placement.label if placement is not None else "unknown"
+    message = f"out of memory on {where}{what} with placement {label!r}: {memory_figures(where)}"
+    steps = next_strategies(placement, where)
     smaller = "lower sampler.batch_size, height/width or num_frames"
     fix = f"try {', then '.join(steps)}; or {smaller}" if steps else smaller
     if where.type == "cpu":
@@ -130,7 +122,7 @@ def oom_error(
 
 @contextlib.contextmanager
 def oom_guard(
-    device: torch.device | str, strategy: str, *, component: str | None = None
+    device: torch.device | str, placement: Placement | None, *, component: str | None = None
 ) -> Iterator[None]:
     """Run a block; turn an out-of-memory failure inside it into `oom_error(...)`."""
     try:
@@ -138,4 +130,4 @@ def oom_guard(
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not is_oom(e):
             raise
-        raise oom_error(e, device=device, strategy=strategy, component=component) from e
+        raise oom_error(e, device=device, placement=placement, component=component) from e

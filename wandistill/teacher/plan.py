@@ -35,10 +35,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from wandistill import workarounds
 from wandistill.errors import UsageError
-from wandistill.modelfolder import FLOAT_CODES, SAFETENSORS_BYTES
+from wandistill.modelfolder import COMPONENT_CLASSES, FLOAT_CODES, SAFETENSORS_BYTES
+from wandistill.placements import (
+    CPU_OVERHEAD,
+    CUDA_OVERHEAD,
+    Auto,
+    Cuda,
+    GiB,
+    Need,
+    Placement,
+    parse_size,
+)
 from wandistill.teacher.folder import (
-    COMPONENT_CLASSES,
     CONFIG_NAMES,
     TeacherFolder,
     config_folder,
@@ -52,7 +62,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_NAMES",
+    "CPU_OVERHEAD",
+    "CUDA_OVERHEAD",
     "GPU",
+    "GiB",
+    "PlanContext",
     "ComponentSize",
     "Inventory",
     "Phase",
@@ -64,14 +78,9 @@ __all__ = [
     "make_plan",
     "read_meminfo",
     "render_plan",
+    "too_small",
 ]
 
-GiB = 1 << 30
-
-#: Allowance per GPU for the CUDA context, cuBLAS workspaces and caching-allocator slack.
-CUDA_OVERHEAD = 1 * GiB
-#: Allowance on the CPU for the Python process itself (torch, diffusers, transformers imported).
-CPU_OVERHEAD = 2 * GiB
 #: Margin on every activation estimate.
 ACTIVATION_MARGIN = 1.25
 
@@ -81,28 +90,6 @@ BLOCK_LISTS: Mapping[str, str | None] = {
     "transformer": "blocks",
     "transformer_2": "blocks",
     "vae": None,
-}
-
-#: Strategies in order of expected speed (1 = fastest). `cuda` means the best single GPU.
-SPEED_ORDER = (
-    "cuda",
-    "balanced",
-    "sequential",
-    "balanced_low_0",
-    "model-offload",
-    "group-offload",
-    "disk-offload",
-    "cpu",
-)
-SPEED_WHY: Mapping[str, str] = {
-    "cuda": "all weights resident on one GPU, no transfers",
-    "balanced": "layers spread evenly over the GPUs; one GPU computes at a time",
-    "sequential": "GPUs filled in order; one GPU computes at a time",
-    "balanced_low_0": "like balanced, keeping GPU 0 light",
-    "model-offload": "whole component copied CPU->GPU when it starts to run",
-    "group-offload": "one block group at a time copied CPU->GPU (overlapped on CUDA streams)",
-    "disk-offload": "every forward re-reads all weights from disk (page cache helps)",
-    "cpu": "computes on the CPU: orders of magnitude slower at real Wan sizes",
 }
 
 _DTYPE_NAMES: Mapping[torch.dtype, str] = {
@@ -198,6 +185,38 @@ class Inventory:
         gpu = GPU(name, int(gpu_gib * GiB), int(free * GiB))
         desc = f"fake: {gpus}x{gpu_gib:g} GiB GPU, {cpu_gib:g} GiB RAM, {disk_gib:g} GiB disk"
         return cls((gpu,) * gpus, int(cpu_gib * GiB), int(disk_gib * GiB), desc)
+
+    @classmethod
+    def described(
+        cls, *, gpus: int | None, gpu_mem: str | None, cpu_mem: str | None, disk: str | None
+    ) -> Inventory:
+        """A machine described on the command line (`plan --gpus 4 --gpu-mem 80GiB --cpu-mem
+        512GiB [--disk 2TiB]`), sizes in any form `placements.parse_size` accepts. Each GPU has
+        its size minus 0.5 GiB free (as `fake`); the disk defaults to 1 TiB."""
+        if gpus is not None and gpus < 0:
+            raise UsageError(f"--gpus {gpus} must be 0 or more", fix="e.g. --gpus 4")
+        if gpu_mem is not None and not gpus:
+            raise UsageError(
+                f"--gpu-mem {gpu_mem} describes GPUs but --gpus is {gpus or 0}",
+                fix=f"add --gpus N (e.g. --gpus 1 --gpu-mem {gpu_mem})",
+            )
+        if gpus and gpu_mem is None:
+            raise UsageError(
+                f"--gpus {gpus} needs the memory of each GPU", fix="add e.g. --gpu-mem 80GiB"
+            )
+        if cpu_mem is None:
+            raise UsageError(
+                "a described machine needs its RAM (--cpu-mem)", fix="add e.g. --cpu-mem 512GiB"
+            )
+        gpu_bytes = parse_size(gpu_mem, "--gpu-mem") if gpus else 0
+        ram = parse_size(cpu_mem, "--cpu-mem")
+        room = parse_size(disk or "1TiB", "--disk")
+        gpu = GPU(f"{gpu_bytes / GiB:g} GiB GPU", gpu_bytes, max(0, gpu_bytes - GiB // 2))
+        desc = (
+            f"described: {gpus or 0}x{gpu_bytes / GiB:.1f} GiB GPU, {ram / GiB:.1f} GiB RAM, "
+            f"{room / GiB:.0f} GiB disk{'' if disk else ' (default)'}"
+        )
+        return cls((gpu,) * (gpus or 0), ram, room, desc)
 
     @classmethod
     def cpu_only(cls, cpu_gib: float = 64.0, disk_gib: float = 1000.0) -> Inventory:
@@ -352,10 +371,7 @@ def meta_model(name: str, config: Mapping[str, Any]) -> torch.nn.Module:
             model = cls(UMT5Config.from_dict(dict(config)))
         else:
             model = cls.from_config(dict(config))
-    # from_pretrained ties shared <-> encoder.embed_tokens; so do we (outside init_empty_weights,
-    # whose patched register_parameter would otherwise replace the tied parameter with a copy).
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    workarounds.tie_meta_weights(model)  # from_pretrained ties shared <-> encoder.embed_tokens
     return model.eval()
 
 
@@ -524,8 +540,8 @@ class Phase:
 class StrategyPlan:
     """One placement strategy on this inventory."""
 
-    strategy: str
-    """The value to pass as --placement (cuda means the single best GPU, e.g. cuda:0)."""
+    placement: Placement
+    """The strategy; device-map strategies carry the per-component max_memory planned here."""
     speed_rank: int
     """1 = expected fastest; an estimate from how much data moves per forward, not measured."""
     needs: dict[str, dict[str, int]]
@@ -535,17 +551,28 @@ class StrategyPlan:
     fits: bool
     note: str
     """Why it does not fit, or what it assumes."""
+    max_memory: dict[str, dict[int | str, int]] = field(default_factory=dict)
+    """Device-map strategies: component -> the max_memory passed to accelerate when loading."""
+
+    @property
+    def strategy(self) -> str:
+        """The --placement value (cuda rows name their GPU, e.g. cuda:0)."""
+        return str(self.placement)
 
     @property
     def flag(self) -> str:
-        return f"--placement {self.strategy}"
+        return self.placement.flags()
 
 
 @dataclass(frozen=True, slots=True)
 class AutoChoice:
-    strategy: str | None
+    placement: Placement | None
     """None when nothing fits."""
     reason: str
+
+    @property
+    def strategy(self) -> str | None:
+        return None if self.placement is None else str(self.placement)
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,19 +584,18 @@ class Plan:
     components: tuple[ComponentSize, ...]
     phases: tuple[Phase, ...]
     strategies: tuple[StrategyPlan, ...]
-    """Sorted by speed rank."""
+    """Sorted by speed rank; a requested placement that auto never picks comes last."""
     auto: AutoChoice
-    requested: str | None = None
-    group_offload_level: str = "block_level"
+    requested: Placement | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    def strategy(self, name: str) -> StrategyPlan:
-        """The row for a --placement value (cuda, cuda:N and gpu0 all map to the single-GPU row)."""
-        single = name in ("cuda", "gpu0") or name.startswith("cuda:")
+    def strategy(self, which: str | Placement) -> StrategyPlan:
+        """The row for a placement (any single-GPU placement maps to the single-GPU row); a
+        string is looked up by its --placement text, for tests and the command line."""
         for sp in self.strategies:
-            if sp.strategy == name or (single and sp.strategy.startswith("cuda:")):
+            if _same_strategy(sp.placement, which):
                 return sp
-        raise KeyError(name)
+        raise KeyError(str(which))
 
     def component(self, name: str) -> ComponentSize:
         return next(c for c in self.components if c.name == name)
@@ -610,14 +636,29 @@ class Plan:
                     "fits": s.fits,
                     "peak": s.peak,
                     "needs": s.needs,
+                    "max_memory": {
+                        c: {str(k): v for k, v in mm.items()} for c, mm in s.max_memory.items()
+                    },
                     "note": s.note,
                 }
                 for s in self.strategies
             ],
             "auto": {"strategy": self.auto.strategy, "reason": self.auto.reason},
-            "requested": self.requested,
+            "requested": None if self.requested is None else str(self.requested),
             "notes": list(self.notes),
         }
+
+
+def _same_strategy(placement: Placement, which: str | Placement) -> bool:
+    if isinstance(which, str):
+        single = which in ("cuda", "gpu0") or which.startswith("cuda:")
+        return str(placement) == which or (single and isinstance(placement, Cuda))
+    if isinstance(which, Cuda):
+        return isinstance(placement, Cuda)
+    if isinstance(which, Auto):
+        return False
+    same_kind = type(placement) is type(which) and str(placement) == str(which)
+    return same_kind and getattr(placement, "level", None) == getattr(which, "level", None)
 
 
 def _load_configs(
@@ -664,144 +705,132 @@ def _phases(
 
 
 @dataclass(slots=True)
-class _Ctx:
-    """What the per-strategy calculators need."""
+class PlanContext:
+    """What a placement's `need` reads: the machine, the dtype, the components' sizes and their
+    meta models (see `wandistill.placements.Placement.need`)."""
 
     inventory: Inventory
     dtype: torch.dtype
     comps: dict[str, ComponentSize]
     models: dict[str, torch.nn.Module]
-    group_level: str
-    max_memory: dict[str, int]
+    caps: dict[int | str, int]
+    """The user's max_memory: GPU index or "cpu" -> bytes."""
     best_gpu: int
+    _sizes: dict[str, dict[str, int]] = field(default_factory=dict)
 
+    @property
+    def gpu(self) -> str:
+        """The single GPU a one-GPU strategy uses: the one with the most free memory."""
+        return f"cuda:{self.best_gpu}"
 
-def _add(needs: dict[str, int], device: str, n: int) -> None:
-    needs[device] = needs.get(device, 0) + n
+    def cap(self, device: str) -> int:
+        """Free memory on `device`, lowered by a user max_memory cap where one is set."""
+        have = self.inventory.available(device)
+        key: int | str = int(device.split(":")[1]) if device.startswith("cuda:") else device
+        return min(have, self.caps[key]) if key in self.caps else have
 
+    def special_dtypes(self, name: str) -> dict[str, torch.dtype]:
+        kept = fp32_kept(type(self.models[name]), self.dtype)
+        return {p: torch.float32 for p, _ in self.models[name].named_parameters() if kept(p)}
 
-def _cap(ctx: _Ctx, device: str) -> int:
-    """Free memory on `device`, lowered by a user max_memory cap where one is set."""
-    have = ctx.inventory.available(device)
-    key = device.split(":")[1] if device.startswith("cuda:") else device
-    return min(have, ctx.max_memory[key]) if key in ctx.max_memory else have
+    def module_sizes(self, name: str) -> dict[str, int]:
+        """accelerate's `compute_module_sizes` of component `name` at the run dtype."""
+        if name not in self._sizes:
+            from accelerate.utils import compute_module_sizes
 
+            self._sizes[name] = dict(
+                compute_module_sizes(
+                    self.models[name], dtype=self.dtype, special_dtypes=self.special_dtypes(name)
+                )
+            )
+        return self._sizes[name]
 
-def _need_single(ctx: _Ctx, phase: Phase, strategy: str) -> tuple[dict[str, int], str]:
-    weights = sum(ctx.comps[c].weight_bytes for c in phase.components)
-    biggest = max(ctx.comps[c].weight_bytes for c in phase.components)
-    needs: dict[str, int] = {"cpu": CPU_OVERHEAD}
-    gpu = f"cuda:{ctx.best_gpu}"
-    if phase.components == ("vae",) and strategy in ("group-offload", "disk-offload"):
-        strategy = "cuda" if ctx.inventory.has_cuda else "cpu"  # the VAE runs whole (placement.py)
-    if strategy == "cpu":
-        _add(needs, "cpu", weights + phase.activation_bytes)
-    elif strategy == "cuda":
-        needs[gpu] = weights + phase.activation_bytes + CUDA_OVERHEAD
-    elif strategy == "model-offload":
-        needs[gpu] = biggest + phase.activation_bytes + CUDA_OVERHEAD
-        _add(needs, "cpu", weights)
-    elif strategy == "group-offload":
-        needs[gpu] = _group_gpu_bytes(ctx, phase) + phase.activation_bytes + CUDA_OVERHEAD
-        _add(needs, "cpu", weights)
-    else:  # disk-offload
-        leaf = max(ctx.comps[c].largest_leaf_bytes for c in phase.components)
-        exec_dev = gpu if ctx.inventory.has_cuda else "cpu"
-        extra = CUDA_OVERHEAD if exec_dev != "cpu" else 0
-        _add(needs, exec_dev, leaf + phase.activation_bytes + extra)
-        disk = sum(ctx.comps[c].weight_bytes for c in phase.components if c != "text_encoder")
-        needs["disk"] = disk
-    return needs, ""
+    def module_names(self, name: str) -> set[str]:
+        """Every module and tensor name of component `name` (tied ones under each name)."""
+        model = self.models[name]
+        tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+        return {n for n, _ in model.named_modules(remove_duplicate=False)} | {n for n, _ in tensors}
 
+    def simulate_device_map(self, phase: Phase, strategy: str, *, low_zero: bool) -> Need:
+        """accelerate's own device-map algorithm on the meta models, GPUs only (plus the CPU
+        where the user's max_memory names it), activation headroom reserved on every GPU.
 
-def _group_gpu_bytes(ctx: _Ctx, phase: Phase) -> int:
-    """GPU weights under group offload: resident part + current block (+ the prefetched one)."""
-    inflight = 2 if ctx.inventory.has_cuda else 1
-    best = 0
-    for name in phase.components:
-        c = ctx.comps[name]
-        if ctx.group_level == "leaf_level" or name == "text_encoder":  # always leaf: placement.py
-            best = max(best, inflight * c.largest_leaf_bytes)
-        else:
-            best = max(best, c.resident_bytes + inflight * c.largest_group_bytes)
-    return best
+        Each component's max_memory (what the loader passes to `from_pretrained`) is recorded:
+        the library then runs the same `get_balanced_memory` + `infer_auto_device_map`."""
+        from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
-
-def _need_device_map(ctx: _Ctx, phase: Phase, strategy: str) -> tuple[dict[str, int], str]:
-    """accelerate's own device-map algorithm on the meta model, GPUs only, headroom reserved."""
-    from accelerate.utils import compute_module_sizes, get_balanced_memory, infer_auto_device_map
-
-    n = len(ctx.inventory.gpus)
-    headroom = phase.activation_bytes + CUDA_OVERHEAD
-    budget = {i: max(0, _cap(ctx, f"cuda:{i}") - headroom) for i in range(n)}
-    needs: dict[str, int] = {"cpu": CPU_OVERHEAD}
-    spilled: list[str] = []
-    for name in phase.components:
-        model, comp = ctx.models[name], ctx.comps[name]
-        kept = fp32_kept(type(model), ctx.dtype)
-        special = {p: torch.float32 for p, _ in model.named_parameters() if kept(p)}
-        if not comp.no_split:  # e.g. the VAE: accelerate cannot split it; whole on GPU 0
-            dmap: dict[str, Any] = {"": 0 if comp.weight_bytes <= budget[0] else "disk"}
-        else:
-            kwargs = {"no_split_module_classes": list(comp.no_split), "special_dtypes": special}
+        headroom = phase.activation_bytes + CUDA_OVERHEAD
+        budget: dict[int | str, int] = {
+            i: max(0, self.cap(f"cuda:{i}") - headroom) for i in range(len(self.inventory.gpus))
+        }
+        if "cpu" in self.caps:
+            budget["cpu"] = self.cap("cpu")
+        devices: dict[str, int] = {"cpu": CPU_OVERHEAD}
+        planned: dict[str, dict[int | str, int]] = {}
+        spilled: list[str] = []
+        for name in phase.components:
+            model, comp = self.models[name], self.comps[name]
+            planned[name] = dict(budget)
+            kwargs = {
+                "no_split_module_classes": list(comp.no_split),
+                "special_dtypes": self.special_dtypes(name),
+            }
             with _quiet_libraries():
                 mm = dict(budget)
                 if strategy != "sequential":
                     mm = get_balanced_memory(
                         model,
                         max_memory=dict(budget),
-                        dtype=ctx.dtype,
-                        low_zero=strategy == "balanced_low_0",
+                        dtype=self.dtype,
+                        low_zero=low_zero,
                         **kwargs,
                     )
-                dmap = infer_auto_device_map(model, max_memory=mm, dtype=ctx.dtype, **kwargs)
-        sizes = compute_module_sizes(model, dtype=ctx.dtype, special_dtypes=special)
-        for module, dev in dmap.items():
-            if isinstance(dev, int):
-                needs[f"cuda:{dev}"] = needs.get(f"cuda:{dev}", 0) + sizes[module]
-                budget[dev] = max(0, budget[dev] - sizes[module])
-            else:
-                spilled.append(f"{name}.{module}" if module else name)
-    for i in range(n):
-        if f"cuda:{i}" in needs:
-            needs[f"cuda:{i}"] += headroom
-    note = f"{len(spilled)} module(s) do not fit on the GPUs (e.g. {spilled[0]})" if spilled else ""
-    return needs, note
+                dmap = infer_auto_device_map(model, max_memory=mm, dtype=self.dtype, **kwargs)
+            sizes = self.module_sizes(name)
+            for module, dev in dmap.items():
+                if isinstance(dev, int) or (dev == "cpu" and "cpu" in budget):
+                    key = f"cuda:{dev}" if isinstance(dev, int) else "cpu"
+                    devices[key] = devices.get(key, 0) + sizes.get(module, 0)
+                    budget[dev] = max(0, budget[dev] - sizes.get(module, 0))
+                else:
+                    spilled.append(f"{name}.{module}" if module else name)
+        for i in range(len(self.inventory.gpus)):
+            if f"cuda:{i}" in devices:
+                devices[f"cuda:{i}"] += headroom
+        note = (
+            f"{len(spilled)} module(s) do not fit on the GPUs (e.g. {spilled[0]})"
+            if spilled
+            else ""
+        )
+        return Need(devices, note, planned)
 
 
-def _strategy_plan(ctx: _Ctx, phases: list[Phase], strategy: str, rank: int) -> StrategyPlan:
+def _strategy_plan(
+    ctx: PlanContext, phases: list[Phase], placement: Placement, rank: int
+) -> StrategyPlan:
     needs: dict[str, dict[str, int]] = {}
     notes: list[str] = []
+    budgets: dict[str, dict[int | str, int]] = {}
     for phase in phases:
-        if strategy in ("balanced", "balanced_low_0", "sequential"):
-            need, note = _need_device_map(ctx, phase, strategy)
-        else:
-            need, note = _need_single(ctx, phase, strategy)
-        needs[phase.name] = need
-        if note:
-            notes.append(f"{phase.name}: {note}")
+        need = placement.need(phase, ctx)
+        needs[phase.name] = need.devices
+        budgets.update(need.max_memory)
+        if need.note:
+            notes.append(f"{phase.name}: {need.note}")
     peak: dict[str, int] = {}
-    for need in needs.values():
-        for dev, b in need.items():
+    for devices in needs.values():
+        for dev, b in devices.items():
             peak[dev] = max(peak.get(dev, 0), b)
     short = [
-        f"{dev} needs {b / GiB:.1f} GiB, has {_cap(ctx, dev) / GiB:.1f} GiB"
+        f"{dev} needs {b / GiB:.1f} GiB, has {ctx.cap(dev) / GiB:.1f} GiB"
         for dev, b in peak.items()
-        if b > _cap(ctx, dev)
+        if b > ctx.cap(dev)
     ]
-    concrete = f"cuda:{ctx.best_gpu}" if strategy == "cuda" else strategy
     fits = not short and not notes
-    note = "; ".join(notes + short) if not fits else SPEED_WHY[strategy]
-    return StrategyPlan(concrete, rank, needs, peak, fits, note)
-
-
-def _strategies_for(inventory: Inventory) -> list[str]:
-    if not inventory.has_cuda:
-        return ["cpu", "disk-offload"]
-    multi = len(inventory.gpus) > 1
-    return [
-        s for s in SPEED_ORDER if multi or s not in ("balanced", "sequential", "balanced_low_0")
-    ]
+    note = "; ".join(notes + short) if not fits else placement.why
+    if budgets:
+        placement = placement.with_budgets(budgets)
+    return StrategyPlan(placement, rank, needs, peak, fits, note, budgets)
 
 
 def _auto(strategies: list[StrategyPlan], inventory: Inventory) -> AutoChoice:
@@ -816,7 +845,15 @@ def _auto(strategies: list[StrategyPlan], inventory: Inventory) -> AutoChoice:
         why += "; faster but too big: " + "; ".join(f"{s.strategy} ({s.note})" for s in faster)
     if not inventory.has_cuda:
         why += "; no GPU visible"
-    return AutoChoice(best.strategy, why)
+    return AutoChoice(best.placement, why)
+
+
+def _as_auto(requested: Placement | None) -> Auto:
+    """The `auto` whose candidates share the requested strategy's caps and group level."""
+    if isinstance(requested, Auto):
+        return requested
+    caps = getattr(requested, "caps", ())
+    return Auto(level=getattr(requested, "level", "block_level"), caps=caps)
 
 
 def make_plan(
@@ -825,19 +862,21 @@ def make_plan(
     dtype: torch.dtype,
     sizes: SamplerSizes,
     inventory: Inventory,
-    placement: str | None = None,
-    group_offload_level: str = "block_level",
-    max_memory: Mapping[str, str | int] | None = None,
+    placement: Placement | None = None,
     experts_resident: int = 1,
+    components: tuple[str, ...] | None = None,
+    only: tuple[type[Placement], ...] | None = None,
 ) -> Plan:
-    """Plan every strategy for a teacher folder, a committed config name, or config dicts.
+    """Plan every strategy `auto` may pick (and the requested `placement`, if auto never would)
+    for a teacher folder, a committed config name, or config dicts.
 
     `experts_resident`: Wan 2.2 experts kept loaded together during denoising (1: the sampler
-    swaps them; 2: both stay loaded). `max_memory` caps devices like accelerate's ("0", "cpu").
-    """
-    from accelerate.utils import convert_file_size_to_int
-
+    swaps them; 2: both stay loaded). `components`: plan only these (eval needs the VAE only);
+    `only`: the strategy types auto may pick (eval / sample `--device auto`: Cuda or Cpu).
+    The requested placement's max_memory caps every device, as accelerate's would."""
     label, configs, folder = _load_configs(folder_or_configs)
+    if components is not None:
+        configs = {n: c for n, c in configs.items() if n in components}
     unknown = sorted(set(configs) - set(COMPONENT_CLASSES))
     if unknown:
         raise UsageError(f"unknown teacher component(s) {unknown}", fix="use Wan diffusers folders")
@@ -846,19 +885,20 @@ def make_plan(
         n: component_size(n, m, dtype, folder.numels(n) if folder is not None else None)
         for n, m in models.items()
     }
-    caps = {
-        str(k).removeprefix("cuda:"): (
-            convert_file_size_to_int(v) if isinstance(v, str) else int(v)
-        )
-        for k, v in (max_memory or {}).items()
-    }
+    auto = _as_auto(placement)
     best_gpu = max(
         range(len(inventory.gpus)), key=lambda i: inventory.gpus[i].free_bytes, default=0
     )
-    ctx = _Ctx(inventory, dtype, comps, models, group_offload_level, caps, best_gpu)
+    ctx = PlanContext(inventory, dtype, comps, models, dict(auto.caps), best_gpu)
     phases = _phases(configs, sizes, dtype, experts_resident)
-    names = _strategies_for(inventory)
-    plans = [_strategy_plan(ctx, phases, s, rank) for rank, s in enumerate(names, start=1)]
+    candidates = [
+        p for p in auto.candidates(len(inventory.gpus), best_gpu) if not only or isinstance(p, only)
+    ]
+    plans = [_strategy_plan(ctx, phases, p, rank) for rank, p in enumerate(candidates, start=1)]
+    choice = _auto(plans, inventory)
+    if placement is not None and not isinstance(placement, Auto):
+        if not any(_same_strategy(s.placement, placement) for s in plans):
+            plans.append(_strategy_plan(ctx, phases, placement, len(plans) + 1))
     notes = (
         "weights: exact (fp32-kept layers at 4 bytes); activations: estimated, +25% margin",
         f"per GPU +{CUDA_OVERHEAD / GiB:.0f} GiB CUDA context/allocator; "
@@ -872,10 +912,39 @@ def make_plan(
         components=tuple(comps.values()),
         phases=tuple(phases),
         strategies=tuple(plans),
-        auto=_auto(plans, inventory),
+        auto=choice,
         requested=placement,
-        group_offload_level=group_offload_level,
         notes=notes,
+    )
+
+
+_FLAGS = {"cpu": "--cpu-mem", "disk": "--disk"}
+
+
+def too_small(plan: Plan) -> UsageError:
+    """The one-line error for a described machine on which nothing fits: the strategy closest
+    to fitting (least memory short), what it needs per device, and the flags that would do."""
+    spilled = tuple(f"{p.name}: " for p in plan.phases)  # device maps that spill: no size fixes
+    pool = [s for s in plan.strategies if not s.note.startswith(spilled)] or list(plan.strategies)
+
+    def short(s: StrategyPlan) -> int:
+        inv = plan.inventory
+        return sum(max(0, b - inv.available(d)) for d, b in s.peak.items())
+
+    best = min(pool, key=short)
+    needs = ", ".join(f"{d} {b / GiB:.1f} GiB" for d, b in best.peak.items())
+    raise_to: dict[str, int] = {}
+    for device, b in best.peak.items():
+        if b > plan.inventory.available(device):
+            flag = _FLAGS.get(device, "--gpu-mem")
+            extra = GiB // 2 if flag == "--gpu-mem" else 0  # a described GPU keeps 0.5 GiB back
+            raise_to[flag] = max(raise_to.get(flag, 0), b + extra)
+    fix = " ".join(f"{f} {math.ceil(n / GiB)}GiB" for f, n in raise_to.items())
+    return UsageError(
+        f"the described machine ({plan.inventory.source.removeprefix('described: ')}) is too "
+        f"small for teacher {plan.teacher} with any placement; the closest, {best.strategy}, "
+        f"needs {needs}",
+        fix=f"describe a bigger machine: {fix}" if fix else best.note,
     )
 
 
@@ -945,11 +1014,8 @@ def render_plan(plan: Plan) -> list[RenderableType]:
     for col in ("rank", "strategy", *[f"{d} GiB" for d in devices], "fits", "note"):
         summary.add_column(col, justify="right" if "GiB" in col else "left")
     for s in plan.strategies:
-        mark = " <- auto" if s.strategy == plan.auto.strategy else ""
-        if plan.requested and (
-            s.strategy == plan.requested
-            or (plan.requested in ("cuda", "gpu0") and s.strategy.startswith("cuda"))
-        ):
+        mark = " <- auto" if s.placement == plan.auto.placement else ""
+        if plan.requested is not None and _same_strategy(s.placement, plan.requested):
             mark += " <- requested"
         fits = Text("yes", style="green") if s.fits else Text("no", style="red")
         summary.add_row(
@@ -960,10 +1026,36 @@ def render_plan(plan: Plan) -> list[RenderableType]:
             s.note,
         )
     out.append(summary)
+    budgets = _budget_table(plan, devices)
+    if budgets is not None:
+        out.append(budgets)
     pick = plan.auto.strategy or "nothing fits"
     out.append(Text(f"auto -> {pick}: {plan.auto.reason}"))
     out.extend(Text(f"note: {n}", style="dim") for n in plan.notes)
     return out
+
+
+def _budget_table(plan: Plan, devices: list[str]) -> RenderableType | None:
+    """The max_memory each device-map strategy hands accelerate, per component: free memory
+    minus that phase's activation headroom and the CUDA allowance (what `load` passes)."""
+    from rich.table import Table
+
+    rows = [(s, c, mm) for s in plan.strategies for c, mm in s.max_memory.items()]
+    if not rows:
+        return None
+    t = Table(title="max_memory passed to accelerate (GiB; activation headroom reserved)")
+    t.add_column("strategy")
+    t.add_column("component")
+    for d in devices[:-1]:  # GPUs and the CPU; never the disk
+        t.add_column(d, justify="right")
+    for s, component, mm in rows:
+        cells = [_gib(mm[_key(d)]) if _key(d) in mm else "-" for d in devices[:-1]]
+        t.add_row(s.strategy, component, *cells)
+    return t
+
+
+def _key(device: str) -> int | str:
+    return int(device.split(":")[1]) if device.startswith("cuda:") else device
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -19,6 +19,8 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from wandistill.cache.schema import Record
+from wandistill.finite import check_batch
+from wandistill.progress import beat
 
 CFG_FORMULA = "uncond + g * (cond - uncond)"
 
@@ -211,14 +213,22 @@ class RecordingSampler:
                 return_dict=False,
             )[0]
             pred = pred_uncond + g * (pred - pred_uncond)
+        who = [(j.key, j.prompt, j.extra.get("line", "?")) for j in state.jobs]
+        check_batch(f"x_t in {dtype}", model_input, who, step=i, timestep=float(t))
+        check_batch("the teacher output", pred, who, step=i, timestep=float(t))
         if record:
             state.xt[i] = model_input.detach().to("cpu", copy=True)
             state.out[i] = pred.detach().to("cpu", copy=True)
             if tap is not None:
                 for name, feat in tap.taken.items():
+                    check_batch(f"teacher feature {name!r}", feat, who, step=i)
                     state.feats.setdefault(name, {})[i] = feat
         state.latents = state.scheduler.step(pred, t, latents, return_dict=False)[0]
+        last = i == len(state.timesteps) - 1
+        what = "the final latent" if last else "the latent x_t after the scheduler step"
+        check_batch(what, state.latents, who, step=i, timestep=float(t))
         state.step += 1
+        beat()  # a rank waiting for this one can tell slow from stuck (wandistill.dist)
 
     def finish(self, state: BatchState) -> list[Record]:
         """Split a finished batch into one Record per prompt."""

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from wandistill.workarounds import t5_tokenizer_class
+
 __all__ = [
     "BOUNDARY_RATIO",
     "TINY_DEFAULTS",
@@ -284,17 +286,12 @@ def _check_target(path: Path, overwrite: bool) -> None:
 
 
 def _normalise_model_index(folder: Path) -> None:
-    """Name the tokenizer `T5TokenizerFast` in model_index.json, as the real Wan folders do.
-
-    transformers 5 saves the class as `T5Tokenizer` (its fast tokenizer); under transformers 4
-    that name is the slow SentencePiece class, which cannot load this folder (no spiece.model).
-    `T5TokenizerFast` resolves to the tokenizers-backed class in both.
-    """
+    """Name the tokenizer `T5TokenizerFast` in model_index.json, as the real Wan folders do
+    (`workarounds.t5_tokenizer_class`: transformers 4 and 5 disagree on `T5Tokenizer`)."""
     index_path = folder / "model_index.json"
-    index = json.loads(index_path.read_text(encoding="utf-8"))
-    if index.get("tokenizer") == ["transformers", "T5Tokenizer"]:
-        index["tokenizer"] = ["transformers", "T5TokenizerFast"]
-        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    fixed = t5_tokenizer_class(json.loads(index_path.read_text(encoding="utf-8")))
+    if fixed is not None:
+        index_path.write_text(json.dumps(fixed, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def make_tiny_teacher(

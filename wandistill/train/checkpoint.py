@@ -17,27 +17,157 @@ A checkpoint is built in a hidden temp folder, every file fsynced, then renamed 
 `latest` is rewritten atomically after that. A crash leaves either the old or the new checkpoint,
 plus perhaps a `.checkpoint-*.tmp` folder that the next save removes. `resolve_latest` trusts
 `latest` when it names a complete checkpoint and otherwise takes the highest complete step.
+
+Reading trusts nothing (`check_state`, `load_checkpoint`): state.json and optimizer.json are
+checked against their schemas (`CheckpointState`, `OptimizerRest`); state.json lists every other
+file with its size and crc32c (`files`) and carries the sha256 of its own canonical JSON
+(`sha256`), so a byte changed anywhere is caught; tensor names, dtypes and finiteness are checked
+on load, and `check_restorable` matches them against the live model, optimizer and scheduler.
+Each problem is one error naming the file, the field and the fix. Checkpoints written before
+the seal (no `files`/`sha256`) are still read, schema-checked but unsealed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import google_crc32c
 import torch
+from pydantic import Field, JsonValue, model_validator
 from safetensors.torch import load_file, save
 
 from wandistill.errors import WandistillError
 from wandistill.fsutil import atomic_write_bytes, fsync_dir, make_temp_dir, publish
+from wandistill.validate import (
+    MiB,
+    OpenSchema,
+    Schema,
+    check,
+    json_kind,
+    parse_json,
+    read_capped,
+    seal,
+)
 
 PREFIX = "checkpoint-"
 LATEST = "latest"
 STATE = "state.json"
+OPTIMIZER_JSON = "optimizer.json"
+MAX_JSON_BYTES = 64 * MiB
+"""Cap on state.json and optimizer.json (a few KB for any real run)."""
+FIX = "delete this checkpoint folder so --resume takes the previous one, or start a new --out"
+_NAME = re.compile(rf"{PREFIX}(\d{{1,15}})")
+
+
+# --------------------------------------------------------------------------- file schemas
+
+Count = Annotated[int, Field(ge=0, le=1 << 53)]
+Lr = Annotated[float, Field(ge=0.0, le=1e6)]
+
+
+class SchedulerState(OpenSchema):
+    """LambdaLR.state_dict(); other keys a torch version adds are matched against the live
+    scheduler's own state_dict in `check_restorable` (load_state_dict sets them as attributes)."""
+
+    base_lrs: Annotated[list[Lr], Field(min_length=1, max_length=1024)]
+    last_epoch: Annotated[int, Field(ge=-1, le=1 << 53)]
+    step_count: Count = Field(alias="_step_count")
+    last_lr: Annotated[list[Lr], Field(max_length=1024)] | None = Field(None, alias="_last_lr")
+    lr_lambdas: Annotated[list[dict[str, JsonValue] | None], Field(max_length=1024)]
+
+
+class ReaderState(Schema):
+    """TrainingReader.state_dict()."""
+
+    epoch: Count
+    batches_done: Count
+    seed: Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
+    world_size: Annotated[int, Field(ge=1, le=1 << 20)]
+    batch_size: Annotated[int, Field(ge=1, le=1 << 30)]
+    grad_accum: Annotated[int, Field(ge=1, le=1 << 30)] = 1
+    follow: bool
+    generations: list[list[Annotated[str, Field(max_length=256)]]] | None = None
+
+
+class RunMeta(OpenSchema):
+    student_config: dict[str, JsonValue]
+    teacher_fingerprint: Annotated[str, Field(max_length=256)] | None
+    world_size: Annotated[int, Field(ge=1, le=1 << 20)]
+    batch_size: Annotated[int, Field(ge=1, le=1 << 30)]
+    grad_accum: Annotated[int, Field(ge=1, le=1 << 30)]
+
+
+class FileSum(Schema):
+    bytes: Count
+    crc32c: Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
+
+
+FileName = Literal[
+    "student.safetensors",
+    "ema.safetensors",
+    "projections.safetensors",
+    "optimizer.safetensors",
+    "optimizer.json",
+    "rng.safetensors",
+    "target.safetensors",
+]
+
+
+class CheckpointState(Schema):
+    """state.json."""
+
+    step: Count
+    scheduler: SchedulerState
+    reader: ReaderState
+    meta: RunMeta
+    files: dict[FileName, FileSum] | None = None
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CheckpointState:
+        if self.scheduler.last_epoch != self.step:
+            raise ValueError(
+                f"scheduler.last_epoch = {self.scheduler.last_epoch} but step = {self.step} "
+                "(the scheduler steps once per optimizer step)"
+            )
+        if (self.files is None) != (self.sha256 is None):
+            raise ValueError("files and sha256 come together (one of them was removed)")
+        return self
+
+
+class ParamGroup(OpenSchema):
+    """One AdamW param group; torch's other flags are matched against the live optimizer."""
+
+    lr: Lr
+    initial_lr: Lr | None = None
+    betas: Annotated[
+        list[Annotated[float, Field(ge=0.0, lt=1.0)]], Field(min_length=2, max_length=2)
+    ]
+    eps: Annotated[float, Field(gt=0.0, le=1.0)]
+    weight_decay: Annotated[float, Field(ge=0.0, le=1e3)]
+    params: list[Annotated[int, Field(ge=0, le=1 << 30)]]
+
+
+class OptimizerRest(Schema):
+    """optimizer.json: what of optimizer.state_dict() is not a tensor."""
+
+    param_groups: Annotated[list[ParamGroup], Field(min_length=1, max_length=1024)]
+    scalars: dict[
+        Annotated[str, Field(pattern=r"^\d{1,9}$")],
+        dict[Annotated[str, Field(max_length=64)], JsonValue],
+    ]
+
+
+_TENSOR_NAMES = {
+    "rng.safetensors": re.compile(r"rank\d{1,7}\.(cpu|cuda)"),
+    "optimizer.safetensors": re.compile(r"state\.\d{1,9}\.[A-Za-z_]{1,64}"),
+}
 
 
 @dataclass(slots=True)
@@ -92,11 +222,13 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) 
 # --------------------------------------------------------------------------- write
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, data: bytes, sums: dict[str, dict[str, int]] | None = None) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if sums is not None:
+        sums[path.name] = {"bytes": len(data), "crc32c": int(google_crc32c.value(data))}
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -110,18 +242,22 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, *, keep: int) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     name = f"{PREFIX}{ckpt.step}"
     tmp = make_temp_dir(root, name)
+    sums: dict[str, dict[str, int]] = {}
     try:
-        _write(tmp / "student.safetensors", save(_contiguous(ckpt.student)))
-        _write(tmp / "ema.safetensors", save(_contiguous(ckpt.ema)))
+        _write(tmp / "student.safetensors", save(_contiguous(ckpt.student)), sums)
+        _write(tmp / "ema.safetensors", save(_contiguous(ckpt.ema)), sums)
         if ckpt.projections:
-            _write(tmp / "projections.safetensors", save(_contiguous(ckpt.projections)))
+            _write(tmp / "projections.safetensors", save(_contiguous(ckpt.projections)), sums)
         if ckpt.target:
-            _write(tmp / "target.safetensors", save(_contiguous(ckpt.target)))
+            _write(tmp / "target.safetensors", save(_contiguous(ckpt.target)), sums)
         opt_tensors, opt_rest = flatten_optimizer(ckpt.optimizer)
-        _write(tmp / "optimizer.safetensors", save(opt_tensors))
-        _write(tmp / "optimizer.json", json.dumps(opt_rest).encode())
-        _write(tmp / "rng.safetensors", save(_contiguous(ckpt.rng)))
-        _write(tmp / STATE, (json.dumps(ckpt.state, indent=1) + "\n").encode())
+        _write(tmp / "optimizer.safetensors", save(opt_tensors), sums)
+        _write(tmp / OPTIMIZER_JSON, json.dumps(opt_rest).encode(), sums)
+        _write(tmp / "rng.safetensors", save(_contiguous(ckpt.rng)), sums)
+        state = {k: v for k, v in ckpt.state.items() if k not in ("files", "sha256")}
+        state["files"] = sums
+        state["sha256"] = seal(state)
+        _write(tmp / STATE, (json.dumps(state, indent=1) + "\n").encode())
         fsync_dir(tmp)
         final = root / name
         if final.exists():  # re-saving a step (a run extended with a larger --steps)
@@ -152,36 +288,223 @@ def prune(root: Path, keep: int) -> None:
 
 
 def resolve_latest(root: Path) -> Path | None:
-    """The newest complete checkpoint: what `latest` names, else the highest step."""
-    with contextlib.suppress(OSError):
-        named = root / (root / LATEST).read_text(encoding="utf-8").strip()
-        if named.name.startswith(PREFIX) and (named / STATE).is_file():
-            return named
+    """The newest complete checkpoint: what `latest` names, else the highest step.
+
+    `latest` must hold exactly one checkpoint folder name (it is only ever written so); any
+    other content is refused rather than followed (it could name a folder elsewhere)."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        raw = read_capped(pointer, max_bytes=256, what="checkpoint pointer", fix=_FIX_LATEST)
+        name = raw.decode("utf-8", errors="replace").strip()
+        if not _NAME.fullmatch(name):
+            raise WandistillError(
+                f"checkpoint pointer {str(pointer)!r} holds {name[:60]!r}, not a checkpoint "
+                f"folder name ({PREFIX}<step>)",
+                fix=_FIX_LATEST,
+            )
+        if (root / name / STATE).is_file():
+            return root / name
     found = list_checkpoints(root)
     return found[-1][1] if found else None
+
+
+_FIX_LATEST = "delete it: --resume then takes the highest complete checkpoint"
 
 
 # --------------------------------------------------------------------------- read
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
+class _Error(WandistillError):
+    """An unreadable checkpoint (exit 1)."""
+
+
+def _state_where(path: Path) -> str:
+    return f"checkpoint state {str(path / STATE)!r}"
+
+
+def check_state(path: Path) -> tuple[CheckpointState, dict[str, Any], dict[str, Any]]:
+    """state.json and optimizer.json of checkpoint folder `path`, checked: schemas, seal, step
+    vs folder name, every listed file present with its size; returns (state, the state as read,
+    optimizer.json as read). Cheap (no tensor file is read): train runs it before building
+    anything, on every rank."""
+    where = _state_where(path)
+    data = read_capped(
+        path / STATE, max_bytes=MAX_JSON_BYTES, what="checkpoint state", fix=FIX, error=_Error
+    )
+    obj = parse_json(data, where, fix=FIX, error=_Error)
+    state = check(CheckpointState, obj, where, fix=FIX, error=_Error)
+    m = _NAME.fullmatch(path.name)
+    if m is None or int(m.group(1)) != state.step:
+        raise _Error(f"{where}: step = {state.step} but the folder is {path.name!r}", fix=FIX)
+    if state.sha256 is not None:
+        body = {k: v for k, v in obj.items() if k != "sha256"}
+        if seal(body) != state.sha256:
+            raise _Error(
+                f"{where}: its content changed after it was written (sha256 does not match)",
+                fix=FIX,
+            )
+        for name, want in (state.files or {}).items():
+            f = path / name
+            size = f.stat().st_size if f.is_file() else None
+            if size != want.bytes:
+                got = "missing" if size is None else f"{size} bytes"
+                raise _Error(
+                    f"checkpoint file {str(f)!r} is {got}, state.json says {want.bytes} bytes",
+                    fix=FIX,
+                )
+    where = f"checkpoint file {str(path / OPTIMIZER_JSON)!r}"
+    data = read_capped(
+        _check_file(path, OPTIMIZER_JSON, state),
+        max_bytes=MAX_JSON_BYTES,
+        what="checkpoint file",
+        fix=FIX,
+        error=_Error,
+    )
+    opt_obj = parse_json(data, where, fix=FIX, error=_Error)
+    check(OptimizerRest, opt_obj, where, fix=FIX, error=_Error)
+    return state, obj, opt_obj
+
+
+def _check_file(path: Path, name: str, state: CheckpointState) -> Path:
+    """A checkpoint file, checked against the size and crc32c state.json lists (streamed, so a
+    large student is never held twice in memory)."""
+    f = path / name
+    want = (state.files or {}).get(name)  # type: ignore[call-overload]
+    if state.files is not None and want is None:
+        raise _Error(f"checkpoint file {str(f)!r} is not listed in state.json.files", fix=FIX)
+    if not f.is_file():
+        raise _Error(f"checkpoint file {str(f)!r} is missing", fix=FIX)
+    if want is not None:
+        crc, size = 0, 0
+        with open(f, "rb") as fh:
+            while chunk := fh.read(16 * MiB):
+                crc, size = google_crc32c.extend(crc, chunk), size + len(chunk)
+        if (size, crc) != (want.bytes, want.crc32c):
+            raise _Error(
+                f"checkpoint file {str(f)!r} fails its crc32c check (changed after it was written)",
+                fix=FIX,
+            )
+    return f
+
+
+def _tensors(path: Path, name: str, state: CheckpointState) -> dict[str, torch.Tensor]:
+    """One safetensors file of the checkpoint: names, dtypes and finite values checked."""
+    where = f"checkpoint file {str(path / name)!r}"
     try:
-        state = json.loads((path / STATE).read_text(encoding="utf-8"))
-        opt_rest = json.loads((path / "optimizer.json").read_text(encoding="utf-8"))
-        proj = path / "projections.safetensors"
-        target = path / "target.safetensors"
-        return Checkpoint(
-            step=int(state["step"]),
-            student=load_file(path / "student.safetensors"),
-            ema=load_file(path / "ema.safetensors"),
-            projections=load_file(proj) if proj.is_file() else {},
-            optimizer=unflatten_optimizer(load_file(path / "optimizer.safetensors"), opt_rest),
-            rng=load_file(path / "rng.safetensors"),
-            state=state,
-            target=load_file(target) if target.is_file() else {},
-        )
-    except (OSError, ValueError, KeyError) as e:
-        raise WandistillError(
-            f"checkpoint {str(path)!r} is unreadable ({type(e).__name__}: {e})",
-            fix="delete it so --resume takes the previous one, or start a new --out",
-        ) from None
+        tensors = load_file(_check_file(path, name, state))
+    except WandistillError:
+        raise
+    except Exception as e:  # safetensors raises its own error types on a bad header
+        raise _Error(f"{where} is not a readable safetensors file ({e})", fix=FIX) from None
+    pattern = _TENSOR_NAMES.get(name)
+    for key, t in tensors.items():
+        if pattern is not None and not pattern.fullmatch(key):
+            raise _Error(f"{where}: unexpected tensor {key[:80]!r}", fix=FIX)
+        if name == "rng.safetensors" and (t.dtype != torch.uint8 or t.dim() != 1):
+            raise _Error(f"{where}: {key} must be a 1-D uint8 RNG state", fix=FIX)
+        if t.is_floating_point() and not bool(t.isfinite().all()):
+            raise _Error(f"{where}: {key} holds NaN or inf values", fix=FIX)
+    return tensors
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read and check every file of checkpoint folder `path` (see the module docstring)."""
+    state, raw, opt_obj = check_state(path)
+    def has(name: str) -> bool:
+        return (path / name).is_file() if state.files is None else name in state.files
+
+    return Checkpoint(
+        step=state.step,
+        student=_tensors(path, "student.safetensors", state),
+        ema=_tensors(path, "ema.safetensors", state),
+        projections=_tensors(path, "projections.safetensors", state)
+        if has("projections.safetensors")
+        else {},
+        optimizer=unflatten_optimizer(_tensors(path, "optimizer.safetensors", state), opt_obj),
+        rng=_tensors(path, "rng.safetensors", state),
+        state=raw,
+        target=_tensors(path, "target.safetensors", state) if has("target.safetensors") else {},
+    )
+
+
+# --------------------------------------------------------------------------- restore checks
+
+
+def check_like(saved: Any, live: Any, where: str) -> None:
+    """`saved` has the structure of `live` (a fresh object's state_dict): the same keys, and
+    values of the same JSON kind, so load_state_dict cannot set an unexpected attribute."""
+    if isinstance(live, dict):
+        if not isinstance(saved, dict):
+            raise _Error(f"{where} must be a JSON object, not {json_kind(saved)}", fix=FIX)
+        if set(saved) != set(live):
+            extra, gone = sorted(set(saved) - set(live)), sorted(set(live) - set(saved))
+            detail = f"unexpected {extra[:3]}" if extra else f"missing {gone[:3]}"
+            raise _Error(f"{where} does not fit this run ({detail})", fix=FIX)
+        for k in live:
+            check_like(saved[k], live[k], f"{where}.{k}")
+    elif isinstance(live, list | tuple):
+        if not isinstance(saved, list | tuple) or len(saved) != len(live):
+            raise _Error(f"{where} must be a list of {len(live)}, not {json_kind(saved)}", fix=FIX)
+    elif live is not None and saved is not None and _kind(saved) != _kind(live):
+        want = {"bool": "true or false", "number": "a number", "str": "a string"}.get(_kind(live))
+        raise _Error(f"{where} must be {want or _kind(live)}, not {json_kind(saved)}", fix=FIX)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    return "number" if isinstance(value, int | float) else type(value).__name__
+
+
+def check_restorable(
+    ck: Checkpoint,
+    path: Path,
+    modules: dict[str, dict[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Everything the checkpoint holds fits the model, optimizer and scheduler of this run
+    (load_state_dict would otherwise fail deep inside torch, or not at all: an optimizer
+    state of the wrong shape only breaks at the next step)."""
+    for name, live in modules.items():
+        saved = getattr(ck, name.removesuffix(".safetensors"))
+        where = f"checkpoint file {str(path / name)!r}"
+        if set(saved) != set(live):
+            diff = sorted(set(saved) ^ set(live))
+            raise _Error(f"{where} does not fit this student (tensors {diff[:3]})", fix=FIX)
+        for key, t in live.items():
+            if saved[key].shape != t.shape or saved[key].dtype != t.dtype:
+                raise _Error(
+                    f"{where}: {key} is {saved[key].dtype} {list(saved[key].shape)}, this "
+                    f"student has {t.dtype} {list(t.shape)}",
+                    fix=FIX,
+                )
+    where = f"checkpoint file {str(path / OPTIMIZER_JSON)!r}"
+    live_groups = optimizer.state_dict()["param_groups"]
+    groups = ck.optimizer["param_groups"]
+    check_like([g["params"] for g in groups], [g["params"] for g in live_groups], where)
+    for i, (g, live) in enumerate(zip(groups, live_groups, strict=True)):
+        check_like(g, live, f"{where}: param_groups[{i}]")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for idx, entry in ck.optimizer["state"].items():
+        if not 0 <= idx < len(params):
+            raise _Error(
+                f"{where}: state for parameter {idx}, this student has {len(params)}", fix=FIX
+            )
+        for key, value in entry.items():
+            if key.startswith("exp_avg") and value.shape != params[idx].shape:
+                raise _Error(
+                    f"checkpoint file {str(path / 'optimizer.safetensors')!r}: state.{idx}."
+                    f"{key} is {list(value.shape)}, the parameter is {list(params[idx].shape)}",
+                    fix=FIX,
+                )
+    where = f"{_state_where(path)}: scheduler"
+    check_like(ck.state["scheduler"], scheduler.state_dict(), where)
+    cpu = torch.get_rng_state().numel()
+    for key, t in ck.rng.items():
+        if key.endswith(".cpu") and t.numel() != cpu:
+            raise _Error(
+                f"checkpoint file {str(path / 'rng.safetensors')!r}: {key} holds {t.numel()} "
+                f"bytes, a CPU RNG state is {cpu}",
+                fix=FIX,
+            )

@@ -14,7 +14,7 @@ import time
 import torch
 
 from wandistill.config import TrainConfig
-from wandistill.dist import DistInfo
+from wandistill.dist import DistInfo, unresponsive_ranks
 from wandistill.errors import WandistillError
 
 FAIL_ENV = "WANDISTILL_FAIL_AT"
@@ -94,8 +94,14 @@ def collective_error(info: DistInfo, e: BaseException) -> WandistillError:
     """Another rank died mid-collective: say so in one line instead of a gloo/nccl traceback."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     first = re.sub(r"\[[^\]]*\]:?\s*", "", first)  # gloo's "[.../pair.cc:537]" source tags
+    missing = unresponsive_ranks(info)
+    who = (
+        f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not answer "
+        "(stopped, died or hangs)"
+        if missing
+        else "most likely because another rank stopped"
+    )
     return WandistillError(
-        f"rank {info.rank}: a collective failed, most likely because another rank stopped "
-        f"(see that rank's error): {first[:300]}",
+        f"rank {info.rank}: a collective failed, {who} (see that rank's error): {first[:300]}",
         fix="fix that rank's error, then re-run with --resume",
     )

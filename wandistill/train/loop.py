@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import inspect
 import os
 import signal
 import threading
@@ -40,6 +39,7 @@ from wandistill.cache.schema import SHARED_NAME
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
 from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
+from wandistill.finite import check_step, check_weights
 from wandistill.fsutil import atomic_write_json
 from wandistill.progress import Progress
 from wandistill.student.config import (
@@ -65,13 +65,9 @@ from wandistill.train.failures import (
 )
 from wandistill.train.metrics import MetricsLog, peak_memory, truncate_after
 from wandistill.train.optim import build_optimizer, build_scheduler
+from wandistill.workarounds import ddp_no_buffer_sync
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
-NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}  # torch >= 2.13 name
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-    else {"broadcast_buffers": False}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +129,10 @@ def run(
     if follow:
         wait_for_manifest(cfg)
     plan = validate(cfg, resume=resume)
-    info = dist.init(cfg.device)
+    flags = {"resume": resume, "follow": follow, "skip_corrupt": skip_corrupt}
+    info = dist.init(
+        cfg.device, timeout_s=cfg.dist_timeout, config={"train": to_dict(cfg), "flags": flags}
+    )
     started = time.perf_counter()
     trainer: Trainer | None = None
     folder: outputs.OutputFolder | None = None
@@ -291,7 +290,10 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
                 )
             fields.append(f"feature.{name}")
     out = Path(cfg.out)
-    if not resume and ckpt_io.resolve_latest(out / "checkpoints") is not None:
+    latest = ckpt_io.resolve_latest(out / "checkpoints")
+    if resume and latest is not None:
+        ckpt_io.check_state(latest)  # a bad checkpoint fails here, before anything is built
+    if not resume and latest is not None:
         problems.append(
             f"--out {cfg.out!r} holds checkpoints of an earlier run; pass --resume to continue "
             "it, or choose a new --out"
@@ -391,7 +393,7 @@ def setup(
         trainer.ddp = DistributedDataParallel(
             model,
             device_ids=[info.device.index] if info.device.type == "cuda" else None,
-            **NO_BUFFER_SYNC,  # the only buffers are RoPE tables, equal on every rank
+            **ddp_no_buffer_sync(),  # the only buffers are RoPE tables, equal on every rank
         )
     trainer.metrics = MetricsLog(plan.out, enabled=info.is_main, tensorboard=cfg.tensorboard)
     if info.is_main:
@@ -424,6 +426,14 @@ def restore(
             console.print(f"train: no checkpoint in {root}, starting at step 0")
         return 0
     ck = ckpt_io.load_checkpoint(root / name)
+    parts = {
+        "student.safetensors": model.student.state_dict(),
+        "ema.safetensors": ema.state_dict(),
+        "projections.safetensors": model.projection_state(),
+    }
+    if target is not None and ck.target:
+        parts["target.safetensors"] = target.state_dict()
+    ckpt_io.check_restorable(ck, root / name, parts, optimizer, scheduler)
     saved = ck.state.get("meta", {})
     if saved.get("student_config") != meta["student_config"]:
         raise UsageError(
@@ -544,6 +554,7 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
                 raise Stopped(signum, step, info)
             t0 = time.perf_counter()
             wait = 0.0
+            terms: dict[str, torch.Tensor] = {}  # this step's terms, for the finiteness check
             batch: dict[str, Any] | None = None
             for micro in range(cfg.grad_accum):
                 w0 = time.perf_counter()
@@ -555,8 +566,12 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
                 no_sync = info.distributed and not last
                 with t.ddp.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
                     losses, counts = forward(t, batch)
+                    if testing_hooks.at("train", "loss", step + 1, info.rank):  # test-only NaN
+                        losses = {k: v * float("nan") for k, v in losses.items()}
                     (losses["loss"] / cfg.grad_accum).backward()
                 window.add_micro(losses, counts, cfg.grad_accum)
+                for k, v in losses.items():
+                    terms[k] = terms.get(k, 0.0) + v.detach()
             if batch is None:  # --follow: the cache is complete and every batch is used
                 t.optimizer.zero_grad(set_to_none=True)
                 if info.is_main:
@@ -566,6 +581,7 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 t.model.parameters(), cfg.optim.grad_clip or float("inf")
             )
+            check_step(info, step + 1, terms, grad_norm, saved)  # every rank, before the update
             t.optimizer.step()
             t.scheduler.step()
             t.optimizer.zero_grad(set_to_none=True)
@@ -712,6 +728,8 @@ def set_rng(states: dict[str, torch.Tensor], info: dist.DistInfo) -> None:
 
 
 def save(t: Trainer, step: int) -> None:
+    weights = {"student": t.model.parameters(), "student_ema": t.ema.shadow}
+    check_weights(t.info, step, weights)  # never a checkpoint (or final student) of NaN weights
     rng = rng_states(t.info)  # a collective: every rank takes part
     if not t.info.is_main:
         return

@@ -1,0 +1,77 @@
+"""Joining a job has a deadline and names who is missing (in-process, no torchrun: one rank of
+two is started, the other never comes). torchrun cases: tests/integration/test_dist_timeouts.py.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from wandistill import dist
+from wandistill.errors import UsageError
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> Iterator[None]:
+    yield
+    dist.cleanup()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, timeout: str = "1") -> None:
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WANDISTILL_DIST_TIMEOUT": timeout,
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+
+
+def test_rank_0_names_the_rank_that_never_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_rank(monkeypatch, 0)
+    with pytest.raises(
+        dist.DistTimeout,
+        match=r"rank 0 of 2: rank 1 has not joined the job "
+        r"within 1 s \(WANDISTILL_DIST_TIMEOUT\)",
+    ):
+        dist.init("cpu")
+
+
+def test_a_rank_whose_store_host_never_comes_names_rank_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    _as_rank(monkeypatch, 1)
+    with pytest.raises(
+        dist.DistTimeout,
+        match=r"rank 1 of 2: no rendezvous at 127.0.0.1:\d+ "
+        r"within 1 s; rank 0, which hosts it, never arrived",
+    ):
+        dist.init("cpu")
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "1e9"])
+def test_a_bad_timeout_in_the_environment_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, raw: str
+) -> None:
+    monkeypatch.setenv("WANDISTILL_DIST_TIMEOUT", raw)
+    with pytest.raises(UsageError, match=r"WANDISTILL_DIST_TIMEOUT="):
+        dist.resolve_timeout()
+    assert dist.resolve_timeout(30.0) == 30.0  # the recipe's value wins
+
+
+def test_the_default_timeout_is_minutes_not_half_an_hour(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDISTILL_DIST_TIMEOUT", raising=False)
+    assert dist.resolve_timeout() == 300.0

@@ -1,0 +1,307 @@
+"""Typed schemas of every file a cache holds, declared once (pydantic, via `wandistill.validate`).
+
+`manifest.json`, `journal/rank-<r>.json`, the shard entries inside both (webdataset and zarr),
+each record's `.json` member and safetensors header, and the zarr metadata (`zarr.json`) the zarr
+backend reads. Readers check the parsed JSON against these before using a value, so a bad file
+is one line naming the file, the field and the fix, never a traceback or a read elsewhere.
+
+Bounds are generous sanity limits (no real cache comes near them), there to keep a hostile value
+from becoming a huge allocation or an out-of-range seek.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field, JsonValue, StringConstraints, model_validator
+
+from wandistill.cache.schema import DTYPES_BY_NAME, FORMAT_NAME
+from wandistill.validate import OpenSchema, Schema, rel_path_problem
+
+# ----------------------------------------------------------------------------- scalar types
+
+MAX_ROWS = 1 << 40
+"""Largest offset, byte count or row index (a petabyte): beyond it a value is an edit."""
+Count = Annotated[int, Field(ge=0, le=MAX_ROWS)]
+U32 = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
+Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
+Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")]
+"""A shard, tensor or field name: no slash, no leading dot, at most 128 characters."""
+RecordKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+"""No dots (webdataset splits member names at the first dot) and no slashes."""
+Text = Annotated[str, StringConstraints(max_length=1 << 20)]
+Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")]
+Short = Annotated[str, StringConstraints(max_length=256)]
+Dtype = Literal[tuple(DTYPES_BY_NAME)]  # type: ignore[valid-type]
+Span = Annotated[list[Count], Field(min_length=2, max_length=2)]
+"""[start, stop) or [offset, length] (JSON arrays: strict mode takes tuples from Python only)."""
+
+
+def _rel(value: str) -> str:
+    problem = rel_path_problem(value) if len(value) <= 1024 else "is longer than 1024 characters"
+    if problem:
+        raise ValueError(f"path {problem}")
+    return value
+
+
+RelPath = Annotated[str, AfterValidator(_rel)]
+"""A relative path that stays inside its folder (no absolute path, no `..`)."""
+
+
+# ----------------------------------------------------------------------------- records
+
+
+class RecordMeta(Schema):
+    """A record's `<key>.json` member (webdataset) / `entry["meta"][i]` (zarr)."""
+
+    key: RecordKey
+    prompt: Text
+    seed: Seed
+    embed_len: Count
+    schema_version: Annotated[int, Field(ge=1, le=1000)]
+    extra: dict[Short, JsonValue] = Field(default_factory=dict)
+
+
+class TensorInfo(Schema):
+    """One entry of a safetensors header."""
+
+    dtype: Literal["F32", "F16", "BF16", "F64", "I64", "I32", "U8"]
+    shape: Annotated[list[Annotated[int, Field(ge=0, le=1 << 32)]], Field(max_length=8)]
+    data_offsets: Span
+    """Checked against the shape and the record's extent where they are used (`_span`)."""
+
+
+class OwnMeta(Schema):
+    """The `wandistill` metadata of a record's safetensors header: key + crc32c per tensor."""
+
+    key: RecordKey
+    crc32c: dict[Name, U32 | Annotated[list[U32], Field(max_length=1 << 16)]]
+
+
+# ----------------------------------------------------------------------------- shard entries
+
+
+class Entry(Schema):
+    """What both backends' shard entries hold (CacheWriter adds name, rank, records, keys)."""
+
+    name: Name
+    rank: Annotated[int, Field(ge=0, le=1 << 20)]
+    records: Count
+    keys: list[RecordKey]
+    bytes: Count
+    entry_sha256: Hex64 | None = None
+
+    @model_validator(mode="after")
+    def _counts(self) -> Entry:
+        if self.records != len(self.keys):
+            raise ValueError(
+                f"says {self.records} records but lists {len(self.keys)} keys (manifest edited?)"
+            )
+        return self
+
+
+class WdsEntry(Entry):
+    file: RelPath
+    sha256: Hex64
+    offsets: list[Annotated[list[Count], Field(min_length=4, max_length=4)]]
+    """Per record: [safetensors offset, bytes, json offset, bytes] in the tar."""
+    crc32c: list[Annotated[list[U32], Field(min_length=2, max_length=2)]] | None = None
+    """Per record: [crc32c of the safetensors header, crc32c of the json member]."""
+
+    @model_validator(mode="after")
+    def _rows(self) -> WdsEntry:
+        n = len(self.keys)
+        for name, rows in (("offsets", self.offsets), ("crc32c", self.crc32c)):
+            if rows is not None and len(rows) != n:
+                raise ValueError(f"lists {len(rows)} {name} rows for {n} keys (manifest edited?)")
+        for i, (a, m, b, k) in enumerate(self.offsets):
+            if a + m > self.bytes or b + k > self.bytes:
+                raise ValueError(
+                    f"offsets[{i}] reach past the shard's {self.bytes} bytes (manifest edited?)"
+                )
+        return self
+
+
+class ZarrEntry(Entry):
+    file: Literal["data.zarr"]
+    rows: Span
+    reserved: Span
+    token_rows: dict[Literal["prompt_embeds", "negative_prompt_embeds"], Span]
+    fields: Annotated[list[Name], Field(max_length=4096)]
+    meta: list[RecordMeta]
+    sha256: dict[RelPath, Hex64]
+
+    @model_validator(mode="after")
+    def _rows(self) -> ZarrEntry:
+        (a, b), (ra, rb) = self.rows, self.reserved
+        if b - a != self.records or ra != a or rb < b:
+            raise ValueError(
+                f"rows {list(self.rows)} / reserved {list(self.reserved)} do not hold "
+                f"{self.records} records (manifest edited?)"
+            )
+        if len(self.meta) != self.records:
+            raise ValueError(f"lists {len(self.meta)} meta rows for {self.records} keys")
+        for i, (m, k) in enumerate(zip(self.meta, self.keys, strict=True)):
+            if m.key != k:
+                raise ValueError(f"meta[{i}] names key {m.key!r}, keys[{i}] is {k!r}")
+        return self
+
+
+ENTRIES: dict[str, type[Entry]] = {"webdataset": WdsEntry, "zarr": ZarrEntry}
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+class FieldSpecModel(Schema):
+    name: Name
+    dtype: Dtype
+    shape: Annotated[str, StringConstraints(pattern=r"^[A-Z*](,[A-Z*]){0,7}$")]
+    doc: Text = ""
+
+
+class TeacherBlock(OpenSchema):
+    """Teacher fingerprint (sealed); other keys are informational."""
+
+    fingerprint: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16,128}$")]
+    components: dict[str, JsonValue] = Field(default_factory=dict)
+    transformer_config: dict[str, JsonValue] | None = None
+    path: Text | None = None
+
+
+Pos = Annotated[int, Field(ge=1, le=1 << 20)]
+
+
+class SettingsBlock(OpenSchema):
+    """Sampler settings; the keys readers use are typed, the rest only sealed."""
+
+    scheduler: Identifier | None = None
+    scheduler_config: dict[Short, JsonValue] | None = None
+    num_inference_steps: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    max_sequence_length: Pos | None = None
+    record_steps: (
+        Annotated[list[Annotated[int, Field(ge=0, le=10_000)]], Field(max_length=10_000)] | None
+    ) = None
+    features: list[Short] = Field(default_factory=list)
+    dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    height: Pos | None = None
+    width: Pos | None = None
+    num_frames: Pos | None = None
+
+
+class DimsBlock(OpenSchema):
+    text_dim: Pos | None = None
+    latent_channels: Pos | None = None
+    latent_shape: Annotated[list[Pos], Field(min_length=4, max_length=4)] | None = None
+    num_recorded_steps: Annotated[int, Field(ge=0, le=10_000)] | None = None
+    teacher_dtype: Dtype | None = None
+
+
+class SharedTensor(Schema):
+    dtype: Dtype
+    shape: Annotated[list[Annotated[int, Field(ge=0, le=1 << 32)]], Field(max_length=8)]
+
+
+class SharedBlock(Schema):
+    file: Literal["shared.safetensors"]
+    sha256: Hex64
+    tensors: dict[Name, SharedTensor]
+
+
+SEALED = ("format", "schema_version", "wandistill_version", "backend", "created", "teacher")
+SEALED += ("settings", "numerics", "fields", "dims", "shared")
+"""Manifest blocks covered by `header_sha256` (one digest each): everything that defines what
+the records mean or how their bits were computed. Not `complete` and `shards`: they change as
+the cache grows (each shard entry carries its own `entry_sha256`)."""
+
+
+class ManifestBase(Schema):
+    format: Literal[FORMAT_NAME]  # type: ignore[valid-type]
+    schema_version: int
+    wandistill_version: Short
+    backend: Literal["webdataset", "zarr"]
+    created: Short
+    complete: bool
+    teacher: TeacherBlock
+    settings: SettingsBlock
+    fields: Annotated[list[FieldSpecModel], Field(min_length=1, max_length=4096)]
+    dims: DimsBlock
+    shared: SharedBlock | Annotated[dict[str, Any], Field(max_length=0)]
+    numerics: dict[Short, JsonValue] | None = None
+    """How the record bits were computed (schema 2; see docs/cache-format.md)."""
+    header_sha256: dict[Literal[SEALED], Hex64] | None = None  # type: ignore[valid-type]
+    """sha256 of each sealed block's canonical JSON (schema 2)."""
+
+    @model_validator(mode="after")
+    def _sealed(self) -> ManifestBase:
+        for name in ("numerics", "header_sha256"):
+            if self.schema_version >= 2 and getattr(self, name) is None:
+                raise ValueError(f"a schema {self.schema_version} manifest must have {name}")
+            if self.schema_version < 2 and getattr(self, name) is not None:
+                raise ValueError(f"a schema 1 manifest has no {name} (schema_version edited?)")
+        return self
+
+
+class WdsManifest(ManifestBase):
+    shards: list[WdsEntry]
+
+
+class ZarrManifest(ManifestBase):
+    shards: list[ZarrEntry]
+
+
+MANIFESTS: dict[str, type[ManifestBase]] = {"webdataset": WdsManifest, "zarr": ZarrManifest}
+
+
+class JournalBase(Schema):
+    rank: Annotated[int, Field(ge=0, le=1 << 20)]
+
+
+class WdsJournal(JournalBase):
+    shards: list[WdsEntry]
+
+
+class ZarrJournal(JournalBase):
+    shards: list[ZarrEntry]
+
+
+JOURNALS: dict[str, type[JournalBase]] = {"webdataset": WdsJournal, "zarr": ZarrJournal}
+
+
+# ----------------------------------------------------------------------------- zarr metadata
+
+
+class ZarrGroupAttrs(OpenSchema):
+    block_records: Annotated[int, Field(ge=1, le=1 << 20)]
+    token_chunk: Annotated[int, Field(ge=1, le=1 << 20)]
+    token_block: Annotated[int, Field(ge=1, le=1 << 30)]
+
+
+class ZarrGroupMeta(OpenSchema):
+    """`data.zarr/zarr.json`: what the zarr backend reads of it before zarr-python does."""
+
+    zarr_format: Literal[3]
+    node_type: Literal["group"]
+    attributes: dict[Short, JsonValue] = Field(default_factory=dict)
+
+
+class ZarrArrayMeta(OpenSchema):
+    """`data.zarr/<array>/zarr.json`: bounds checked before zarr-python parses the rest."""
+
+    zarr_format: Literal[3]
+    node_type: Literal["array"]
+    shape: Annotated[list[Annotated[int, Field(ge=0, le=MAX_ROWS)]], Field(max_length=8)]
+    data_type: JsonValue
+    chunk_grid: dict[Short, JsonValue]
+    chunk_key_encoding: dict[Short, JsonValue]
+    fill_value: JsonValue
+    codecs: Annotated[list[dict[Short, JsonValue]], Field(min_length=1, max_length=16)]
+    attributes: dict[Short, JsonValue] = Field(default_factory=dict)
+
+
+class ZarrNodeMeta(OpenSchema):
+    """Just enough to tell a group's zarr.json from an array's."""
+
+    node_type: Literal["group", "array"]
