@@ -123,11 +123,14 @@ DEMO_SETS = [  # the demo's recipe, made cheap: 4 teacher steps, a K = 2 student
 
 @pytest.mark.slow
 def test_demo_runs_end_to_end_and_a_rerun_reuses_everything(tmp_path: Path) -> None:
-    """The demo's whole path (teacher given: the tiny random one, so no minute of teacher
-    training): precompute -> few-step student + baseline -> eval with teacher@K."""
+    """The demo's whole path (teacher and prompts given: the tiny random teacher, so no minute
+    of teacher training): precompute -> few-step student + baseline -> eval with teacher@K."""
     teacher = make_tiny_teacher(tmp_path / "teacher")
+    prompts = tmp_path / "prompts.txt"  # given: the trained teacher's grammar is not needed
+    prompts.write_text("\n".join(f"a cat number {i}" for i in range(40)) + "\n")
+    sets = [*DEMO_SETS, f'precompute.prompts="{prompts}"']
     cmd = [sys.executable, "-m", "wandistill", "demo", "--root", str(tmp_path / "demo")]
-    cmd += ["--teacher", str(teacher), *(x for s in DEMO_SETS for x in ("--set", s))]
+    cmd += ["--teacher", str(teacher), *(x for s in sets for x in ("--set", s))]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
     assert first.returncode == 0, first.stderr[-3000:]
     for text in ("| student@2 | 2 | 2 |", "| teacher@2 | 2 | 4 |", "| baseline@4 |", "R_2 ="):

@@ -182,6 +182,23 @@ def test_sample_from_an_export_equals_wan_pipeline_from_pretrained_on_the_same_s
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_eval_warns_in_one_line_with_the_fix_when_too_few_records_are_held_out(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """12 prompts, a quarter held out: a mean over 3 records is noise, and the user is told how
+    to get more; asking for fewer with --max-records is not warned about."""
+    args = ["eval", "--cache", world["cache"], "--run", world["baseline"]]
+    code, out, err = _cli(capsys, *args, "--out", tmp_path / "a")
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and len(err.strip().splitlines()) == 1, err
+    for text in ("held-out records", "cache.holdout_fraction = 0.25", "--split all"):
+        assert text in warnings[0], err
+    assert "Warning: only" in (tmp_path / "a" / "eval.md").read_text()
+    code, out, err = _cli(capsys, *args, "--out", tmp_path / "b", "--max-records", "2")
+    assert code == 0 and "warning" not in err, err
+
+
 def test_eval_and_sample_refuse_bad_inputs_in_one_line_writing_nothing(
     world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -207,7 +224,7 @@ def test_eval_and_sample_refuse_bad_inputs_in_one_line_writing_nothing(
     cases = [
         ([*eval_, "--run", unfinished], "holds no finished student"),
         ([*sample, "--run", unfinished, "--teacher", world["teacher"]], "no finished student"),
-        ([*eval_, "--run", damaged], "student_schedule.num_inference_steps = 'two'"),
+        ([*eval_, "--run", damaged], "student_schedule.num_inference_steps must be an integer"),
         ([*sample, "--export", export], "is incomplete: transformer missing"),
         ([*eval_, "--export", export], "is incomplete: transformer missing"),
         ([*eval_, "--run", world["fewstep"], "--steps", "4"], "beyond the 2 steps"),

@@ -48,6 +48,9 @@ from wandistill.teacher.folder import TeacherFolder
 
 PSNR_CAP = 100.0
 """PSNR of identical latents is infinite; capped so means and JSON stay finite."""
+MIN_RECORDS = 8
+"""Fewer evaluated records than this and a mean MSE (and R_K) is mostly the luck of the draw:
+eval warns (`few_records`)."""
 
 
 @dataclass(slots=True)
@@ -85,6 +88,8 @@ class EvalResult:
     view: str = "latents"
     per_record: list[dict[str, Any]] = field(default_factory=list)
     grid: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    """What makes these figures less meaningful (too few records), also in the table."""
 
     def column(self, name: str) -> Column:
         return next(c for c in self.columns if c.name == name)
@@ -157,6 +162,7 @@ class EvalResult:
                 f"The step-imitating baseline at {k} steps: ratio {self.baseline_r_k:.3f}."
             )
         lines.append(f"Student output-matching loss at the recorded steps: {self.step_loss:.5f}.")
+        lines.extend(f"Warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
 
@@ -200,11 +206,14 @@ def evaluate(
     batch_size: int = 8,
     decode: bool = False,
     device: Placement | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> EvalResult:
     """Check every input (nothing written on a problem), claim OUT, sample, score, write.
 
     `device` (`--device`, parsed by `placements.parse_device`): where the students, the
-    teacher's experts and VAE run, through the placement objects precompute uses; default CPU."""
+    teacher's experts and VAE run, through the placement objects precompute uses; default CPU.
+    `warn`: where a warning goes as soon as it is known (default: a `warning:` line on stderr);
+    it is also kept in the result and its table."""
     k = student.check_steps(steps)
     if decode and teacher is None:
         raise UsageError("--decode needs the teacher's VAE", fix="pass --teacher TEACHER")
@@ -215,6 +224,9 @@ def evaluate(
         if teacher is not None:
             _check_teacher(teacher, store.manifest.teacher, cache)
         records = held_out(store, split, max_records)
+        notes = [n for n in [few_records(store, split, len(records), max_records)] if n]
+    for note in notes:
+        (warn or _stderr_warning)(note)
     for who in (student, baseline):
         if who is not None:
             _check_source(who, store.manifest.teacher, cache)
@@ -233,6 +245,7 @@ def evaluate(
     with outputs.claim(out_dir, "eval", inputs=inputs) as out:  # every input checked out
         loss = _step_loss(model, batches, where)
         result, finals = _run(legs, batches, settings, loss)
+        result.warnings = notes
         vae = (teacher, placement) if decode and teacher is not None else None
         _write(result, finals, records, out.path, vae, grid_records)
         return result
@@ -255,6 +268,34 @@ def held_out(store: CacheStore, split: str, limit: int | None) -> list[Record]:
     if not located:
         raise UsageError(f"cache {str(store.path)!r} has no records in split {split!r}")
     return [store.read_record(*v) for _, v in located]
+
+
+def few_records(store: CacheStore, split: str, count: int, limit: int | None) -> str | None:
+    """One line when fewer than MIN_RECORDS records are evaluated (and --max-records did not ask
+    for that), saying how to get more."""
+    if count >= MIN_RECORDS or (limit is not None and limit < MIN_RECORDS):
+        return None
+    where = f"cache {str(store.path)!r}"
+    if split == "all":
+        return (
+            f"only {count} records in {where}: a mean over so few is mostly noise; precompute "
+            f"an eval cache of at least {MIN_RECORDS} prompts"
+        )
+    total = len(store)
+    frac = float(store.manifest.settings.get("holdout_fraction", 0.0))
+    need = min(1.0, 1.5 * MIN_RECORDS / max(total, 1))
+    return (
+        f"only {count} held-out records in {where} ({total} records, cache.holdout_fraction = "
+        f"{frac:g}): a mean over so few is mostly noise; precompute more prompts or a larger "
+        f"fraction (--set cache.holdout_fraction={need:.2g}), or pass --split all with a "
+        "separate eval cache"
+    )
+
+
+def _stderr_warning(message: str) -> None:
+    import sys
+
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- checks
