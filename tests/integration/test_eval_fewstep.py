@@ -182,6 +182,23 @@ def test_sample_from_an_export_equals_wan_pipeline_from_pretrained_on_the_same_s
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_sample_of_the_teacher_alone_takes_its_sizes_from_the_cache_or_the_recipe(
+    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not WanPipeline's 480x832x81: the cache's 32x32 (and its N, CFG), or the recipe's 64x64."""
+    common = ["sample", "--teacher", world["teacher"], "--prompts", world["prompts.txt"]]
+    common += ["--limit", "1", "--steps", "1"]
+    for flag, value, size in (("--cache", world["cache"], 32), ("--recipe", "tiny", 64)):
+        out = tmp_path / flag.strip("-")
+        code, _, err = _cli(capsys, *common, flag, value, "--out", out)
+        assert code == 0, err
+        with Image.open(out / "0000.png") as img:
+            assert img.size == (size, size)
+    code, _, err = _cli(capsys, *common, "--cache", world["cache"], "--recipe", "tiny", "--out",
+                        tmp_path / "x")  # fmt: skip
+    assert code == 2 and "--cache and --recipe both given" in err
+
+
 def test_eval_warns_in_one_line_with_the_fix_when_too_few_records_are_held_out(
     world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -220,6 +237,7 @@ def test_eval_and_sample_refuse_bad_inputs_in_one_line_writing_nothing(
     shutil.rmtree(export / "transformer")
     other = make_tiny_teacher(tmp_path / "other", seed=3)
     eval_ = ["eval", "--cache", world["cache"], "--out", tmp_path / "o"]
+    run_teacher = ["--run", world["fewstep"], "--teacher", world["teacher"]]
     sample = ["sample", "--prompts", world["prompts.txt"], "--out", tmp_path / "o"]
     cases = [
         ([*eval_, "--run", unfinished], "holds no finished student"),
@@ -236,6 +254,7 @@ def test_eval_and_sample_refuse_bad_inputs_in_one_line_writing_nothing(
         ([*sample, "--run", world["fewstep"], "--teacher", other], "is not the one the run's"),
         ([*eval_, "--run", world["fewstep"], "--export", export], "both name a student"),
         ([*sample, "--run", world["fewstep"]], "needs --teacher"),
+        ([*sample, *run_teacher, "--cache", world["cache"]], "--cache sets the teacher's defaults"),
     ]
     for args, message in cases:
         code, _, err = _cli(capsys, *args)

@@ -271,8 +271,13 @@ def test_export_refuses_bad_runs_teachers_and_outputs_writing_nothing(
 
     other = make_tiny_teacher(tmp_path / "other", seed=5)  # another text encoder and VAE
     run21, t21 = world["run_wan21"], world["teacher_wan21"]
+    evals = tmp_path / "evals"  # a folder wandistill wrote for another purpose
+    code, _, err = _cli(capsys, "eval", "--cache", str(world["cache_wan21"]), "--run", str(run21),
+                        "--split", "all", "--max-records", "1", "--out", str(evals))  # fmt: skip
+    assert code == 0, err
     cases = [
         (run21, t21, foreign, "is not empty and was not written by wandistill"),
+        (run21, t21, evals, "is a wandistill eval folder, not an export folder"),
         (unfinished, t21, tmp_path / "a", "holds no finished student"),
         (nan_run, t21, tmp_path / "b", "hold NaN or inf"),
         (run21, other, tmp_path / "c", "is not the one the run's cache was made with"),
@@ -284,7 +289,13 @@ def test_export_refuses_bad_runs_teachers_and_outputs_writing_nothing(
         assert code == 2 and message in err and "Traceback" not in err, err
         assert err.count("error:") == 1
     assert _snapshot(tmp_path) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan", "notes", "other", "unfinished"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "evals",
+        "nan",
+        "notes",
+        "other",
+        "unfinished",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -309,7 +320,7 @@ def test_train_refuses_objectives_the_cache_cannot_serve_before_writing_anything
         args += ["--set", s]
     code, _, err = _cli(capsys, *args)
     assert code == 2 and message in err and "Traceback" not in err, err
-    assert err.count("error:") == 1
+    assert err.count("error:") == 1 and ("choose K" in err or "re-run precompute" in err), err
     assert not (tmp_path / "run").exists()
 
 

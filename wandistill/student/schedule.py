@@ -398,14 +398,14 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
     key = "train.student.num_inference_steps"
     student = student_schedule(teacher, k, few_step=few_step, key=key)
     recorded = set(teacher.recorded)
-    problems: list[tuple[str, str]] = []  # (what is wrong, its fix)
+    problems: list[tuple[str, list[str]]] = []  # (what is wrong, its fixes)
     fix_k = f"sampler.record_for_student_steps = [{student.num_inference_steps}]"
     if k is not None and k > len(recorded):
         problems.append(
             (
                 f"{key}={k} is more than the {len(recorded)} steps the cache recorded "
                 f"({sorted(recorded)})",
-                f"choose K <= {len(recorded)}, or re-run precompute with {fix_k}",
+                [f"choose K <= {len(recorded)}", f"re-run precompute with {fix_k}"],
             )
         )
     steps: dict[str, tuple[int, ...]] = {}
@@ -421,7 +421,7 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
                 (
                     f"loss.trajectory trains the {student.num_inference_steps}-step student at "
                     f"teacher steps {list(student.steps)}, but the cache did not record {missing}",
-                    f"re-run precompute with {fix_k}",
+                    [f"re-run precompute with {fix_k}"],
                 )
             )
     if loss.consistency > 0:
@@ -434,11 +434,13 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
                     "loss.consistency pairs every teacher step with the next one (the cached "
                     f"teacher ODE step), but the cache did not record steps {missing[:8]}"
                     f"{' ...' if len(missing) > 8 else ''}",
-                    "re-run precompute with sampler.record_every = 1 (every step), or set "
-                    "loss.consistency = 0",
+                    [
+                        "re-run precompute with sampler.record_every = 1 (every step)",
+                        "set loss.consistency = 0",
+                    ],
                 )
             )
     if problems:
-        fixes = list(dict.fromkeys(f for _, f in problems))
-        raise UsageError("; ".join(m for m, _ in problems), fix="; ".join(fixes))
+        fixes = dict.fromkeys(f for _, some in problems for f in some)  # once each, in order
+        raise UsageError("; ".join(m for m, _ in problems), fix=", or ".join(fixes))
     return ObjectivePlan(teacher=teacher, student=student, steps=steps)
