@@ -406,7 +406,7 @@ RunOpt = Annotated[
         "--run",
         help="The --out folder of a finished `wandistill train`: its student, K-step scheduler "
         "and the cache it learned from (for sizes). Pick it for a run you have not exported. "
-        "One of --run, --export, --student.",
+        "One of --run, --export, --student (eval needs one; sample without: the teacher).",
     ),
 ]
 ExportOpt = Annotated[
@@ -422,7 +422,8 @@ StudentOpt = Annotated[
     typer.Option(
         "--student",
         help="A finished run's student/ or student_ema/ folder (its run's sampling.json gives K): "
-        "the same as --run with --no-ema / --ema, named by folder.",
+        "the same as --run with --no-ema / --ema, named by folder. One of --run, --export, "
+        "--student.",
     ),
 ]
 EmaOpt = Annotated[
@@ -581,14 +582,15 @@ def sample_cmd(
         Path | None,
         typer.Option(
             help="Teacher folder. With --run/--student: its tokenizer, text encoder and VAE "
-            "(the run's teacher). Alone: the teacher itself is sampled, to compare."
+            "(the run's teacher). Alone: the teacher itself is sampled, to compare. Default: "
+            "none (an --export brings its own)."
         ),
     ] = None,
     cache: Annotated[
         Path | None,
         typer.Option(
             help="Teacher alone: take steps, sizes and CFG from this cache's settings (what the "
-            "student learned from)."
+            "student learned from). Default: none."
         ),
     ] = None,
     recipe: Annotated[

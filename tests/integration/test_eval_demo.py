@@ -133,6 +133,7 @@ def test_demo_runs_end_to_end_and_a_rerun_reuses_everything(tmp_path: Path) -> N
     cmd += ["--teacher", str(teacher), *(x for s in sets for x in ("--set", s))]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
     assert first.returncode == 0, first.stderr[-3000:]
+    assert "warning: only" in first.stderr  # 40 prompts hold out too few records to trust
     for text in ("| student@2 | 2 | 2 |", "| teacher@2 | 2 | 4 |", "| baseline@4 |", "R_2 ="):
         assert text in first.stdout, first.stdout
     assert "noise | teacher@4 | teacher@2 | student@2 | baseline@2 | baseline@4" in first.stdout

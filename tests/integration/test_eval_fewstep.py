@@ -205,7 +205,8 @@ def test_eval_warns_in_one_line_with_the_fix_when_too_few_records_are_held_out(
     """12 prompts, a quarter held out: a mean over 3 records is noise, and the user is told how
     to get more; asking for fewer with --max-records is not warned about."""
     args = ["eval", "--cache", world["cache"], "--run", world["baseline"]]
-    code, out, err = _cli(capsys, *args, "--out", tmp_path / "a")
+    on = ["--teacher", world["teacher"], "--device", "auto"]  # auto: the CPU here, planned
+    code, out, err = _cli(capsys, *args, *on, "--out", tmp_path / "a")
     assert code == 0, err
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and len(err.strip().splitlines()) == 1, err

@@ -212,8 +212,8 @@ def evaluate(
 
     `device` (`--device`, parsed by `placements.parse_device`): where the students, the
     teacher's experts and VAE run, through the placement objects precompute uses; default CPU.
-    `warn`: where a warning goes as soon as it is known (default: a `warning:` line on stderr);
-    it is also kept in the result and its table."""
+    `warn`: where a warning goes once the inputs checked out, before sampling (default: a
+    `warning:` line on stderr); it is also kept in the result and its table."""
     k = student.check_steps(steps)
     if decode and teacher is None:
         raise UsageError("--decode needs the teacher's VAE", fix="pass --teacher TEACHER")
@@ -225,8 +225,6 @@ def evaluate(
             _check_teacher(teacher, store.manifest.teacher, cache)
         records = held_out(store, split, max_records)
         notes = [n for n in [few_records(store, split, len(records), max_records)] if n]
-    for note in notes:
-        (warn or _stderr_warning)(note)
     for who in (student, baseline):
         if who is not None:
             _check_source(who, store.manifest.teacher, cache)
@@ -242,7 +240,9 @@ def evaluate(
     inputs = {"--cache": cache, "--teacher": teacher.path if teacher else None}
     inputs |= {student.flag: student.path, "--baseline": baseline.path if baseline else None}
     batches = _batches(records, settings, shared, batch_size)
-    with outputs.claim(out_dir, "eval", inputs=inputs) as out:  # every input checked out
+    for note in notes:  # once every input checked out: a refused eval shows only its error
+        (warn or _stderr_warning)(note)
+    with outputs.claim(out_dir, "eval", inputs=inputs) as out:
         loss = _step_loss(model, batches, where)
         result, finals = _run(legs, batches, settings, loss)
         result.warnings = notes
