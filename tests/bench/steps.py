@@ -3,6 +3,7 @@
 
     python tests/bench/steps.py [--work DIR] [--ks 1,2,4] [--objectives trajectory,consistency,both]
                                 [--train-steps N] [--json FILE] [--set KEY=VALUE ...]
+                                [--teacher PATH [--prompts N]]
 
 On the trained tiny teacher (`wandistill.teacher.trained`, built once under --work) with the
 demo's recipe (`pipelines/tiny-fewstep.toml`: 64x64, N = 16 UniPC steps, CFG 5.0, every step
@@ -24,6 +25,10 @@ recorded):
    text encoding and VAE decoding included: the user's call); forwards per sample K vs 2N.
 
 Targets: R_4 <= 0.5; R_K < 1 is the least that counts as working. Not a pytest test.
+
+`--teacher PATH` (e.g. a random `wandistill teacher make-tiny` one) replaces the trained teacher,
+with N generic prompts (`--prompts`, default 256): the plumbing and the speed-up are measured, the
+quality figures are those of a teacher that draws noise (no structure to learn).
 """
 
 from __future__ import annotations
@@ -56,13 +61,20 @@ def machine() -> str:
     )
 
 
-def build_caches(work: Path, teacher: Path, n_eval: int, sets: list[str]) -> tuple[Path, Path]:
-    """Training cache (grammar minus held-out prompts) and eval cache (held-out, fresh noise)."""
-    from wandistill.config import load_recipe
-    from wandistill.precompute import run as precompute
+def grammar() -> list[str]:
+    """Every prompt of the trained teacher's grammar, shuffled."""
     from wandistill.teacher.trained import grammar_prompts, synthetic_prompts
 
-    prompts = synthetic_prompts(len(grammar_prompts()), seed=0)
+    return synthetic_prompts(len(grammar_prompts()), seed=0)
+
+
+def build_caches(
+    work: Path, teacher: Path, prompts: list[str], n_eval: int, sets: list[str]
+) -> tuple[Path, Path]:
+    """Training cache (prompts minus held-out ones) and eval cache (held-out, fresh noise)."""
+    from wandistill.config import load_recipe
+    from wandistill.precompute import run as precompute
+
     split = {"train": prompts[n_eval:], "eval": prompts[:n_eval]}
     seeds = {"train": 0, "eval": 1_000_000}
     for name, texts in split.items():
@@ -192,15 +204,22 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=None, help="default: the recipe's")
     p.add_argument("--set", dest="sets", action="append", default=[], help="recipe override")
     p.add_argument("--json", type=Path)
+    p.add_argument("--teacher", type=Path, help="a Wan teacher folder instead of the trained one")
+    p.add_argument("--prompts", type=int, default=256, help="with --teacher: generic prompts")
     args = p.parse_args()
-    from wandistill.teacher.trained import ensure_trained_teacher
-
     print(f"# {' '.join(sys.argv)}\n# {machine()}", flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
     sets = list(args.sets) + ([f"train.steps={args.train_steps}"] if args.train_steps else [])
     t0 = time.perf_counter()
-    teacher = ensure_trained_teacher(args.work, seed=0, progress=False)
-    build_caches(args.work, teacher, args.eval_prompts, sets)
+    if args.teacher is None:
+        from wandistill.teacher.trained import ensure_trained_teacher
+
+        teacher = ensure_trained_teacher(args.work, seed=0, progress=False)
+        prompts = grammar()
+    else:
+        teacher = args.teacher.absolute()
+        prompts = [f"a photo of subject {i}" for i in range(args.prompts)]
+    build_caches(args.work, teacher, prompts, args.eval_prompts, sets)
     print(f"# teacher + caches: {time.perf_counter() - t0:.1f} s", flush=True)
     baseline = train_one(args.work, "baseline", teacher, ["loss.output=1.0"], sets)
     results: dict[str, dict[str, Any]] = {}
