@@ -13,14 +13,13 @@ import dataclasses
 import difflib
 import importlib.resources
 import os
+import tomllib
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-
-import tomllib
 
 from wandistill.bounds import SEED, TIMEOUT_S, checked, num
 from wandistill.errors import ConfigError, UsageError

@@ -22,6 +22,7 @@ import functools
 import io
 import json
 import shutil
+import tomllib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from pydantic_core import from_json

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from wandistill.cli import main
 from wandistill.config import load_recipe, resolve_recipe, shipped_recipe_names, to_dict

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import ast
 import tempfile
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
