@@ -541,8 +541,12 @@ def eval_cmd(
         device=where,
         warn=_warn,
     )
-    out.print(result.table(), highlight=False)
-    out.print(f"wrote {out_dir / 'eval.md'}, {out_dir / 'eval.json'}, {result.grid}")
+    out.print(result.table(), highlight=False, soft_wrap=True)  # Markdown rows stay whole
+    out.print(
+        f"wrote {out_dir / 'eval.md'}, {out_dir / 'eval.json'}, {result.grid}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def _warn(message: str) -> None:
@@ -748,7 +752,7 @@ def demo_cmd(
 
     result = run_demo(root, recipe, overrides, baseline=baseline, teacher=teacher)
     out.print()
-    out.print(result.eval.table(), highlight=False)
+    out.print(result.eval.table(), highlight=False, soft_wrap=True)
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in result.seconds.items())
     out.print(
         f"\nwall time: {stages} ({sum(result.seconds.values()):.0f} s)\n"
