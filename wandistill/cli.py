@@ -431,7 +431,8 @@ def _show_recording(recipe: Recipe) -> None:
         plan = plan_objectives(recipe.train.loss, k, schedule)
     except UsageError as e:
         err.print(
-            f"[yellow]train on this cache:[/yellow] {escape(e.message)}",
+            f"[yellow]train on this cache:[/yellow] {escape(e.message)}"
+            + (f" (fix: {escape(e.fix)})" if e.fix else ""),
             highlight=False,
             soft_wrap=True,
         )
@@ -462,98 +463,167 @@ def _out_dir(path: str | Path, flag: str = "--out") -> None:
         )
 
 
+RunOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--run",
+        help="The --out folder of a finished `wandistill train`: its student, K-step scheduler "
+        "and the cache it learned from (for sizes). Pick it for a run you have not exported. "
+        "One of --run, --export, --student (eval needs one; sample without: the teacher).",
+    ),
+]
+ExportOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--export",
+        help="A folder written by `wandistill export` (a complete WanPipeline): pick it to test "
+        "exactly what users will load. One of --run, --export, --student.",
+    ),
+]
+StudentOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--student",
+        help="A finished run's student/ or student_ema/ folder (its run's sampling.json gives K): "
+        "the same as --run with --no-ema / --ema, named by folder. One of --run, --export, "
+        "--student.",
+    ),
+]
+EmaOpt = Annotated[
+    bool,
+    typer.Option(
+        "--ema/--no-ema",
+        help="With --run: the EMA weights (smoother, usually better; what export ships) or the "
+        "raw weights of the last step (to compare, or for very short runs).",
+    ),
+]
 DeviceOpt = Annotated[
     str,
     typer.Option(
         "--device",
-        help="auto (a GPU if the models fit one, else the CPU), cpu, cuda or cuda:N; loads the "
-        "teacher's text encoder / VAE with the same placement machinery as precompute.",
+        help="auto | cpu | cuda | cuda:N. auto: a GPU if the models fit one, else the CPU; cuda:N "
+        "to pick a GPU. Loaded with the placement machinery precompute uses.",
     ),
 ]
+_SAMPLE_DEFAULT = (
+    "Default: a student's own (its cache's, recorded in sampling.json); the teacher alone: "
+    "--cache's / --recipe's, else WanPipeline's"
+)
 
 
 @app.command("eval")
 def eval_cmd(
-    cache: Annotated[Path, typer.Option(help="Cache with held-out records (or a separate one).")],
-    student: Annotated[Path, typer.Option(help="Student folder (<train out>/student).")],
-    out_dir: Annotated[Path, typer.Option("--out", help="Where eval.md/json and grid.png go.")],
+    cache: Annotated[
+        Path,
+        typer.Option(
+            help="The cache the student was trained from (its held-out records are scored) or a "
+            "separate cache of the same teacher (with --split all)."
+        ),
+    ],
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="New folder for eval.md, eval.json and grid.png.")
+    ],
+    run: RunOpt = None,
+    export: ExportOpt = None,
+    student: StudentOpt = None,
+    ema: EmaOpt = True,
     teacher: Annotated[
-        Path | None, typer.Option(help="Teacher folder: adds VAE-decoded PSNR and images.")
+        Path | None,
+        typer.Option(
+            help="The cache's teacher folder: adds teacher@K (the teacher itself at K steps, with "
+            "its CFG), the column R_K compares with. Default: none (no R_K)."
+        ),
+    ] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            help="Run folder of a step-imitating student (train with loss.output only): adds "
+            "baseline@K and baseline@N, to show what few-step training buys. Default: none."
+        ),
     ] = None,
     steps: Annotated[
-        int | None, typer.Option(help="Student sampler steps (default: teacher's).")
+        int | None,
+        typer.Option(
+            help="Sampler steps K, 1..the student's K. Default: the student's own K (fewer: to "
+            "see how it degrades)."
+        ),
     ] = None,
-    split: Annotated[str, typer.Option(help="holdout (default) or all.")] = "holdout",
-    max_records: Annotated[int | None, typer.Option(help="Evaluate at most N records.")] = None,
+    split: Annotated[
+        str,
+        typer.Option(
+            help="holdout: the records cache.holdout_fraction kept out of training (the "
+            "student's own cache); all: every record (a separate eval cache)."
+        ),
+    ] = "holdout",
+    max_records: Annotated[
+        int | None,
+        typer.Option(help="Score at most N records (>= 1) for a quick look. Default: all."),
+    ] = None,
+    batch_size: Annotated[
+        int,
+        typer.Option(help="Records per pipeline call (>= 1): lower it if memory runs out."),
+    ] = 8,
+    decode: Annotated[
+        bool,
+        typer.Option(
+            "--decode/--no-decode",
+            help="Grid of VAE-decoded frames and image PSNR (needs --teacher; slower), or of "
+            "latents.",
+        ),
+    ] = False,
     device: DeviceOpt = "cpu",
 ) -> None:
-    """Compare the student's samples with the teacher's cached final latents."""
+    """The K-step student vs the teacher's N-step result on held-out records, beside the teacher
+    at K steps and a step-imitating baseline: a table (R_K), JSON and a PNG grid."""
     from wandistill.eval.run import evaluate
     from wandistill.placements import parse_device
+    from wandistill.student.folders import open_student, read_run
+    from wandistill.teacher.folder import TeacherFolder
 
     if split not in ("holdout", "all"):
         raise UsageError(f"--split {split!r} must be holdout or all")
-    _positive(steps=steps, max_records=max_records)
-    from wandistill.bounds import flag_problem, range_of
-    from wandistill.config import SamplerConfig
-
-    steps_range = range_of(SamplerConfig, "num_inference_steps")
-    if steps is not None and steps_range and (p := flag_problem("--steps", steps, steps_range)):
-        raise UsageError(p)
+    _positive(steps=steps, max_records=max_records, batch_size=batch_size)
+    _check_sampler_flags(num_inference_steps=steps)
     where = parse_device(device)
     _out_dir(out_dir)
+    folder = TeacherFolder.open(teacher) if teacher is not None else None
+    chosen = open_student(run=run, export=export, student=student, ema=ema)
+    assert chosen is not None  # required=True
+    base = read_run(baseline, ema=ema, flag="--baseline") if baseline is not None else None
     result = evaluate(
         cache,
-        student,
+        chosen,
         out_dir,
-        teacher=teacher,
+        teacher=folder,
+        baseline=base,
         steps=steps,
         split=split,
         max_records=max_records,
+        batch_size=batch_size,
+        decode=decode,
         device=where,
+        warn=_warn,
     )
-    out.print(result.table(), highlight=False)
-    out.print(f"wrote {out_dir / 'eval.md'}, {out_dir / 'eval.json'}, {result.grid}")
+    out.print(result.table(), highlight=False, soft_wrap=True)  # Markdown rows stay whole
+    out.print(
+        f"wrote {out_dir / 'eval.md'}, {out_dir / 'eval.json'}, {result.grid}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
-@app.command("sample")
-def sample_cmd(
-    teacher: Annotated[Path, typer.Option(help="Teacher folder (text encoder, VAE, scheduler).")],
-    prompts: Annotated[Path, typer.Option(help="Prompt file (.txt or .jsonl).")],
-    out_dir: Annotated[Path, typer.Option("--out", help="Where the PNGs and grid.png go.")],
-    student: Annotated[
-        Path | None, typer.Option(help="Student folder; omit to sample the teacher.")
-    ] = None,
-    steps: Annotated[int, typer.Option(help="Sampler steps.")] = 8,
-    height: Annotated[int, typer.Option()] = 32,
-    width: Annotated[int, typer.Option()] = 32,
-    num_frames: Annotated[int, typer.Option()] = 1,
-    guidance_scale: Annotated[float, typer.Option(help="Teacher only.")] = 5.0,
-    seed: Annotated[int, typer.Option()] = 0,
-    max_sequence_length: Annotated[
-        int, typer.Option(help="Text padding length; use the cache's (512 for real Wan).")
-    ] = 512,
-    limit: Annotated[int, typer.Option(help="At most N prompts.")] = 16,
-    device: DeviceOpt = "cpu",
-) -> None:
-    """Generate images from prompts with the student (or the teacher, for comparison)."""
+def _warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def _check_sampler_flags(**given: float | None) -> None:
+    """The sampler flags given, checked as a recipe's [precompute.sampler] is: the recipe's
+    ranges (finite, in range) through the same config class, named as flags."""
     from wandistill.config import SamplerConfig
-    from wandistill.eval.sample import sample
-    from wandistill.placements import parse_device
-    from wandistill.precompute.prompts import read_prompts
 
-    where = parse_device(device)
-
-    try:  # the flags get the recipe's ranges (finite, in range) through the same config class
-        SamplerConfig(
-            height=height,
-            width=width,
-            num_frames=num_frames,
-            num_inference_steps=steps,
-            max_sequence_length=max_sequence_length,
-            guidance_scale=guidance_scale,
-            seed=seed,
-        )
+    values = {k: v for k, v in given.items() if v is not None}
+    try:
+        SamplerConfig(**values)
     except ConfigError as e:  # name the flags, not the recipe keys
         flags = {"num_inference_steps": "steps"}
         raise UsageError(
@@ -563,62 +633,233 @@ def sample_cmd(
                 e.message,
             )
         ) from None
+
+
+@app.command("sample")
+def sample_cmd(
+    prompts: Annotated[Path, typer.Option(help="Prompt file: .txt (one per line) or .jsonl.")],
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="New folder for NNNN.png (frame 0) and grid.png.")
+    ],
+    export: ExportOpt = None,
+    run: RunOpt = None,
+    student: StudentOpt = None,
+    ema: EmaOpt = True,
+    teacher: Annotated[
+        Path | None,
+        typer.Option(
+            help="Teacher folder. With --run/--student: its tokenizer, text encoder and VAE "
+            "(the run's teacher). Alone: the teacher itself is sampled, to compare. Default: "
+            "none (an --export brings its own)."
+        ),
+    ] = None,
+    cache: Annotated[
+        Path | None,
+        typer.Option(
+            help="Teacher alone: take steps, sizes and CFG from this cache's settings (what the "
+            "student learned from). Default: none."
+        ),
+    ] = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            help="Teacher alone: take them from this recipe's \\[precompute.sampler] (file or "
+            "shipped name). Without --cache or --recipe: WanPipeline's own defaults."
+        ),
+    ] = None,
+    steps: Annotated[
+        int | None,
+        typer.Option(
+            help="Sampler steps >= 1. Default: a student's K (it takes at most K); the teacher "
+            "alone: --cache's / --recipe's N, else WanPipeline's."
+        ),
+    ] = None,
+    height: Annotated[
+        int | None, typer.Option(help=f"Pixels, a multiple of 16. {_SAMPLE_DEFAULT}.")
+    ] = None,
+    width: Annotated[
+        int | None, typer.Option(help=f"Pixels, a multiple of 16. {_SAMPLE_DEFAULT}.")
+    ] = None,
+    num_frames: Annotated[
+        int | None, typer.Option(help=f"4k + 1 (1: an image). {_SAMPLE_DEFAULT}.")
+    ] = None,
+    guidance_scale: Annotated[
+        float | None,
+        typer.Option(
+            help="Teacher only (> 1: CFG, two forwards per step; 1: none). Default: --cache's / "
+            "--recipe's, else WanPipeline's. A student always samples with 1.0."
+        ),
+    ] = None,
+    seed: Annotated[
+        int, typer.Option(help="Prompt i draws its noise from SEED + i (0..2^63-1).")
+    ] = 0,
+    max_sequence_length: Annotated[
+        int | None,
+        typer.Option(help=f"Text padding length >= 1; keep it the cache's. {_SAMPLE_DEFAULT}."),
+    ] = None,
+    limit: Annotated[int, typer.Option(help="Sample at most N prompts (>= 1).")] = 16,
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Images from prompts through WanPipeline: an exported student (--export), a run's student
+    with its teacher's text encoder and VAE (--run + --teacher), or the teacher itself."""
+    from wandistill.eval.sample import SampleOptions, sample
+    from wandistill.placements import parse_device
+    from wandistill.precompute.prompts import read_prompts
+    from wandistill.student.folders import open_student
+    from wandistill.teacher.folder import TeacherFolder
+
     _positive(limit=limit)
-    _out_dir(out_dir)
-    items, _ = read_prompts(prompts)
-    paths = sample(
-        teacher,
-        [p.text for p in items[:limit]],
-        out_dir,
-        student=student,
-        steps=steps,
-        guidance_scale=guidance_scale,
-        max_sequence_length=max_sequence_length,
+    _check_sampler_flags(
+        num_inference_steps=steps,
         height=height,
         width=width,
         num_frames=num_frames,
+        max_sequence_length=max_sequence_length,
+        guidance_scale=guidance_scale,
         seed=seed,
+    )
+    where = parse_device(device)
+    _out_dir(out_dir)
+    folder = TeacherFolder.open(teacher) if teacher is not None else None
+    chosen = open_student(run=run, export=export, student=student, ema=ema, required=False)
+    sizes, n = _teacher_defaults(cache, recipe, student=chosen is not None)
+    options = SampleOptions(
+        steps=steps,
+        guidance_scale=guidance_scale,
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        max_sequence_length=max_sequence_length,
+        seed=seed,
+    )
+    items, _ = read_prompts(prompts)
+    paths = sample(
+        [p.text for p in items[:limit]],
+        out_dir,
+        student=chosen,
+        teacher=folder,
+        sizes=sizes,
+        teacher_steps=n,
+        options=options,
         device=where,
     )
     out.print(f"wrote {len(paths)} images and {out_dir / 'grid.png'}")
 
 
+def _teacher_defaults(
+    cache: Path | None, recipe: str | None, *, student: bool
+) -> tuple[Any, int | None]:
+    """sample's teacher-alone defaults: (sampler sizes, N) from --cache or --recipe."""
+    from wandistill.student.folders import sizes_from_settings
+
+    if cache is not None and recipe is not None:
+        raise UsageError("--cache and --recipe both given", fix="pass one of them")
+    if student and (cache is not None or recipe is not None):
+        flag = "--cache" if cache is not None else "--recipe"
+        raise UsageError(
+            f"{flag} sets the teacher's defaults; a student samples with those it was "
+            "distilled for",
+            fix=f"leave {flag} out, or pass a flag (--height, ...) to change one",
+        )
+    if cache is not None:
+        from wandistill.cache.manifest import load_committed
+
+        settings = load_committed(cache).settings
+        return sizes_from_settings(settings), settings.get("num_inference_steps")
+    if recipe is not None:
+        from dataclasses import asdict
+
+        from wandistill.config import load_recipe
+
+        sampler = load_recipe(recipe, stage="precompute").precompute.sampler
+        return sizes_from_settings(asdict(sampler)), sampler.num_inference_steps
+    return None, None
+
+
 @app.command("demo")
 def demo_cmd(
     root: Annotated[
-        Path, typer.Option(help="Folder for everything the demo makes (relative: to the cwd).")
+        Path,
+        typer.Option(
+            help="Folder for everything the demo makes (relative: to the cwd); a re-run reuses "
+            "what is there."
+        ),
     ] = Path("cache/demo"),
     recipe: Annotated[
-        str, typer.Option(help="Recipe file or shipped recipe name (`wandistill recipes`).")
-    ] = "tiny",
+        str,
+        typer.Option(
+            help="Recipe file or shipped name (`wandistill recipes`); its paths are set under "
+            "--root. tiny-fewstep: a 4-step student of the trained tiny teacher."
+        ),
+    ] = "tiny-fewstep",
     overrides: SetOpt = None,
+    baseline: Annotated[
+        bool,
+        typer.Option(
+            "--baseline/--no-baseline",
+            help="Also train a step-imitating student for the baseline columns (--no-baseline: "
+            "about half the training time).",
+        ),
+    ] = True,
+    teacher: Annotated[
+        Path | None,
+        typer.Option(
+            help="A Wan teacher folder to distil instead. Default: the trained tiny teacher, "
+            "built under --root on first use (about a minute)."
+        ),
+    ] = None,
 ) -> None:
-    """Tiny offline teacher -> precompute -> train -> eval; prints a table, writes PNGs."""
+    """Trained tiny teacher -> precompute (16 steps, CFG) -> a 4-step student -> eval against the
+    teacher at 4 steps; prints the table, writes grid.png and loss.png."""
     from wandistill.demo import run_demo
 
-    result = run_demo(root, recipe, overrides)
+    result = run_demo(root, recipe, overrides, baseline=baseline, teacher=teacher)
     out.print()
-    out.print(result.eval.table(), highlight=False)
+    out.print(result.eval.table(), highlight=False, soft_wrap=True)
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in result.seconds.items())
     out.print(
-        f"\nteacher | student grid: {result.grid}\nloss curve: {result.loss_plot}\n"
-        f"student: {result.root / 'run' / 'student'} (loads with "
-        "WanTransformer3DModel.from_pretrained)",
+        f"\nwall time: {stages} ({sum(result.seconds.values()):.0f} s)\n"
+        f"grid ({' | '.join(c.name for c in result.eval.columns)}): {result.grid}\n"
+        f"loss curve: {result.loss_plot}\n"
+        f"export it: wandistill export --run {result.root / 'run'} --teacher "
+        f"{result.teacher} --out {result.root / 'pipeline'}",
         highlight=False,
+        soft_wrap=True,
     )
 
 
 @app.command("export")
 def export_cmd(
-    run: Annotated[Path, typer.Option("--run", help="Run folder of a finished `train`.")],
-    teacher: Annotated[
-        Path, typer.Option(help="The teacher folder (its tokenizer, text encoder and VAE).")
+    run: Annotated[
+        Path, typer.Option("--run", help="The --out folder of a finished `wandistill train`.")
     ],
-    out_dir: Annotated[Path, typer.Option("--out", help="Pipeline folder to write.")],
+    teacher: Annotated[
+        Path,
+        typer.Option(
+            help="The run's teacher folder: its tokenizer, text encoder and VAE go into the "
+            "pipeline (checked to be those the run's cache was made with)."
+        ),
+    ],
+    out_dir: Annotated[
+        Path,
+        typer.Option(
+            "--out", help="New (or empty, or an earlier export's) folder for the WanPipeline."
+        ),
+    ],
     ema: Annotated[
-        bool, typer.Option("--ema/--no-ema", help="Export the EMA weights (default) or the raw.")
+        bool,
+        typer.Option(
+            "--ema/--no-ema",
+            help="The EMA weights (smoother, usually better) or the raw weights of the last step.",
+        ),
     ] = True,
     copy: Annotated[
-        bool, typer.Option("--copy", help="Copy the teacher's components instead of linking.")
+        bool,
+        typer.Option(
+            "--copy/--no-copy",
+            help="Copy the teacher's components (a self-contained folder to ship or move) or "
+            "symlink them (no extra disk; the teacher folder must stay).",
+        ),
     ] = False,
 ) -> None:
     """Write a complete WanPipeline folder: the student, its K-step scheduler, the teacher's

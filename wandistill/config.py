@@ -579,11 +579,16 @@ RECIPES_PACKAGE = "wandistill.recipes"
 def shipped_recipes_dir() -> Traversable:
     """The folder of recipes that ship with the package, read through importlib.resources so a
     wheel, an editable install and a zip all work. A source tree put on sys.path without being
-    installed has no `wandistill.recipes` (the build makes it): read its pipelines/ instead."""
+    installed has no `wandistill.recipes` (the build makes it): read its pipelines/ instead; so
+    does a source tree run through PYTHONPATH while another tree is installed editable (whose
+    `wandistill.recipes` would be the other tree's recipes, not this code's)."""
+    tree = Path(__file__).resolve().parents[1]
+    if (tree / "pyproject.toml").is_file() and (tree / "pipelines").is_dir():
+        return tree / "pipelines"
     try:
         return importlib.resources.files(RECIPES_PACKAGE)
     except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[1] / "pipelines"
+        return tree / "pipelines"
 
 
 def shipped_recipe_names() -> list[str]:

@@ -1,60 +1,62 @@
-"""`wandistill demo`: the whole job on the embedded tiny teacher, offline, in minutes on a CPU.
+"""`wandistill demo`: a few-step student of a real (tiny) teacher, offline, in minutes on a CPU.
 
-teacher (built if absent) -> prompts (written if absent) -> precompute (skips what the cache
-has) -> train (resumes from the latest checkpoint) -> eval on the held-out prompts -> a table,
-`grid.png` (teacher | student) and `loss.png` under the demo folder. Re-running reuses it all.
+trained tiny teacher (trained once, then reused: `wandistill.teacher.trained`) -> prompts of its
+grammar (written if absent) -> precompute with the teacher's N = 16 steps and CFG (skips what the
+cache has) -> train a K = 4 student with the trajectory and consistency objectives (resumes from
+the latest checkpoint) -> train a step-imitating baseline with the same student and budget ->
+`wandistill eval` on the held-out prompts: student@4 beside teacher@4 and baseline@4/@16, R_4 ->
+a table, `grid.png` (noise | teacher@16 | teacher@4 | student@4 | baseline@4 | baseline@16) and
+`loss.png` under the demo folder. Re-running reuses it all. Every value is the recipe's
+(`pipelines/tiny-fewstep.toml`); `--set` overrides them.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-from wandistill.config import load_recipe
+from wandistill.config import LossConfig, TrainConfig, load_recipe
 from wandistill.eval.run import EvalResult
 from wandistill.teacher.decode import save_png
 
-SUBJECTS = [
-    "a cat",
-    "a dog",
-    "a red car",
-    "an old man",
-    "a small boat",
-    "a horse",
-    "a robot",
-    "a child",
-]
-PLACES = [
-    "on a beach at sunset",
-    "in a snowy forest",
-    "on a busy city street",
-    "in a quiet library",
-    "under a bright blue sky",
-    "next to a river",
-    "in the rain",
-    "on a mountain top",
-]
+PROMPTS = 480
+"""Prompts drawn from the trained teacher's grammar (every one of them, shuffled)."""
+TEACHER_SEED = 0
 
 
 @dataclass(slots=True)
 class DemoResult:
     root: Path
+    teacher: Path
     eval: EvalResult
     grid: Path
     loss_plot: Path
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of each stage."""
 
 
-def write_prompts(path: Path) -> None:
-    """64 varied prompts (8 subjects x 8 places), one per line, deterministic."""
-    if path.exists():
+def write_prompts(path: Path, n: int = PROMPTS) -> None:
+    """`n` prompts of the trained teacher's grammar, one per line, deterministic."""
+    if path.exists():  # given (--set precompute.prompts=...) or written by an earlier run
         return
+    from wandistill.teacher.trained import synthetic_prompts
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(f"{s} {p}" for s in SUBJECTS for p in PLACES) + "\n")
+    path.write_text("\n".join(synthetic_prompts(n, seed=0)) + "\n")
+
+
+def baseline_config(train: TrainConfig, out: Path) -> TrainConfig:
+    """The step-imitating baseline: the same student, data and budget, trained to match the
+    teacher's guided output at every recorded step and sampled with the teacher's own scheduler
+    (K unset = N)."""
+    student = replace(train.student, num_inference_steps=None)
+    return replace(train, out=str(out), student=student, loss=LossConfig(output=1.0))
 
 
 def loss_plot(metrics: Path, out: Path, size: tuple[int, int] = (480, 240)) -> Path:
@@ -89,33 +91,78 @@ def loss_plot(metrics: Path, out: Path, size: tuple[int, int] = (480, 240)) -> P
 
 def run_demo(
     root: str | Path = "cache/demo",
-    recipe: str | Path = "tiny",
+    recipe: str | Path = "tiny-fewstep",
     overrides: list[str] | None = None,
     quiet: bool = False,
+    baseline: bool = True,
+    teacher: str | Path | None = None,
 ) -> DemoResult:
-    from wandistill.eval.run import evaluate
+    """`teacher`: a Wan teacher folder to use instead of the trained tiny one (tests pass a
+    random tiny teacher to skip the minute of teacher training)."""
     from wandistill.precompute import run as precompute
-    from wandistill.teacher.tiny import make_tiny_teacher
-    from wandistill.train import run as train
 
     root = Path(root)
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        seconds[stage] = time.perf_counter() - clock
+        clock = time.perf_counter()
+
+    load_recipe(recipe, overrides)  # a bad recipe or --set fails before a minute of teacher
+    if teacher is None:
+        from wandistill.teacher.trained import ensure_trained_teacher
+
+        teacher = ensure_trained_teacher(root, seed=TEACHER_SEED, progress=not quiet)
+    teacher = Path(teacher).absolute()
+    lap("teacher")
     paths = [
-        f'precompute.teacher.path="{root / "teacher"}"',
+        f'precompute.teacher.path="{teacher}"',
         f'precompute.prompts="{root / "prompts.txt"}"',
         f'precompute.cache.path="{root / "cache"}"',
         f'train.cache="{root / "cache"}"',
         f'train.out="{root / "run"}"',
+        f'train.student.init_from_teacher.path="{teacher}"',
     ]
     cfg = load_recipe(recipe, [*paths, *(overrides or [])])
-    teacher = Path(cfg.precompute.teacher.path)
-    if not (teacher / "model_index.json").is_file():
-        make_tiny_teacher(teacher)
     write_prompts(Path(cfg.precompute.prompts))
     precompute(cfg.precompute, quiet=quiet)
-    resume = (Path(cfg.train.out) / "checkpoints" / "latest").exists()
-    result = train(cfg.train, resume=resume)
-    ev = evaluate(cfg.train.cache, result.student, root / "eval", teacher=teacher)
+    lap("precompute")
+    runs = {"student": cfg.train}
+    if baseline:
+        runs["baseline"] = baseline_config(cfg.train, root / "baseline")
+    for name, train_cfg in runs.items():
+        _train(train_cfg)
+        lap(f"train {name}")
+    ev = _evaluate(cfg.train.cache, root, teacher, baseline)
+    lap("eval")
     grid = root / "grid.png"
     shutil.copyfile(root / "eval" / "grid.png", grid)
     plot = loss_plot(Path(cfg.train.out) / "metrics.jsonl", root / "loss.png")
-    return DemoResult(root=root, eval=ev, grid=grid, loss_plot=plot)
+    return DemoResult(
+        root=root, teacher=teacher, eval=ev, grid=grid, loss_plot=plot, seconds=seconds
+    )
+
+
+def _train(cfg: TrainConfig) -> None:
+    """Train, resuming from the latest checkpoint a previous demo left."""
+    from wandistill.train import run as train
+
+    train(cfg, resume=(Path(cfg.out) / "checkpoints" / "latest").exists())
+
+
+def _evaluate(cache: str, root: Path, teacher: Path, baseline: bool) -> EvalResult:
+    """student@K, teacher@K and (if trained) the baseline on the held-out prompts."""
+    from wandistill.eval.run import evaluate
+    from wandistill.student.folders import read_run
+    from wandistill.teacher.folder import TeacherFolder
+
+    base = read_run(root / "baseline", flag="--baseline") if baseline else None
+    return evaluate(
+        cache,
+        read_run(root / "run"),
+        root / "eval",
+        teacher=TeacherFolder.open(teacher),
+        baseline=base,
+    )

@@ -14,7 +14,8 @@ the folder, the reason and the fix:
 A folder is owned when it carries the marker `.wandistill.json` naming its purpose (cache, run,
 eval, sample, export). Folders made by earlier versions, which wrote no marker, are adopted by
 their own files: a cache by its wandistill manifest.json, a run by checkpoints/ (or metrics) next
-to a config.json with a "train" key, an eval by its eval.json, a sample by its NNNN.png files.
+to a config.json with a "train" key, an eval by its eval.json, a sample by its NNNN.png files, an
+export by its wandistill_export.json.
 
 One writer: the claim takes an OS advisory lock (`filelock`, flock on `.wandistill.lock`) for as
 long as the command runs; the kernel drops it when the process dies, so a `kill -9` leaves no
@@ -305,7 +306,9 @@ def _inspect(target: Path, purpose: str, label: str) -> str:
     if found == "?":
         raise UsageError(f"{label} has an unreadable {MARKER}", fix=f"{fix}, or delete {MARKER}")
     if found is not None and found != purpose:
-        raise UsageError(f"{label} is a wandistill {found} folder, not a {purpose} folder", fix=fix)
+        raise UsageError(
+            f"{label} is a wandistill {found} folder, not {_a(purpose)} folder", fix=fix
+        )
     evidence = model_evidence(target, strict=found is None)
     if evidence is not None and not (found == "export" == purpose):
         raise UsageError(
@@ -369,6 +372,8 @@ def _legacy_owner(folder: Path) -> str | None:
             return "run"
     if (folder / "eval.json").is_file() and "latent_mse" in _read_json(folder / "eval.json"):
         return "eval"
+    if _read_json(folder / "wandistill_export.json").get("format") == "wandistill-export":
+        return "export"  # student.export's own marker, written before claims existed
     names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
     pngs = {n for n in names if re.fullmatch(r"\d{4}\.png", n)}
     if pngs and names <= pngs | {"grid.png"} | BOOKKEEPING:
@@ -453,3 +458,8 @@ def _remove(path: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
+
+
+def _a(word: str) -> str:
+    """`an export`, `a run`."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"

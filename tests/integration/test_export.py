@@ -209,6 +209,42 @@ def test_the_export_folder_is_complete_linked_readable_and_replaceable(
     assert (out / "text_encoder").is_dir() and not (out / "text_encoder").is_symlink()
     assert json.loads((out / "wandistill_export.json").read_text())["weights"] == "student"
     assert [p.name for p in tmp_path.iterdir()] == ["export"], "no temp folder left behind"
+    pieces = {"model_index.json", "transformer", "scheduler", "tokenizer", "text_encoder", "vae"}
+    assert {p.name for p in out.iterdir()} == pieces | {
+        "wandistill_export.json",
+        ".wandistill.json",
+        ".wandistill.lock",
+    }
+
+
+def test_an_export_over_an_export_removes_the_old_index_first_and_installs_the_new_one_last(
+    tmp_path: Path,
+    world: dict[str, Path],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reader that finds model_index.json finds every piece it names: while the entries move,
+    OUT has no model_index.json."""
+    from wandistill.student import export as export_mod
+
+    out = tmp_path / "export"
+    _export(capsys, world, "wan21", out)
+    (out / ".wandistill.json").unlink()  # an export made before output claims: still adopted
+    moves: list[tuple[str, str]] = []
+    real = os.replace
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        if Path(dst).is_relative_to(out) and not Path(src).name.endswith(".tmp"):
+            moves.append((Path(src).name, str(Path(dst).relative_to(out))))  # not atomic writes
+        real(src, dst)
+
+    monkeypatch.setattr(export_mod.os, "replace", replace)
+    _export(capsys, world, "wan21", out)
+    first, last = moves[0], moves[-1]
+    assert first[0] == "model_index.json" and first[1].startswith(".export.old")
+    assert last == ("model_index.json", "model_index.json")
+    installed = [dst for _, dst in moves if not dst.startswith(".")]
+    assert set(installed) >= {"transformer", "scheduler", "vae", "wandistill_export.json"}
 
 
 def _snapshot(path: Path) -> dict[str, bytes]:
@@ -235,8 +271,13 @@ def test_export_refuses_bad_runs_teachers_and_outputs_writing_nothing(
 
     other = make_tiny_teacher(tmp_path / "other", seed=5)  # another text encoder and VAE
     run21, t21 = world["run_wan21"], world["teacher_wan21"]
+    evals = tmp_path / "evals"  # a folder wandistill wrote for another purpose
+    code, _, err = _cli(capsys, "eval", "--cache", str(world["cache_wan21"]), "--run", str(run21),
+                        "--split", "all", "--max-records", "1", "--out", str(evals))  # fmt: skip
+    assert code == 0, err
     cases = [
-        (run21, t21, foreign, "exists and is not a wandistill export"),
+        (run21, t21, foreign, "is not empty and was not written by wandistill"),
+        (run21, t21, evals, "is a wandistill eval folder, not an export folder"),
         (unfinished, t21, tmp_path / "a", "holds no finished student"),
         (nan_run, t21, tmp_path / "b", "hold NaN or inf"),
         (run21, other, tmp_path / "c", "is not the one the run's cache was made with"),
@@ -248,7 +289,13 @@ def test_export_refuses_bad_runs_teachers_and_outputs_writing_nothing(
         assert code == 2 and message in err and "Traceback" not in err, err
         assert err.count("error:") == 1
     assert _snapshot(tmp_path) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan", "notes", "other", "unfinished"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "evals",
+        "nan",
+        "notes",
+        "other",
+        "unfinished",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -273,7 +320,7 @@ def test_train_refuses_objectives_the_cache_cannot_serve_before_writing_anything
         args += ["--set", s]
     code, _, err = _cli(capsys, *args)
     assert code == 2 and message in err and "Traceback" not in err, err
-    assert err.count("error:") == 1
+    assert err.count("error:") == 1 and ("choose K" in err or "re-run precompute" in err), err
     assert not (tmp_path / "run").exists()
 
 

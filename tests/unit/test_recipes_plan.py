@@ -44,7 +44,7 @@ def test_recipes_cover_three_models_on_three_machines() -> None:
     for model in ("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b"):
         for hw in ("1x24gb", "1x80gb", "4x80gb"):
             assert f"{model}_{hw}" in names
-    assert set(shipped_recipe_names()) == {"tiny", *names}  # every other recipe names a machine
+    assert set(shipped_recipe_names()) == {"tiny", "tiny-fewstep", *names}  # the rest: a machine
 
 
 @pytest.mark.parametrize("recipe", REAL, ids=lambda p: p.stem)

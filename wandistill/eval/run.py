@@ -1,16 +1,31 @@
-"""`wandistill eval`: run the student's sampler from cached noise and embeddings, compare.
+"""`wandistill eval`: does the K-step student do in K steps what the teacher does in N?
 
-For each held-out record (by the cache's `holdout_fraction`, or every record of a separate cache)
-the student denoises the record's own initial noise with the cache's scheduler, one forward per
-step (it learned the guided output, so no CFG pass), and its final latent is compared with the
-teacher's cached final latent: MSE and PSNR. It also scores the student on every recorded
-(x_t, t) of those records (output-matching loss). Given the teacher folder, both final latents
-are decoded with the VAE for an image PSNR and a teacher | student PNG grid. Deterministic: no
-randomness is drawn anywhere.
+On held-out records of the cache (by `cache.holdout_fraction`, or every record of a separate
+cache) every column starts from the record's own cached noise and prompt embedding, and its final
+latent is compared with the teacher's N-step final latent, which the cache holds:
+
+    noise        the initial noise itself: the do-nothing baseline
+    teacher@N    the cached final latent: the reference (not re-sampled)
+    teacher@K    the teacher at K steps: its own scheduler, CFG as the cache ran it (--teacher)
+    student@K    the student's K-step sampler: WanPipeline with the student's scheduler, guidance 1
+    baseline@K   a step-imitating student (--baseline RUN) at K steps ...
+    baseline@N   ... and at its own N steps
+
+Every sampler is diffusers' `WanPipeline.__call__` fed the cache's tensors
+(`wandistill.student.sampler.sample_latents`), the call a test proves equal to the exported folder.
+The answer to "is it worth distilling" is R_K = MSE(student@K, teacher@N) / MSE(teacher@K,
+teacher@N): below 1 the student does in K steps better than the teacher does in K steps. Each
+column also reports its forwards per sample (CFG doubles the teacher's) and wall time per sample
+(the batched pipeline call divided by the batch, after one untimed warm-up call per column).
+
+Writes eval.md (the table), eval.json (every figure, per record too) and grid.png (see `grid.py`).
+Deterministic: no randomness is drawn; the figures repeat exactly, the wall times do not.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,82 +37,224 @@ from wandistill import outputs
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import Record, is_holdout, pad_embeds
 from wandistill.errors import UsageError
+from wandistill.eval import grid as gridmod
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.fsutil import atomic_write_bytes, atomic_write_json
-from wandistill.modelfolder import load_pretrained, refuse_custom_code, require_safetensors
 from wandistill.placements import Auto, Cpu, Cuda, Placement
+from wandistill.student.folders import FinishedStudent
+from wandistill.student.sampler import sample_latents, student_pipeline
+from wandistill.student.schedule import build_scheduler
 from wandistill.teacher.folder import TeacherFolder
+
+PSNR_CAP = 100.0
+"""PSNR of identical latents is infinite; capped so means and JSON stay finite."""
+MIN_RECORDS = 8
+"""Fewer evaluated records than this and a mean MSE (and R_K) is mostly the luck of the draw:
+eval warns (`few_records`)."""
+
+
+@dataclass(slots=True)
+class Column:
+    """One way of sampling the held-out records, and how close it lands to teacher@N."""
+
+    name: str
+    role: str
+    """noise | reference | teacher | student | baseline"""
+    steps: int
+    forwards_per_sample: int
+    seconds_per_sample: float | None
+    """None: nothing sampled (noise) or taken from the cache (teacher@N)."""
+    latent_mse: float = 0.0
+    latent_psnr: float = PSNR_CAP
+    ratio: float | None = None
+    """latent_mse / latent_mse of teacher@K (None without --teacher)."""
+    image_psnr: float | None = None
 
 
 @dataclass(slots=True)
 class EvalResult:
     records: int
-    steps: int
-    latent_mse: float
-    latent_psnr: float
-    noise_mse: float
-    """MSE of the initial noise against the teacher's final latent: the do-nothing baseline."""
+    num_inference_steps: int
+    """K: the steps the student sampled with."""
+    teacher_steps: int
+    """N: the steps of the cached teacher trajectories."""
+    columns: list[Column]
     step_loss: float
-    image_psnr: float | None = None
+    """The student's output-matching loss at the recorded (x_t, t): a step-imitation
+    diagnostic (a K-step student is not trained for it)."""
+    r_k: float | None = None
+    """MSE(student@K, teacher@N) / MSE(teacher@K, teacher@N); None without --teacher."""
+    baseline_r_k: float | None = None
+    view: str = "latents"
     per_record: list[dict[str, Any]] = field(default_factory=list)
     grid: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    """What makes these figures less meaningful (too few records), also in the table."""
+
+    def column(self, name: str) -> Column:
+        return next(c for c in self.columns if c.name == name)
+
+    @property
+    def student(self) -> Column:
+        return next(c for c in self.columns if c.role == "student")
+
+    @property
+    def latent_mse(self) -> float:
+        return self.student.latent_mse
+
+    @property
+    def latent_psnr(self) -> float:
+        return self.student.latent_psnr
+
+    @property
+    def noise_mse(self) -> float:
+        return self.column("noise").latent_mse
+
+    @property
+    def image_psnr(self) -> float | None:
+        return self.student.image_psnr
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(latent_mse=self.latent_mse, latent_psnr=self.latent_psnr)
+        return out
 
     def table(self) -> str:
-        rows = [
-            ("held-out records", f"{self.records}"),
-            ("student steps", f"{self.steps}"),
-            ("latent MSE vs teacher", f"{self.latent_mse:.5f}"),
-            ("latent PSNR vs teacher (dB)", f"{self.latent_psnr:.2f}"),
-            ("baseline: noise MSE vs teacher", f"{self.noise_mse:.5f}"),
-            ("output-matching loss (recorded steps)", f"{self.step_loss:.5f}"),
+        """eval.md: one row per column, then what R_K says."""
+        k, n = self.num_inference_steps, self.teacher_steps
+        head = [
+            "column",
+            "steps",
+            "forwards/sample",
+            "wall s/sample",
+            f"latent MSE vs teacher@{n}",
+            "latent PSNR (dB)",
+            f"MSE / MSE(teacher@{k})",
         ]
-        if self.image_psnr is not None:
-            rows.append(("decoded image PSNR vs teacher (dB)", f"{self.image_psnr:.2f}"))
-        width = max(len(r[0]) for r in rows)
-        lines = [f"| {'metric':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
-        lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
+        images = any(c.image_psnr is not None for c in self.columns)
+        if images:
+            head.append("image PSNR (dB)")
+        rows = [head, ["---"] * len(head)]
+        for c in self.columns:
+            row = [
+                c.name,
+                str(c.steps),
+                str(c.forwards_per_sample),
+                _seconds(c),
+                f"{c.latent_mse:.5f}",
+                f"{c.latent_psnr:.2f}",
+                "-" if c.ratio is None else f"{c.ratio:.3f}",
+            ]
+            if images:
+                row.append("-" if c.image_psnr is None else f"{c.image_psnr:.2f}")
+            rows.append(row)
+        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        lines.append("")
+        lines.append(f"{self.records} held-out records, each from its own cached noise.")
+        if self.r_k is not None:
+            verdict = "better than" if self.r_k < 1 else "no better than"
+            lines.append(
+                f"R_{k} = MSE(student@{k}, teacher@{n}) / MSE(teacher@{k}, teacher@{n}) = "
+                f"{self.r_k:.3f}: in {k} steps the student lands {verdict} the teacher does."
+            )
+        if self.baseline_r_k is not None:
+            lines.append(
+                f"The step-imitating baseline at {k} steps: ratio {self.baseline_r_k:.3f}."
+            )
+        lines.append(f"Student output-matching loss at the recorded steps: {self.step_loss:.5f}.")
+        lines.extend(f"Warning: {w}" for w in self.warnings)
         return "\n".join(lines)
 
 
-def make_scheduler(settings: dict[str, Any]) -> Any:
-    """The teacher's scheduler, rebuilt from the cache manifest (no teacher folder needed)."""
-    import diffusers
-
-    cls = getattr(diffusers, settings["scheduler"], None)
-    if cls is None:
-        raise UsageError(f"cache names an unknown scheduler {settings['scheduler']!r}")
-    return cls.from_config(settings["scheduler_config"])
+def _seconds(c: Column) -> str:
+    if c.seconds_per_sample is not None:
+        return f"{c.seconds_per_sample:.4f}"
+    return "cached" if c.role == "reference" else "-"
 
 
-@torch.no_grad()
-def student_sample(
-    student: torch.nn.Module,
-    scheduler: Any,
-    noise_BCFHW: torch.Tensor,
-    embeds_BLD: torch.Tensor,
-    steps: int,
-) -> torch.Tensor:
-    """The student's sampler: one forward per step, its output used as the guided prediction."""
-    device = next(student.parameters()).device
-    dtype = next(student.parameters()).dtype
-    scheduler.set_timesteps(steps, device=device)
-    scheduler.set_begin_index(0)
-    latents = noise_BCFHW.to(device=device, dtype=torch.float32)
-    cond = embeds_BLD.to(device=device, dtype=dtype)
-    for t in scheduler.timesteps:
-        pred = student(
-            hidden_states=latents.to(dtype),
-            timestep=t.expand(latents.shape[0]),
-            encoder_hidden_states=cond,
-            return_dict=False,
-        )[0]
-        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-    return latents.cpu()
+@dataclass(frozen=True, slots=True)
+class Batch:
+    records: list[Record]
+    noise: torch.Tensor
+    embeds: torch.Tensor
+    negative: torch.Tensor
 
 
-def _held_out(store: CacheStore, split: str, limit: int | None) -> list[Record]:
+@dataclass(slots=True)
+class Leg:
+    """A column that samples: `sample(batch)` -> final latents [B, C, F, H, W]."""
+
+    column: Column
+    sample: Callable[[Batch, int], torch.Tensor]
+    """(batch, steps) -> latents; steps = column.steps (1 for the warm-up)."""
+
+
+# --------------------------------------------------------------------------- entry
+
+
+def evaluate(
+    cache: str | Path,
+    student: FinishedStudent,
+    out_dir: str | Path,
+    *,
+    teacher: TeacherFolder | None = None,
+    baseline: FinishedStudent | None = None,
+    steps: int | None = None,
+    split: str = "holdout",
+    max_records: int | None = None,
+    grid_records: int = 8,
+    batch_size: int = 8,
+    decode: bool = False,
+    device: Placement | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> EvalResult:
+    """Check every input (nothing written on a problem), claim OUT, sample, score, write.
+
+    `device` (`--device`, parsed by `placements.parse_device`): where the students, the
+    teacher's experts and VAE run, through the placement objects precompute uses; default CPU.
+    `warn`: where a warning goes once the inputs checked out, before sampling (default: a
+    `warning:` line on stderr); it is also kept in the result and its table."""
+    k = student.check_steps(steps)
+    if decode and teacher is None:
+        raise UsageError("--decode needs the teacher's VAE", fix="pass --teacher TEACHER")
+    torch.manual_seed(0)
+    with CacheStore(cache) as store:
+        settings, dims = store.manifest.settings, store.manifest.dims
+        shared = store.read_shared()
+        if teacher is not None:
+            _check_teacher(teacher, store.manifest.teacher, cache)
+        records = held_out(store, split, max_records)
+        notes = [n for n in [few_records(store, split, len(records), max_records)] if n]
+    for who in (student, baseline):
+        if who is not None:
+            _check_source(who, store.manifest.teacher, cache)
+    placement = _device_placement(device or Cpu(), teacher, settings)
+    where = placement.execution_device()
+    model = student.load().to(where)
+    _check_fit(model, dims, cache, student.label)
+    legs = [_student_leg(f"student@{k}", "student", model, student, k)]
+    if baseline is not None:
+        legs += _baseline_legs(baseline, k, dims, cache, where)
+    if teacher is not None:
+        legs.insert(0, _teacher_leg(teacher, settings, k, placement))
+    inputs = {"--cache": cache, "--teacher": teacher.path if teacher else None}
+    inputs |= {student.flag: student.path, "--baseline": baseline.path if baseline else None}
+    batches = _batches(records, settings, shared, batch_size)
+    for note in notes:  # once every input checked out: a refused eval shows only its error
+        (warn or _stderr_warning)(note)
+    with outputs.claim(out_dir, "eval", inputs=inputs) as out:
+        loss = _step_loss(model, batches, where)
+        result, finals = _run(legs, batches, settings, loss)
+        result.warnings = notes
+        vae = (teacher, placement) if decode and teacher is not None else None
+        _write(result, finals, records, out.path, vae, grid_records)
+        return result
+
+
+def held_out(store: CacheStore, split: str, limit: int | None) -> list[Record]:
+    """The records to evaluate, by key (deterministic): held out, or all of a separate cache."""
     frac = float(store.manifest.settings.get("holdout_fraction", 0.0))
-    located = sorted(store.locate().items())  # by key: deterministic
+    located = sorted(store.locate().items())
     if split == "holdout":
         if frac <= 0:
             raise UsageError(
@@ -113,204 +270,319 @@ def _held_out(store: CacheStore, split: str, limit: int | None) -> list[Record]:
     return [store.read_record(*v) for _, v in located]
 
 
-def load_student(path: str | Path) -> torch.nn.Module:
-    """The student folder as a WanTransformer3DModel; an unloadable folder is a usage error."""
-    from diffusers import WanTransformer3DModel
-
-    from wandistill.student.config import check_saved_config
-
-    require_safetensors(path, "student")
-    check_saved_config(path)
-    try:
-        return load_pretrained(WanTransformer3DModel, path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(
-            f"student {str(path)!r} cannot be loaded as a WanTransformer3DModel ({first})",
-            fix="pass the student folder written by `wandistill train` (<out>/student)",
-        ) from None
-
-
-def evaluate(
-    cache: str | Path,
-    student_path: str | Path,
-    out_dir: str | Path,
-    *,
-    teacher: str | Path | None = None,
-    steps: int | None = None,
-    split: str = "holdout",
-    max_records: int | None = None,
-    grid_records: int = 8,
-    device: Placement | None = None,
-) -> EvalResult:
-    """`device` (`--device`, parsed by `placements.parse_device`): where the student and the
-    teacher's VAE run, through the same placement objects precompute uses; default the CPU."""
-    if not Path(student_path).is_dir():
-        raise UsageError(
-            f"student {str(student_path)!r} does not exist",
-            fix="pass the student folder written by `wandistill train` (<out>/student)",
+def few_records(store: CacheStore, split: str, count: int, limit: int | None) -> str | None:
+    """One line when fewer than MIN_RECORDS records are evaluated (and --max-records did not ask
+    for that), saying how to get more."""
+    if count >= MIN_RECORDS or (limit is not None and limit < MIN_RECORDS):
+        return None
+    where = f"cache {str(store.path)!r}"
+    if split == "all":
+        return (
+            f"only {count} records in {where}: a mean over so few is mostly noise; precompute "
+            f"an eval cache of at least {MIN_RECORDS} prompts"
         )
-    refuse_custom_code(student_path, "student")
-    folder = TeacherFolder.open(teacher) if teacher is not None else None
-    placement = _device_placement(device or Cpu(), folder)
-    device = placement.execution_device()
-    torch.manual_seed(0)
-    student = load_student(student_path).to(device).eval().requires_grad_(False)
-    with CacheStore(cache) as store:
-        settings = store.manifest.settings
-        _check_fit(student, store.manifest.dims, cache)
-        records = _held_out(store, split, max_records)
-    inputs = {"--cache": cache, "--student": student_path, "--teacher": teacher}
-    with outputs.claim(out_dir, "eval", inputs=inputs) as out:  # every input checked out
-        return _evaluate(
-            student, records, settings, out.path, folder, steps, grid_records, placement
-        )
-
-
-def _evaluate(
-    student: torch.nn.Module,
-    records: list[Record],
-    settings: dict[str, Any],
-    out: Path,
-    folder: TeacherFolder | None,
-    steps: int | None,
-    grid_records: int,
-    placement: Placement,
-) -> EvalResult:
-    """Sample, score and write eval.json / eval.md / grid.png into the claimed folder."""
-    device = placement.execution_device()
-    msl = int(settings["max_sequence_length"])
-    n_steps = steps or int(settings["num_inference_steps"])
-    scheduler = make_scheduler(settings)
-    finals, per_record, step_losses = [], [], []
-    for rec in records:
-        emb = pad_embeds(rec.prompt_embeds, msl).unsqueeze(0)
-        final = student_sample(student, scheduler, rec.noise.unsqueeze(0), emb, n_steps)[0]
-        finals.append(final)
-        with torch.no_grad():
-            dtype = next(student.parameters()).dtype
-            pred = student(
-                hidden_states=rec.xt.to(device=device, dtype=dtype),
-                timestep=rec.timesteps.to(device),
-                encoder_hidden_states=emb.expand(rec.xt.shape[0], -1, -1).to(device, dtype),
-                return_dict=False,
-            )[0].cpu()
-        step_losses.append(mse(pred, rec.teacher_out))
-        per_record.append(
-            {
-                "key": rec.key,
-                "prompt": rec.prompt,
-                "latent_mse": mse(final, rec.final_latent),
-                "latent_psnr": min(psnr(final, rec.final_latent), 100.0),
-                "step_loss": step_losses[-1],
-            }
-        )
-    result = EvalResult(
-        records=len(records),
-        steps=n_steps,
-        latent_mse=float(np.mean([r["latent_mse"] for r in per_record])),
-        latent_psnr=float(np.mean([r["latent_psnr"] for r in per_record])),
-        noise_mse=float(np.mean([mse(r.noise, r.final_latent) for r in records])),
-        step_loss=float(np.mean(step_losses)),
-        per_record=per_record,
+    total = len(store)
+    frac = float(store.manifest.settings.get("holdout_fraction", 0.0))
+    need = min(1.0, 1.5 * MIN_RECORDS / max(total, 1))
+    return (
+        f"only {count} held-out records in {where} ({total} records, cache.holdout_fraction = "
+        f"{frac:g}): a mean over so few is mostly noise; precompute more prompts or a larger "
+        f"fraction (--set cache.holdout_fraction={need:.2g}), or pass --split all with a "
+        "separate eval cache"
     )
-    decoded = _decode(folder, records, finals, result, placement) if folder else None
-    write_grid(records, finals, decoded, out / "grid.png", grid_records)
-    result.grid = str(out / "grid.png")
-    atomic_write_json(out / "eval.json", asdict(result))
-    atomic_write_bytes(out / "eval.md", (result.table() + "\n").encode())
-    return result
 
 
-def _check_fit(student: torch.nn.Module, dims: dict[str, Any], cache: str | Path) -> None:
-    cfg = student.config
+def _stderr_warning(message: str) -> None:
+    import sys
+
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_fit(model: torch.nn.Module, dims: dict[str, Any], cache: str | Path, label: str) -> None:
+    cfg = model.config
     if dims and (cfg.text_dim != dims["text_dim"] or cfg.in_channels != dims["latent_channels"]):
         raise UsageError(
-            f"student (text_dim {cfg.text_dim}, in_channels {cfg.in_channels}) does not fit cache "
+            f"{label} (text_dim {cfg.text_dim}, in_channels {cfg.in_channels}) does not fit cache "
             f"{str(cache)!r} (text_dim {dims['text_dim']}, latent channels "
             f"{dims['latent_channels']})",
             fix="evaluate the student on a cache of the teacher it was distilled from",
         )
 
 
-def latent_rgb(latent_CFHW: torch.Tensor, ref_CFHW: torch.Tensor) -> np.ndarray:
-    """First three channels of frame 0 as RGB, scaled by the reference's range (shared scale)."""
-    ref = ref_CFHW[:3, 0].float()
-    lo, hi = float(ref.min()), float(ref.max())
-    x = (latent_CFHW[:3, 0].float() - lo) / max(hi - lo, 1e-6)
-    return (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+def _check_source(who: FinishedStudent, recorded: dict[str, Any], cache: str | Path) -> None:
+    """A run knows its teacher's fingerprint: it must be the cache's (an export does not)."""
+    mine = who.sampling.teacher.fingerprint if who.sampling is not None else None
+    want = recorded.get("fingerprint")
+    if mine and want and mine != want:
+        raise UsageError(
+            f"{who.label} was distilled from another teacher ({who.sampling.teacher.path}) than "
+            f"cache {str(cache)!r} holds ({recorded.get('path')})",
+            fix="evaluate on a cache of the teacher the student was distilled from",
+        )
 
 
-def _upscale(img: np.ndarray, height: int) -> np.ndarray:
-    from PIL import Image
-
-    h, w = img.shape[:2]
-    scale = max(1, height // h)
-    return np.asarray(Image.fromarray(img).resize((w * scale, h * scale), Image.Resampling.NEAREST))
-
-
-def _stretch(teacher_u8: np.ndarray, student_u8: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Contrast-stretch both images by the teacher's range so small differences show (a random
-    tiny VAE decodes to nearly flat colour); the metrics use the raw pixels."""
-    axes = tuple(range(teacher_u8.ndim - 1))  # per colour channel
-    lo = teacher_u8.min(axis=axes).astype(np.float64)
-    scale = 255.0 / np.maximum(teacher_u8.max(axis=axes) - lo, 1.0)
-
-    def f(x: np.ndarray) -> np.ndarray:
-        return np.clip((x.astype(np.float64) - lo) * scale, 0, 255).round().astype(np.uint8)
-
-    return f(teacher_u8), f(student_u8)
+def _check_teacher(teacher: TeacherFolder, recorded: dict[str, Any], cache: str | Path) -> None:
+    """teacher@K must be the very teacher whose trajectories the cache holds."""
+    want = recorded.get("fingerprint")
+    if want and teacher.fingerprint.get("fingerprint") != want:
+        raise UsageError(
+            f"--teacher {str(teacher.path)!r} is not the teacher cache {str(cache)!r} was made "
+            f"with ({recorded.get('path')})",
+            fix="pass the teacher folder precompute ran on",
+        )
 
 
-def write_grid(
-    records: list[Record],
-    finals: list[torch.Tensor],
-    decoded: tuple[np.ndarray, np.ndarray] | None,
-    path: Path,
-    rows: int,
-    cell: int = 96,
-) -> None:
-    """One row per record: teacher | student latents (channels 0-2), then decoded frames."""
-    from PIL import Image
-
-    from wandistill.teacher.decode import frames_strip, save_png
-
-    lines = []
-    for i, (rec, fin) in enumerate(list(zip(records, finals, strict=True))[:rows]):
-        cells = [latent_rgb(rec.final_latent, rec.final_latent), latent_rgb(fin, rec.final_latent)]
-        if decoded is not None:
-            t_img, s_img = _stretch(decoded[0][i], decoded[1][i])
-            cells += [np.asarray(frames_strip(t_img)), np.asarray(frames_strip(s_img))]
-        cells = [_upscale(c, cell) for c in cells]
-        height = max(c.shape[0] for c in cells)
-        gap = np.full((height, 6, 3), 255, np.uint8)
-        padded = [
-            np.pad(c, ((0, height - c.shape[0]), (0, 0), (0, 0)), constant_values=255)
-            for c in cells
-        ]
-        lines.append(np.concatenate([x for c in padded for x in (c, gap)][:-1], axis=1))
-    width = max(line.shape[1] for line in lines)
-    lines = [
-        np.pad(line, ((0, 6), (0, width - line.shape[1]), (0, 0)), constant_values=255)
-        for line in lines
-    ]
-    save_png(Image.fromarray(np.concatenate(lines, axis=0)), path)
+# --------------------------------------------------------------------------- legs
 
 
-def _device_placement(device: Placement, folder: TeacherFolder | None) -> Placement:
-    """`device` made concrete: auto is a GPU if the VAE fits one (the first GPU if there is no
-    teacher to plan), else the CPU."""
+def _student_leg(
+    name: str, role: str, model: torch.nn.Module, student: FinishedStudent, steps: int
+) -> Leg:
+    pipe = student_pipeline(model, student.schedule)
+
+    def sample(batch: Batch, s: int) -> torch.Tensor:
+        return sample_latents(pipe, batch.noise, batch.embeds, s).cpu()
+
+    return Leg(Column(name, role, steps, steps, 0.0), sample)
+
+
+def _baseline_legs(
+    baseline: FinishedStudent,
+    k: int,
+    dims: dict[str, Any],
+    cache: str | Path,
+    device: torch.device,
+) -> list[Leg]:
+    """The step-imitating student at K and at its own steps (N)."""
+    baseline.check_steps(k, "--steps (the baseline)")
+    model = baseline.load().to(device)
+    _check_fit(model, dims, cache, baseline.label)
+    m = baseline.num_inference_steps
+    return [_student_leg(f"baseline@{s}", "baseline", model, baseline, s) for s in sorted({k, m})]
+
+
+def _teacher_leg(
+    teacher: TeacherFolder, settings: dict[str, Any], k: int, placement: Placement
+) -> Leg:
+    """The teacher in WanPipeline at K steps: the cache's scheduler, dtype and CFG."""
+    from diffusers import WanPipeline
+
     from wandistill.teacher import placement as pl
-    from wandistill.teacher.plan import SamplerSizes
+    from wandistill.teacher.plan import dtype_from_name
+
+    dtype = dtype_from_name(str(settings.get("dtype", "fp32")))
+    experts = {
+        name: pl.load_component(teacher, name, dtype=dtype, placement=placement)
+        for name in teacher.experts
+    }
+    pipe = WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        transformer=experts["transformer"],
+        transformer_2=experts.get("transformer_2"),
+        boundary_ratio=teacher.boundary_ratio,
+        scheduler=build_scheduler(
+            {**settings["scheduler_config"], "_class_name": settings["scheduler"]}
+        ),
+        expand_timesteps=teacher.expand_timesteps,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    g = float(settings["guidance_scale"])
+    g2 = settings.get("guidance_scale_2") if teacher.boundary_ratio is not None else None
+    cfg = g > 1.0
+
+    def sample(batch: Batch, s: int) -> torch.Tensor:
+        return sample_latents(
+            pipe,
+            batch.noise,
+            batch.embeds,
+            s,
+            negative_BLD=batch.negative if cfg else None,
+            guidance_scale=g,
+            guidance_scale_2=None if g2 is None else float(g2),
+        ).cpu()
+
+    # At K = N the column re-samples the cached reference: named apart from it.
+    name = f"teacher@{k}" if k != int(settings["num_inference_steps"]) else f"teacher@{k} again"
+    return Leg(Column(name, "teacher", k, k * (2 if cfg else 1), 0.0), sample)
+
+
+def _batches(
+    records: list[Record], settings: dict[str, Any], shared: dict[str, torch.Tensor], size: int
+) -> list[Batch]:
+    """Records in batches, embeddings zero-padded as the pipeline pads them; the negative is the
+    record's own or the cache's shared one."""
+    msl = int(settings["max_sequence_length"])
+    default = shared.get("negative_prompt_embeds")
+
+    def negative(r: Record) -> torch.Tensor:
+        own = r.negative_prompt_embeds
+        neg = own if own is not None else default
+        return pad_embeds(neg if neg is not None else r.prompt_embeds[:0], msl)
+
+    out = []
+    for i in range(0, len(records), size):
+        chunk = records[i : i + size]
+        out.append(
+            Batch(
+                records=chunk,
+                noise=torch.stack([r.noise for r in chunk]).float(),
+                embeds=torch.stack([pad_embeds(r.prompt_embeds, msl) for r in chunk]),
+                negative=torch.stack([negative(r) for r in chunk]),
+            )
+        )
+    return out
+
+
+def _first(batch: Batch) -> Batch:
+    return Batch(batch.records[:1], batch.noise[:1], batch.embeds[:1], batch.negative[:1])
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _sample_all(legs: list[Leg], batches: list[Batch]) -> dict[str, torch.Tensor]:
+    """Every leg over every batch: column name -> final latents; fills in the wall times."""
+    count = sum(len(b.records) for b in batches)
+    finals: dict[str, torch.Tensor] = {}
+    for leg in legs:
+        leg.sample(_first(batches[0]), 1)  # warm-up: lazy inits stay out of the timing
+        outs, seconds = [], 0.0
+        for b in batches:
+            t0 = time.perf_counter()
+            outs.append(leg.sample(b, leg.column.steps))
+            seconds += time.perf_counter() - t0
+        finals[leg.column.name] = torch.cat(outs)
+        leg.column.seconds_per_sample = seconds / count
+    return finals
+
+
+def _run(
+    legs: list[Leg], batches: list[Batch], settings: dict[str, Any], step_loss: float
+) -> tuple[EvalResult, dict[str, torch.Tensor]]:
+    """Sample, then score every column against the cached final latents."""
+    records = [r for b in batches for r in b.records]
+    n = int(settings["num_inference_steps"])
+    g = float(settings.get("guidance_scale", 1.0))
+    ref = torch.stack([r.final_latent for r in records]).float()
+    finals = {
+        "noise": torch.cat([b.noise for b in batches]),
+        f"teacher@{n}": ref,
+        **_sample_all(legs, batches),
+    }
+    columns = [
+        Column("noise", "noise", 0, 0, None),
+        Column(f"teacher@{n}", "reference", n, n * (2 if g > 1 else 1), None),
+        *(leg.column for leg in legs),
+    ]
+    per_record: list[dict[str, Any]] = [
+        {"key": r.key, "prompt": r.prompt, "latent_mse": {}} for r in records
+    ]
+    for c in columns:
+        pairs = list(zip(finals[c.name], ref, strict=True))
+        errs = [mse(a, b) for a, b in pairs]
+        c.latent_mse = float(np.mean(errs))
+        c.latent_psnr = float(np.mean([min(psnr(a, b), PSNR_CAP) for a, b in pairs]))
+        for row, e in zip(per_record, errs, strict=True):
+            row["latent_mse"][c.name] = e
+    return _summary(columns, len(records), n, step_loss, per_record), finals
+
+
+def _summary(
+    columns: list[Column], records: int, n: int, step_loss: float, per_record: list[Any]
+) -> EvalResult:
+    """Ratios to teacher@K, R_K and the baseline's ratio at K."""
+    teacher_k = next((c for c in columns if c.role == "teacher"), None)
+    if teacher_k is not None and teacher_k.latent_mse > 0:
+        for c in columns:
+            c.ratio = c.latent_mse / teacher_k.latent_mse
+    student = next(c for c in columns if c.role == "student")
+    base_k = next((c for c in columns if c.role == "baseline" and c.steps == student.steps), None)
+    return EvalResult(
+        records=records,
+        num_inference_steps=student.steps,
+        teacher_steps=n,
+        columns=columns,
+        step_loss=step_loss,
+        r_k=student.ratio,
+        baseline_r_k=base_k.ratio if base_k is not None else None,
+        per_record=per_record,
+    )
+
+
+@torch.no_grad()
+def _step_loss(model: torch.nn.Module, batches: list[Batch], device: torch.device) -> float:
+    """The student's output vs the teacher's guided output at every recorded (x_t, t)."""
+    dtype = next(model.parameters()).dtype
+    losses = []
+    for b in batches:
+        for rec, emb in zip(b.records, b.embeds, strict=True):
+            s = rec.xt.shape[0]
+            pred = model(
+                hidden_states=rec.xt.to(device=device, dtype=dtype),
+                timestep=rec.timesteps.to(device),
+                encoder_hidden_states=emb.expand(s, -1, -1).to(device, dtype),
+                return_dict=False,
+            )[0].cpu()
+            losses.append(mse(pred, rec.teacher_out))
+    return float(np.mean(losses))
+
+
+# --------------------------------------------------------------------------- write
+
+
+def _write(
+    result: EvalResult,
+    finals: dict[str, torch.Tensor],
+    records: list[Record],
+    out: Path,
+    vae: tuple[TeacherFolder, Placement] | None,
+    grid_records: int,
+) -> None:
+    """grid.png (latents, or VAE-decoded frames with --decode), eval.json, eval.md."""
+    names = [c.name for c in result.columns]
+    rows = min(grid_records, len(records))
+    if vae is not None:
+        frames = _decode(*vae, finals, names, result)
+        cells = [[gridmod.frames_cell(frames[c][i]) for c in names] for i in range(rows)]
+        result.view = "decoded"
+    else:
+        ref = finals[names[1]]
+        cells = [[gridmod.latent_cell(finals[c][i], ref[i]) for c in names] for i in range(rows)]
+    prompts = [r.prompt for r in records[:rows]]
+    gridmod.write_grid(out / "grid.png", names, prompts, cells)
+    result.grid = str(out / "grid.png")
+    atomic_write_json(out / "eval.json", result.to_json())
+    atomic_write_bytes(out / "eval.md", (result.table() + "\n").encode())
+
+
+def _device_placement(
+    device: Placement, folder: TeacherFolder | None, settings: dict[str, Any]
+) -> Placement:
+    """`device` made concrete: auto is a GPU if the teacher's experts and VAE fit one at the
+    cache's sizes (the first GPU if there is no teacher to plan), else the CPU."""
+    from wandistill.teacher import placement as pl
+    from wandistill.teacher.plan import SamplerSizes, dtype_from_name
 
     if folder is not None:
-        sizes = SamplerSizes(previews=True)  # Wan 480p decode: what a real teacher's eval does
+        sizes = SamplerSizes(
+            int(settings["height"]),
+            int(settings["width"]),
+            int(settings["num_frames"]),
+            1,
+            int(settings["max_sequence_length"]),
+            previews=True,
+        )
         return pl.resolve_placement(
             device,
             folder=folder,
-            dtype=torch.float32,
+            dtype=dtype_from_name(str(settings.get("dtype", "fp32"))),
             sizes=sizes,
-            components=("vae",),
+            components=(*folder.experts, "vae"),
             only=(Cuda, Cpu),
         )
     if isinstance(device, Auto):
@@ -320,19 +592,19 @@ def _device_placement(device: Placement, folder: TeacherFolder | None) -> Placem
 
 def _decode(
     teacher: TeacherFolder,
-    records: list[Record],
-    finals: list[torch.Tensor],
-    result: EvalResult,
     placement: Placement,
-) -> tuple[np.ndarray, np.ndarray]:
+    finals: dict[str, torch.Tensor],
+    names: list[str],
+    result: EvalResult,
+) -> dict[str, np.ndarray]:
+    """Every column through the teacher's VAE; image PSNR of each against teacher@N's frames."""
     from wandistill.teacher import placement as pl
     from wandistill.teacher.decode import decode_latents
 
     vae = pl.load_component(teacher, "vae", dtype=torch.float32, placement=placement)
-    t_img = decode_latents(vae, torch.stack([r.final_latent for r in records]))
-    s_img = decode_latents(vae, torch.stack(finals))
-    scores = [min(image_psnr(s, t), 100.0) for s, t in zip(s_img, t_img, strict=True)]
-    result.image_psnr = float(np.mean(scores))
-    for row, x in zip(result.per_record, scores, strict=True):
-        row["image_psnr"] = x
-    return t_img, s_img
+    frames = {c: decode_latents(vae, finals[c]) for c in names}
+    ref = frames[names[1]]
+    for c in result.columns:
+        scores = [min(image_psnr(a, b), PSNR_CAP) for a, b in zip(frames[c.name], ref, strict=True)]
+        c.image_psnr = float(np.mean(scores))
+    return frames

@@ -1,12 +1,22 @@
-"""`wandistill sample`: images from prompts with the student (or the teacher) in WanPipeline.
+"""`wandistill sample`: images from prompts through WanPipeline, exactly as a user would get them.
 
-The student replaces `transformer` in the teacher's own pipeline (its UMT5 and VAE and scheduler),
-with guidance off: it learned the guided output, so one forward per step suffices. For a Wan 2.2
-teacher the student covers every step, so the second expert and the boundary are dropped.
+- `--export DIR`: `WanPipeline.from_pretrained(DIR)` (through `modelfolder.load_pretrained`, after
+  the folder passed the same checks as a teacher folder), called with the student's K steps and
+  guidance 1.0: the user's own code.
+- `--run RUN` / `--student RUN/student` + `--teacher T`: the same pipeline built in memory, which is
+  what `wandistill export` would write: the teacher's tokenizer, text encoder and VAE (checked to be
+  the ones the run's cache was made with), the student for every step (no second expert, no
+  boundary) and its K-step scheduler.
+- only `--teacher T`: the teacher's own pipeline with CFG, for comparison.
+
+Defaults come from what is being sampled: a student samples with its K and the height, width,
+frames and max_sequence_length of the cache it was distilled from (recorded in sampling.json and
+the export's marker); the teacher with `--cache`'s settings, else WanPipeline's own defaults.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,69 +26,244 @@ from PIL import Image
 
 from wandistill import outputs
 from wandistill.errors import UsageError
-from wandistill.modelfolder import refuse_custom_code
 from wandistill.placements import Cpu, Cuda, Placement
+from wandistill.student.folders import FinishedStudent, SamplerSizes
 from wandistill.teacher.decode import save_png
 from wandistill.teacher.folder import TeacherFolder
 
 
+@dataclass(frozen=True, slots=True)
+class SampleOptions:
+    """The flags; None: the default of what is sampled (see the module docstring)."""
+
+    steps: int | None = None
+    guidance_scale: float | None = None
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    max_sequence_length: int | None = None
+    seed: int = 0
+
+
 def sample(
-    teacher: str | Path,
     prompts: list[str],
     out_dir: str | Path,
     *,
-    student: str | Path | None = None,
-    steps: int = 8,
-    guidance_scale: float = 5.0,
-    height: int = 32,
-    width: int = 32,
-    num_frames: int = 1,
-    max_sequence_length: int = 512,
-    seed: int = 0,
+    student: FinishedStudent | None = None,
+    teacher: TeacherFolder | None = None,
+    sizes: SamplerSizes | None = None,
+    teacher_steps: int | None = None,
+    options: SampleOptions | None = None,
     device: Placement | None = None,
 ) -> list[Path]:
     """Write `<out>/<i>.png` per prompt and `<out>/grid.png`; returns the PNG paths.
 
+    `sizes` / `teacher_steps`: the teacher's defaults (a cache's settings), when no student.
     `device` (`--device`): where the text encoder, VAE and denoiser run, loaded through the
     same placement objects precompute uses (auto: a GPU if they fit one, else the CPU)."""
-    from wandistill.eval.run import load_student
-    from wandistill.teacher import placement as pl
-    from wandistill.teacher.plan import SamplerSizes
+    opts = options or SampleOptions()
+    pipe, call = _pipeline(student, teacher, opts, sizes, teacher_steps, device)
+    pipe.set_progress_bar_config(disable=True)
+    inputs = {"--teacher": teacher.path if teacher else None}
+    if student is not None:
+        inputs[student.flag] = student.path
+    with outputs.claim(out_dir, "sample", inputs=inputs) as claimed:
+        return _sample_into(pipe, prompts, claimed.path, call, opts.seed)
 
-    folder = TeacherFolder.open(teacher)
-    sizes = SamplerSizes(height, width, num_frames, 1, max_sequence_length, previews=True)
-    placement = pl.resolve_placement(
+
+def _pipeline(
+    student: FinishedStudent | None,
+    teacher: TeacherFolder | None,
+    opts: SampleOptions,
+    sizes: SamplerSizes | None,
+    teacher_steps: int | None,
+    device: Placement | None,
+) -> tuple[Any, dict[str, Any]]:
+    """The pipeline to call (on `device`) and the call's arguments."""
+    if student is not None:
+        call = _student_call(student, opts)
+        if student.kind == "export":
+            if teacher is not None:
+                raise UsageError(
+                    "--export and --teacher both given; an export brings its own text encoder "
+                    "and VAE",
+                    fix="leave --teacher out",
+                )
+            folder = TeacherFolder.open(student.path)  # the teacher-folder checks, typed configs
+            placement = _placement(device, folder, call)
+            pipe = _export_pipeline(student).to(placement.execution_device())
+        else:
+            folder = _need_teacher(teacher, student)
+            placement = _placement(device, folder, call)
+            pipe = _run_pipeline(student, folder, placement)
+    else:
+        folder = _need_teacher(teacher, None)
+        call = _teacher_call(opts, sizes, teacher_steps)
+        placement = _placement(device, folder, call)
+        pipe = _teacher_pipeline(folder, placement)
+    return pipe, call
+
+
+# --------------------------------------------------------------------------- call arguments
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _student_call(student: FinishedStudent, opts: SampleOptions) -> dict[str, Any]:
+    """K steps (fewer if asked, never more), guidance 1.0, the cache's sizes."""
+    if opts.guidance_scale is not None and opts.guidance_scale != 1.0:
+        raise UsageError(
+            f"--guidance-scale {opts.guidance_scale}: a student learned the guided output and "
+            "samples with guidance 1.0 (one forward per step)",
+            fix="leave --guidance-scale out when sampling a student",
+        )
+    s = student.sizes
+    return {
+        "num_inference_steps": student.check_steps(opts.steps),
+        "guidance_scale": 1.0,
+        **_given(
+            height=s.height if s else None,
+            width=s.width if s else None,
+            num_frames=s.num_frames if s else None,
+            max_sequence_length=s.max_sequence_length if s else None,
+        ),
+        **_given(
+            height=opts.height,
+            width=opts.width,
+            num_frames=opts.num_frames,
+            max_sequence_length=opts.max_sequence_length,
+        ),
+    }
+
+
+def _teacher_call(
+    opts: SampleOptions, sizes: SamplerSizes | None, steps: int | None
+) -> dict[str, Any]:
+    """The flags over the cache's settings over WanPipeline's defaults (left out here)."""
+    base = _given(num_inference_steps=steps)
+    if sizes is not None:
+        base |= {
+            "height": sizes.height,
+            "width": sizes.width,
+            "num_frames": sizes.num_frames,
+            "max_sequence_length": sizes.max_sequence_length,
+            "guidance_scale": sizes.teacher_guidance_scale,
+        }
+    return base | _given(
+        num_inference_steps=opts.steps,
+        guidance_scale=opts.guidance_scale,
+        height=opts.height,
+        width=opts.width,
+        num_frames=opts.num_frames,
+        max_sequence_length=opts.max_sequence_length,
+    )
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+def _need_teacher(teacher: TeacherFolder | None, student: FinishedStudent | None) -> TeacherFolder:
+    if teacher is not None:
+        return teacher
+    if student is None:
+        raise UsageError(
+            "nothing to sample: no student and no teacher",
+            fix="pass --export DIR, or --run RUN with --teacher TEACHER, or --teacher alone",
+        )
+    raise UsageError(
+        f"{student.label} needs --teacher for the tokenizer, text encoder and VAE",
+        fix="pass --teacher (the run's teacher), or sample an export with --export DIR",
+    )
+
+
+def _placement(device: Placement | None, folder: TeacherFolder, call: dict[str, Any]) -> Placement:
+    """`--device` made concrete for the pipeline at the call's sizes: Cuda or Cpu (auto: a GPU
+    if the pipeline fits one)."""
+    from wandistill.teacher import placement as pl
+    from wandistill.teacher.plan import SamplerSizes as PlanSizes
+
+    d = PlanSizes()
+    sizes = PlanSizes(
+        int(call.get("height", 480)),
+        int(call.get("width", 832)),
+        int(call.get("num_frames", 81)),
+        1,
+        int(call.get("max_sequence_length", d.max_sequence_length)),
+        cfg=float(call.get("guidance_scale", 5.0)) > 1.0,
+        previews=True,
+    )
+    return pl.resolve_placement(
         device or Cpu(), folder=folder, dtype=torch.float32, sizes=sizes, only=(Cuda, Cpu)
     )
-    model = None
-    if student is not None:
-        if not Path(student).is_dir():
-            raise UsageError(
-                f"student {str(student)!r} does not exist",
-                fix="pass <out>/student from `wandistill train`",
-            )
-        refuse_custom_code(student, "student")
-        model = load_student(student).to(placement.execution_device())
-        guidance_scale = 1.0
-    pipe = _pipeline(folder, model, placement)
-    pipe.set_progress_bar_config(disable=True)
-    call = dict(
-        height=height,
-        width=width,
-        num_frames=num_frames,
-        num_inference_steps=steps,
-        guidance_scale=guidance_scale,
-        max_sequence_length=max_sequence_length,
+
+
+def _export_pipeline(student: FinishedStudent) -> Any:
+    """`WanPipeline.from_pretrained(export)`, once the folder passed the teacher-folder checks
+    (no custom code, safetensors only, configs typed)."""
+    from diffusers import WanPipeline
+
+    from wandistill.modelfolder import load_pretrained
+
+    return load_pretrained(WanPipeline, student.path)
+
+
+def _run_pipeline(student: FinishedStudent, teacher: TeacherFolder, placement: Placement) -> Any:
+    """What `wandistill export` would write, in memory."""
+    from diffusers import WanPipeline
+
+    from wandistill.student.export import check_teacher
+
+    check_teacher(teacher, student)
+    load = _loader(teacher, placement)
+    return WanPipeline(
+        tokenizer=teacher.load_tokenizer(),
+        text_encoder=load("text_encoder"),
+        vae=load("vae"),
+        scheduler=student.schedule.make_scheduler(),
+        transformer=student.load().to(placement.execution_device()),
+        transformer_2=None,
+        boundary_ratio=None,
+        expand_timesteps=teacher.expand_timesteps,
     )
-    inputs = {"--teacher": teacher, "--student": student}
-    with outputs.claim(out_dir, "sample", inputs=inputs) as folder:
-        return _sample_into(pipe, prompts, folder.path, call, seed)
+
+
+def _teacher_pipeline(teacher: TeacherFolder, placement: Placement) -> Any:
+    """The teacher's own WanPipeline (both experts and the boundary for Wan 2.2)."""
+    from diffusers import WanPipeline
+
+    load = _loader(teacher, placement)
+    two = teacher.boundary_ratio is not None
+    return WanPipeline(
+        tokenizer=teacher.load_tokenizer(),
+        text_encoder=load("text_encoder"),
+        vae=load("vae"),
+        scheduler=teacher.make_scheduler(),
+        transformer=load("transformer"),
+        transformer_2=load("transformer_2") if two else None,
+        boundary_ratio=teacher.boundary_ratio,
+        expand_timesteps=teacher.expand_timesteps,
+    )
+
+
+def _loader(teacher: TeacherFolder, placement: Placement) -> Any:
+    """Components loaded like precompute loads them: safetensors only, fp32, with `placement`."""
+    from wandistill.teacher import placement as pl
+
+    def load(name: str) -> torch.nn.Module:
+        return pl.load_component(teacher, name, dtype=torch.float32, placement=placement)
+
+    return load
+
+
+# --------------------------------------------------------------------------- output
 
 
 def _sample_into(
     pipe: Any, prompts: list[str], out: Path, call: dict[str, Any], seed: int
 ) -> list[Path]:
-    """One PNG per prompt and the grid, written into the claimed folder."""
+    """One PNG per prompt (frame 0; prompt i draws its noise from seed + i) and a grid."""
     paths, images = [], []
     for i, prompt in enumerate(prompts):
         frames = pipe(
@@ -101,26 +286,3 @@ def _sample_into(
         grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = img
     save_png(Image.fromarray(grid), out / "grid.png")
     return paths
-
-
-def _pipeline(folder: TeacherFolder, student: torch.nn.Module | None, placement: Placement) -> Any:
-    """WanPipeline from the folder's parts, loaded like precompute loads them (safetensors only,
-    fp32, with `placement`). A student replaces both experts, so no boundary."""
-    from diffusers import WanPipeline
-
-    from wandistill.teacher import placement as pl
-
-    def load(name: str) -> torch.nn.Module:
-        return pl.load_component(folder, name, dtype=torch.float32, placement=placement)
-
-    two = student is None and folder.boundary_ratio is not None
-    return WanPipeline(
-        tokenizer=folder.load_tokenizer(),
-        text_encoder=load("text_encoder"),
-        vae=load("vae"),
-        scheduler=folder.make_scheduler(),
-        transformer=student if student is not None else load("transformer"),
-        transformer_2=load("transformer_2") if two else None,
-        boundary_ratio=folder.boundary_ratio if two else None,
-        expand_timesteps=folder.expand_timesteps,
-    )

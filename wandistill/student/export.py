@@ -5,26 +5,28 @@
       transformer/              the student (or its EMA), config.json + safetensors, copied
       scheduler/                the student's K-step scheduler (see schedule.py)
       tokenizer/ text_encoder/ vae/   the teacher's, symlinked (absolute) or, with --copy, copied
-      wandistill_export.json    K, the run, the teacher, the schedule: marks the folder as ours
+      wandistill_export.json    K, the run, the teacher, the schedule, the sampler sizes
 
 so `WanPipeline.from_pretrained(OUT)(prompt, num_inference_steps=K, guidance_scale=1.0)` is the
 whole user code. With no `transformer_2` and no `boundary_ratio`, WanPipeline runs the one
 student for every step, which is what a Wan 2.2 student (one model for both experts) needs.
 
 Everything the export needs besides the teacher's text encoder and VAE comes from the run:
-`<run>/sampling.json` (written last by `wandistill train`, so it also marks a finished run) holds
-K, the scheduler config and the digests of the teacher components the cache was made with; the
-teacher passed here must have the same tokenizer, text encoder and VAE. The folder is built under
-a temp name beside OUT, every file fsynced, permissions set from the umask (mkdtemp makes 0700),
-then renamed into place; an existing OUT is replaced only if it is an export itself.
+`<run>/sampling.json` (read as a typed `folders.SamplingFile`) holds K, the scheduler config and
+the digests of the teacher components the cache was made with; the teacher passed here must have
+the same tokenizer, text encoder and VAE.
+
+OUT is claimed like every output folder (`wandistill.outputs.claim(out, "export")`: new, empty or
+an earlier export; one writer). The new pipeline is built in a temp folder inside OUT (which the
+claim clears if a writer died), every file fsynced, then moved entry by entry into place with
+`model_index.json` last: a reader that finds model_index.json finds every piece it names. An
+earlier export's model_index.json is removed first, so no reader loads a mix of old and new.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,16 +34,18 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
-from wandistill import __version__
+from wandistill import __version__, outputs
 from wandistill.errors import UsageError
-from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir, publish
+from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir
+from wandistill.student.folders import EXPORT_MARKER, SAMPLING, FinishedStudent, read_run
 from wandistill.student.schedule import StudentSchedule, build_scheduler
 
-MARKER = "wandistill_export.json"
+MARKER = EXPORT_MARKER
 LINKED = ("tokenizer", "text_encoder", "vae")
 """Teacher components the export reuses as they are."""
-SAMPLING = "sampling.json"
-"""Written by train at the end (see wandistill.train.export)."""
+INDEX = "model_index.json"
+
+__all__ = ["LINKED", "MARKER", "SAMPLING", "ExportResult", "check_teacher", "export"]
 
 
 class TeacherFolder(Protocol):
@@ -52,15 +56,6 @@ class TeacherFolder(Protocol):
     index: Any
     fingerprint: Any
     raw_scheduler_config: Any
-
-
-@dataclass(frozen=True, slots=True)
-class FinishedRun:
-    path: Path
-    weights: Path
-    """The student/ or student_ema/ folder (diffusers save_pretrained)."""
-    sampling: dict[str, Any]
-    schedule: StudentSchedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,56 +74,35 @@ def export(
     ema: bool = True,
     copy: bool = False,
 ) -> ExportResult:
-    """Check run, teacher and OUT (nothing is written on any problem), then build and publish."""
+    """Check run, teacher and OUT (nothing is written on any problem), then build and install."""
     finished = read_run(Path(run), ema=ema)
-    folder = check_teacher(teacher, finished)
-    out = Path(out)
-    refuse_foreign_out(out)
-    tmp = make_temp_dir(out.parent, out.name)
-    try:
-        _apply_umask(tmp)
-        _build(tmp, finished, folder, copy=copy)
-        _fsync_tree(tmp)
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return ExportResult(out, finished.schedule.num_inference_steps, not copy, finished.weights)
+    refuse_non_finite(finished)
+    check_teacher(teacher, finished)
+    inputs = {"--run": run, "--teacher": teacher.path}
+    with outputs.claim(out, "export", inputs=inputs) as claimed:
+        tmp = make_temp_dir(claimed.path, "export")
+        try:
+            _build(tmp, finished, teacher, copy=copy)
+            _fsync_tree(tmp)
+            _install(tmp, claimed.path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return ExportResult(Path(out), finished.num_inference_steps, not copy, finished.weights)
 
 
 # --------------------------------------------------------------------------- checks
 
 
-def read_run(run: Path, *, ema: bool) -> FinishedRun:
-    """The run's finished student: sampling.json, the weights folder, all weights finite."""
-    name = "student_ema" if ema else "student"
-    sampling_path = run / SAMPLING
-    weights = run / name
-    files = sorted(weights.glob("*.safetensors")) if weights.is_dir() else []
-    if not sampling_path.is_file() or not (weights / "config.json").is_file() or not files:
-        raise UsageError(
-            f"--run {str(run)!r} holds no finished student ({SAMPLING} and {name}/ are written "
-            "when `wandistill train` ends)",
-            fix="pass the --out folder of a finished `wandistill train`, or finish it with "
-            "--resume",
-        )
-    try:
-        sampling = json.loads(sampling_path.read_text(encoding="utf-8"))
-        schedule = StudentSchedule.from_json(sampling["student_schedule"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise UsageError(
-            f"--run {str(run)!r}: {SAMPLING} is unreadable ({type(e).__name__}: {e})",
-            fix="re-run the last `wandistill train ... --resume` to rewrite it",
-        ) from None
-    bad = _non_finite(files)
+def refuse_non_finite(run: FinishedStudent) -> None:
+    """A student whose weights hold NaN or inf samples garbage: refuse it by name."""
+    bad = _non_finite(sorted(run.weights.glob("*.safetensors")))
     if bad:
         raise UsageError(
-            f"--run {str(run)!r}: the {name} weights hold NaN or inf ({', '.join(bad[:3])}); "
-            "such a student samples garbage",
+            f"{run.label}: the {run.weights.name} weights hold NaN or inf "
+            f"({', '.join(bad[:3])}); such a student samples garbage",
             fix="resume from an earlier checkpoint with a lower optim.lr, or export the other "
             "weights (--ema / --no-ema)",
         )
-    return FinishedRun(run, weights, sampling, schedule)
 
 
 def _non_finite(files: list[Path]) -> list[str]:
@@ -143,14 +117,14 @@ def _non_finite(files: list[Path]) -> list[str]:
     return bad
 
 
-def check_teacher(folder: TeacherFolder, run: FinishedRun) -> TeacherFolder:
+def check_teacher(folder: TeacherFolder, run: FinishedStudent) -> TeacherFolder:
     """The teacher (opened and validated by TeacherFolder), once it has the very tokenizer, text
     encoder and VAE the run's cache was made with (their digests are in the cache's teacher
-    fingerprint)."""
+    fingerprint). Sample checks a teacher it pairs with a run's student the same way."""
     teacher = folder.path
     mine = folder.fingerprint["components"]
-    recorded = run.sampling.get("teacher", {}).get("components") or {}
-    source = run.sampling.get("teacher", {}).get("path")
+    ref = run.sampling.teacher if run.sampling is not None else None
+    recorded = ref.components if ref is not None else {}
     for name in LINKED:
         if name not in mine:
             raise UsageError(
@@ -160,34 +134,15 @@ def check_teacher(folder: TeacherFolder, run: FinishedRun) -> TeacherFolder:
             raise UsageError(
                 f"--teacher {str(teacher)!r}: its {name} is not the one the run's cache was made "
                 "with",
-                fix=f"pass the teacher the run was distilled from ({source})",
+                fix=f"pass the teacher the run was distilled from ({ref.path if ref else '?'})",
             )
     return folder
-
-
-def refuse_foreign_out(out: Path) -> None:
-    """OUT may be new, empty, or an earlier export (replaced); anything else is someone's data.
-    (One small function so a generic ownership-marker mechanism can replace it.)"""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {str(out)!r} is a file", fix="choose a new folder for the export")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise UsageError(
-            f"--out {str(out)!r} exists and is not a wandistill export; nothing was written",
-            fix="choose a new folder, or remove that one yourself",
-        )
 
 
 # --------------------------------------------------------------------------- build
 
 
-def _apply_umask(folder: Path) -> None:
-    """mkdtemp makes 0700; give the folder the permissions a plain mkdir would have."""
-    mask = os.umask(0)
-    os.umask(mask)
-    folder.chmod(0o777 & ~mask)
-
-
-def _build(tmp: Path, run: FinishedRun, teacher: TeacherFolder, *, copy: bool) -> None:
+def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: bool) -> None:
     (tmp / "transformer").mkdir()
     for f in sorted(run.weights.iterdir()):
         if f.is_file():
@@ -200,19 +155,21 @@ def _build(tmp: Path, run: FinishedRun, teacher: TeacherFolder, *, copy: bool) -
             shutil.copytree(source, tmp / name, copy_function=shutil.copyfile)
         else:
             os.symlink(source, tmp / name, target_is_directory=True)
-    atomic_write_json(tmp / "model_index.json", _model_index(teacher, type(scheduler).__name__))
+    atomic_write_json(tmp / INDEX, _model_index(teacher, type(scheduler).__name__))
+    sizes = run.sizes.model_dump() if run.sizes is not None else None
     atomic_write_json(
         tmp / MARKER,
         {
             "format": "wandistill-export",
             "wandistill_version": __version__,
-            "num_inference_steps": run.schedule.num_inference_steps,
+            "num_inference_steps": run.num_inference_steps,
             "guidance_scale": 1.0,
             "run": str(run.path.resolve()),
             "weights": run.weights.name,
             "teacher": str(teacher.path.resolve()),
             "components": "copied" if copy else "symlinked",
             "student_schedule": run.schedule.to_json(),
+            "sampler": sizes,
         },
     )
 
@@ -257,12 +214,28 @@ def _fsync_tree(folder: Path) -> None:
     fsync_dir(folder)
 
 
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename tmp onto OUT; an earlier export there is parked, swapped out, then deleted."""
-    if out.is_dir() and any(out.iterdir()):
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old)
-        publish(tmp, out)
+def _install(tmp: Path, out: Path) -> None:
+    """Move the built entries into OUT, model_index.json last. What an earlier export left
+    (the claim made sure OUT holds nothing else of anyone's) is parked in a temp folder, which
+    the claim of a later run removes if this process dies before it does."""
+    old = make_temp_dir(out, "export.old")
+    try:
+        _park(out / INDEX, old)  # from here until the end, OUT is no loadable pipeline
+        fsync_dir(out)
+        keep = outputs.BOOKKEEPING | {tmp.name, old.name}
+        for entry in sorted(out.iterdir()):
+            if entry.name not in keep:
+                _park(entry, old)
+        for entry in sorted(tmp.iterdir()):
+            if entry.name != INDEX:
+                os.replace(entry, out / entry.name)
+        fsync_dir(out)
+        os.replace(tmp / INDEX, out / INDEX)
+        fsync_dir(out)
+    finally:
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        publish(tmp, out)  # a rename onto an empty directory replaces it
+
+
+def _park(entry: Path, old: Path) -> None:
+    if entry.exists() or entry.is_symlink():
+        os.replace(entry, old / entry.name)

@@ -44,20 +44,35 @@ def student_pipeline(
 
 @torch.no_grad()
 def sample_latents(
-    pipe: Any, noise_BCFHW: torch.Tensor, embeds_BLD: torch.Tensor, num_inference_steps: int
+    pipe: Any,
+    noise_BCFHW: torch.Tensor,
+    embeds_BLD: torch.Tensor,
+    num_inference_steps: int,
+    *,
+    negative_BLD: torch.Tensor | None = None,
+    guidance_scale: float = 1.0,
+    guidance_scale_2: float | None = None,
 ) -> torch.Tensor:
-    """Final latents of the student from `noise` and zero-padded prompt embeddings (padded to
-    the cache's max_sequence_length, as the pipeline pads them), on the pipeline's device."""
+    """Final latents of `pipe` from `noise` and zero-padded prompt embeddings (padded to the
+    cache's max_sequence_length, as the pipeline pads them), on the pipeline's device.
+
+    A student samples with guidance off (the defaults). eval runs the teacher through the same
+    call with the cache's CFG (`negative_BLD`, `guidance_scale`, `guidance_scale_2`)."""
     _, _, frames, height, width = noise_BCFHW.shape
+    cfg = {}
+    if guidance_scale_2 is not None:
+        cfg["guidance_scale_2"] = guidance_scale_2
     out = pipe(
         prompt_embeds=embeds_BLD,
+        negative_prompt_embeds=negative_BLD,
         latents=noise_BCFHW.float(),
         num_inference_steps=num_inference_steps,
-        guidance_scale=1.0,
+        guidance_scale=guidance_scale,
         height=height * VAE_SPATIAL,
         width=width * VAE_SPATIAL,
         num_frames=(frames - 1) * VAE_TEMPORAL + 1,
         max_sequence_length=embeds_BLD.shape[1],
         output_type="latent",
+        **cfg,
     )
     return out.frames

@@ -398,13 +398,15 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
     key = "train.student.num_inference_steps"
     student = student_schedule(teacher, k, few_step=few_step, key=key)
     recorded = set(teacher.recorded)
-    problems: list[str] = []
-    fix_k = f"record_for_student_steps = [{student.num_inference_steps}]"
+    problems: list[tuple[str, list[str]]] = []  # (what is wrong, its fixes)
+    fix_k = f"sampler.record_for_student_steps = [{student.num_inference_steps}]"
     if k is not None and k > len(recorded):
         problems.append(
-            f"{key}={k} is more than the {len(recorded)} steps the cache recorded "
-            f"({sorted(recorded)}); choose K <= {len(recorded)} or re-run precompute with "
-            f"sampler.{fix_k}"
+            (
+                f"{key}={k} is more than the {len(recorded)} steps the cache recorded "
+                f"({sorted(recorded)})",
+                [f"choose K <= {len(recorded)}", f"re-run precompute with {fix_k}"],
+            )
         )
     steps: dict[str, tuple[int, ...]] = {}
     weights = loss.weights()
@@ -416,9 +418,11 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
         missing = sorted(set(student.steps) - recorded)
         if missing:
             problems.append(
-                f"loss.trajectory trains the {student.num_inference_steps}-step student at "
-                f"teacher steps {list(student.steps)}, but the cache did not record {missing}; "
-                f"re-run precompute with sampler.{fix_k}"
+                (
+                    f"loss.trajectory trains the {student.num_inference_steps}-step student at "
+                    f"teacher steps {list(student.steps)}, but the cache did not record {missing}",
+                    [f"re-run precompute with {fix_k}"],
+                )
             )
     if loss.consistency > 0:
         span = tuple(range(student.steps[0], teacher.num_inference_steps))
@@ -426,11 +430,17 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
         missing = sorted(set(span) - recorded)
         if missing:
             problems.append(
-                f"loss.consistency pairs every teacher step with the next one (the cached "
-                f"teacher ODE step), but the cache did not record steps {missing[:8]}"
-                f"{' ...' if len(missing) > 8 else ''}; re-run precompute with "
-                "sampler.record_every = 1 (every step)"
+                (
+                    "loss.consistency pairs every teacher step with the next one (the cached "
+                    f"teacher ODE step), but the cache did not record steps {missing[:8]}"
+                    f"{' ...' if len(missing) > 8 else ''}",
+                    [
+                        "re-run precompute with sampler.record_every = 1 (every step)",
+                        "set loss.consistency = 0",
+                    ],
+                )
             )
     if problems:
-        raise UsageError("; ".join(problems))
+        fixes = dict.fromkeys(f for _, some in problems for f in some)  # once each, in order
+        raise UsageError("; ".join(m for m, _ in problems), fix=", or ".join(fixes))
     return ObjectivePlan(teacher=teacher, student=student, steps=steps)

@@ -493,7 +493,21 @@ def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
             "components": {n: m.teacher.get("components", {}).get(n) for n in LINKED},
         },
         "cache": str(t.plan.cache),
+        "sampler": _sampler_sizes(m.settings),
     }
+
+
+def _sampler_sizes(settings: dict[str, Any]) -> dict[str, Any] | None:
+    """What sample / eval default to (wandistill.student.folders.SamplerSizes); None when the
+    cache lacks one of them."""
+    sizes = {
+        "height": settings.get("height"),
+        "width": settings.get("width"),
+        "num_frames": settings.get("num_frames"),
+        "max_sequence_length": settings.get("max_sequence_length"),
+        "teacher_guidance_scale": settings.get("guidance_scale"),
+    }
+    return None if None in sizes.values() else sizes
 
 
 def announce(t: Trainer, store: CacheStore, follow: bool) -> None:

@@ -1,0 +1,249 @@
+#!/usr/bin/env python
+"""Few-step students from the cache: R_K for K = 1, 2, 4 and each objective, and the speed-up.
+
+    python tests/bench/steps.py [--work DIR] [--ks 1,2,4] [--objectives trajectory,consistency,both]
+                                [--train-steps N] [--json FILE] [--set KEY=VALUE ...]
+                                [--teacher PATH [--prompts N]]
+
+On the trained tiny teacher (`wandistill.teacher.trained`, built once under --work) with the
+demo's recipe (`pipelines/tiny-fewstep.toml`: 64x64, N = 16 UniPC steps, CFG 5.0, every step
+recorded):
+
+1. a training cache of the grammar's prompts minus the held-out ones (`--eval-prompts` of them,
+   never trained on), sampler seed 0;
+2. an eval cache of the held-out prompts with FRESH noise (sampler seed 1_000_000: no noise the
+   training cache holds), split "all";
+3. one student per (K, objective), trained with the recipe's student and budget: `trajectory`,
+   `consistency`, and `both` (the recipe's weights); and the step-imitating baseline (`output`
+   loss, K unset = N, the teacher's own scheduler), the same student and budget;
+4. `wandistill.eval.run.evaluate` of each on the eval cache, with the teacher (teacher@K: the
+   teacher's own scheduler at K steps, same noise, same prompts, CFG as cached) and the baseline:
+   R_K = MSE(student@K, teacher@N) / MSE(teacher@K, teacher@N), and the baseline's ratio at K;
+5. speed, same box, same run: the exported K = 4 student of the best objective through
+   `WanPipeline.from_pretrained(EXPORT)` at K steps, guidance 1, vs the teacher's own folder at N
+   steps with CFG, one prompt per call (median over the held-out prompts after a warm-up call,
+   text encoding and VAE decoding included: the user's call); forwards per sample K vs 2N.
+
+Targets: R_4 <= 0.5; R_K < 1 is the least that counts as working. Not a pytest test.
+
+`--teacher PATH` (e.g. a random `wandistill teacher make-tiny` one) replaces the trained teacher,
+with N generic prompts (`--prompts`, default 256): the plumbing and the speed-up are measured, the
+quality figures are those of a teacher that draws noise (no structure to learn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RECIPE = "tiny-fewstep"
+OBJECTIVES = {
+    "trajectory": ["loss.trajectory=1.0", "loss.consistency=0.0"],
+    "consistency": ["loss.trajectory=0.0", "loss.consistency=1.0"],
+    "both": [],  # the recipe's weights
+}
+
+
+def machine() -> str:
+    load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
+    return (
+        f"{platform.node()}: {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} torch threads, load average {load}, "
+        f"python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def grammar() -> list[str]:
+    """Every prompt of the trained teacher's grammar, shuffled."""
+    from wandistill.teacher.trained import grammar_prompts, synthetic_prompts
+
+    return synthetic_prompts(len(grammar_prompts()), seed=0)
+
+
+def build_caches(
+    work: Path, teacher: Path, prompts: list[str], n_eval: int, sets: list[str]
+) -> tuple[Path, Path]:
+    """Training cache (prompts minus held-out ones) and eval cache (held-out, fresh noise)."""
+    from wandistill.config import load_recipe
+    from wandistill.precompute import run as precompute
+
+    split = {"train": prompts[n_eval:], "eval": prompts[:n_eval]}
+    seeds = {"train": 0, "eval": 1_000_000}
+    for name, texts in split.items():
+        (work / f"{name}.txt").write_text("\n".join(texts) + "\n")
+        cfg = load_recipe(
+            RECIPE,
+            [
+                f'teacher.path="{teacher}"',
+                f'prompts="{work / f"{name}.txt"}"',
+                f'cache.path="{work / f"cache-{name}"}"',
+                "cache.holdout_fraction=0.0",
+                f"sampler.seed={seeds[name]}",
+                *(s.removeprefix("precompute.") for s in sets if s.startswith("precompute.")),
+            ],
+            stage="precompute",
+        )
+        precompute(cfg.precompute, quiet=True)
+    return work / "cache-train", work / "cache-eval"
+
+
+def train_one(work: Path, name: str, teacher: Path, extra: list[str], sets: list[str]) -> Path:
+    from wandistill.config import load_recipe
+    from wandistill.demo import baseline_config
+    from wandistill.train import run as train
+
+    out = work / "runs" / name
+    if (out / "sampling.json").is_file():
+        return out  # a finished run from an earlier invocation
+    cfg = load_recipe(
+        RECIPE,
+        [
+            f'train.cache="{work / "cache-train"}"',
+            f'train.out="{out}"',
+            f'train.student.init_from_teacher.path="{teacher}"',
+            "train.tensorboard=false",
+            *(s if s.startswith("train.") else f"train.{s}" for s in extra),
+            *(s for s in sets if s.startswith("train.")),
+        ],
+    ).train
+    if name == "baseline":
+        cfg = baseline_config(cfg, out)
+    t0 = time.perf_counter()
+    train(cfg, resume=(out / "checkpoints" / "latest").exists())
+    print(f"  trained {name} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def evaluate_one(work: Path, run: Path, teacher: Path, baseline: Path) -> dict[str, Any]:
+    from wandistill.eval.run import evaluate
+    from wandistill.student.folders import read_run
+    from wandistill.teacher.folder import TeacherFolder
+
+    result = evaluate(
+        work / "cache-eval",
+        read_run(run),
+        work / "eval" / run.name,
+        teacher=TeacherFolder.open(teacher),
+        baseline=read_run(baseline, flag="--baseline"),
+        split="all",
+    )
+    return result.to_json()
+
+
+def speed(work: Path, run: Path, teacher: Path, prompts: list[str]) -> dict[str, Any]:
+    """The exported student at K steps vs the teacher's folder at N steps with CFG."""
+    from diffusers import WanPipeline
+
+    from wandistill.config import load_recipe
+    from wandistill.modelfolder import load_pretrained
+    from wandistill.student.export import export
+    from wandistill.teacher.folder import TeacherFolder
+
+    export(run, TeacherFolder.open(teacher), work / "export")
+    s = load_recipe(RECIPE).precompute.sampler
+    common = dict(height=s.height, width=s.width, num_frames=s.num_frames)
+    common |= dict(max_sequence_length=s.max_sequence_length, output_type="np")
+    k = json.loads((run / "sampling.json").read_text())["num_inference_steps"]
+    legs = {
+        f"student@{k} (export)": (work / "export", dict(num_inference_steps=k, guidance_scale=1.0)),
+        f"teacher@{s.num_inference_steps} CFG": (
+            teacher,
+            dict(num_inference_steps=s.num_inference_steps, guidance_scale=s.guidance_scale),
+        ),
+    }
+    out: dict[str, Any] = {}
+    for name, (folder, call) in legs.items():
+        pipe = load_pretrained(WanPipeline, folder)
+        pipe.set_progress_bar_config(disable=True)
+        pipe(prompts[0], **call, **common)  # warm-up
+        times = []
+        for i, prompt in enumerate(prompts):
+            t0 = time.perf_counter()
+            pipe(prompt, generator=torch.Generator().manual_seed(i), **call, **common)
+            times.append(time.perf_counter() - t0)
+        cfg = call["guidance_scale"] > 1.0
+        out[name] = {
+            "seconds_per_sample": statistics.median(times),
+            "forwards_per_sample": call["num_inference_steps"] * (2 if cfg else 1),
+        }
+    return out
+
+
+def table(results: dict[str, dict[str, Any]]) -> list[str]:
+    lines = [
+        "| K | objective | R_K student | baseline@K ratio | student MSE | teacher@K MSE | "
+        "student s/sample | teacher@K s/sample |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        cols = {c["name"]: c for c in r["columns"]}
+        k = r["num_inference_steps"]
+        st, tk = cols[f"student@{k}"], next(c for c in r["columns"] if c["role"] == "teacher")
+        lines.append(
+            f"| {k} | {name.split('-', 1)[1]} | {r['r_k']:.3f} | {r['baseline_r_k']:.3f} | "
+            f"{st['latent_mse']:.4f} | {tk['latent_mse']:.4f} | {st['seconds_per_sample']:.4f} | "
+            f"{tk['seconds_per_sample']:.4f} |"
+        )
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=Path("/tmp/wandistill-bench-steps"))
+    p.add_argument("--ks", default="1,2,4")
+    p.add_argument("--objectives", default="trajectory,consistency,both")
+    p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument("--train-steps", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--set", dest="sets", action="append", default=[], help="recipe override")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--teacher", type=Path, help="a Wan teacher folder instead of the trained one")
+    p.add_argument("--prompts", type=int, default=256, help="with --teacher: generic prompts")
+    args = p.parse_args()
+    print(f"# {' '.join(sys.argv)}\n# {machine()}", flush=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    sets = list(args.sets) + ([f"train.steps={args.train_steps}"] if args.train_steps else [])
+    t0 = time.perf_counter()
+    if args.teacher is None:
+        from wandistill.teacher.trained import ensure_trained_teacher
+
+        teacher = ensure_trained_teacher(args.work, seed=0, progress=False)
+        prompts = grammar()
+    else:
+        teacher = args.teacher.absolute()
+        prompts = [f"a photo of subject {i}" for i in range(args.prompts)]
+    build_caches(args.work, teacher, prompts, args.eval_prompts, sets)
+    print(f"# teacher + caches: {time.perf_counter() - t0:.1f} s", flush=True)
+    baseline = train_one(args.work, "baseline", teacher, ["loss.output=1.0"], sets)
+    results: dict[str, dict[str, Any]] = {}
+    for k in (int(x) for x in args.ks.split(",")):
+        for obj in args.objectives.split(","):
+            extra = [f"student.num_inference_steps={k}", *OBJECTIVES[obj]]
+            run = train_one(args.work, f"k{k}-{obj}", teacher, extra, sets)
+            results[run.name] = evaluate_one(args.work, run, teacher, baseline)
+    for line in table(results):
+        print(line)
+    best = min(
+        (n for n in results if results[n]["num_inference_steps"] == 4),
+        key=lambda n: results[n]["r_k"],
+        default=None,
+    )
+    timing = {}
+    if best is not None:
+        held_out = (args.work / "eval.txt").read_text().splitlines()[:8]
+        timing = speed(args.work, args.work / "runs" / best, teacher, held_out)
+        for name, t in timing.items():
+            print(f"{name}: {t['seconds_per_sample']:.4f} s/sample, {t['forwards_per_sample']} fwd")
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "speed": timing}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
