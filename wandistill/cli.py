@@ -60,13 +60,27 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug/--no-debug", help="Show tracebacks for errors.")
+    ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose/--no-verbose",
+            "-v",
+            help="Show the libraries' progress bars, log messages and warnings (diffusers, "
+            "transformers, torch), hidden by default; under torchrun rank 0 only.",
+        ),
+    ] = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
+    from wandistill.quiet import configure
+
     global _debug
     _debug = _debug or debug
+    configure(verbose)
 
 
 # --------------------------------------------------------------------------- teacher
