@@ -1,12 +1,15 @@
 """Atomic file writes: a file is either absent or complete, never half-written.
 
 Every durable artefact (shards, manifests, journals, checkpoints) goes through these helpers:
-write to a temp name in the same directory, fsync, rename, fsync the directory.
+write to a temp name in the same directory, fsync, rename, fsync the directory. What they publish
+has the modes of a plain `open` / `mkdir` under the process umask (files 0644, folders 0755 under
+the usual 022), so outputs are readable by whoever could read a file the user made by hand.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -73,5 +76,25 @@ def publish(tmp: str | Path, final: str | Path) -> None:
 
 
 def make_temp_dir(parent: Path, prefix: str) -> Path:
+    """A temp sibling folder to fill and `publish`; it gets the mode a plain mkdir would give
+    (0755 under umask 022), not mkdtemp's 0700, since it becomes a user-facing output folder."""
     parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{prefix}.", suffix=".tmp", dir=parent))
+    path = Path(tempfile.mkdtemp(prefix=f".{prefix}.", suffix=".tmp", dir=parent))
+    path.chmod(0o777 & ~umask())
+    return path
+
+
+@functools.cache
+def umask() -> int:
+    """The process umask. Read from /proc where it can be (setting it to read it, the only
+    portable way, briefly changes it for every thread), once: wandistill never changes it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -33,7 +33,15 @@ QUIET_ENV = {
 }
 """Read by the libraries at import; see the module docstring."""
 
-LOGGERS = ("torch", "accelerate", "diffusers", "transformers", "huggingface_hub", "zarr")
+LOGGERS = (
+    "torch",
+    "accelerate",
+    "diffusers",
+    "transformers",
+    "huggingface_hub",
+    "zarr",
+    "matplotlib",  # "building the font cache" on a first plot
+)
 """Standard-library loggers of the libraries we call, held at ERROR unless verbose."""
 
 _set_by_us: dict[str, str] = {}
