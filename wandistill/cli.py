@@ -505,9 +505,7 @@ def _show_recording(recipe: Recipe) -> None:
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
     steps = recorded_steps(teacher, cfg)
     n = cfg.sampler.num_inference_steps
-    out.print(
-        f"precompute records {len(steps)} of {n} steps: {steps}", highlight=False, soft_wrap=True
-    )
+    out.print(f"precompute records {len(steps)} of {n} steps: {steps}", highlight=False)
     schedule = TeacherSchedule.from_scheduler(teacher.scheduler, n, steps, teacher.boundary_ratio)
     try:
         k = recipe.train.student.num_inference_steps
@@ -516,11 +514,10 @@ def _show_recording(recipe: Recipe) -> None:
         err.print(
             f"[yellow]train on this cache:[/yellow] {escape(e.message)}",
             highlight=False,
-            soft_wrap=True,
         )
         return
-    for line in plan.describe():
-        out.print(line, highlight=False, soft_wrap=True)
+    for line in plan.describe():  # wrapped at the terminal's width, at word boundaries
+        out.print(line, highlight=False)
 
 
 # --------------------------------------------------------------------------- eval / sample

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -70,7 +71,11 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def publish(tmp: str | Path, final: str | Path) -> None:
-    """Rename a fully written and fsynced temp file (or directory) into place."""
+    """Rename a fully written and fsynced temp file (or directory) into place. A directory's
+    tree first gets umask modes: libraries filling it may write 0600 files (diffusers'
+    `save_pretrained` does), and what we publish is the user's to share."""
+    if Path(tmp).is_dir() and not Path(tmp).is_symlink():
+        apply_umask(Path(tmp))
     os.replace(tmp, final)
     fsync_dir(Path(final).parent)
 
@@ -82,6 +87,22 @@ def make_temp_dir(parent: Path, prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=f".{prefix}.", suffix=".tmp", dir=parent))
     path.chmod(0o777 & ~umask())
     return path
+
+
+def apply_umask(root: Path) -> None:
+    """Give `root` and everything under it (links untouched, not followed) the modes a plain
+    `mkdir` / `open` would: 0755 / 0644 under umask 022; an owner-executable file stays so."""
+    mask = umask()
+    paths = [root]
+    for folder, dirs, files in os.walk(root):  # does not follow links
+        paths += [Path(folder, name) for name in (*dirs, *files)]
+    for path in paths:
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        full = 0o777 if stat.S_ISDIR(st.st_mode) or st.st_mode & stat.S_IXUSR else 0o666
+        if stat.S_IMODE(st.st_mode) != full & ~mask:
+            path.chmod(full & ~mask)
 
 
 @functools.cache
