@@ -19,7 +19,7 @@ from wandistill.fsutil import atomic_write_bytes
 LOSS_PNG = "loss.png"
 """What `train` writes next to metrics.jsonl when it ends."""
 
-_SKIP_EVAL_KEYS = frozenset({"records", "steps"})
+_SKIP_EVAL_KEYS = frozenset({"records", "steps", "num_inference_steps", "teacher_steps"})
 """eval.json numbers that are counts, not metrics."""
 
 
@@ -75,36 +75,58 @@ def plot_loss(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
 
 
 def plot_eval_metrics(eval_json_path: str | Path, out_png: str | Path) -> Path:
-    """An eval's metrics as bars: errors (MSE, losses; lower is better) and PSNRs (dB; higher is
-    better) on separate axes, the do-nothing noise baseline beside the student's MSE."""
+    """An eval's metrics as bars: errors vs the teacher (MSE, losses; lower is better) and PSNRs
+    (dB; higher is better) on separate axes, the do-nothing noise baseline in grey beside the
+    rest. Reads either eval.json layout: one flat object of figures, or one entry per sampled
+    `columns` (student@K, teacher@K, baseline, noise; the teacher@N reference, which scores
+    itself, is left out)."""
     data = json.loads(Path(eval_json_path).read_text(encoding="utf-8"))
-    metrics = {
-        k: float(v)
-        for k, v in data.items()
-        if k not in _SKIP_EVAL_KEYS
-        and isinstance(v, int | float)
-        and not isinstance(v, bool)
-        and math.isfinite(v)
-    }
-    psnr = {k: v for k, v in metrics.items() if "psnr" in k}
-    errors = {k: v for k, v in metrics.items() if k not in psnr}
-    fig, (left, right) = _figure((8.0, 3.6), ncols=2)
+    errors, psnr = _eval_bars(data)
+    fig, (left, right) = _figure((8.5, 3.8), ncols=2)
+    log = len(errors) > 1 and min(errors.values(), default=0) > 0
     for ax, group, ylabel in (
-        (left, errors, "error vs teacher (lower is better)"),
+        (left, errors, "MSE vs teacher" + (", log scale" if log else "") + " (lower is better)"),
         (right, psnr, "PSNR vs teacher, dB (higher is better)"),
     ):
         names = list(group)
         bars = ax.bar(names, [group[n] for n in names], color="tab:blue")
         for name, bar in zip(names, bars, strict=True):
-            if "noise" in name:  # the baseline, so the student's bars read against it
+            if "noise" in name:  # the baseline, so the others read against it
                 bar.set_color("tab:gray")
         ax.bar_label(bars, fmt="%.4g", fontsize="small")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(ylabel, fontsize="small")
         ax.tick_params(axis="x", labelrotation=20, labelsize="small")
         ax.grid(True, axis="y", alpha=0.3)
-    title = f"eval: {data.get('records', '?')} records, {data.get('steps', '?')} student steps"
-    fig.suptitle(title)
+    if log:
+        left.set_yscale("log")
+    steps = data.get("num_inference_steps", data.get("steps", "?"))
+    fig.suptitle(f"eval: {data.get('records', '?')} records, student steps {steps}")
     return _save(fig, Path(out_png))
+
+
+def _eval_bars(data: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """(errors, PSNRs) to draw, by bar label; non-finite and missing figures are left out."""
+    errors: dict[str, float] = {}
+    psnr: dict[str, float] = {}
+    columns = data.get("columns")
+    if isinstance(columns, list) and columns:
+        for c in columns:
+            if not isinstance(c, dict) or c.get("role") == "reference":
+                continue
+            name = str(c.get("name", "?"))
+            _put(errors, name, c.get("latent_mse"))
+            _put(psnr, name, c.get("latent_psnr"))
+            _put(psnr, f"{name} (image)", c.get("image_psnr"))
+        return errors, psnr
+    for key, value in data.items():
+        if key not in _SKIP_EVAL_KEYS:
+            _put(psnr if "psnr" in key else errors, key, value)
+    return errors, psnr
+
+
+def _put(group: dict[str, float], name: str, value: Any) -> None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        group[name] = float(value)
 
 
 def _figure(size: tuple[float, float], ncols: int = 1) -> tuple[Any, Any]:

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from wandistill import fsutil, quiet
-from wandistill.plots import loss_curves, plot_eval_metrics, plot_loss
+from wandistill.plots import _eval_bars, loss_curves, plot_eval_metrics, plot_loss
 
 
 @pytest.fixture
@@ -93,6 +93,22 @@ def test_plots_are_pngs_written_in_place(tmp_path: Path) -> None:
         "metrics.jsonl",
         "metrics.png",
     ]  # no temp file left
+
+
+def test_eval_bars_read_both_eval_json_layouts_and_leave_out_the_reference() -> None:
+    flat = {"records": 4, "steps": 2, "latent_mse": 0.1, "noise_mse": 1.0, "latent_psnr": 20.0,
+            "image_psnr": None, "per_record": [], "grid": "grid.png"}  # fmt: skip
+    assert _eval_bars(flat) == ({"latent_mse": 0.1, "noise_mse": 1.0}, {"latent_psnr": 20.0})
+    columns = {"records": 4, "num_inference_steps": 2, "columns": [
+        {"name": "teacher@8", "role": "reference", "latent_mse": 0.0, "latent_psnr": 99.0},
+        {"name": "student@2", "role": "student", "latent_mse": 0.2, "latent_psnr": 21.0,
+         "image_psnr": 30.0},
+        {"name": "noise", "role": "noise", "latent_mse": 1.0, "latent_psnr": math.nan},
+    ]}  # fmt: skip
+    assert _eval_bars(columns) == (
+        {"student@2": 0.2, "noise": 1.0},
+        {"student@2": 21.0, "student@2 (image)": 30.0},
+    )
 
 
 def test_a_legacy_runs_config_json_becomes_run_json(tmp_path: Path) -> None:
