@@ -58,15 +58,45 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def choice(flag: str, values: tuple[str, ...]) -> dict[str, Any]:
+    """typer.Option arguments for a flag with a fixed set of values: --help shows them as
+    [a|b], and a value outside them is one line naming the flag and the values (a wandistill
+    UsageError), not click's usage box."""
+
+    def parse(value: str) -> str:
+        if value not in values:
+            raise UsageError(
+                f"{flag} {value!r} must be one of {', '.join(values)}",
+                fix=f"pass {flag} {values[0]}",
+            )
+        return value
+
+    return {"parser": parse, "metavar": f"[{'|'.join(values)}]"}
+
+
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug/--no-debug", help="Show tracebacks for errors.")
+    ] = False,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose/--no-verbose",
+            "-v",
+            help="Show the libraries' progress bars, log messages and warnings (diffusers, "
+            "transformers, torch), hidden by default; under torchrun rank 0 only.",
+        ),
+    ] = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
+    from wandistill.quiet import configure
+
     global _debug
     _debug = _debug or debug
+    configure(verbose)
 
 
 # --------------------------------------------------------------------------- teacher
@@ -76,10 +106,22 @@ def _root(
 def teacher_make_tiny(
     path: Annotated[Path, typer.Argument(help="Folder to create (diffusers layout).")],
     wan22: Annotated[
-        bool, typer.Option("--wan22", help="Wan 2.2 A14B layout: two experts + boundary_ratio.")
+        bool,
+        typer.Option(
+            "--wan22/--no-wan22",
+            help="Wan 2.2 A14B layout (two experts + boundary_ratio) to test the two-expert "
+            "path; the default is the one-transformer Wan 2.1 layout.",
+        ),
     ] = False,
-    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing teacher at PATH.")] = False,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the random weights; same seed, same bytes.")
+    ] = 0,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite/--no-overwrite", help="Replace an existing tiny teacher at PATH."
+        ),
+    ] = False,
 ) -> None:
     """Write a tiny random-weight Wan teacher that WanPipeline loads and runs on CPU."""
     from wandistill.bounds import SEED, flag_problem
@@ -114,11 +156,20 @@ def _human(n: float) -> str:
 
 @cache_app.command("info")
 def cache_info(
-    path: Annotated[Path, typer.Argument(help="Cache directory.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
+    path: Annotated[Path, typer.Argument(help="Cache directory (precompute --out).")],
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json/--no-json",
+            help="Print the whole manifest as JSON (for scripts) instead of the tables.",
+        ),
+    ] = False,
     records: Annotated[
         list[int] | None,
-        typer.Option("--records", help="Project the footprint to N records (repeatable)."),
+        typer.Option(
+            "--records",
+            help="Project the footprint to N records (repeatable; default: 10,000 and 100,000).",
+        ),
     ] = None,
 ) -> None:
     """Records, bytes, fields, footprint (here and at Wan 480p/720p), settings and shards."""
@@ -216,7 +267,9 @@ def cache_merge(
 
 
 @cache_app.command("verify")
-def cache_verify(path: Annotated[Path, typer.Argument(help="Cache directory.")]) -> None:
+def cache_verify(
+    path: Annotated[Path, typer.Argument(help="Cache directory (precompute --out).")],
+) -> None:
     """Check every shard's checksum and decode every record; exit 1 if anything is wrong."""
     from wandistill.cache.reader import open_cache
 
@@ -258,7 +311,9 @@ def recipes_copy(
     dest: Annotated[
         Path | None, typer.Argument(help="File or folder to write (default: ./NAME.toml).")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing DEST file.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force/--no-force", help="Replace an existing DEST file.")
+    ] = False,
 ) -> None:
     """Copy a shipped recipe out for editing; commands take the copy's path as their RECIPE."""
     from wandistill.config import shipped_recipe
@@ -289,23 +344,90 @@ RecipeArg = Annotated[
 ]
 SetOpt = Annotated[
     list[str] | None,
-    typer.Option("--set", help="Override a recipe key: section.key=value (repeatable)."),
+    typer.Option(
+        "--set",
+        help="Override any recipe key: section.key=value, value in TOML (repeatable; applied "
+        "before the flags above).",
+        show_default="none",
+    ),
 ]
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run/--no-dry-run", help="Print the resolved config and stop; nothing is written."
+    ),
+]
+
+
+def _recipe_key(key: str, fallback: str | None = None) -> str:
+    """How --help shows the default of a flag that overrides a recipe key (and the value when
+    the recipe leaves the key out)."""
+    return f"recipe's {key}" + (f", else {fallback}" if fallback else "")
+
+
+DTYPES = ("fp32", "fp16", "bf16")
+PLACEMENT_HELP = (
+    "Where the teacher's weights live: auto (the plan's pick: start here), cpu, cuda or cuda:N "
+    "(fits one GPU: fastest), gpu0, balanced / balanced_low_0 / sequential (split over GPUs), "
+    "model-offload / group-offload (GPU too small: weights in RAM), disk-offload (RAM too small "
+    "too: slowest), or a device-map .json. `wandistill plan` shows what each needs; see "
+    "docs/placement.md."
+)
 
 
 @app.command("precompute")
 def precompute_cmd(
     recipe: RecipeArg = None,
-    teacher: Annotated[str | None, typer.Option(help="Local diffusers Wan folder.")] = None,
-    prompts: Annotated[str | None, typer.Option(help="Prompt file (.txt or .jsonl).")] = None,
-    out_dir: Annotated[str | None, typer.Option("--out", help="Cache directory to write.")] = None,
-    backend: Annotated[str | None, typer.Option(help="webdataset or zarr.")] = None,
-    placement: Annotated[str | None, typer.Option(help="Where the teacher runs.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="fp32, fp16 or bf16.")] = None,
+    teacher: Annotated[
+        str | None,
+        typer.Option(
+            help="Local diffusers Wan folder (model_index.json at its root).",
+            show_default=_recipe_key("teacher.path"),
+        ),
+    ] = None,
+    prompts: Annotated[
+        str | None,
+        typer.Option(
+            help='Prompt file: .txt (one per line) or .jsonl ({"prompt": ...} per line).',
+            show_default=_recipe_key("prompts"),
+        ),
+    ] = None,
+    out_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--out",
+            help="Cache directory to write; re-running resumes it.",
+            show_default=_recipe_key("cache.path"),
+        ),
+    ] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(
+            **choice("--backend", ("webdataset", "zarr")),
+            help="Cache format: webdataset (tar shards: stream from disk or object storage, "
+            "copy with any tool) or zarr (v3 arrays: read one record or one field without "
+            "its shard). Training reads both alike.",
+            show_default=_recipe_key("cache.backend", "webdataset"),
+        ),
+    ] = None,
+    placement: Annotated[
+        str | None,
+        typer.Option(
+            help=PLACEMENT_HELP,
+            show_default=_recipe_key("teacher.placement", "auto"),
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            **choice("--dtype", DTYPES),
+            help="Teacher compute dtype: bf16 on recent GPUs (half the memory of fp32), fp16 "
+            "on older ones, fp32 on CPU or to compare exactly.",
+            show_default=_recipe_key("teacher.dtype", "fp32"),
+        ),
+    ] = None,
     overrides: SetOpt = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the resolved config and stop.")
-    ] = False,
+    dry_run: DryRunOpt = False,
 ) -> None:
     """Run the teacher once over a prompt list and write a reusable cache."""
     from wandistill.config import load_recipe, to_dict
@@ -351,22 +473,49 @@ def precompute_cmd(
 @app.command("train")
 def train_cmd(
     recipe: RecipeArg = None,
-    cache: Annotated[str | None, typer.Option(help="Cache directory (precompute --out).")] = None,
-    out_dir: Annotated[str | None, typer.Option("--out", help="Run directory to write.")] = None,
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps (train.steps).")] = None,
+    cache: Annotated[
+        str | None,
+        typer.Option(help="Cache directory (precompute --out).", show_default=_recipe_key("cache")),
+    ] = None,
+    out_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--out",
+            help="Run directory to write (run.json, metrics.jsonl, loss.png, checkpoints/, "
+            "student/).",
+            show_default=_recipe_key("out"),
+        ),
+    ] = None,
+    steps: Annotated[
+        int | None,
+        typer.Option(help="Optimizer steps.", show_default=_recipe_key("steps")),
+    ] = None,
     resume: Annotated[
-        bool, typer.Option("--resume", help="Continue from the newest checkpoint in --out.")
+        bool,
+        typer.Option(
+            "--resume/--no-resume",
+            help="Continue from the newest checkpoint in --out (after a crash, a stop or to "
+            "train longer); without it a run folder with checkpoints is refused.",
+        ),
     ] = False,
     follow: Annotated[
-        bool, typer.Option("--follow", help="Train on a cache still being written.")
+        bool,
+        typer.Option(
+            "--follow/--no-follow",
+            help="Train on a cache precompute is still writing, waiting for new shards; "
+            "without it the cache must be complete.",
+        ),
     ] = False,
     skip_corrupt: Annotated[
-        bool, typer.Option("--skip-corrupt", help="Skip (and count) unreadable records.")
+        bool,
+        typer.Option(
+            "--skip-corrupt/--no-skip-corrupt",
+            help="Skip (and count) unreadable records instead of stopping at the first one; "
+            "use it to finish a run on a damaged cache, then `cache verify` it.",
+        ),
     ] = False,
     overrides: SetOpt = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the resolved config and stop.")
-    ] = False,
+    dry_run: DryRunOpt = False,
 ) -> None:
     """Distil the cached teacher into a small student (alone or under torchrun)."""
     from wandistill.config import load_recipe, to_dict
@@ -422,9 +571,7 @@ def _show_recording(recipe: Recipe) -> None:
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
     steps = recorded_steps(teacher, cfg)
     n = cfg.sampler.num_inference_steps
-    out.print(
-        f"precompute records {len(steps)} of {n} steps: {steps}", highlight=False, soft_wrap=True
-    )
+    out.print(f"precompute records {len(steps)} of {n} steps: {steps}", highlight=False)
     schedule = TeacherSchedule.from_scheduler(teacher.scheduler, n, steps, teacher.boundary_ratio)
     try:
         k = recipe.train.student.num_inference_steps
@@ -434,11 +581,10 @@ def _show_recording(recipe: Recipe) -> None:
             f"[yellow]train on this cache:[/yellow] {escape(e.message)}"
             + (f" (fix: {escape(e.fix)})" if e.fix else ""),
             highlight=False,
-            soft_wrap=True,
         )
         return
-    for line in plan.describe():
-        out.print(line, highlight=False, soft_wrap=True)
+    for line in plan.describe():  # wrapped at the terminal's width, at word boundaries
+        out.print(line, highlight=False)
 
 
 # --------------------------------------------------------------------------- eval / sample
@@ -881,38 +1027,85 @@ def export_cmd(
 
 # --------------------------------------------------------------------------- plan
 
+TEACHER_CONFIGS = ("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b")
+"""`wandistill.teacher.folder.CONFIG_NAMES`, spelled out: that module imports torch, too slow for
+building --help. tests/unit/test_cli_help.py checks the two agree."""
+
 
 @app.command("plan")
 def plan_cmd(
     recipe: RecipeArg = None,
     teacher: Annotated[
-        str | None, typer.Option(help="Local diffusers Wan folder (sizes from its headers).")
+        str | None,
+        typer.Option(
+            help="Local diffusers Wan folder; sizes come from its safetensors headers, so its "
+            "weights need not be downloaded yet.",
+            show_default=_recipe_key("teacher.path"),
+        ),
     ] = None,
     config: Annotated[
         str | None,
         typer.Option(
-            "--config", help="Published teacher, no weights: wan2.1-1.3b, wan2.1-14b, wan2.2-a14b."
+            "--config",
+            metavar=f"[{'|'.join(TEACHER_CONFIGS)}]",  # checked, with its fix, by the loader
+            help="A published teacher's shipped configs, no folder at all: to size a machine "
+            "before downloading. Not with --teacher.",
+            show_default="none",
         ),
     ] = None,
-    placement: Annotated[str | None, typer.Option(help="Placement to check.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="fp32, fp16 or bf16.")] = None,
+    placement: Annotated[
+        str | None,
+        typer.Option(
+            help="Placement to check (the plan lists them all). " + PLACEMENT_HELP,
+            show_default=_recipe_key("teacher.placement", "auto"),
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            **choice("--dtype", DTYPES),
+            help="Teacher compute dtype to size for: bf16 halves fp32's weight memory.",
+            show_default=_recipe_key("teacher.dtype", "fp32"),
+        ),
+    ] = None,
     overrides: SetOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json/--no-json", help="Print the plan as JSON (for scripts)."),
+    ] = False,
     gpus: Annotated[
-        int | None, typer.Option("--gpus", help="What-if: plan for a machine with N GPUs...")
+        int | None,
+        typer.Option(
+            "--gpus",
+            help="What-if: plan for a machine with N GPUs (with --gpu-mem) instead of this one.",
+            show_default="this machine's",
+        ),
     ] = None,
     gpu_mem: Annotated[
-        str | None, typer.Option("--gpu-mem", help="...of this memory each (80GiB, 80GB)...")
+        str | None,
+        typer.Option(
+            "--gpu-mem",
+            help="What-if: memory of each GPU (80GiB, 80GB).",
+            show_default="this machine's",
+        ),
     ] = None,
     cpu_mem: Annotated[
-        str | None, typer.Option("--cpu-mem", help="...this much RAM (512GiB)...")
+        str | None,
+        typer.Option("--cpu-mem", help="What-if: RAM (512GiB).", show_default="this machine's"),
     ] = None,
     disk: Annotated[
-        str | None, typer.Option("--disk", help="...and this much offload disk (default 1TiB).")
+        str | None,
+        typer.Option(
+            "--disk",
+            help="What-if: free disk for disk-offload.",
+            show_default="1TiB in a what-if, else the free space of the offload folder",
+        ),
     ] = None,
 ) -> None:
-    """Memory each placement needs per phase and device, what fits, and auto's pick: on this
-    machine, or on one described with --gpus/--gpu-mem/--cpu-mem/--disk."""
+    """Memory each placement needs, what fits, and which one auto picks.
+
+    Per phase and device, on this machine or on one described with --gpus, --gpu-mem,
+    --cpu-mem and --disk; nothing is loaded."""
     from wandistill.config import load_recipe
     from wandistill.teacher.folder import TeacherFolder
     from wandistill.teacher.plan import (

@@ -1,14 +1,18 @@
 """Atomic file writes: a file is either absent or complete, never half-written.
 
 Every durable artefact (shards, manifests, journals, checkpoints) goes through these helpers:
-write to a temp name in the same directory, fsync, rename, fsync the directory.
+write to a temp name in the same directory, fsync, rename, fsync the directory. What they publish
+has the modes of a plain `open` / `mkdir` under the process umask (files 0644, folders 0755 under
+the usual 022), so outputs are readable by whoever could read a file the user made by hand.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -67,11 +71,51 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def publish(tmp: str | Path, final: str | Path) -> None:
-    """Rename a fully written and fsynced temp file (or directory) into place."""
+    """Rename a fully written and fsynced temp file (or directory) into place. A directory's
+    tree first gets umask modes: libraries filling it may write 0600 files (diffusers'
+    `save_pretrained` does), and what we publish is the user's to share."""
+    if Path(tmp).is_dir() and not Path(tmp).is_symlink():
+        apply_umask(Path(tmp))
     os.replace(tmp, final)
     fsync_dir(Path(final).parent)
 
 
 def make_temp_dir(parent: Path, prefix: str) -> Path:
+    """A temp sibling folder to fill and `publish`; it gets the mode a plain mkdir would give
+    (0755 under umask 022), not mkdtemp's 0700, since it becomes a user-facing output folder."""
     parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{prefix}.", suffix=".tmp", dir=parent))
+    path = Path(tempfile.mkdtemp(prefix=f".{prefix}.", suffix=".tmp", dir=parent))
+    path.chmod(0o777 & ~umask())
+    return path
+
+
+def apply_umask(root: Path) -> None:
+    """Give `root` and everything under it (links untouched, not followed) the modes a plain
+    `mkdir` / `open` would: 0755 / 0644 under umask 022; an owner-executable file stays so."""
+    mask = umask()
+    paths = [root]
+    for folder, dirs, files in os.walk(root):  # does not follow links
+        paths += [Path(folder, name) for name in (*dirs, *files)]
+    for path in paths:
+        st = path.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        full = 0o777 if stat.S_ISDIR(st.st_mode) or st.st_mode & stat.S_IXUSR else 0o666
+        if stat.S_IMODE(st.st_mode) != full & ~mask:
+            path.chmod(full & ~mask)
+
+
+@functools.cache
+def umask() -> int:
+    """The process umask. Read from /proc where it can be (setting it to read it, the only
+    portable way, briefly changes it for every thread), once: wandistill never changes it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

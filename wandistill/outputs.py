@@ -14,8 +14,8 @@ the folder, the reason and the fix:
 A folder is owned when it carries the marker `.wandistill.json` naming its purpose (cache, run,
 eval, sample, export). Folders made by earlier versions, which wrote no marker, are adopted by
 their own files: a cache by its wandistill manifest.json, a run by checkpoints/ (or metrics) next
-to a config.json with a "train" key, an eval by its eval.json, a sample by its NNNN.png files, an
-export by its wandistill_export.json.
+to a config.json with a "train" key (runs now write run.json, `RUN_SETTINGS`), an eval by its
+eval.json, a sample by its NNNN.png files, an export by its wandistill_export.json.
 
 One writer: the claim takes an OS advisory lock (`filelock`, flock on `.wandistill.lock`) for as
 long as the command runs; the kernel drops it when the process dies, so a `kill -9` leaves no
@@ -58,6 +58,11 @@ HOLDER = ".wandistill.holder.json"
 BOOKKEEPING = frozenset({MARKER, LOCK, HOLDER})
 """Files the claim itself keeps in a folder; a folder holding only these is empty."""
 MARKER_FORMAT = "wandistill-output"
+RUN_SETTINGS = "run.json"
+"""A run's resolved settings. Not `config.json`: model loaders (`from_pretrained(run_dir)`) take a
+config.json for a model's own config and fail confusingly on ours."""
+LEGACY_RUN_SETTINGS = "config.json"
+"""Where runs made before `run.json` kept their settings: still adopted and resumed."""
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")
 _TEMP = re.compile(r"\..+\.tmp|.+\.[0-9a-f]{32}\.partial")
 """Our temps (`.<name>.<pid>-<tid>.tmp`, `.<prefix>.<random>.tmp`) and zarr 3 LocalStore's
@@ -365,11 +370,10 @@ def _legacy_owner(folder: Path) -> str | None:
     """Earlier versions wrote no marker; their folders are known by files only they write."""
     if _is_legacy_cache(folder):
         return "cache"
-    if (folder / "config.json").is_file() and (
+    if is_run_settings(folder / LEGACY_RUN_SETTINGS) and (
         (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").is_file()
     ):
-        if isinstance(_read_json(folder / "config.json").get("train"), dict):
-            return "run"
+        return "run"
     if (folder / "eval.json").is_file() and "latent_mse" in _read_json(folder / "eval.json"):
         return "eval"
     if _read_json(folder / "wandistill_export.json").get("format") == "wandistill-export":
@@ -379,6 +383,11 @@ def _legacy_owner(folder: Path) -> str | None:
     if pngs and names <= pngs | {"grid.png"} | BOOKKEEPING:
         return "sample"
     return None
+
+
+def is_run_settings(path: Path) -> bool:
+    """A run's settings file (run.json, or a legacy run's config.json): a "train" object."""
+    return path.is_file() and isinstance(_read_json(path).get("train"), dict)
 
 
 def _is_legacy_cache(folder: Path) -> bool:

@@ -298,6 +298,8 @@ def test_caches_and_runs_of_earlier_versions_keep_working(
     for folder in (cache, run):  # as earlier versions left them: no marker, no lock
         (folder / MARKER).unlink()
         (folder / LOCK).unlink()
+    (run / "run.json").rename(run / "config.json")  # ... the settings under the older name
+    (run / "loss.png").unlink()
     code, out, err = _cli(capsys, *_pre(world["teacher"], world["prompts"], cache))
     assert code == 0 and ": 0 records written" in out, err
     args = ["train", "--cache", cache, "--out", run, "--resume", "--steps", "3", *STUDENT]
@@ -305,6 +307,7 @@ def test_caches_and_runs_of_earlier_versions_keep_working(
     assert code == 0 and "trained 3 steps" in out, err
     for folder, purpose in ((cache, "cache"), (run, "run")):
         assert json.loads((folder / MARKER).read_text())["purpose"] == purpose
+    assert (run / "run.json").is_file() and not (run / "config.json").exists()
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ simulates the `balanced` / `balanced_low_0` / `sequential` device maps over the 
 `Inventory` — the real one (`Inventory.detect()`) or a made-up one (`Inventory.fake(...)`), so a
 plan for 4x80 GB can be made on a laptop.
 
-Precompute runs in phases and frees each phase's models before the next (design.md), so a
-strategy's need on a device is the maximum over phases, never the sum:
+Precompute runs in phases and frees each phase's models before the next (docs/architecture.md),
+so a strategy's need on a device is the maximum over phases, never the sum:
 
     encode   text encoder alone (UMT5-xxl: ~5.7B parameters)
     denoise  the transformer; Wan 2.2 A14B: one expert resident at a time by default

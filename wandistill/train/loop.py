@@ -41,6 +41,7 @@ from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
 from wandistill.finite import check_step, check_weights
 from wandistill.fsutil import atomic_write_json
+from wandistill.plots import LOSS_PNG, plot_loss
 from wandistill.progress import Progress
 from wandistill.student.config import (
     check_against_cache,
@@ -148,6 +149,8 @@ def run(
         )
         corrupt = gather_corrupt(trainer)
         trainer.metrics.write({"event": "end", "step": steps, "corrupt": len(corrupt)})
+        if info.is_main:
+            plot_loss(trainer.metrics.path, plan.out / LOSS_PNG)
         ok = True
     except Exception as e:
         friendly = explain_failure(e, cfg, info, trainer)
@@ -397,12 +400,20 @@ def setup(
         )
     trainer.metrics = MetricsLog(plan.out, enabled=info.is_main, tensorboard=cfg.tensorboard)
     if info.is_main:
-        atomic_write_json(
-            plan.out / "config.json",
-            {"train": to_dict(cfg), "student_config": plan.student_config, **meta},
+        write_run_settings(
+            plan.out, {"train": to_dict(cfg), "student_config": plan.student_config, **meta}
         )
         announce(trainer, store, follow)
     return trainer
+
+
+def write_run_settings(out: Path, settings: dict[str, Any]) -> None:
+    """run.json; a legacy run's config.json (same content, older name) goes once it is written,
+    so `from_pretrained(out)` never mistakes the run folder for a model folder."""
+    atomic_write_json(out / outputs.RUN_SETTINGS, settings)
+    legacy = out / outputs.LEGACY_RUN_SETTINGS
+    if outputs.is_run_settings(legacy):
+        legacy.unlink()
 
 
 def restore(
