@@ -615,7 +615,8 @@ RunOpt = Annotated[
         "--run",
         help="The --out folder of a finished `wandistill train`: its student, K-step scheduler "
         "and the cache it learned from (for sizes). Pick it for a run you have not exported. "
-        "One of --run, --export, --student (eval needs one; sample without: the teacher).",
+        "One of --run, --export, --student (default: none; eval needs one, sample without "
+        "one samples the teacher).",
     ),
 ]
 ExportOpt = Annotated[
@@ -623,7 +624,7 @@ ExportOpt = Annotated[
     typer.Option(
         "--export",
         help="A folder written by `wandistill export` (a complete WanPipeline): pick it to test "
-        "exactly what users will load. One of --run, --export, --student.",
+        "exactly what users will load. One of --run, --export, --student (default: none).",
     ),
 ]
 StudentOpt = Annotated[
@@ -632,7 +633,7 @@ StudentOpt = Annotated[
         "--student",
         help="A finished run's student/ or student_ema/ folder (its run's sampling.json gives K): "
         "the same as --run with --no-ema / --ema, named by folder. One of --run, --export, "
-        "--student.",
+        "--student (default: none).",
     ),
 ]
 EmaOpt = Annotated[
