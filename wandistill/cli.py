@@ -957,7 +957,7 @@ def demo_cmd(
     ] = None,
 ) -> None:
     """Trained tiny teacher -> precompute (16 steps, CFG) -> a 4-step student -> eval against the
-    teacher at 4 steps; prints the table, writes grid.png and loss.png."""
+    teacher at 4 steps; prints the table, writes grid.png, loss.png and metrics.png."""
     from wandistill.demo import run_demo
 
     result = run_demo(root, recipe, overrides, baseline=baseline, teacher=teacher)
@@ -967,7 +967,7 @@ def demo_cmd(
     out.print(
         f"\nwall time: {stages} ({sum(result.seconds.values()):.0f} s)\n"
         f"grid ({' | '.join(c.name for c in result.eval.columns)}): {result.grid}\n"
-        f"loss curve: {result.loss_plot}\n"
+        f"loss curve: {result.loss_plot}\nmetrics: {result.metrics_plot}\n"
         f"export it: wandistill export --run {result.root / 'run'} --teacher "
         f"{result.teacher} --out {result.root / 'pipeline'}",
         highlight=False,

@@ -5,25 +5,22 @@ grammar (written if absent) -> precompute with the teacher's N = 16 steps and CF
 cache has) -> train a K = 4 student with the trajectory and consistency objectives (resumes from
 the latest checkpoint) -> train a step-imitating baseline with the same student and budget ->
 `wandistill eval` on the held-out prompts: student@4 beside teacher@4 and baseline@4/@16, R_4 ->
-a table, `grid.png` (noise | teacher@16 | teacher@4 | student@4 | baseline@4 | baseline@16) and
-`loss.png` under the demo folder. Re-running reuses it all. Every value is the recipe's
-(`pipelines/tiny-fewstep.toml`); `--set` overrides them.
+a table, `grid.png` (noise | teacher@16 | teacher@4 | student@4 | baseline@4 | baseline@16),
+`loss.png` (per loss term) and `metrics.png` (the eval's figures) under the demo folder.
+Re-running reuses it all. Every value is the recipe's (`pipelines/tiny-fewstep.toml`); `--set`
+overrides them.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
-from PIL import Image, ImageDraw
-
+from wandistill import plots
 from wandistill.config import LossConfig, TrainConfig, load_recipe
 from wandistill.eval.run import EvalResult
-from wandistill.teacher.decode import save_png
 
 PROMPTS = 480
 """Prompts drawn from the trained teacher's grammar (every one of them, shuffled)."""
@@ -37,6 +34,7 @@ class DemoResult:
     eval: EvalResult
     grid: Path
     loss_plot: Path
+    metrics_plot: Path
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall time of each stage."""
 
@@ -57,36 +55,6 @@ def baseline_config(train: TrainConfig, out: Path) -> TrainConfig:
     (K unset = N)."""
     student = replace(train.student, num_inference_steps=None)
     return replace(train, out=str(out), student=student, loss=LossConfig(output=1.0))
-
-
-def loss_plot(metrics: Path, out: Path, size: tuple[int, int] = (480, 240)) -> Path:
-    """A plain line plot of training loss per step (PIL only: no plotting dependency)."""
-    rows: dict[int, float] = {}
-    for line in metrics.read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row and "step" in row:
-            rows[int(row["step"])] = float(row["loss"])  # a resumed run may repeat steps
-    w, h = size
-    img = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(img)
-    pad = 36
-    draw.rectangle([pad, 8, w - 8, h - pad], outline="black")
-    if len(rows) >= 2:
-        steps = np.array(sorted(rows))
-        loss = np.log10(np.maximum([rows[s] for s in steps], 1e-12))
-        x = pad + (steps - steps.min()) / max(steps.max() - steps.min(), 1) * (w - pad - 8)
-        y = 8 + (loss.max() - loss) / max(loss.max() - loss.min(), 1e-9) * (h - pad - 8)
-        draw.line(list(zip(x.tolist(), y.tolist(), strict=True)), fill=(200, 30, 30), width=2)
-        draw.text(
-            (pad + 4, 10),
-            f"loss {rows[int(steps[0])]:.3g} -> {rows[int(steps[-1])]:.3g}",
-            fill="black",
-        )
-        draw.text((pad, h - pad + 4), f"step {steps.min()}", fill="black")
-        draw.text((w - 80, h - pad + 4), f"step {steps.max()}", fill="black")
-    draw.text((4, h // 2), "log", fill="black")
-    save_png(img, out)
-    return out
 
 
 def run_demo(
@@ -139,9 +107,16 @@ def run_demo(
     lap("eval")
     grid = root / "grid.png"
     shutil.copyfile(root / "eval" / "grid.png", grid)
-    plot = loss_plot(Path(cfg.train.out) / "metrics.jsonl", root / "loss.png")
+    plot = plots.plot_loss(Path(cfg.train.out) / "metrics.jsonl", root / plots.LOSS_PNG)
+    metrics = plots.plot_eval_metrics(root / "eval" / "eval.json", root / "metrics.png")
     return DemoResult(
-        root=root, teacher=teacher, eval=ev, grid=grid, loss_plot=plot, seconds=seconds
+        root=root,
+        teacher=teacher,
+        eval=ev,
+        grid=grid,
+        loss_plot=plot,
+        metrics_plot=metrics,
+        seconds=seconds,
     )
 
 
