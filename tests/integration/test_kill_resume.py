@@ -1,6 +1,6 @@
 """kill -9 anywhere, resume, and get the very same cache / student as an uninterrupted run.
 
-Kill points are exact and seeded. `WANDISTILL_TEST_KILL_AT` (wandistill/testing_hooks.py) makes
+Kill points are exact and seeded. `WANDISTILL_TEST_KILL_AT` (wandistill/failures.py) makes
 a process SIGKILL itself right after its n-th record (precompute) or right after optimizer step n
 / checkpoint n (train); more kill the process from outside as soon as a progress marker shows up
 on disk (a shard's temp file, a journal entry, a checkpoint's temp folder, a metrics row, the
