@@ -52,7 +52,7 @@ from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_ph
 from wandistill.precompute.numerics import record_numerics
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.precompute.table import KeyTable, PromptTable
-from wandistill.progress import Progress
+from wandistill.progress import SUMMARY_WIDTH, Progress, human_bytes, plural, summary_lines
 from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.plan import SamplerSizes
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
@@ -62,14 +62,44 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass(slots=True)
 class Summary:
+    """The whole job's outcome (every rank's counts summed; every rank returns the same one),
+    over this run and the runs of the same cache before it."""
+
     cache: str
     records_written: int
+    """Records this run committed."""
     records_skipped: int
+    """Records this run recomputed (a batch partly committed before) that the writer dropped."""
     bytes_written: int
     seconds: float
     prompts: int
     prompts_encoded: int = 0
-    """Prompts this process ran through the text encoder (0 when a resume found them all)."""
+    """Prompts this run ran through the text encoder (0 when a resume found them all)."""
+    records_present: int = 0
+    """Records of this prompt file already committed when this run started."""
+    prompts_truncated: int = 0
+    """Prompts cut to max_sequence_length tokens, by this run or an earlier one."""
+    ranks: int = 1
+    is_main: bool = True
+    """Rank 0 (or a single process): the one that prints the summary."""
+
+    def lines(self, width: int = SUMMARY_WIDTH) -> list[str]:
+        """The closing summary, wrapped to `width` columns."""
+        cached = self.records_present + self.records_written
+        on = f" on {plural(self.ranks, 'rank')}" if self.ranks > 1 else ""
+        return summary_lines(
+            [
+                f"cache: {self.records_written} records written this run,",
+                f"{self.records_present} already there,",
+                f"{self.records_skipped} recomputed and skipped;",
+                f"{cached} of {plural(self.prompts, 'prompt')} in the cache,",
+                f"{self.prompts_truncated} truncated;",
+                f"{self.prompts_encoded} prompts encoded,",
+                f"{human_bytes(self.bytes_written)} in {self.seconds:.1f} s{on};",
+                f"cache folder {self.cache}",
+            ],
+            width,
+        )
 
 
 Teacher = TeacherFolder
@@ -203,6 +233,8 @@ class Work:
     load_kw: dict[str, Any]
     null_sink: bool
     quiet: bool
+    present: int = 0
+    """Records of this prompt file committed before this run (every rank sees the same)."""
 
     @property
     def cache(self) -> Path:
@@ -257,6 +289,7 @@ def _plan(
         load_kw=load_kw,
         null_sink=null_sink,
         quiet=quiet,
+        present=sum(k in done for k in keys),
     )
 
 
@@ -476,30 +509,60 @@ class _Denoiser:
 
 
 def _finalise(w: Work, enc: Encoded, report: PromptReport, stop: StopSignals, t0: float) -> Summary:
-    """Phase 3: commit the last shard, previews, wait for every rank; rank 0 marks the cache
-    complete and writes the prompts report."""
+    """Phase 3: commit the last shard, previews, wait for every rank, sum every rank's counts;
+    rank 0 marks the cache complete and writes the prompts report."""
     writer, info = enc.writer, w.info
     if writer is not None:
         writer.close()
         if w.cfg.previews > 0:
             _previews(w.cfg, w.teacher, w.prompts, w.keys, w.load_kw, info)
     _barrier(info, stop, writer.records_written if writer else 0)
+    views = dist.all_gather_json(info, _rank_counts(w, enc))  # a collective: every rank
+    cut = {k for v in views for k in v["truncated"]}
     if writer is not None and info.is_main:
         mf.finalize(w.cache, complete=True)
-        cut = enc.store.truncated_keys()  # every rank's commits: which prompts were truncated
+        cut |= set(_earlier_truncations(w.cache / "prompts_report.json"))
+        report.truncated_keys = [k for k in w.keys if k in cut]
         report.truncated = [p.line for p, k in zip(w.prompts, w.keys, strict=True) if k in cut]
         atomic_write_json(w.cache / "prompts_report.json", report.to_json())
         enc.store.remove()  # every record holds its own embeddings now
-    written = writer.records_written if writer else sum(len(b) for b in w.todo)
     return Summary(
         cache=str(w.cache),
-        records_written=written,
-        records_skipped=writer.records_skipped if writer else 0,
-        bytes_written=writer.bytes_written if writer else 0,
+        records_written=sum(v["written"] for v in views),
+        records_skipped=sum(v["skipped"] for v in views),
+        bytes_written=sum(v["bytes"] for v in views),
         seconds=time.perf_counter() - t0,
         prompts=len(w.prompts),
-        prompts_encoded=enc.prompts_encoded,
+        prompts_encoded=sum(v["encoded"] for v in views),
+        records_present=w.present,
+        prompts_truncated=sum(k in cut for k in w.keys),
+        ranks=info.world_size,
+        is_main=info.is_main,
     )
+
+
+def _rank_counts(w: Work, enc: Encoded) -> dict[str, Any]:
+    """This rank's share of the summary, and the truncations it can see (its own commits at
+    least: another rank's may not be visible yet on a network file system)."""
+    writer = enc.writer
+    return {
+        "written": writer.records_written if writer else sum(len(b) for b in w.todo),
+        "skipped": writer.records_skipped if writer else 0,
+        "bytes": writer.bytes_written if writer else 0,
+        "encoded": enc.prompts_encoded,
+        "truncated": enc.store.truncated_keys().names(),
+    }
+
+
+def _earlier_truncations(path: Path) -> list[str]:
+    """Truncated keys an earlier run of this cache recorded (its embedding store is gone)."""
+    if not path.is_file():
+        return []
+    try:
+        keys = json.loads(path.read_text(encoding="utf-8")).get("truncated_keys", [])
+    except (OSError, ValueError, AttributeError):
+        return []  # a report we cannot read is rewritten from what this run knows
+    return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
 
 
 def run_identity(cfg: PrecomputeConfig) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from wandistill.failures import (
 )
 from wandistill.finite import check_step, check_weights
 from wandistill.fsutil import atomic_write_json
-from wandistill.progress import Progress
+from wandistill.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
 from wandistill.student.config import (
     check_against_cache,
     describe,
@@ -117,6 +117,21 @@ class TrainResult:
     seconds: float
     corrupt: list[str] = field(default_factory=list)
     is_main: bool = True
+    start_step: int = 0
+    """The step this invocation started from (the checkpoint --resume restored, else 0)."""
+
+    def lines(self, width: int = SUMMARY_WIDTH) -> list[str]:
+        """The closing summary: steps this run and in all, wrapped to `width` columns."""
+        return summary_lines(
+            [
+                f"trained {plural(self.steps, 'step')}:",
+                f"{plural(self.steps - self.start_step, 'step')} this run,",
+                f"{self.steps} total, in {self.seconds:.1f} s;",
+                f"student: {self.student},",
+                f"EMA: {self.student_ema}",
+            ],
+            width,
+        )
 
 
 # --------------------------------------------------------------------------- run
@@ -141,6 +156,7 @@ def run(
     try:
         folder = outputs.claim(plan.out, "run", info, inputs=run_inputs(cfg))
         trainer = setup(cfg, plan, info, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
+        start_step = trainer.start_step
         steps = fit(trainer, stop)
         sampling = sampling_record(trainer, steps)
         student, ema = export_pretrained(
@@ -173,6 +189,7 @@ def run(
         seconds=time.perf_counter() - started,
         corrupt=corrupt,
         is_main=info.is_main,
+        start_step=start_step,
     )
 
 
