@@ -235,12 +235,11 @@ def test_two_process_torchrun_writes_the_same_records_as_one_process(
     tmp_path: Path, teachers: dict[str, Path]
 ) -> None:
     # Batches of 2, rank r takes batches r, r+2, ...: line 2 is rank 0's, line 4 rank 1's.
-    long = "a prompt far longer than eight tokens " * 3
+    long = "a prompt far longer than the tiny recipe's 32 tokens " * 2
     texts = [f"prompt number {i}" if i not in (1, 3) else f"{long}{i}" for i in range(9)]
     prompts = _prompt_file(tmp_path, texts)
-    short = ("--set", "sampler.max_sequence_length=8")
     one = subprocess.run(
-        _cli(*_cmd(teachers["wan21"], prompts, tmp_path / "one", *short)),
+        _cli(*_cmd(teachers["wan21"], prompts, tmp_path / "one")),
         env=_env(),
         capture_output=True,
         text=True,
@@ -256,7 +255,7 @@ def test_two_process_torchrun_writes_the_same_records_as_one_process(
             "--nproc_per_node=2",
             "-m",
             "wandistill",
-            *_cmd(teachers["wan21"], prompts, tmp_path / "two", *short),
+            *_cmd(teachers["wan21"], prompts, tmp_path / "two"),
         ],
         env=_env(),
         capture_output=True,
@@ -280,8 +279,8 @@ def test_two_process_torchrun_writes_the_same_records_as_one_process(
 def test_a_rerun_reports_what_earlier_runs_wrote_and_truncated(
     tmp_path: Path, teachers: dict[str, Path]
 ) -> None:
-    prompts = _prompt_file(tmp_path, ["a cat", "a prompt far longer than eight tokens " * 3])
-    cfg = _cfg(teachers["wan21"], prompts, tmp_path / "c", "sampler.max_sequence_length=8")
+    prompts = _prompt_file(tmp_path, ["a cat", "a prompt far longer than 32 tokens " * 4])
+    cfg = _cfg(teachers["wan21"], prompts, tmp_path / "c")
     first = run(cfg, quiet=True)
     again = run(cfg, quiet=True)  # the embedding store is gone: truncations come from the report
     assert (first.records_written, first.records_present, first.prompts_truncated) == (2, 0, 1)
