@@ -11,7 +11,7 @@
 
 Targets: (1) overhead <= 3% where the writing share is >= 10%; (2) ratio >= 0.8x.
 
-    python tests/bench/precompute_write.py --prompts 16 --frames 5 --steps 2 --repeats 3
+    python tests/bench/precompute_write.py --prompts 32 --frames 5 --steps 1 --repeats 3
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def precompute(teacher: Path, prompts: Path, args: argparse.Namespace, cache: Pa
             "sampler.height=480",
             "sampler.width=832",
             f"sampler.num_frames={args.frames}",
+            f"sampler.guidance_scale={args.guidance}",
             "sampler.max_sequence_length=32",
             f"cache.shard_records={args.shard_records}",
         ],
@@ -111,7 +112,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--frames", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--guidance", type=float, default=1.0, help="1.0: no CFG, half the compute")
     p.add_argument("--shard-records", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="best of N for each leg")
     p.add_argument("--work", type=Path, help="scratch folder on the disk to measure")
@@ -152,7 +154,8 @@ def main() -> None:
             f"threads {torch.get_num_threads()}"
         )
         print(
-            f"# {args.prompts} prompts, {args.steps} steps, batch {args.batch_size}, "
+            f"# {args.prompts} prompts, {args.steps} steps, guidance {args.guidance}, "
+            f"batch {args.batch_size}, "
             f"480x832x{args.frames}, {nbytes / len(records) / 2**20:.1f} MiB of tensors per "
             f"record, shard_records {args.shard_records}, best of {args.repeats}"
         )
