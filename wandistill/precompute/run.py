@@ -234,7 +234,8 @@ class Work:
     null_sink: bool
     quiet: bool
     present: int = 0
-    """Records of this prompt file committed before this run (every rank sees the same)."""
+    """Records of this prompt file committed when this rank planned (the summary takes the
+    least over ranks: a rank that planned late may see another's first shards of this run)."""
 
     @property
     def cache(self) -> Path:
@@ -534,7 +535,7 @@ def _finalise(w: Work, enc: Encoded, report: PromptReport, stop: StopSignals, t0
         seconds=time.perf_counter() - t0,
         prompts=len(w.prompts),
         prompts_encoded=sum(v["encoded"] for v in views),
-        records_present=w.present,
+        records_present=min(v["present"] for v in views),
         prompts_truncated=sum(k in cut for k in w.keys),
         ranks=info.world_size,
         is_main=info.is_main,
@@ -550,6 +551,7 @@ def _rank_counts(w: Work, enc: Encoded) -> dict[str, Any]:
         "skipped": writer.records_skipped if writer else 0,
         "bytes": writer.bytes_written if writer else 0,
         "encoded": enc.prompts_encoded,
+        "present": w.present,  # a rank that planned late may also count another's new records
         "truncated": enc.store.truncated_keys().names(),
     }
 
