@@ -2,9 +2,11 @@
 
 (1) Writing overhead: `precompute` into a webdataset cache (records written by the background
     thread while the next batch denoises) vs the same run with `null_sink=True` (records made,
-    then discarded). The setting is 480p-shaped latents (480x832, a few frames) with the tiny
-    teacher and 1-2 steps, so that writing is a real share of the work; that share is printed
-    too: the time to write the run's records synchronously / the null-sink run's time.
+    then discarded); and, for reference, the same run with the writes on the critical path
+    (`synchronous`, the writer as it was before issue 11.4). The setting is 480p-shaped latents
+    (480x832, a few frames) with the tiny teacher and 1-2 steps, so that writing is a real share
+    of the work; that share is printed too: the time to write the run's records synchronously /
+    the null-sink run's time.
 (2) Writer throughput: the same records through `CacheWriter` (safetensors blob, crc32c per
     tensor, tar member, shard sha256, fsync per shard) vs the plain baseline of one
     `safetensors.torch.save_file` + fsync per record, in bytes/s.
@@ -27,12 +29,30 @@ from pathlib import Path
 
 import torch
 
+from wandistill.cache.background import BackgroundWriter as _BACKGROUND
+
+
+class _Synchronous:
+    """The `BackgroundWriter` interface without the thread: the writes on the critical path,
+    as before issue 11.4 (the `synchronous` leg)."""
+
+    def __init__(self, writer, depth: int = 0) -> None:  # noqa: ANN001
+        self.writer = writer
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - write, close, abort, counters
+        return getattr(self.writer, name)
+
+    def drain(self) -> None:
+        pass
+
 
 def precompute(teacher: Path, prompts: Path, args: argparse.Namespace, cache: Path,
-               null_sink: bool) -> float:  # fmt: skip
+               null_sink: bool, synchronous: bool = False) -> float:  # fmt: skip
+    import wandistill.precompute.run as module
     from wandistill.config import load_recipe
     from wandistill.precompute import run
 
+    module.BackgroundWriter = _Synchronous if synchronous else _BACKGROUND  # type: ignore[misc]
     cfg = load_recipe(
         None,
         [
@@ -128,9 +148,11 @@ def main() -> None:
         legs: dict[str, float] = {}
         keep = work / "kept"
         for r in range(args.repeats):  # interleaved, so load drifts hit every leg alike
-            for name in ("null_sink", "background"):
+            for name in ("null_sink", "background", "synchronous"):
                 target = work / f"{name}-{r}"
-                t = precompute(teacher, prompts, args, target, null_sink=name == "null_sink")
+                t = precompute(
+                    teacher, prompts, args, target, name == "null_sink", name == "synchronous"
+                )
                 legs[name] = min(legs.get(name, float("inf")), t)
                 if name == "background" and not keep.exists():
                     target.rename(keep)
@@ -164,9 +186,11 @@ def main() -> None:
             print(f"{name:<20}{t:>10.3f}")
         share = legs["cache_writer"] / (legs["null_sink"] + legs["cache_writer"])
         overhead = legs["background"] / legs["null_sink"] - 1
+        sync = legs["synchronous"] / legs["null_sink"] - 1
         ratio = legs["safetensors_fsync"] / legs["cache_writer"]
         print(f"writing share of the work (synchronous): {share * 100:.1f}% (needs >= 10%)")
         print(f"writing overhead vs null sink: {overhead * 100:+.1f}% (target <= 3%)")
+        print(f"  (synchronous writes, as before: {sync * 100:+.1f}%)")
         print(
             f"writer throughput vs per-record safetensors + fsync: {ratio:.2f}x "
             f"({nbytes / legs['cache_writer'] / 2**20:.0f} vs "
