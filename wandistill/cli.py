@@ -147,11 +147,9 @@ def teacher_make_tiny(
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
+    from wandistill.progress import human_bytes
+
+    return human_bytes(n)
 
 
 @cache_app.command("info")
@@ -459,12 +457,8 @@ def precompute_cmd(
 
         for line in PromptReport(**json.loads(report.read_text())).summary():
             out.print(line, highlight=False)
-    out.print(
-        f"cache {s.cache}: {s.records_written} records written, {s.records_skipped} already "
-        f"there, {s.prompts_encoded} prompts encoded, {_human(s.bytes_written)} in "
-        f"{s.seconds:.1f} s",
-        highlight=False,
-    )
+    for line in s.lines() if s.is_main else ():  # one summary for the whole job
+        out.print(line, highlight=False, soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- train
@@ -552,10 +546,8 @@ def train_cmd(
         )
         for line in r.corrupt[:20]:
             err.print(f"  {line}", highlight=False)
-    out.print(
-        f"trained {r.steps} steps in {r.seconds:.1f} s; student: {r.student}, EMA: {r.student_ema}",
-        highlight=False,
-    )
+    for line in r.lines():
+        out.print(line, highlight=False, soft_wrap=True)
 
 
 def _show_recording(recipe: Recipe) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wandistill import __version__, testing_hooks
+from wandistill import __version__, failures
 from wandistill.bounds import TIMEOUT_S
 from wandistill.errors import UsageError, WandistillError
 
@@ -132,7 +132,7 @@ def init(
     if world > 1:
         backend = "nccl" if want_cuda else "gloo"
         if not dist.is_initialized():
-            testing_hooks.at("dist", "init", 0, rank)  # test-only: a rank that never arrives
+            failures.at("dist", "init", 0, rank)  # test-only: a rank that never arrives
             store = _join(rank, world, timeout)
             dist.init_process_group(
                 backend=backend,

@@ -217,3 +217,32 @@ class _Line:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield self.progress.line(options.max_width, bar=True)
+
+
+SUMMARY_WIDTH = 80
+
+
+def summary_lines(phrases: list[str], width: int = SUMMARY_WIDTH) -> list[str]:
+    """A command's closing summary as short lines: the phrases packed greedily into lines of at
+    most `width` columns (continuations indented), each phrase kept whole, never one long line
+    a terminal or a log viewer folds anywhere. A phrase longer than a line (a deep path) gets a
+    line of its own."""
+    lines: list[str] = []
+    for phrase in phrases:
+        if lines and len(lines[-1]) + 1 + len(phrase) <= width:
+            lines[-1] += " " + phrase
+        else:
+            lines.append(("  " if lines else "") + phrase)
+    return lines
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)

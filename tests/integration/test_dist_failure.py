@@ -5,7 +5,7 @@ once; torchrun then SIGTERMs the others, which stop cleanly (precompute: each fl
 shards; train: a peer lost mid-collective is one line, never a wait), so every rank is gone
 within 60 s of the failure, and the output on disk resumes (1 process or 2) to exactly the result
 of an uninterrupted run. Failures are injected at exact points with `WANDISTILL_TEST_KILL_AT`
-(wandistill/testing_hooks.py) and train's `WANDISTILL_FAIL_AT`. 2 gloo ranks on CPU.
+(wandistill/failures.py) and train's `WANDISTILL_FAIL_AT`. 2 gloo ranks on CPU.
 """
 
 from __future__ import annotations

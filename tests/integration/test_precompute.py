@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -233,7 +234,10 @@ def _cmd(teacher: Path, prompts: Path, cache: Path, *extra: str) -> list[str]:
 def test_two_process_torchrun_writes_the_same_records_as_one_process(
     tmp_path: Path, teachers: dict[str, Path]
 ) -> None:
-    prompts = _prompt_file(tmp_path, [f"prompt number {i}" for i in range(9)])
+    # Batches of 2, rank r takes batches r, r+2, ...: line 2 is rank 0's, line 4 rank 1's.
+    long = "a prompt far longer than the tiny recipe's 32 tokens " * 2
+    texts = [f"prompt number {i}" if i not in (1, 3) else f"{long}{i}" for i in range(9)]
+    prompts = _prompt_file(tmp_path, texts)
     one = subprocess.run(
         _cli(*_cmd(teachers["wan21"], prompts, tmp_path / "one")),
         env=_env(),
@@ -262,6 +266,30 @@ def test_two_process_torchrun_writes_the_same_records_as_one_process(
     m = read_manifest(tmp_path / "two")
     assert m.complete and {s["rank"] for s in m.shards} == {0, 1}
     assert _blobs(tmp_path / "one") == _blobs(tmp_path / "two")
+    # One summary for the whole job (rank 0's), every rank's counts and truncations in it.
+    assert two.stdout.count("records written") == 1, two.stdout
+    said = " ".join(two.stdout.split())
+    assert "cache: 9 records written this run, 0 already there" in said, two.stdout
+    assert "9 of 9 prompts in the cache, 2 truncated" in said and "on 2 ranks" in said
+    assert all(len(line) <= 80 for line in two.stdout.splitlines() if "cache folder" not in line)
+    report = json.loads((tmp_path / "two" / "prompts_report.json").read_text())
+    assert report["truncated"] == [2, 4] and len(report["truncated_keys"]) == 2
+
+
+def test_a_rerun_reports_what_earlier_runs_wrote_and_truncated(
+    tmp_path: Path, teachers: dict[str, Path]
+) -> None:
+    prompts = _prompt_file(tmp_path, ["a cat", "a prompt far longer than 32 tokens " * 4])
+    cfg = _cfg(teachers["wan21"], prompts, tmp_path / "c")
+    first = run(cfg, quiet=True)
+    again = run(cfg, quiet=True)  # the embedding store is gone: truncations come from the report
+    assert (first.records_written, first.records_present, first.prompts_truncated) == (2, 0, 1)
+    assert (again.records_written, again.records_present, again.prompts_truncated) == (0, 2, 1)
+    report = json.loads((tmp_path / "c" / "prompts_report.json").read_text())
+    assert report["truncated"] == [2]
+    text = " ".join(again.lines())
+    assert "0 records written this run, 2 already there" in text and "1 truncated" in text
+    assert all(len(line) <= 80 for line in again.lines() if "cache folder" not in line)
 
 
 @pytest.mark.slow

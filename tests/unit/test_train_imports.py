@@ -40,7 +40,14 @@ def _imports(path: Path) -> list[str]:
 
 
 #: Modules outside the rooms that the train / student rooms import (directly or through config).
-SHARED = ["config.py", "placements.py", "workarounds.py", "modelfolder.py", "dist.py"]
+SHARED = [
+    "config.py",
+    "placements.py",
+    "workarounds.py",
+    "modelfolder.py",
+    "dist.py",
+    "failures.py",
+]
 
 
 @pytest.mark.parametrize("room", ["train", "student", *SHARED])

@@ -118,7 +118,10 @@ def test_an_out_dir_with_checkpoints_needs_resume(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="pass --resume"):
         run(_cfg(tmp_path / "c", tmp_path / "run", "steps=4"))
     r = run(_cfg(tmp_path / "c", tmp_path / "run", "steps=6"), resume=True)  # extend the run
-    assert r.steps == 6
+    assert r.steps == 6 and r.start_step == 4
+    text = " ".join(r.lines())
+    assert "trained 6 steps: 2 steps this run, 6 total" in text, text
+    assert all(len(line) <= 80 for line in r.lines() if str(tmp_path) not in line), r.lines()
 
 
 def _feature_cache(path: Path, n: int) -> None:

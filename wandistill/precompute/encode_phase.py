@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from wandistill import testing_hooks
+from wandistill import failures
 from wandistill.cache.embeds import EmbedStore, negative_name, own_negative_name
 from wandistill.finite import check_batch
 from wandistill.precompute.prompts import Prompt
@@ -149,4 +149,4 @@ def _encode_batch(
         if p.negative_prompt is not None:
             store.add(own_negative_name(job.keys[i]), negs[p.negative_prompt])
         store.encoded += 1
-        testing_hooks.at("precompute", "encoded", store.encoded, job.rank)
+        failures.at("precompute", "encoded", store.encoded, job.rank)

@@ -42,6 +42,8 @@ class PromptReport:
     """Lines whose prompt is empty once control characters (NUL included) are removed."""
     truncated: list[int] = field(default_factory=list)
     """Filled by the encode phase: prompts longer than max_sequence_length tokens."""
+    truncated_keys: list[str] = field(default_factory=list)
+    """Their record keys: a later run of the same cache (its embeddings gone) keeps them."""
 
     def lines_of(self, items: list[int], limit: int = 8) -> str:
         shown = ", ".join(map(str, items[:limit]))
@@ -73,6 +75,7 @@ class PromptReport:
             "bad_json": self.bad_json,
             "control": self.control,
             "truncated": self.truncated,
+            "truncated_keys": self.truncated_keys,
         }
 
 

@@ -14,10 +14,10 @@ bytes as a single-process run. Resume is per batch: a batch whose keys are all c
 skipped; any other batch is recomputed whole (same inputs, same bits) and the writer drops keys
 that were already committed.
 
-SIGTERM / SIGINT (`_StopSignals`, installed in `run` only): the batch being computed is dropped,
-the open shard is flushed so every complete record is committed, and the run raises `Stopped`
-(exit code 143 / 130, "re-run the same command to resume"). Under torchrun every rank does this
-for its own shards; the manifest is then never marked complete.
+SIGTERM / SIGINT (`failures.StopSignals`, installed in `run` only): the batch being computed is
+dropped, the open shard is flushed so every complete record is committed, and the run raises
+`Stopped` (exit code 143 / 130, "re-run the same command to resume"). Under torchrun every rank
+does this for its own shards; the manifest is then never marked complete.
 """
 
 from __future__ import annotations
@@ -25,27 +25,26 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import re
 import shutil
 import signal
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
 
-from wandistill import dist, outputs, testing_hooks
+from wandistill import dist, failures, outputs
 from wandistill.cache import manifest as mf
+from wandistill.cache.background import BackgroundWriter
 from wandistill.cache.embeds import EmbedStore, own_negative_name
-from wandistill.cache.schema import dtype_name, field_specs, record_key
+from wandistill.cache.schema import Record, dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
 from wandistill.config import PrecomputeConfig, to_dict
 from wandistill.errors import WandistillError
+from wandistill.failures import Stopped, StopRequested, StopSignals, first_line
 from wandistill.finite import NonFiniteError
 from wandistill.fsutil import atomic_write_json
 from wandistill.placements import Placement
@@ -53,7 +52,7 @@ from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_ph
 from wandistill.precompute.numerics import record_numerics
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.precompute.table import KeyTable, PromptTable
-from wandistill.progress import Progress
+from wandistill.progress import SUMMARY_WIDTH, Progress, human_bytes, plural, summary_lines
 from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.plan import SamplerSizes
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
@@ -63,14 +62,44 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass(slots=True)
 class Summary:
+    """The whole job's outcome (every rank's counts summed; every rank returns the same one),
+    over this run and the runs of the same cache before it."""
+
     cache: str
     records_written: int
+    """Records this run committed."""
     records_skipped: int
+    """Records this run recomputed (a batch partly committed before) that the writer dropped."""
     bytes_written: int
     seconds: float
     prompts: int
     prompts_encoded: int = 0
-    """Prompts this process ran through the text encoder (0 when a resume found them all)."""
+    """Prompts this run ran through the text encoder (0 when a resume found them all)."""
+    records_present: int = 0
+    """Records of this prompt file already committed when this run started."""
+    prompts_truncated: int = 0
+    """Prompts cut to max_sequence_length tokens, by this run or an earlier one."""
+    ranks: int = 1
+    is_main: bool = True
+    """Rank 0 (or a single process): the one that prints the summary."""
+
+    def lines(self, width: int = SUMMARY_WIDTH) -> list[str]:
+        """The closing summary, wrapped to `width` columns."""
+        cached = self.records_present + self.records_written
+        on = f" on {plural(self.ranks, 'rank')}" if self.ranks > 1 else ""
+        return summary_lines(
+            [
+                f"cache: {self.records_written} records written this run,",
+                f"{self.records_present} already there,",
+                f"{self.records_skipped} recomputed and skipped;",
+                f"{cached} of {plural(self.prompts, 'prompt')} in the cache,",
+                f"{self.prompts_truncated} truncated;",
+                f"{self.prompts_encoded} prompts encoded,",
+                f"{human_bytes(self.bytes_written)} in {self.seconds:.1f} s{on};",
+                f"cache folder {self.cache}",
+            ],
+            width,
+        )
 
 
 Teacher = TeacherFolder
@@ -140,71 +169,10 @@ def _device_kind(placement: Placement) -> str:
     return "auto"
 
 
-class Stopped(WandistillError):
-    """Precompute stopped on SIGTERM / SIGINT; what it wrote is committed. Exit 128 + signal."""
-
-    def __init__(self, signum: int, records: int, info: dist.DistInfo | None) -> None:
-        where = f" (rank {info.rank} of {info.world_size})" if info and info.distributed else ""
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name} after {records} records{where}; "
-            "re-run the same command to resume"
-        )
-        self.signum = signum
-        self.exit_code = 128 + signum
-
-
-class _Stop(BaseException):
-    """Raised by the signal handler inside an interruptible section (nothing being written)."""
-
-
-class _StopSignals:
-    """SIGTERM / SIGINT -> a graceful stop; installed once, around the whole stage.
-
-    The first signal is recorded. Inside `interruptible()` (teacher loading, text encoding,
-    denoising: nothing is being written) it raises `_Stop` at once, dropping the batch being
-    computed; elsewhere (cache writes, shard flushes, the final barrier) the run stops at the next
-    `check()`, so no shard is ever published half-written. Later signals are ignored, the stop is
-    under way (a Ctrl-C under torchrun brings SIGINT from the terminal and SIGTERM from torchrun),
-    except a second Ctrl-C: KeyboardInterrupt, at once (the open shard is dropped, not flushed).
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._armed = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, signal.SIG_DFL if previous is None else previous)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is None:
-            self.signum = signum
-            if self._armed:
-                self._armed = False
-                raise _Stop
-        elif signum == self.signum == signal.SIGINT:
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def interruptible(self) -> Iterator[None]:
-        self._armed = True
-        try:
-            self.check()
-            yield
-        finally:
-            self._armed = False
-
-    def check(self) -> None:
-        if self.signum is not None:
-            raise _Stop
+def _stopped(signum: int | None, records: int, info: dist.DistInfo | None) -> Stopped:
+    """Precompute stopped on SIGTERM / SIGINT; what it wrote is committed."""
+    progress = f"after {records} records"
+    return Stopped(signum or signal.SIGTERM, progress, info, "re-run the same command to resume")
 
 
 def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) -> Summary:
@@ -213,47 +181,127 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
     recorded_steps(teacher, cfg)  # a K off the teacher's schedule fails before any work
     prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed, into=PromptTable())
-    with _StopSignals() as stop, contextlib.ExitStack() as owned:
+    with StopSignals.install() as stop, contextlib.ExitStack() as owned:
         info = dist.init(
             _device_kind(cfg.teacher.placement),
             timeout_s=cfg.dist_timeout,
             config=run_identity(cfg),
         )
         try:
-            return _run(
-                cfg, teacher, prompts, report, info, stop, owned,
-                null_sink=null_sink, quiet=quiet, t0=t0,
-            )  # fmt: skip
-        except _Stop:  # before any record: nothing to flush (embeddings commit themselves)
-            raise Stopped(stop.signum or signal.SIGTERM, 0, info) from None
+            w = _plan(cfg, teacher, prompts, info, null_sink=null_sink, quiet=quiet)
+            return _run(w, report, stop, owned, t0)
+        except StopRequested:  # before any record: nothing to flush (embeddings commit themselves)
+            raise _stopped(stop.signum, 0, info) from None
         finally:
             dist.cleanup()
 
 
 def _run(
+    w: Work, report: PromptReport, stop: StopSignals, owned: contextlib.ExitStack, t0: float
+) -> Summary:
+    """The phases, in order: own the cache, encode, denoise and write, finalise."""
+    if not w.null_sink:  # every input checked: own the cache (one writing job), then write
+        inputs = {"--teacher": w.teacher.path, "--prompts": w.cfg.prompts}
+        owned.enter_context(outputs.claim(w.cache, "cache", w.info, inputs=inputs))
+    enc = _encode(w, stop)
+    try:
+        _denoise_and_write(w, enc, stop)
+    finally:
+        enc.store.close_reader()
+        if w.null_sink:
+            shutil.rmtree(enc.scratch, ignore_errors=True)
+    return _finalise(w, enc, report, stop, t0)
+
+
+@dataclass(slots=True)
+class Work:
+    """What every phase needs, resolved once from the config, the teacher folder and the cache
+    before any weights load (a bad input fails here, with nothing written)."""
+
+    cfg: PrecomputeConfig
+    teacher: Teacher
+    info: dist.DistInfo
+    prompts: PromptTable
+    keys: KeyTable
+    settings: dict[str, Any]
+    header: mf.Manifest
+    shape: tuple[int, int, int, int]
+    mine: list[range]
+    """This rank's batches (indices into prompts)."""
+    todo: list[range]
+    """Those of them with a key not yet committed."""
+    load_kw: dict[str, Any]
+    null_sink: bool
+    quiet: bool
+    present: int = 0
+    """Records of this prompt file committed when this rank planned (the summary takes the
+    least over ranks: a rank that planned late may see another's first shards of this run)."""
+
+    @property
+    def cache(self) -> Path:
+        return Path(self.cfg.cache.path)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.cfg.teacher.dtype]
+
+
+def _plan(
     cfg: PrecomputeConfig,
     teacher: Teacher,
     prompts: PromptTable,
-    report: PromptReport,
     info: dist.DistInfo,
-    stop: _StopSignals,
-    owned: contextlib.ExitStack,
     *,
     null_sink: bool,
     quiet: bool,
-    t0: float,
-) -> Summary:
+) -> Work:
+    """This rank's work: the cache header, which batches are still to do, the placement."""
     from wandistill.teacher import placement as pl
 
     dtype = DTYPES[cfg.teacher.dtype]
     settings = sampler_settings(teacher, cfg)
-    fingerprint = dict(teacher.fingerprint)
-    fingerprint["transformer_config"] = teacher.transformer_config
-    shape = latent_shape(teacher, cfg)
-    cache = Path(cfg.cache.path)
-    header = mf.Manifest(
+    header = _header(cfg, teacher, info, settings)
+    done = set() if null_sink else _committed_keys(Path(cfg.cache.path), header)
+    keys = KeyTable(_key(p, settings) for p in prompts)
+    bs = cfg.sampler.batch_size
+    batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
+    mine = batches[info.rank :: info.world_size]
+    placement = pl.resolve_placement(
+        cfg.teacher.placement,
+        folder=teacher,
+        dtype=dtype,
+        sizes=SamplerSizes.from_config(cfg),  # the sizes `wandistill plan` plans for
+        world_size=info.world_size,
+        local_rank=info.local_rank,
+    )
+    offload = Path(cfg.teacher.offload_folder or Path(cfg.cache.path) / ".offload.tmp")
+    load_kw = {"dtype": dtype, "placement": placement, "offload_dir": offload / f"rank{info.rank}"}
+    return Work(
+        cfg=cfg,
+        teacher=teacher,
+        info=info,
+        prompts=prompts,
+        keys=keys,
+        settings=settings,
+        header=header,
+        shape=latent_shape(teacher, cfg),
+        mine=mine,
+        todo=[b for b in mine if not all(keys[i] in done for i in b)],
+        load_kw=load_kw,
+        null_sink=null_sink,
+        quiet=quiet,
+        present=sum(k in done for k in keys),
+    )
+
+
+def _header(
+    cfg: PrecomputeConfig, teacher: Teacher, info: dist.DistInfo, settings: dict[str, Any]
+) -> mf.Manifest:
+    """The manifest this run writes under (or must be compatible with)."""
+    dtype = DTYPES[cfg.teacher.dtype]
+    return mf.Manifest(
         backend=cfg.cache.backend,
-        teacher=fingerprint,
+        teacher={**teacher.fingerprint, "transformer_config": teacher.transformer_config},
         settings=settings,
         numerics=record_numerics(batch_size=cfg.sampler.batch_size, device=info.device),
         fields=cfg.cache.encoding().apply(
@@ -265,147 +313,126 @@ def _run(
             )
         ),
     )
-    done: set[str] = set()
-    if not null_sink and mf.manifest_path(cache).is_file():
-        existing = mf.load_committed(cache)
-        if existing.shards:  # a cache without records binds nothing: a fixed run takes it over
-            mf.check_compatible(cache, existing, header)  # fail before loading any weights
-        done = {k for s in existing.shards for k in s["keys"]}
 
-    keys = KeyTable(_key(p, settings) for p in prompts)
-    bs = cfg.sampler.batch_size
-    batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
-    mine = batches[info.rank :: info.world_size]
-    todo = [b for b in mine if not all(keys[i] in done for i in b)]
-    placement = pl.resolve_placement(
-        cfg.teacher.placement,
-        folder=teacher,
-        dtype=dtype,
-        sizes=SamplerSizes.from_config(cfg),  # the sizes `wandistill plan` plans for
-        world_size=info.world_size,
-        local_rank=info.local_rank,
-    )
-    if not null_sink:  # every input checked: own the cache (one writing job), then write
-        inputs = {"--teacher": teacher.path, "--prompts": cfg.prompts}
-        owned.enter_context(outputs.claim(cache, "cache", info, inputs=inputs))
-    load_kw: dict[str, Any] = dict(
-        dtype=dtype,
-        placement=placement,
-        offload_dir=Path(cfg.teacher.offload_folder or cache / ".offload.tmp") / f"rank{info.rank}",
-    )
 
-    # Phase 1: text embeddings for the prompts still to do, straight to disk (embeds/). The
-    # cache (manifest, shared tensors) is created first, so embeds/ only ever lives in a cache.
-    scratch = Path(tempfile.mkdtemp(prefix="wandistill-embeds-")) if null_sink else cache
-    store = EmbedStore(scratch, rank=info.rank, flush_records=cfg.cache.shard_records)
-    ejob = EncodeJob(
-        teacher=teacher,
-        prompts=prompts,
-        keys=keys,
-        batches=todo,
-        negative_prompt=cfg.sampler.negative_prompt,
-        max_sequence_length=cfg.sampler.max_sequence_length,
-        dtype=dtype,
-        load_kw=load_kw,
+def _committed_keys(cache: Path, header: mf.Manifest) -> set[str]:
+    """Keys already committed in the cache; a cache with records must match `header` (checked
+    before loading any weights). A cache without records binds nothing: a fixed run takes it
+    over."""
+    if not mf.manifest_path(cache).is_file():
+        return set()
+    existing = mf.load_committed(cache)
+    if existing.shards:
+        mf.check_compatible(cache, existing, header)
+    return {k for s in existing.shards for k in s["keys"]}
+
+
+@dataclass(slots=True)
+class Encoded:
+    """Phase 1's result: the embedding store, the recipe's negative, the opened cache writer."""
+
+    store: EmbedStore
+    scratch: Path
+    """Where the store lives: the cache, or a temp folder with --null-sink."""
+    default_negative: torch.Tensor
+    writer: BackgroundWriter | None
+    """None with --null-sink."""
+    prompts_encoded: int = 0
+
+
+def _encode(w: Work, stop: StopSignals) -> Encoded:
+    """Phase 1: text embeddings for the prompts still to do, straight to disk (embeds/). The
+    cache (manifest, shared tensors) is created first, so embeds/ only ever lives in a cache."""
+    info = w.info
+    scratch = Path(tempfile.mkdtemp(prefix="wandistill-embeds-")) if w.null_sink else w.cache
+    store = EmbedStore(scratch, rank=info.rank, flush_records=w.cfg.cache.shard_records)
+    job = EncodeJob(
+        teacher=w.teacher,
+        prompts=w.prompts,
+        keys=w.keys,
+        batches=w.todo,
+        negative_prompt=w.cfg.sampler.negative_prompt,
+        max_sequence_length=w.cfg.sampler.max_sequence_length,
+        dtype=w.dtype,
+        load_kw=w.load_kw,
         rank=info.rank,
-        show_progress=info.is_main and not quiet,
+        show_progress=info.is_main and not w.quiet,
     )
-    encoder = TextEncoder(ejob, stop.interruptible)
+    encoder = TextEncoder(job, stop.interruptible)
     try:
-        default_negative = recipe_negative(ejob, store, encoder)
-        timesteps, sigmas = RecordingSampler(
-            teacher.scheduler, _spec(cfg, teacher, shape)
-        ).schedule()
-        writer = (
-            None
-            if null_sink
-            else CacheWriter(
-                cache,
-                backend=cfg.cache.backend,
-                teacher=fingerprint,
-                settings=settings,
-                fields=header.fields,
-                dims=_dims(teacher, shape, settings),
-                numerics=header.numerics,
-                shared={
-                    "negative_prompt_embeds": default_negative,
-                    "timesteps": timesteps,
-                    "sigmas": sigmas,
-                },
-                rank=info.rank,
-                shard_records=cfg.cache.shard_records,
-            )
-        )
-        encoded = encode_phase(ejob, store, encoder, stop.check)
+        negative = recipe_negative(job, store, encoder)
+        writer = None if w.null_sink else _open_writer(w, negative)
+        enc = Encoded(store, scratch, negative, writer)
+        enc.prompts_encoded = encode_phase(job, store, encoder, stop.check)
+        return enc
     except BaseException:
-        if null_sink:
+        if w.null_sink:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
     finally:
         encoder.close()
 
-    def job(i: int) -> Job:  # embeddings streamed from the store, one batch at a time
-        p = prompts[i]
-        own = p.negative_prompt is not None
-        return Job(
-            key=keys[i],
-            prompt=p.text,
-            seed=p.seed,
-            embeds=store.get(keys[i]),
-            negative=store.get(own_negative_name(keys[i])) if own else default_negative,
-            own_negative=own,
-            extra={"line": p.line, **({"negative_prompt": p.negative_prompt} if own else {})},
-        )
 
-    sampler = RecordingSampler(teacher.scheduler, _spec(cfg, teacher, shape))
-    progress = Progress(
-        total=sum(len(b) for b in mine),
-        description="precompute",
-        enabled=info.is_main and not quiet,
-        unit="prompts",
+def _open_writer(w: Work, negative: torch.Tensor) -> BackgroundWriter:
+    """Create (or reopen) the cache: manifest and shared tensors, before any record. Records
+    are written by a thread (two batches in flight at most) while the next batch denoises."""
+    timesteps, sigmas = RecordingSampler(w.teacher.scheduler, _spec(w)).schedule()
+    writer = CacheWriter(
+        w.cache,
+        backend=w.cfg.cache.backend,
+        teacher=w.header.teacher,
+        settings=w.settings,
+        fields=w.header.fields,
+        dims=_dims(w.teacher, w.shape, w.settings),
+        numerics=w.header.numerics,
+        shared={"negative_prompt_embeds": negative, "timesteps": timesteps, "sigmas": sigmas},
+        rank=w.info.rank,
+        shard_records=w.cfg.cache.shard_records,
     )
-    progress.advance(sum(len(b) for b in mine) - sum(len(b) for b in todo))
+    return BackgroundWriter(writer, depth=2 * w.cfg.sampler.batch_size)
+
+
+def _job(w: Work, enc: Encoded, i: int) -> Job:
+    """Prompt i's denoising job; its embeddings streamed from the store."""
+    p, key = w.prompts[i], w.keys[i]
+    own = p.negative_prompt is not None
+    return Job(
+        key=key,
+        prompt=p.text,
+        seed=p.seed,
+        embeds=enc.store.get(key),
+        negative=enc.store.get(own_negative_name(key)) if own else enc.default_negative,
+        own_negative=own,
+        extra={"line": p.line, **({"negative_prompt": p.negative_prompt} if own else {})},
+    )
+
+
+def _denoise_and_write(w: Work, enc: Encoded, stop: StopSignals) -> None:
+    """Phase 2: denoise this rank's batches, a group at a time, writing each group's records as
+    it finishes. A stop drops the group being computed and commits every complete record."""
+    writer, info = enc.writer, w.info
+    total = sum(len(b) for b in w.mine)
+    progress = Progress(
+        total=total, description="precompute", enabled=info.is_main and not w.quiet, unit="prompts"
+    )
+    progress.advance(total - sum(len(b) for b in w.todo))
     # Batches per expert swap (Wan 2.2); one expert: one batch at a time, written as it finishes.
-    group = max(1, cfg.sampler.expert_group_batches) if len(teacher.experts) > 1 else 1
-    resident: dict[str, torch.nn.Module] = {}
+    group = max(1, w.cfg.sampler.expert_group_batches) if len(w.teacher.experts) > 1 else 1
+    denoiser = _Denoiser(w)
     handed = 0  # records handed to the writer by this run (the test hook counts them)
-    testing_hooks.at("precompute", "record", 0, info.rank)
+    failures.at("precompute", "record", 0, info.rank)
     try:
         with progress:
-            for g0 in range(0, len(todo), max(1, group)):
-                states = None
-                for expert in teacher.experts:
-                    with stop.interruptible():  # a signal drops these batches: none written yet
-                        model = resident.get(expert)
-                        if model is None:
-                            for other in list(resident):  # one expert in memory at a time
-                                pl.unload(resident.pop(other))
-                            model = resident[expert] = pl.load_component(teacher, expert, **load_kw)
-                        device = pl.execution_device(model)
-                        if states is None:
-                            states = [
-                                sampler.start([job(i) for i in b], device)
-                                for b in todo[g0 : g0 + group]
-                            ]
-                        with pl.oom_guard_for(model):
-                            for st in states:
-                                sampler.advance(st, model, expert, device)
-                assert states is not None
-                for st in states:
-                    for rec in sampler.finish(st):
-                        if writer is not None:
-                            writer.write(rec)
-                        handed += 1
-                        testing_hooks.at("precompute", "record", handed, info.rank)
-                    progress.advance(
-                        len(st.jobs), bytes_total=writer.bytes_written if writer else 0
-                    )
+            for g0 in range(0, len(w.todo), group):
+                records = denoiser.group(enc, stop, w.todo[g0 : g0 + group])
+                handed = _hand_over(records, writer, handed, info.rank, progress)
                 stop.check()  # between batches: nothing half-written
-    except _Stop:
+            if writer is not None:
+                writer.drain()  # a late write error is raised here, under the handlers below
+    except StopRequested:
         if writer is not None:
             writer.close()  # commit the open shard's complete records
-        written = writer.records_written if writer else 0
-        raise Stopped(stop.signum or signal.SIGTERM, written, info) from None
+        raise _stopped(stop.signum, writer.records_written if writer else 0, info) from None
     except NonFiniteError:
         if writer is not None:
             writer.close()  # the records before the refused batch are good: commit them
@@ -415,32 +442,131 @@ def _run(
             writer.abort()
         raise
     finally:
-        for m in resident.values():
-            pl.unload(m)
-        store.close_reader()
-        if null_sink:
-            shutil.rmtree(scratch, ignore_errors=True)
+        denoiser.unload()
+
+
+def _hand_over(
+    records: list[list[Record]],
+    writer: BackgroundWriter | None,
+    handed: int,
+    rank: int,
+    progress: Progress,
+) -> int:
+    """Queue a group's records for the writer thread, batch by batch; returns the number of
+    records this run has handed over so far (the test hook's count)."""
+    for batch in records:
+        for rec in batch:
+            if writer is not None:
+                writer.write(rec)
+            handed += 1
+            if writer is not None and failures.wants("precompute", "record", handed, rank):
+                writer.drain()  # a test point acts on what is written by then
+            failures.at("precompute", "record", handed, rank)
+        progress.advance(len(batch), bytes_total=writer.bytes_written if writer else 0)
+    return handed
+
+
+class _Denoiser:
+    """The denoiser(s), one in memory at a time (Wan 2.2 swaps `transformer` and
+    `transformer_2`, loaded on first use), and the recording sampler that drives them."""
+
+    def __init__(self, w: Work) -> None:
+        self.w = w
+        self.sampler = RecordingSampler(w.teacher.scheduler, _spec(w))
+        self.resident: dict[str, torch.nn.Module] = {}
+
+    def group(self, enc: Encoded, stop: StopSignals, batches: list[range]) -> list[list[Record]]:
+        """Every step of every expert over a group of batches; their records, batch by batch.
+        A signal inside drops the whole group: none of it was written yet."""
+        from wandistill.teacher import placement as pl
+
+        states = None
+        for expert in self.w.teacher.experts:
+            with stop.interruptible():
+                model = self._load(expert)
+                device = pl.execution_device(model)
+                if states is None:
+                    jobs = [[_job(self.w, enc, i) for i in b] for b in batches]
+                    states = [self.sampler.start(j, device) for j in jobs]
+                with pl.oom_guard_for(model):
+                    for st in states:
+                        self.sampler.advance(st, model, expert, device)
+        assert states is not None
+        return [list(self.sampler.finish(st)) for st in states]
+
+    def _load(self, expert: str) -> torch.nn.Module:
+        from wandistill.teacher import placement as pl
+
+        model = self.resident.get(expert)
+        if model is None:
+            self.unload()  # one expert in memory at a time
+            model = pl.load_component(self.w.teacher, expert, **self.w.load_kw)
+            self.resident[expert] = model
+        return model
+
+    def unload(self) -> None:
+        from wandistill.teacher import placement as pl
+
+        for other in list(self.resident):
+            pl.unload(self.resident.pop(other))
+
+
+def _finalise(w: Work, enc: Encoded, report: PromptReport, stop: StopSignals, t0: float) -> Summary:
+    """Phase 3: commit the last shard, previews, wait for every rank, sum every rank's counts;
+    rank 0 marks the cache complete and writes the prompts report."""
+    writer, info = enc.writer, w.info
     if writer is not None:
         writer.close()
-        if cfg.previews > 0:
-            _previews(cfg, teacher, prompts, keys, load_kw, info)
+        if w.cfg.previews > 0:
+            _previews(w.cfg, w.teacher, w.prompts, w.keys, w.load_kw, info)
     _barrier(info, stop, writer.records_written if writer else 0)
+    views = dist.all_gather_json(info, _rank_counts(w, enc))  # a collective: every rank
+    cut = {k for v in views for k in v["truncated"]}
     if writer is not None and info.is_main:
-        mf.finalize(cache, complete=True)
-        cut = store.truncated_keys()  # every rank's commits: which prompts were truncated
-        report.truncated = [p.line for p, k in zip(prompts, keys, strict=True) if k in cut]
-        atomic_write_json(cache / "prompts_report.json", report.to_json())
-        store.remove()  # every record holds its own embeddings now
-    written = writer.records_written if writer else sum(len(b) for b in todo)
+        mf.finalize(w.cache, complete=True)
+        cut |= set(_earlier_truncations(w.cache / "prompts_report.json"))
+        report.truncated_keys = [k for k in w.keys if k in cut]
+        report.truncated = [p.line for p, k in zip(w.prompts, w.keys, strict=True) if k in cut]
+        atomic_write_json(w.cache / "prompts_report.json", report.to_json())
+        enc.store.remove()  # every record holds its own embeddings now
     return Summary(
-        cache=str(cache),
-        records_written=written,
-        records_skipped=writer.records_skipped if writer else 0,
-        bytes_written=writer.bytes_written if writer else 0,
+        cache=str(w.cache),
+        records_written=sum(v["written"] for v in views),
+        records_skipped=sum(v["skipped"] for v in views),
+        bytes_written=sum(v["bytes"] for v in views),
         seconds=time.perf_counter() - t0,
-        prompts=len(prompts),
-        prompts_encoded=encoded,
+        prompts=len(w.prompts),
+        prompts_encoded=sum(v["encoded"] for v in views),
+        records_present=min(v["present"] for v in views),
+        prompts_truncated=sum(k in cut for k in w.keys),
+        ranks=info.world_size,
+        is_main=info.is_main,
     )
+
+
+def _rank_counts(w: Work, enc: Encoded) -> dict[str, Any]:
+    """This rank's share of the summary, and the truncations it can see (its own commits at
+    least: another rank's may not be visible yet on a network file system)."""
+    writer = enc.writer
+    return {
+        "written": writer.records_written if writer else sum(len(b) for b in w.todo),
+        "skipped": writer.records_skipped if writer else 0,
+        "bytes": writer.bytes_written if writer else 0,
+        "encoded": enc.prompts_encoded,
+        "present": w.present,  # a rank that planned late may also count another's new records
+        "truncated": enc.store.truncated_keys().names(),
+    }
+
+
+def _earlier_truncations(path: Path) -> list[str]:
+    """Truncated keys an earlier run of this cache recorded (its embedding store is gone)."""
+    if not path.is_file():
+        return []
+    try:
+        keys = json.loads(path.read_text(encoding="utf-8")).get("truncated_keys", [])
+    except (OSError, ValueError, AttributeError):
+        return []  # a report we cannot read is rewritten from what this run knows
+    return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
 
 
 def run_identity(cfg: PrecomputeConfig) -> dict[str, Any]:
@@ -453,7 +579,7 @@ def run_identity(cfg: PrecomputeConfig) -> dict[str, Any]:
     return {"precompute": to_dict(cfg), "prompt_file_sha256": sha.hexdigest()}
 
 
-def _barrier(info: dist.DistInfo, stop: _StopSignals, records: int) -> None:
+def _barrier(info: dist.DistInfo, stop: StopSignals, records: int) -> None:
     """Wait for every rank before rank 0 marks the cache complete; never after a stop, and a
     rank that stopped or died on the way is one clear line, not a gloo traceback. No deadline
     while the others are alive (the last rank may still be denoising); `dist_timeout` once one
@@ -465,18 +591,17 @@ def _barrier(info: dist.DistInfo, stop: _StopSignals, records: int) -> None:
             raise
         except Exception as e:
             if stop.signum is None:
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:300]  # gloo's "[pair.cc:553]"
                 raise WandistillError(
                     f"rank {info.rank}: waiting for the other ranks failed, most likely because "
-                    f"another rank stopped (see its error): {first}",
+                    f"another rank stopped (see its error): {first_line(e)}",
                     fix="fix that rank's error, then re-run the same command to resume",
                 ) from None
     if stop.signum is not None:
-        raise Stopped(stop.signum, records, info)
+        raise _stopped(stop.signum, records, info)
 
 
-def _spec(cfg: PrecomputeConfig, teacher: Teacher, shape: tuple[int, int, int, int]) -> SamplerSpec:
+def _spec(w: Work) -> SamplerSpec:
+    cfg, teacher, shape = w.cfg, w.teacher, w.shape
     s = cfg.sampler
     boundary = (
         teacher.boundary_ratio * teacher.scheduler.config.num_train_timesteps

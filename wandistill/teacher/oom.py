@@ -2,11 +2,10 @@
 
 A bare `torch.OutOfMemoryError` tells a user that one allocation failed; it does not say which
 placement was in use or what would fit instead. `oom_guard` turns any out-of-memory failure
-(CUDA `torch.OutOfMemoryError`, CPU `MemoryError`, or the allocator's RuntimeError "not enough
-memory") into a `WandistillError` (exit 1, no traceback) naming the device, its allocated /
-reserved / total / free figures (torch.cuda on GPUs, /proc/meminfo on the CPU, no psutil), the
-strategy, and the next strategies to try as exact flags, in the order that frees the most
-accelerator memory for the least speed.
+(`wandistill.failures.is_oom`, the one rule both stages use) into a `WandistillError` (exit 1,
+no traceback) naming the device, its allocated / reserved / total / free figures (torch.cuda
+on GPUs, /proc/meminfo on the CPU, no psutil), the strategy, and the next strategies to try
+as exact flags, in the order that frees the most accelerator memory for the least speed.
 """
 
 from __future__ import annotations
@@ -19,27 +18,11 @@ from pathlib import Path
 import torch
 
 from wandistill.errors import WandistillError
+from wandistill.failures import is_oom
 from wandistill.placements import DiskOffload, GiB, GroupOffload, Placement
 from wandistill.teacher.plan import read_meminfo
 
 __all__ = ["is_oom", "memory_figures", "next_strategies", "oom_error", "oom_guard"]
-
-_OOM_TEXT = (
-    "out of memory",
-    "not enough memory",
-    "can't allocate memory",
-    "cannot allocate memory",
-)
-
-
-def is_oom(exc: BaseException) -> bool:
-    """True for CUDA OOM, Python MemoryError and the CPU allocator's "not enough memory"."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    if isinstance(exc, RuntimeError):
-        text = str(exc).lower()
-        return any(t in text for t in _OOM_TEXT)
-    return False
 
 
 def _oom_device(exc: BaseException, device: torch.device) -> torch.device:

@@ -9,7 +9,7 @@ tensors lazily with safetensors), and works with the teacher deleted. One step =
 micro-batches per rank; DDP syncs gradients on the last one only (`no_sync` on the others), so
 N ranks x accumulation A trains the same as 1 rank x accumulation N*A up to float reordering.
 
-SIGTERM / SIGINT (`_StopSignals`, installed in `run` only) only set a flag; at the next step
+SIGTERM / SIGINT (`failures.StopSignals`, installed in `run` only) only set a flag; at the next step
 boundary the ranks agree through an all-reduce, all save a checkpoint at that same step, and the
 run raises `Stopped` (exit code 143 / 130, "resume with --resume"): no rank is left in a collective.
 """
@@ -19,12 +19,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -32,17 +29,26 @@ from rich.console import Console
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from wandistill import dist, outputs, testing_hooks
+from wandistill import dist, outputs
 from wandistill.cache.manifest import Manifest, load_committed, manifest_path, read_manifest
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import SHARED_NAME
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
 from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
+from wandistill.failures import (
+    Stopped,
+    StopSignals,
+    at,
+    collective_error,
+    injected_failure,
+    is_collective_failure,
+    is_oom,
+)
 from wandistill.finite import check_step, check_weights
 from wandistill.fsutil import atomic_write_json
 from wandistill.plots import LOSS_PNG, plot_loss
-from wandistill.progress import Progress
+from wandistill.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
 from wandistill.student.config import (
     check_against_cache,
     describe,
@@ -57,14 +63,8 @@ from wandistill.student.schedule import ObjectivePlan, TeacherSchedule, plan_obj
 from wandistill.train import checkpoint as ckpt_io
 from wandistill.train.ema import EMA, TargetNetwork
 from wandistill.train.export import export_pretrained
-from wandistill.train.failures import (
-    collective_error,
-    injected_failure,
-    is_collective_failure,
-    is_oom,
-    oom_error,
-)
 from wandistill.train.metrics import MetricsLog, peak_memory, truncate_after
+from wandistill.train.oom import oom_error
 from wandistill.train.optim import build_optimizer, build_scheduler
 from wandistill.workarounds import ddp_no_buffer_sync
 
@@ -118,6 +118,21 @@ class TrainResult:
     seconds: float
     corrupt: list[str] = field(default_factory=list)
     is_main: bool = True
+    start_step: int = 0
+    """The step this invocation started from (the checkpoint --resume restored, else 0)."""
+
+    def lines(self, width: int = SUMMARY_WIDTH) -> list[str]:
+        """The closing summary: steps this run and in all, wrapped to `width` columns."""
+        return summary_lines(
+            [
+                f"trained {plural(self.steps, 'step')}:",
+                f"{plural(self.steps - self.start_step, 'step')} this run,",
+                f"{self.steps} total, in {self.seconds:.1f} s;",
+                f"student: {self.student},",
+                f"EMA: {self.student_ema}",
+            ],
+            width,
+        )
 
 
 # --------------------------------------------------------------------------- run
@@ -138,10 +153,11 @@ def run(
     trainer: Trainer | None = None
     folder: outputs.OutputFolder | None = None
     ok = False
-    stop = _StopSignals.install()
+    stop = StopSignals.install()
     try:
         folder = outputs.claim(plan.out, "run", info, inputs=run_inputs(cfg))
         trainer = setup(cfg, plan, info, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
+        start_step = trainer.start_step
         steps = fit(trainer, stop)
         sampling = sampling_record(trainer, steps)
         student, ema = export_pretrained(
@@ -176,56 +192,13 @@ def run(
         seconds=time.perf_counter() - started,
         corrupt=corrupt,
         is_main=info.is_main,
+        start_step=start_step,
     )
 
 
-class Stopped(WandistillError):
-    """Training stopped on SIGTERM / SIGINT after saving a checkpoint. Exit 128 + signal."""
-
-    def __init__(self, signum: int, step: int, info: dist.DistInfo) -> None:
-        where = f" (rank {info.rank} of {info.world_size})" if info.distributed else ""
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name} at step {step}{where}; resume with --resume"
-        )
-        self.signum = signum
-        self.exit_code = 128 + signum
-
-
-class _StopSignals:
-    """SIGTERM / SIGINT -> stop at the next step boundary (see `fit`).
-
-    The handler only records the first signal: a rank may be inside a collective when it arrives
-    (under torchrun every rank gets SIGTERM, a Ctrl-C brings SIGINT too), so stopping is agreed on
-    at step boundaries, never done from the handler. Later signals are ignored, except a second
-    Ctrl-C: KeyboardInterrupt at once, without a checkpoint (e.g. while --follow waits for data).
-    """
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    @classmethod
-    def install(cls) -> _StopSignals:
-        self = cls()
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def restore(self) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, signal.SIG_DFL if previous is None else previous)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is None:
-            self.signum = signum
-        elif signum == self.signum == signal.SIGINT:
-            raise KeyboardInterrupt
-
-    def agreed(self, info: dist.DistInfo) -> int:
-        """The signal to stop on if any rank got one (a collective: every rank calls it), else 0."""
-        return int(dist.all_reduce_max(info, float(self.signum or 0)))
+def stopped(signum: int, step: int, info: dist.DistInfo) -> Stopped:
+    """Training stopped on SIGTERM / SIGINT after saving a checkpoint at `step`."""
+    return Stopped(signum, f"at step {step}", info, "resume with --resume")
 
 
 def run_inputs(cfg: TrainConfig) -> dict[str, str]:
@@ -543,7 +516,7 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
 # --------------------------------------------------------------------------- fit
 
 
-def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
+def fit(t: Trainer, stop: StopSignals | None = None) -> int:
     """The loop: accumulate, clip, step, EMA, log, checkpoint. Returns the steps done."""
     cfg, info = t.cfg, t.info
     samples_per_step = cfg.batch_size * cfg.grad_accum * info.world_size
@@ -562,7 +535,7 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
                     if window.steps:
                         log_window(t, step, window, samples_per_step)
                     save(t, step)
-                raise Stopped(signum, step, info)
+                raise stopped(signum, step, info)
             t0 = time.perf_counter()
             wait = 0.0
             terms: dict[str, torch.Tensor] = {}  # this step's terms, for the finiteness check
@@ -577,7 +550,7 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
                 no_sync = info.distributed and not last
                 with t.ddp.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
                     losses, counts = forward(t, batch)
-                    if testing_hooks.at("train", "loss", step + 1, info.rank):  # test-only NaN
+                    if at("train", "loss", step + 1, info.rank):  # test-only NaN
                         losses = {k: v * float("nan") for k, v in losses.items()}
                     (losses["loss"] / cfg.grad_accum).backward()
                 window.add_micro(losses, counts, cfg.grad_accum)
@@ -601,7 +574,7 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
                 t.target.update(t.model.student)
             step += 1
             injected_failure(info.rank, step)
-            testing_hooks.at("train", "step", step, info.rank)
+            at("train", "step", step, info.rank)
 
             window.add(grad_norm, lr, time.perf_counter() - t0, wait)
             if step % cfg.log_every == 0 or step == cfg.steps:
@@ -610,7 +583,7 @@ def fit(t: Trainer, stop: _StopSignals | None = None) -> int:
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save(t, step)
                 saved = step
-                testing_hooks.at("train", "saved", step, info.rank)
+                at("train", "saved", step, info.rank)
     if step != saved:
         if window.steps:
             log_window(t, step, window, samples_per_step)

@@ -1,0 +1,204 @@
+"""Benchmark: the background cache writer (issue 11.4), two ratios against their baselines.
+
+(1) Writing overhead: `precompute` into a webdataset cache (records written by the background
+    thread while the next batch denoises) vs the same run with `null_sink=True` (records made,
+    then discarded); and, for reference, the same run with the writes on the critical path
+    (`synchronous`, the writer as it was before issue 11.4). The setting is 480p-shaped latents
+    (480x832, a few frames) with the tiny teacher and 1-2 steps, so that writing is a real share
+    of the work; that share is printed too: the time to write the run's records synchronously /
+    the null-sink run's time.
+(2) Writer throughput: the same records through `CacheWriter` (safetensors blob, crc32c per
+    tensor, tar member, shard sha256, fsync per shard) vs the plain baseline of one
+    `safetensors.torch.save_file` + fsync per record, in bytes/s.
+
+Targets: (1) overhead <= 3% where the writing share is >= 10%; (2) ratio >= 0.8x.
+
+    python tests/bench/precompute_write.py --prompts 32 --frames 5 --steps 1 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from wandistill.cache.background import BackgroundWriter as _BACKGROUND
+
+
+class _Synchronous:
+    """The `BackgroundWriter` interface without the thread: the writes on the critical path,
+    as before issue 11.4 (the `synchronous` leg)."""
+
+    def __init__(self, writer, depth: int = 0) -> None:  # noqa: ANN001
+        self.writer = writer
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - write, close, abort, counters
+        return getattr(self.writer, name)
+
+    def drain(self) -> None:
+        pass
+
+
+def precompute(teacher: Path, prompts: Path, args: argparse.Namespace, cache: Path,
+               null_sink: bool, synchronous: bool = False) -> float:  # fmt: skip
+    import wandistill.precompute.run as module
+    from wandistill.config import load_recipe
+    from wandistill.precompute import run
+
+    module.BackgroundWriter = _Synchronous if synchronous else _BACKGROUND  # type: ignore[misc]
+    cfg = load_recipe(
+        None,
+        [
+            f'teacher.path="{teacher}"',
+            f'prompts="{prompts}"',
+            f'cache.path="{cache}"',
+            f"sampler.num_inference_steps={args.steps}",
+            f"sampler.batch_size={args.batch_size}",
+            "sampler.height=480",
+            "sampler.width=832",
+            f"sampler.num_frames={args.frames}",
+            f"sampler.guidance_scale={args.guidance}",
+            "sampler.max_sequence_length=32",
+            f"cache.shard_records={args.shard_records}",
+        ],
+        stage="precompute",
+    ).precompute
+    t0 = time.perf_counter()
+    run(cfg, null_sink=null_sink, quiet=True)
+    return time.perf_counter() - t0
+
+
+def read_records(cache: Path) -> list:
+    from wandistill.cache.reader import CacheStore
+
+    with CacheStore(cache) as store:
+        return [store.read_record(*where) for where in store.locate().values()]
+
+
+def write_ours(records: list, like: Path, out: Path, shard_records: int) -> float:
+    """The records through CacheWriter, synchronously (the thread's own work), into a cache with
+    `like`'s header."""
+    from wandistill.cache import manifest as mf
+    from wandistill.cache.writer import CacheWriter
+
+    m = mf.load_committed(like)
+    t0 = time.perf_counter()
+    w = CacheWriter(
+        out,
+        backend=m.backend,
+        teacher=m.teacher,
+        settings=m.settings,
+        fields=m.fields,
+        dims=m.dims,
+        numerics=m.numerics,
+        rank=0,
+        shard_records=shard_records,
+    )
+    for r in records:
+        w.write(r)
+    w.close()
+    return time.perf_counter() - t0
+
+
+def write_baseline(records: list, out: Path) -> float:
+    """One safetensors file per record, fsynced: what a user writes by hand."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    t0 = time.perf_counter()
+    for r in records:
+        path = out / f"{r.key}.safetensors"
+        save_file(r.tensors(), str(path))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    dfd = os.open(out, os.O_RDONLY)
+    os.fsync(dfd)
+    os.close(dfd)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--frames", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--guidance", type=float, default=1.0, help="1.0: no CFG, half the compute")
+    p.add_argument("--shard-records", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="best of N for each leg")
+    p.add_argument("--work", type=Path, help="scratch folder on the disk to measure")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="wandistill-bench-write-", dir=args.work))
+    try:
+        from wandistill.teacher.tiny import make_tiny_teacher
+
+        teacher = make_tiny_teacher(work / "teacher")
+        prompts = work / "prompts.txt"
+        prompts.write_text("".join(f"prompt {i}: a cat and a dog\n" for i in range(args.prompts)))
+        legs: dict[str, float] = {}
+        keep = work / "kept"
+        for r in range(args.repeats):  # interleaved, so load drifts hit every leg alike
+            for name in ("null_sink", "background", "synchronous"):
+                target = work / f"{name}-{r}"
+                t = precompute(
+                    teacher, prompts, args, target, name == "null_sink", name == "synchronous"
+                )
+                legs[name] = min(legs.get(name, float("inf")), t)
+                if name == "background" and not keep.exists():
+                    target.rename(keep)
+                shutil.rmtree(target, ignore_errors=True)
+        records = read_records(keep)
+        nbytes = sum(t.numel() * t.element_size() for r in records for t in r.tensors().values())
+        for r in range(args.repeats):
+            for name in ("cache_writer", "safetensors_fsync"):
+                target = work / f"{name}-{r}"
+                if name == "cache_writer":
+                    t = write_ours(records, keep, target, args.shard_records)
+                else:
+                    t = write_baseline(records, target)
+                legs[name] = min(legs.get(name, float("inf")), t)
+                shutil.rmtree(target, ignore_errors=True)
+        print(f"# {' '.join(sys.argv)}")
+        print(
+            f"# {platform.node()} {os.cpu_count()} cpus, load average "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, python "
+            f"{platform.python_version()}, torch {torch.__version__}, "
+            f"threads {torch.get_num_threads()}"
+        )
+        print(
+            f"# {args.prompts} prompts, {args.steps} steps, guidance {args.guidance}, "
+            f"batch {args.batch_size}, "
+            f"480x832x{args.frames}, {nbytes / len(records) / 2**20:.1f} MiB of tensors per "
+            f"record, shard_records {args.shard_records}, best of {args.repeats}"
+        )
+        print(f"{'leg':<20}{'seconds':>10}")
+        for name, t in legs.items():
+            print(f"{name:<20}{t:>10.3f}")
+        share = legs["cache_writer"] / (legs["null_sink"] + legs["cache_writer"])
+        overhead = legs["background"] / legs["null_sink"] - 1
+        sync = legs["synchronous"] / legs["null_sink"] - 1
+        ratio = legs["safetensors_fsync"] / legs["cache_writer"]
+        print(f"writing share of the work (synchronous): {share * 100:.1f}% (needs >= 10%)")
+        print(f"writing overhead vs null sink: {overhead * 100:+.1f}% (target <= 3%)")
+        print(f"  (synchronous writes, as before: {sync * 100:+.1f}%)")
+        print(
+            f"writer throughput vs per-record safetensors + fsync: {ratio:.2f}x "
+            f"({nbytes / legs['cache_writer'] / 2**20:.0f} vs "
+            f"{nbytes / legs['safetensors_fsync'] / 2**20:.0f} MiB/s; target >= 0.8x)"
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
