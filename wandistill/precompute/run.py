@@ -264,7 +264,7 @@ def _run(
         ),
     )
     done: set[str] = set()
-    if not null_sink and mf.manifest_path(cache).is_file():
+    if not null_sink and mf.has_manifest(cache):
         existing = mf.load_committed(cache)
         if existing.shards:  # a cache without records binds nothing: a fixed run takes it over
             mf.check_compatible(cache, existing, header)  # fail before loading any weights

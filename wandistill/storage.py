@@ -1,0 +1,390 @@
+"""Where a cache lives: a local folder or an fsspec URL (`s3://`, `gs://`, ...), one interface.
+
+Every byte of a cache (manifest, journals, shared tensors, shards) goes through a `Storage`, so
+the commit protocol is written once:
+
+- a whole small file (manifest, journal, marker) is `put`: locally a temp sibling + fsync +
+  rename (`wandistill.fsutil`), on an object store one PUT of the whole object, which S3 and GCS
+  make visible all at once or not at all;
+- `create` is create-if-absent: a hard link locally, a conditional PUT (`If-None-Match: *`)
+  on an object store, so racing writers agree on one manifest and one lock;
+- a shard is streamed with `upload`: locally into a temp sibling renamed on success, on an
+  object store straight to its final key (a multipart upload only becomes an object when it is
+  completed on close; a killed writer leaves no object). A shard becomes part of the cache only
+  when the journal that names it is `put`, so a shard object no journal names is never read;
+- reads are byte ranges: `pread` on a cached descriptor locally, `cat_file`/`cat_ranges` (ranged
+  GETs, concurrent for several ranges) on an object store.
+
+A local path (or `file://` URL) gives `LocalStorage`, which keeps the POSIX behaviour (fsync,
+flock) unchanged. Any other URL gives `FsspecStorage` over `fsspec.core.url_to_fs`. Endpoint and
+credentials come from the backend's usual sources (for S3: the standard AWS environment
+variables and files, `AWS_ENDPOINT_URL` for an S3-compatible server; docs/cache-format.md).
+Object-store errors become one line naming the URL and the fix (`StorageError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from wandistill.errors import UsageError
+from wandistill.fsutil import atomic_open, fsync_dir, temp_name
+from wandistill.validate import read_capped
+
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+"""URL scheme -> the wandistill extra that installs its fsspec backend (`pip install
+'wandistill[s3]'`)."""
+CONNECT_TIMEOUT_S = 5
+"""Object stores: seconds to wait for a connection before giving up (s3fs's own default: 5)."""
+CONNECT_ATTEMPTS = 2
+"""Object stores: attempts per request at the HTTP level (botocore's default is 5 with backoff,
+so an unreachable endpoint would take a minute to report)."""
+
+
+class StorageError(UsageError):
+    """An object store refused or could not be reached: names the URL and the fix."""
+
+
+def is_url(location: str | Path) -> bool:
+    """True for an fsspec URL other than `file://` (which is a local path)."""
+    text = str(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def local_path(location: str | Path) -> Path:
+    text = str(location)
+    return Path(text[len("file://") :] if text.startswith("file://") else text)
+
+
+def join(location: str | Path, *parts: str) -> str:
+    """`location/part/...` as text: a URL keeps its `//` (Path would fold it)."""
+    if is_url(location):
+        return "/".join([str(location).rstrip("/"), *parts])
+    return str(local_path(location).joinpath(*parts))
+
+
+def describe(location: str | Path) -> str:
+    return str(location) if is_url(location) else str(local_path(location))
+
+
+def open_storage(location: str | Path) -> Storage:
+    """The storage at `location`: the one place where a location becomes a store."""
+    if is_url(location):
+        return FsspecStorage(str(location))
+    return LocalStorage(local_path(location))
+
+
+class Storage:
+    """Files under one root, by relative `/`-separated name (see the module docstring)."""
+
+    url: str
+    remote: bool = False
+
+    def name(self, rel: str) -> str:
+        return join(self.url, rel) if rel else self.url
+
+    def exists(self, rel: str) -> bool: ...
+    def isdir(self, rel: str) -> bool: ...
+    def size(self, rel: str) -> int | None: ...
+    def list(self, rel: str) -> list[str]: ...
+    def read(self, rel: str, *, max_bytes: int, what: str, fix: str, error: type) -> bytes: ...
+    def put(self, rel: str, data: bytes) -> None: ...
+    def create(self, rel: str, data: bytes) -> bool: ...
+    def rm(self, rel: str) -> None: ...
+    def makedirs(self, rel: str) -> None: ...
+    def upload(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]: ...
+    def open_read(self, rel: str) -> IO[bytes]: ...
+    def read_range(self, rel: str, offset: int, size: int) -> bytes: ...
+
+    def read_ranges(self, rel: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        return [self.read_range(rel, off, n) for off, n in spans]
+
+    def read_into(self, rel: str, requests: list[tuple[int, Any]]) -> list[int]:
+        """Fill each writable buffer from its offset; the bytes each one got."""
+        got = self.read_ranges(rel, [(off, memoryview(buf).nbytes) for off, buf in requests])
+        for (_, buf), data in zip(requests, got, strict=True):
+            memoryview(buf).cast("B")[: len(data)] = data
+        return [len(d) for d in got]
+
+    def close(self) -> None:
+        return None
+
+
+class LocalStorage(Storage):
+    """A local (or mounted POSIX) folder: temp + fsync + rename, `pread` on cached fds."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = str(root)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel if rel else self.root
+
+    def exists(self, rel: str) -> bool:
+        return self.path(rel).exists()
+
+    def isdir(self, rel: str) -> bool:
+        return self.path(rel).is_dir()
+
+    def size(self, rel: str) -> int | None:
+        try:
+            return self.path(rel).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, rel: str) -> list[str]:
+        folder = self.path(rel)
+        return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+    def read(self, rel: str, *, max_bytes: int, what: str, fix: str, error: type) -> bytes:
+        return read_capped(self.path(rel), max_bytes=max_bytes, what=what, fix=fix, error=error)
+
+    def put(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(path, "wb") as f:
+            f.write(data)
+
+    def create(self, rel: str, data: bytes) -> bool:
+        final = self.path(rel)
+        tmp = temp_name(final)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, final)  # atomic create-if-absent, unlike rename
+            won = True
+        except FileExistsError:
+            won = False
+        finally:
+            os.unlink(tmp)
+        fsync_dir(final.parent)
+        return won
+
+    def rm(self, rel: str) -> None:
+        self.path(rel).unlink(missing_ok=True)
+
+    def makedirs(self, rel: str) -> None:
+        self.path(rel).mkdir(parents=True, exist_ok=True)
+
+    def upload(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        return atomic_open(self.path(rel), "wb")
+
+    def open_read(self, rel: str) -> IO[bytes]:
+        return open(self.path(rel), "rb")  # noqa: SIM115 - the caller closes it
+
+    def fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(rel)
+                if fd is None:
+                    fd = os.open(self.path(rel), os.O_RDONLY)
+                    self._fds[rel] = fd
+        return fd
+
+    def read_range(self, rel: str, offset: int, size: int) -> bytes:
+        return os.pread(self.fd(rel), size, offset)
+
+    def read_into(self, rel: str, requests: list[tuple[int, Any]]) -> list[int]:
+        """`preadv` straight into each buffer: no intermediate bytes object, no copy."""
+        fd = self.fd(rel)
+        return [os.preadv(fd, [buf], off) for off, buf in requests]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class FsspecStorage(Storage):
+    """An fsspec filesystem (S3, GCS, ...): whole-object PUTs, conditional create, ranged GETs."""
+
+    remote = True
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        scheme = url.split("://", 1)[0]
+        self.fs, self.root = _filesystem(url, scheme)
+
+    def key(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def _call(self, rel: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError as e:
+            if "bucket" in str(e).lower():  # s3fs: NoSuchBucket is a FileNotFoundError
+                raise storage_error(self.name(rel), e) from None
+            raise
+        except Exception as e:
+            raise storage_error(self.name(rel), e) from None
+
+    def exists(self, rel: str) -> bool:
+        return bool(self._call(rel, self.fs.exists, self.key(rel)))
+
+    def isdir(self, rel: str) -> bool:
+        return bool(self._call(rel, self.fs.isdir, self.key(rel)))
+
+    def size(self, rel: str) -> int | None:
+        try:
+            return int(self._call(rel, self.fs.size, self.key(rel)))
+        except FileNotFoundError:
+            return None
+
+    def list(self, rel: str) -> list[str]:
+        try:
+            found = self._call(rel, self.fs.ls, self.key(rel), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
+
+    def find(self, rel: str = "") -> list[str]:
+        """Every object under `rel`, as names relative to the root."""
+        try:
+            found = self._call(rel, self.fs.find, self.key(rel))
+        except FileNotFoundError:
+            return []
+        return sorted(p[len(self.root) + 1 :] for p in found if p.startswith(self.root + "/"))
+
+    def read(self, rel: str, *, max_bytes: int, what: str, fix: str, error: type) -> bytes:
+        name = f"{what} {self.name(rel)!r}"
+        size = self.size(rel)
+        if size is None:
+            raise error(f"{name} does not exist", fix=fix)
+        if size > max_bytes:
+            raise error(
+                f"{name} is larger than the {max_bytes} bytes such a file may be "
+                "(oversized or not the file wandistill expects)",
+                fix=fix,
+            )
+        try:
+            return bytes(self._call(rel, self.fs.cat_file, self.key(rel)))
+        except FileNotFoundError:
+            raise error(f"{name} does not exist", fix=fix) from None
+
+    def put(self, rel: str, data: bytes) -> None:
+        self._call(rel, self.fs.pipe_file, self.key(rel), data)
+
+    def create(self, rel: str, data: bytes) -> bool:
+        try:
+            self._call(rel, self.fs.pipe_file, self.key(rel), data, mode="create")
+        except FileExistsError:
+            return False
+        except StorageError as e:
+            if "pre-condition" in e.message or "PreconditionFailed" in e.message:
+                return False
+            raise
+        return True
+
+    def rm(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._call(rel, self.fs.rm_file, self.key(rel))
+
+    def makedirs(self, rel: str) -> None:
+        return None  # object stores have no folders
+
+    @contextlib.contextmanager
+    def upload(self, rel: str) -> Iterator[IO[bytes]]:
+        """Stream to the final key; the object exists only once the upload completes on close
+        (a failure aborts it: nothing half-written is ever visible)."""
+        f = self._call(rel, self.fs.open, self.key(rel), "wb")
+        try:
+            yield f
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard() if hasattr(f, "discard") else None
+            raise
+        self._call(rel, f.close)
+
+    def open_read(self, rel: str) -> IO[bytes]:
+        return self._call(rel, self.fs.open, self.key(rel), "rb")
+
+    def read_range(self, rel: str, offset: int, size: int) -> bytes:
+        if size <= 0:
+            return b""
+        key = self.key(rel)
+        return bytes(self._call(rel, self.fs.cat_file, key, start=offset, end=offset + size))
+
+    def read_ranges(self, rel: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        """Several ranges of one object in one call: fsspec issues the GETs concurrently."""
+        if len(spans) <= 1:
+            return [self.read_range(rel, off, n) for off, n in spans]
+        key = self.key(rel)
+        starts = [off for off, _ in spans]
+        ends = [off + n for off, n in spans]
+        got = self._call(rel, self.fs.cat_ranges, [key] * len(spans), starts, ends)
+        for g in got:
+            if isinstance(g, BaseException):
+                if isinstance(g, FileNotFoundError):
+                    raise g
+                raise storage_error(self.name(rel), g)
+        return [bytes(g) for g in got]
+
+
+def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
+    import fsspec
+
+    extra = EXTRAS.get(scheme)
+    install = (
+        f"pip install 'wandistill[{extra}]'"
+        if extra
+        else f"install the fsspec backend for {scheme}://"
+    )
+    options: dict[str, Any] = {}
+    if scheme in ("s3", "s3a"):
+        options = {
+            "config_kwargs": {
+                "connect_timeout": CONNECT_TIMEOUT_S,
+                "retries": {"max_attempts": CONNECT_ATTEMPTS, "mode": "standard"},
+            },
+            "retries": CONNECT_ATTEMPTS,
+        }
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ImportError:
+        raise StorageError(
+            f"{url!r}: no fsspec backend for {scheme}:// is installed", fix=install
+        ) from None
+    except ValueError as e:
+        if "Protocol not known" in str(e):
+            raise StorageError(f"{url!r}: unknown URL scheme {scheme}://", fix=install) from None
+        raise StorageError(f"{url!r}: {e}", fix="check the URL") from None
+    return fs, root.rstrip("/")
+
+
+def storage_error(where: str, e: BaseException) -> StorageError:
+    """One line for an object-store failure, with the fix for its class of problem."""
+    text = f"{type(e).__name__}: {e}"
+    lowered = text.lower()
+    if "credential" in lowered or "nocredentials" in lowered:
+        return StorageError(
+            f"{where}: no credentials for the object store ({e})",
+            fix="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for s3://, "
+            "GOOGLE_APPLICATION_CREDENTIALS for gs://",
+        )
+    if any(s in lowered for s in ("could not connect", "connect timeout", "endpoint", "timed out")):
+        return StorageError(
+            f"{where}: the object store cannot be reached ({e})",
+            fix="check the endpoint (AWS_ENDPOINT_URL for an S3-compatible server) and the network",
+        )
+    if "bucket" in lowered and ("not exist" in lowered or "nosuchbucket" in lowered):
+        return StorageError(
+            f"{where}: the bucket does not exist", fix="create the bucket, or fix the URL"
+        )
+    if "access denied" in lowered or "forbidden" in lowered or "403" in lowered:
+        return StorageError(
+            f"{where}: access denied ({e})", fix="use credentials that may read and write it"
+        )
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return StorageError(f"{where}: no space left", fix="free space or choose another --out")
+    return StorageError(f"{where}: {text}", fix="check the URL, the endpoint and credentials")
