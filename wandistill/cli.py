@@ -114,7 +114,7 @@ def _human(n: float) -> str:
 
 @cache_app.command("info")
 def cache_info(
-    path: Annotated[Path, typer.Argument(help="Cache directory.")],
+    path: Annotated[str, typer.Argument(help="Cache directory or fsspec URL (s3://...).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON.")] = False,
 ) -> None:
     """Records, bytes, fields, sampler settings and shards of a cache."""
@@ -153,7 +153,9 @@ def cache_info(
 
 
 @cache_app.command("verify")
-def cache_verify(path: Annotated[Path, typer.Argument(help="Cache directory.")]) -> None:
+def cache_verify(
+    path: Annotated[str, typer.Argument(help="Cache directory or fsspec URL (s3://...).")],
+) -> None:
     """Check every shard's checksum and decode every record; exit 1 if anything is wrong."""
     from wandistill.cache.reader import open_cache
 
@@ -266,13 +268,17 @@ def precompute_cmd(
         _show_recording(full)
         return
     from wandistill.precompute import run
+    from wandistill.precompute.run import REPORT_NAME
 
     s = run(cfg)
-    report = Path(s.cache) / "prompts_report.json"
-    if report.is_file():  # rank 0 wrote it: what in the prompt file was skipped or truncated
+    from wandistill.storage import open_storage
+
+    cache = open_storage(s.cache)
+    if cache.exists(REPORT_NAME):  # rank 0 wrote it: what in the prompt file was skipped or cut
         from wandistill.precompute.prompts import PromptReport
 
-        for line in PromptReport(**json.loads(report.read_text())).summary():
+        text = cache.read(REPORT_NAME, max_bytes=1 << 26, what="report", fix="", error=UsageError)
+        for line in PromptReport(**json.loads(text)).summary():
             out.print(line, highlight=False)
     out.print(
         f"cache {s.cache}: {s.records_written} records written, {s.records_skipped} already "
@@ -389,6 +395,10 @@ def _positive(**values: int | None) -> None:
 
 def _out_dir(path: str | Path, flag: str = "--out") -> None:
     """An output directory that is (or is under) a file is a usage error, named as such."""
+    from wandistill.storage import is_url
+
+    if is_url(path):
+        return  # an object-store prefix: `outputs.claim_remote` checks it
     blocker = next(
         (p for p in (Path(path), *Path(path).parents) if p.exists() and not p.is_dir()), None
     )
@@ -411,7 +421,9 @@ DeviceOpt = Annotated[
 
 @app.command("eval")
 def eval_cmd(
-    cache: Annotated[Path, typer.Option(help="Cache with held-out records (or a separate one).")],
+    cache: Annotated[
+        str, typer.Option(help="Cache with held-out records (a folder or an fsspec URL).")
+    ],
     student: Annotated[Path, typer.Option(help="Student folder (<train out>/student).")],
     out_dir: Annotated[Path, typer.Option("--out", help="Where eval.md/json and grid.png go.")],
     teacher: Annotated[

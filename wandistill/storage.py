@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -347,7 +350,6 @@ def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
                 "connect_timeout": CONNECT_TIMEOUT_S,
                 "retries": {"max_attempts": CONNECT_ATTEMPTS, "mode": "standard"},
             },
-            "retries": CONNECT_ATTEMPTS,
         }
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
@@ -359,6 +361,8 @@ def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
         if "Protocol not known" in str(e):
             raise StorageError(f"{url!r}: unknown URL scheme {scheme}://", fix=install) from None
         raise StorageError(f"{url!r}: {e}", fix="check the URL") from None
+    if hasattr(fs, "retries"):  # s3fs's own retry loop (on top of botocore's): keep it short
+        fs.retries = CONNECT_ATTEMPTS
     return fs, root.rstrip("/")
 
 
@@ -388,3 +392,96 @@ def storage_error(where: str, e: BaseException) -> StorageError:
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return StorageError(f"{where}: no space left", fix="free space or choose another --out")
     return StorageError(f"{where}: {text}", fix="check the URL, the endpoint and credentials")
+
+
+# --------------------------------------------------------------------------- one writer
+
+LOCK_LEASE_S = 60.0
+"""An object-store lock whose heartbeat is older than this is stale (its holder died)."""
+
+
+class LeaseLock:
+    """One writer on an object store, where there is no flock: a lock object created with a
+    conditional PUT (`If-None-Match: *`), holding host, pid, start and a heartbeat that a
+    thread refreshes every LOCK_LEASE_S / 4 seconds.
+
+    A lock is stale when its heartbeat is older than the lease, or at once when its holder ran
+    on this host and that pid is gone (a `kill -9`); a stale lock is deleted and taken. Two
+    runs taking over the same stale lock in the same instant could both win (the delete is not
+    conditional); a live holder is always refused.
+    """
+
+    def __init__(self, store: FsspecStorage, rel: str, me: dict[str, Any]) -> None:
+        self.store, self.rel, self.me = store, rel, me
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_locked(self) -> bool:
+        return self._thread is not None
+
+    def _body(self) -> bytes:
+        beat = {**self.me, "heartbeat": time.time(), "lease_s": LOCK_LEASE_S}
+        return json.dumps(beat).encode()
+
+    def holder(self) -> dict[str, Any] | None:
+        """The lock object's content (None if there is none; {} if unreadable)."""
+        try:
+            data = self.store.read(
+                self.rel, max_bytes=1 << 16, what="lock", fix="", error=StorageError
+            )
+        except StorageError as e:
+            if "does not exist" in e.message:
+                return None
+            raise
+        try:
+            info = json.loads(data)
+        except ValueError:
+            return {}
+        return info if isinstance(info, dict) else {}
+
+    def acquire(self) -> dict[str, Any] | None:
+        """Take the lock (None), or return the live holder's details."""
+        for _ in range(3):
+            if self.store.create(self.rel, self._body()):
+                self._thread = threading.Thread(
+                    target=self._beat, name="wandistill-lock-heartbeat", daemon=True
+                )
+                self._thread.start()
+                return None
+            holder = self.holder()
+            if holder is None:
+                continue  # released between our create and our read: try again
+            if not _stale(holder):
+                return holder
+            self.store.rm(self.rel)
+        return self.holder() or {}
+
+    def _beat(self) -> None:
+        while not self._stop.wait(LOCK_LEASE_S / 4):
+            with contextlib.suppress(Exception):  # a missed beat is retried; the lease is long
+                self.store.put(self.rel, self._body())
+
+    def release(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        with contextlib.suppress(Exception):
+            self.store.rm(self.rel)
+
+
+def _stale(holder: dict[str, Any]) -> bool:
+    beat = holder.get("heartbeat")
+    if not isinstance(beat, int | float) or time.time() - beat > LOCK_LEASE_S:
+        return True
+    pid = holder.get("pid")
+    if holder.get("host") == socket.gethostname() and isinstance(pid, int):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+    return False

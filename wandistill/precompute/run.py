@@ -39,15 +39,14 @@ from typing import Any
 
 import torch
 
-from wandistill import dist, outputs, testing_hooks
+from wandistill import dist, outputs, storage, testing_hooks
 from wandistill.cache import manifest as mf
 from wandistill.cache.embeds import EmbedStore, own_negative_name
 from wandistill.cache.schema import dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
 from wandistill.config import PrecomputeConfig, to_dict
-from wandistill.errors import WandistillError
+from wandistill.errors import UsageError, WandistillError
 from wandistill.finite import NonFiniteError
-from wandistill.fsutil import atomic_write_json
 from wandistill.placements import Placement
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
 from wandistill.precompute.numerics import record_numerics
@@ -250,7 +249,14 @@ def _run(
     fingerprint = dict(teacher.fingerprint)
     fingerprint["transformer_config"] = teacher.transformer_config
     shape = latent_shape(teacher, cfg)
-    cache = Path(cfg.cache.path)
+    cache = storage.describe(cfg.cache.path)  # a path or an fsspec URL (text: Path folds `//`)
+    remote = storage.is_url(cache)
+    if remote and cfg.previews > 0:
+        raise UsageError(
+            f"precompute.previews = {cfg.previews}: previews are PNG files written next to a "
+            f"local cache, and {cache!r} is an object store",
+            fix="set precompute.previews=0 for a cache at a URL",
+        )
     header = mf.Manifest(
         backend=cfg.cache.backend,
         teacher=fingerprint,
@@ -289,12 +295,15 @@ def _run(
     load_kw: dict[str, Any] = dict(
         dtype=dtype,
         placement=placement,
-        offload_dir=Path(cfg.teacher.offload_folder or cache / ".offload.tmp") / f"rank{info.rank}",
+        offload_dir=Path(cfg.teacher.offload_folder or _scratch(cache, ".offload.tmp"))
+        / f"rank{info.rank}",
     )
 
     # Phase 1: text embeddings for the prompts still to do, straight to disk (embeds/). The
     # cache (manifest, shared tensors) is created first, so embeds/ only ever lives in a cache.
-    scratch = Path(tempfile.mkdtemp(prefix="wandistill-embeds-")) if null_sink else cache
+    # A cache at a URL keeps them in a local temp folder (an interrupted run encodes again).
+    local_scratch = null_sink or remote
+    scratch = Path(tempfile.mkdtemp(prefix="wandistill-embeds-")) if local_scratch else cache
     store = EmbedStore(scratch, rank=info.rank, flush_records=cfg.cache.shard_records)
     ejob = EncodeJob(
         teacher=teacher,
@@ -336,7 +345,7 @@ def _run(
         )
         encoded = encode_phase(ejob, store, encoder, stop.check)
     except BaseException:
-        if null_sink:
+        if local_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
     finally:
@@ -416,7 +425,7 @@ def _run(
         for m in resident.values():
             pl.unload(m)
         store.close_reader()
-        if null_sink:
+        if local_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
     if writer is not None:
         writer.close()
@@ -427,8 +436,9 @@ def _run(
         mf.finalize(cache, complete=True)
         cut = store.truncated_keys()  # every rank's commits: which prompts were truncated
         report.truncated = [p.line for p, k in zip(prompts, keys, strict=True) if k in cut]
-        atomic_write_json(cache / "prompts_report.json", report.to_json())
-        store.remove()  # every record holds its own embeddings now
+        storage.open_storage(cache).put(REPORT_NAME, _json_bytes(report.to_json()))
+        if not remote:
+            store.remove()  # every record holds its own embeddings now
     written = writer.records_written if writer else sum(len(b) for b in todo)
     return Summary(
         cache=str(cache),
@@ -439,6 +449,21 @@ def _run(
         prompts=len(prompts),
         prompts_encoded=encoded,
     )
+
+
+REPORT_NAME = "prompts_report.json"
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=1) + "\n").encode()
+
+
+def _scratch(cache: str, name: str) -> Path:
+    """A local scratch folder for the run: inside a local cache (its temps are cleaned by the
+    next claim), in the system temp folder for a cache at a URL."""
+    if storage.is_url(cache):
+        return Path(tempfile.gettempdir()) / f"wandistill{name}"
+    return Path(cache) / name
 
 
 def run_identity(cfg: PrecomputeConfig) -> dict[str, Any]:
