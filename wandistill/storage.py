@@ -233,7 +233,15 @@ class FsspecStorage(Storage):
             raise storage_error(self.name(rel), e) from None
 
     def exists(self, rel: str) -> bool:
-        return bool(self._call(rel, self.fs.exists, self.key(rel)))
+        found = bool(self._call(rel, self.fs.exists, self.key(rel)))
+        if not found and not rel:  # name the real problem: no bucket at all
+            bucket = self.root.split("/", 1)[0]
+            if bucket != self.root and not self._call(rel, self.fs.exists, bucket):
+                raise StorageError(
+                    f"{self.url}: the bucket {bucket!r} does not exist",
+                    fix="create the bucket, or fix the URL",
+                )
+        return found
 
     def isdir(self, rel: str) -> bool:
         return bool(self._call(rel, self.fs.isdir, self.key(rel)))
@@ -335,8 +343,6 @@ class FsspecStorage(Storage):
 
 
 def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
-    import fsspec
-
     extra = EXTRAS.get(scheme)
     install = (
         f"pip install 'wandistill[{extra}]'"
@@ -352,6 +358,8 @@ def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
             },
         }
     try:
+        import fsspec
+
         fs, root = fsspec.core.url_to_fs(url, **options)
     except ImportError:
         raise StorageError(
