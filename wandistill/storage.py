@@ -349,9 +349,10 @@ def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
         if extra
         else f"install the fsspec backend for {scheme}://"
     )
-    options: dict[str, Any] = {}
+    # Never answer from a cached listing: another rank or node may have committed since.
+    options: dict[str, Any] = {"use_listings_cache": False} if extra else {}
     if scheme in ("s3", "s3a"):
-        options = {
+        options |= {
             "config_kwargs": {
                 "connect_timeout": CONNECT_TIMEOUT_S,
                 "retries": {"max_attempts": CONNECT_ATTEMPTS, "mode": "standard"},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from wandistill.cache.manifest import load_committed
+from wandistill.cache.manifest import has_manifest, load_committed
 from wandistill.cache.wds import WebDatasetSource
 from wandistill.teacher.tiny import make_tiny_teacher
 
@@ -99,3 +99,55 @@ def test_precompute_verify_train_and_a_killed_precompute_resumes_on_s3(
     keys = [k for s in m.shards for k in s["keys"]]
     assert m.complete and len(keys) == len(set(keys)) == 6
     assert _blobs(killed_url) == _blobs(url)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _two_nodes(*args: str) -> list[subprocess.CompletedProcess]:
+    """`torchrun --nnodes=2 --nproc-per-node=1` twice on this host, c10d rendezvous on
+    127.0.0.1: what docs/distributed.md runs on two machines."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2"),
+                *("--nproc-per-node=1", f"--node-rank={node}", "--rdzv-backend=c10d"),
+                *(f"--rdzv-endpoint={endpoint}", "--rdzv-id=fsspec-test"),
+                *("-m", "wandistill", *args),
+            ],
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.mark.dist
+def test_two_nodes_precompute_and_train_on_one_s3_cache(world: dict[str, Path]) -> None:
+    url = f"s3://{BUCKET}/nodes"
+    for node in _two_nodes(*_precompute(world, url)):
+        assert node.returncode == 0, node.stderr[-3000:]
+    m = load_committed(url)
+    assert m.complete and {s["rank"] for s in m.shards} == {0, 1} and m.num_records == 6
+    whole = f"s3://{BUCKET}/whole"
+    if has_manifest(whole):  # the single-process cache of the test above, when it ran
+        assert _blobs(url) == _blobs(whole)
+    out = world["root"] / "nodes-run"
+    train = ("train", "pipelines/tiny.toml", "--cache", url, "--out", str(out), "--steps", "2")
+    for node in _two_nodes(*train, *SMALL_STUDENT):
+        assert node.returncode == 0, node.stderr[-3000:]
+    assert (out / "student" / "config.json").is_file()
