@@ -676,8 +676,8 @@ def fsspec_legs(args: Any, records: list[Record], out: Path, check: Checker) -> 
         ratio = rd.mbps / raw_mbps if raw_mbps else 0.0
         target = 0.9 if where == "local" else 0.8
         print(
-            f"| {where} | {rd.mbps:.0f} | {raw_mbps:.0f} | {ratio:.2f}x "
-            f"({verdict(ratio, target)}) | {rd.runs} | {rw.runs} |"
+            f"| {where} | {rd.mbps:.0f} | {raw_mbps:.0f} | {verdict(ratio, target)} "
+            f"| {rd.runs} | {rw.runs} |"
         )
     return 0
 

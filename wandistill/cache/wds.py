@@ -26,6 +26,8 @@ import contextlib
 import hashlib
 import json
 import tarfile
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, BinaryIO
@@ -60,6 +62,8 @@ MEMBER_EXTS = ("json", "safetensors")
 """The only members a wandistill shard holds, one of each per record."""
 HEAD_READ = 4096
 """First read of a record: the length prefix and (almost always) the whole header."""
+HEADER_CACHE = 4096
+"""Parsed record headers a WebDatasetSource keeps (a few KB each)."""
 MAX_HEADER_BYTES = 100 * MiB
 """safetensors' own cap on a header; a longer length prefix is corruption."""
 _META = "__metadata__"
@@ -245,6 +249,8 @@ class WebDatasetSource:
     def __init__(self, cache: str | Path | Storage) -> None:
         self.store = cache if isinstance(cache, Storage) else open_storage(cache)
         self.cache = self.store.url
+        self._headers: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._headers_lock = threading.Lock()
 
     # ------------------------------------------------------------------ files
 
@@ -334,7 +340,29 @@ class WebDatasetSource:
     def header(
         self, entry: dict[str, Any], i: int
     ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
-        """Record i's safetensors header: (absolute data start, tensor table, checksums)."""
+        """Record i's safetensors header: (absolute data start, tensor table, checksums).
+
+        Kept for the last HEADER_CACHE records read: a committed shard never changes, and a
+        training epoch reads each record once per recorded step, so this saves a read (a GET
+        round trip on an object store) and a parse per sample. The key holds what the manifest
+        says about the record, so an edited entry is read afresh."""
+        crcs = entry.get("crc32c")
+        key = (entry["name"], i, *entry["offsets"][i][:2], crcs[i][0] if crcs else None)
+        with self._headers_lock:
+            found = self._headers.get(key)
+            if found is not None:
+                self._headers.move_to_end(key)
+                return found
+        found = self._read_header(entry, i)
+        with self._headers_lock:
+            self._headers[key] = found
+            while len(self._headers) > HEADER_CACHE:
+                self._headers.popitem(last=False)
+        return found
+
+    def _read_header(
+        self, entry: dict[str, Any], i: int
+    ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
         off, length = entry["offsets"][i][:2]
         rel = self.rel(entry)
         want = min(length, HEAD_READ)
