@@ -23,6 +23,10 @@ docs/reliability.md). Under torchrun rank 0 claims and broadcasts the outcome, s
 a refused job raises the same error, and ranks of one job share the folder. Holding the lock, the
 claim deletes the temp files of dead writers (`fsutil.temp_name`, `fsutil.make_temp_dir`, zarr's
 `.partial` files): nobody else can be writing them.
+
+A cache at an fsspec URL (`s3://...`) is claimed by `claim_remote`: the same refusals where an
+object store has them, and instead of flock a lease lock object (`storage.LeaseLock`: a
+conditional PUT holding host, pid, start and a heartbeat), which goes stale when its holder dies.
 """
 
 from __future__ import annotations

@@ -313,7 +313,8 @@ class FsspecStorage(Storage):
             yield f
         except BaseException:
             with contextlib.suppress(Exception):
-                f.discard() if hasattr(f, "discard") else None
+                f.discard()  # aborts a multipart upload already under way
+            f.closed = True  # discarded: closing must not upload what was buffered
             raise
         self._call(rel, f.close)
 

@@ -25,7 +25,7 @@ from wandistill.cache.training import TrainingReader
 from wandistill.cli import main
 from wandistill.errors import UsageError
 
-from cachefixtures import write_cache
+from cachefixtures import make_record, write_cache
 from s3server import BUCKET, forget_clients, s3_server
 
 
@@ -70,6 +70,15 @@ def test_a_shard_object_no_journal_names_is_never_read(s3: dict[str, str]) -> No
     fs.pipe_file(f"{BUCKET}/orphan/shards/r00000-000001.tar", fs.cat_file(shard))
     m = load_committed(_url("orphan"))
     assert [s["name"] for s in m.shards] == ["r00000-000000"] and m.num_records == 4
+
+
+def test_an_aborted_shard_upload_leaves_no_object(s3: dict[str, str]) -> None:
+    writer = write_cache(_url("aborted"), range(2), shard_records=2, finalize=False)
+    writer.write(make_record(7))  # a third record opens a second shard...
+    writer.abort()  # ...which a failure drops
+    names = _fs().find(f"{BUCKET}/aborted/shards")
+    assert names == [f"{BUCKET}/aborted/shards/r00000-000000.tar"]
+    assert load_committed(_url("aborted")).num_records == 2
 
 
 def test_a_partially_uploaded_shard_is_named_by_verify_and_refused_by_the_reader(
