@@ -24,6 +24,7 @@ Object-store errors become one line naming the URL and the fix (`StorageError`).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import errno
 import json
@@ -82,7 +83,7 @@ def open_storage(location: str | Path) -> Storage:
     return LocalStorage(local_path(location))
 
 
-class Storage:
+class Storage(abc.ABC):
     """Files under one root, by relative `/`-separated name (see the module docstring)."""
 
     url: str
@@ -91,17 +92,40 @@ class Storage:
     def name(self, rel: str) -> str:
         return join(self.url, rel) if rel else self.url
 
+    @abc.abstractmethod
     def exists(self, rel: str) -> bool: ...
+
+    @abc.abstractmethod
     def isdir(self, rel: str) -> bool: ...
+
+    @abc.abstractmethod
     def size(self, rel: str) -> int | None: ...
+
+    @abc.abstractmethod
     def list(self, rel: str) -> list[str]: ...
+
+    @abc.abstractmethod
     def read(self, rel: str, *, max_bytes: int, what: str, fix: str, error: type) -> bytes: ...
+
+    @abc.abstractmethod
     def put(self, rel: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
     def create(self, rel: str, data: bytes) -> bool: ...
+
+    @abc.abstractmethod
     def rm(self, rel: str) -> None: ...
+
+    @abc.abstractmethod
     def makedirs(self, rel: str) -> None: ...
+
+    @abc.abstractmethod
     def upload(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]: ...
+
+    @abc.abstractmethod
     def open_read(self, rel: str) -> IO[bytes]: ...
+
+    @abc.abstractmethod
     def read_range(self, rel: str, offset: int, size: int) -> bytes: ...
 
     def read_ranges(self, rel: str, spans: list[tuple[int, int]]) -> list[bytes]:
