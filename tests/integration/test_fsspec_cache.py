@@ -1,4 +1,4 @@
-"""The whole path on an object store: precompute -> cache verify -> train, a kill -9 mid
+"""The whole path on an object store: precompute -> cache verify -> train -> eval, a kill -9 mid
 precompute and a resume, and two torchrun "nodes" sharing one cache, all against a real S3
 server on 127.0.0.1 (moto), with the CLI in real processes."""
 
@@ -71,7 +71,7 @@ def _blobs(url: str) -> dict[str, bytes]:
         src.close()
 
 
-def test_precompute_verify_train_and_a_killed_precompute_resumes_on_s3(
+def test_precompute_verify_train_eval_and_a_killed_precompute_resumes_on_s3(
     world: dict[str, Path],
 ) -> None:
     url = f"s3://{BUCKET}/whole"
@@ -85,6 +85,12 @@ def test_precompute_verify_train_and_a_killed_precompute_resumes_on_s3(
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert (world["root"] / "run" / "student" / "config.json").is_file()
+    evaluated = _run(
+        "eval", "--cache", url, "--student", str(world["root"] / "run" / "student"),
+        "--out", str(world["root"] / "eval"), "--split", "all", "--max-records", "1",
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert (world["root"] / "eval" / "eval.json").is_file()
 
     killed_url = f"s3://{BUCKET}/killed"
     killed = _run(
