@@ -154,7 +154,7 @@ def _human(n: float) -> str:
 
 @cache_app.command("info")
 def cache_info(
-    path: Annotated[Path, typer.Argument(help="Cache directory (precompute --out).")],
+    path: Annotated[str, typer.Argument(help="Cache directory or fsspec URL (s3://...).")],
     as_json: Annotated[
         bool,
         typer.Option(
@@ -266,7 +266,7 @@ def cache_merge(
 
 @cache_app.command("verify")
 def cache_verify(
-    path: Annotated[Path, typer.Argument(help="Cache directory (precompute --out).")],
+    path: Annotated[str, typer.Argument(help="Cache directory or fsspec URL (s3://...).")],
 ) -> None:
     """Check every shard's checksum and decode every record; exit 1 if anything is wrong."""
     from wandistill.cache.reader import open_cache
@@ -449,13 +449,17 @@ def precompute_cmd(
         _show_recording(full)
         return
     from wandistill.precompute import run
+    from wandistill.precompute.run import REPORT_NAME
 
     s = run(cfg)
-    report = Path(s.cache) / "prompts_report.json"
-    if report.is_file():  # rank 0 wrote it: what in the prompt file was skipped or truncated
+    from wandistill.storage import open_storage
+
+    cache = open_storage(s.cache)
+    if cache.exists(REPORT_NAME):  # rank 0 wrote it: what in the prompt file was skipped or cut
         from wandistill.precompute.prompts import PromptReport
 
-        for line in PromptReport(**json.loads(report.read_text())).summary():
+        text = cache.read(REPORT_NAME, max_bytes=1 << 26, what="report", fix="", error=UsageError)
+        for line in PromptReport(**json.loads(text)).summary():
             out.print(line, highlight=False)
     for line in s.lines() if s.is_main else ():  # one summary for the whole job
         out.print(line, highlight=False, soft_wrap=True)
@@ -591,6 +595,10 @@ def _positive(**values: int | None) -> None:
 
 def _out_dir(path: str | Path, flag: str = "--out") -> None:
     """An output directory that is (or is under) a file is a usage error, named as such."""
+    from wandistill.storage import is_url
+
+    if is_url(path):
+        return  # an object-store prefix: `outputs.claim_remote` checks it
     blocker = next(
         (p for p in (Path(path), *Path(path).parents) if p.exists() and not p.is_dir()), None
     )
@@ -653,10 +661,10 @@ _SAMPLE_DEFAULT = (
 @app.command("eval")
 def eval_cmd(
     cache: Annotated[
-        Path,
+        str,
         typer.Option(
             help="The cache the student was trained from (its held-out records are scored) or a "
-            "separate cache of the same teacher (with --split all)."
+            "separate cache of the same teacher (with --split all); a folder or an fsspec URL."
         ),
     ],
     out_dir: Annotated[

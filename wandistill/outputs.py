@@ -24,6 +24,10 @@ docs/reliability.md). Under torchrun rank 0 claims and broadcasts the outcome, s
 a refused job raises the same error, and ranks of one job share the folder. Holding the lock, the
 claim deletes the temp files of dead writers (`fsutil.temp_name`, `fsutil.make_temp_dir`, zarr's
 `.partial` files): nobody else can be writing them.
+
+A cache at an fsspec URL (`s3://...`) is claimed by `claim_remote`: the same refusals where an
+object store has them, and instead of flock a lease lock object (`storage.LeaseLock`: a
+conditional PUT holding host, pid, start and a heartbeat), which goes stale when its holder dies.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from filelock import FileLock, Timeout
 from wandistill import __version__
 from wandistill.errors import UsageError, WandistillError
 from wandistill.fsutil import atomic_write_json
+from wandistill.storage import FsspecStorage, LeaseLock, is_url, open_storage
 
 if TYPE_CHECKING:
     from wandistill.dist import DistInfo
@@ -75,15 +80,18 @@ Inputs = Mapping[str, "str | Path | None"]
 class OutputFolder:
     """A claimed output folder; `release()` (or leaving the `with`) gives up the lock."""
 
-    path: Path
+    path: Path | str
+    """The folder, or the URL of an object-store prefix (`claim_remote`)."""
     purpose: str
-    _lock: FileLock | None = field(default=None, repr=False)
+    _lock: FileLock | LeaseLock | None = field(default=None, repr=False)
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name
 
     def release(self) -> None:
-        if self._lock is not None and self._lock.is_locked:
+        if isinstance(self._lock, LeaseLock):
+            self._lock.release()
+        elif self._lock is not None and self._lock.is_locked:
             with contextlib.suppress(OSError):
                 (self.path / HOLDER).unlink()
             self._lock.release()
@@ -131,7 +139,7 @@ def claim(
     if failure is not None:
         kind = UsageError if failure["usage"] else WandistillError
         raise kind(failure["message"], fix=failure["fix"])
-    return folder or OutputFolder(_resolve(path, purpose), purpose)
+    return folder or OutputFolder(path if is_url(path) else _resolve(path, purpose), purpose)
 
 
 def check(
@@ -153,6 +161,8 @@ def check(
 
 
 def _claim(path: str | Path, purpose: str, inputs: Inputs, flag: str) -> OutputFolder:
+    if is_url(path):
+        return claim_remote(str(path), purpose, inputs, flag)
     target = check(path, purpose, inputs=inputs, flag=flag)
     label = f"{flag} {str(path)!r}"
     try:
@@ -235,7 +245,78 @@ def _me() -> dict[str, Any]:
 
 def _holder(target: Path) -> str:
     """Who holds the lock, from the holder file it wrote (it may be starting: unknown yet)."""
-    info = _read_json(target / HOLDER)
+    return _holder_text(_read_json(target / HOLDER))
+
+
+def claim_remote(url: str, purpose: str, inputs: Inputs, flag: str) -> OutputFolder:
+    """`claim` for an object-store prefix: the same refusals where they apply (an input, a
+    prefix holding objects wandistill did not write, another purpose, a live writer), with a
+    lease lock (`storage.LeaseLock`) in place of flock. Holding it, removes dead writers'
+    temp objects."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"unknown output purpose {purpose!r}")
+    label = f"{flag} {url!r}"
+    store = open_storage(url)
+    assert isinstance(store, FsspecStorage)
+    root = url.rstrip("/") + "/"
+    for name, given in inputs.items():
+        other = str(given).rstrip("/") + "/" if given else ""
+        if other and (root.startswith(other) or other.startswith(root)):
+            raise UsageError(
+                f"{label} overlaps {name} {str(given)!r}; a command never writes where it reads",
+                fix=f"choose an output location apart from {name}",
+            )
+    _inspect_remote(store, purpose, label)
+    lock = LeaseLock(store, LOCK, _me())
+    holder = lock.acquire()
+    if holder is not None:
+        raise UsageError(
+            f"{label} is in use by another wandistill process ({_holder_text(holder)})",
+            fix=f"wait for it to finish (or stop it), or choose another {flag}",
+        )
+    try:
+        _inspect_remote(store, purpose, label)
+        if _remote_marker(store).get("purpose") != purpose:
+            store.put(MARKER, (json.dumps(_marker(purpose), indent=1) + "\n").encode())
+        for rel in store.find():
+            if is_temp(rel.rsplit("/", 1)[-1]):
+                store.rm(rel)
+    except BaseException:
+        lock.release()
+        raise
+    return OutputFolder(url, purpose, lock)
+
+
+def _remote_marker(store: FsspecStorage) -> dict[str, Any]:
+    try:
+        data = store.read(MARKER, max_bytes=1 << 20, what="marker", fix="", error=UsageError)
+        obj = json.loads(data)
+    except (UsageError, ValueError):
+        return {"purpose": "?"} if store.exists(MARKER) else {}
+    return obj if isinstance(obj, dict) and obj.get("format") == MARKER_FORMAT else {"purpose": "?"}
+
+
+def _inspect_remote(store: FsspecStorage, purpose: str, label: str) -> None:
+    """An object-store prefix must be new, empty, or a wandistill `purpose` prefix."""
+    names = [n for n in store.list("") if n not in BOOKKEEPING]
+    if not names:
+        return
+    fix = "choose a new or empty output location"
+    found = _remote_marker(store).get("purpose")
+    if found == "?":
+        raise UsageError(f"{label} has an unreadable {MARKER}", fix=f"{fix}, or delete {MARKER}")
+    if found is not None and found != purpose:
+        raise UsageError(f"{label} is a wandistill {found} folder, not a {purpose} folder", fix=fix)
+    if found is None:
+        shown = ", ".join(_printable(n) for n in names[:4])
+        raise UsageError(
+            f"{label} is not empty and was not written by wandistill (holds {shown}); "
+            "wandistill never overwrites files it did not write",
+            fix=fix,
+        )
+
+
+def _holder_text(info: dict[str, Any]) -> str:
     if not info:
         return "holder not known yet: it is starting"
     fields = {k: _printable(info.get(k, "?")) for k in ("command", "host", "pid", "started")}
@@ -260,8 +341,8 @@ def _refuse_blockers(target: Path, purpose: str, given: str | Path) -> None:
 
 def _refuse_overlaps(target: Path, label: str, inputs: Inputs) -> None:
     for name, given in inputs.items():
-        if given is None or not str(given):
-            continue
+        if given is None or not str(given) or is_url(given):
+            continue  # an input at a URL is never a local folder
         other = Path(given).expanduser().resolve()
         how = (
             "is"

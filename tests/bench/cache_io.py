@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -434,7 +435,9 @@ class Checker:
         self.checked += 1
 
 
-def read_training(path: Path, batch_size: int, threads: int, check: Checker) -> tuple[int, int]:
+def read_training(
+    path: Path | str, batch_size: int, threads: int, check: Checker
+) -> tuple[int, int]:
     reader = TrainingReader(path, batch_size=batch_size, fields=FIELDS, num_threads=threads)
     n_batches = reader.batches_per_epoch()
     samples = payload = 0
@@ -444,7 +447,7 @@ def read_training(path: Path, batch_size: int, threads: int, check: Checker) -> 
         for k, batch in enumerate(it):
             samples += len(batch["key"])
             payload += batch_payload(batch)
-            check(batch, f"TrainingReader {path.name}")
+            check(batch, f"TrainingReader {path}")
             if k + 1 == n_batches:
                 break
     finally:
@@ -544,6 +547,142 @@ def read_raw(files: list[Path]) -> tuple[int, int]:
     return 0, total_size(files)
 
 
+# --------------------------------------------------------------------------------- fsspec
+
+
+class RangeLog:
+    """Wraps a cache's Storage to record every byte range the reader asks for (the baseline
+    then fetches exactly those bytes)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.ranges: list[tuple[str, int, int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def read_range(self, rel: str, offset: int, size: int) -> bytes:
+        self.ranges.append((rel, offset, size))
+        return self.store.read_range(rel, offset, size)
+
+    def read_into(self, rel: str, requests: list[tuple[int, Any]]) -> list[int]:
+        self.ranges += [(rel, off, memoryview(buf).nbytes) for off, buf in requests]
+        return self.store.read_into(rel, requests)
+
+
+def reader_ranges(location: str, batch_size: int, threads: int) -> list[tuple[str, int, int]]:
+    """Every (object, offset, size) one epoch of the training reader reads."""
+    reader = TrainingReader(location, batch_size=batch_size, fields=FIELDS, num_threads=threads)
+    log = RangeLog(reader.store.source.store)
+    reader.store.source.store = log
+    it = iter(reader)
+    try:
+        for k, _ in enumerate(it):
+            if k + 1 == reader.batches_per_epoch():
+                break
+    finally:
+        it.close()
+        reader.store.close()
+    return log.ranges
+
+
+def raw_ranges_local(root: Path, ranges: list[tuple[str, int, int]]) -> tuple[int, int]:
+    """The same byte ranges with plain `os.pread` (one thread, files opened once)."""
+    fds: dict[str, int] = {}
+    n = 0
+    try:
+        for rel, off, size in ranges:
+            fd = fds.get(rel) or fds.setdefault(rel, os.open(root / rel, os.O_RDONLY))
+            n += len(os.pread(fd, size, off))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return 0, n
+
+
+def raw_ranges_s3(url: str, ranges: list[tuple[str, int, int]]) -> tuple[int, int]:
+    """The same byte ranges as ranged GETs, all handed to s3fs at once (`cat_ranges`, its own
+    concurrency): the object store's limit for these requests."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    got = fs.cat_ranges(
+        [f"{root}/{rel}" for rel, _, _ in ranges],
+        [off for _, off, _ in ranges],
+        [off + size for _, off, size in ranges],
+    )
+    return 0, sum(len(g) for g in got)
+
+
+@contextlib.contextmanager
+def moto_process() -> Iterator[str]:
+    """moto's S3 server in its own process (not a thread here: it must not share our GIL)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = (
+        "import sys, time; from moto.server import ThreadedMotoServer; "
+        f"s = ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False); "
+        "s.start(); time.sleep(10**6)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint, AWS_EC2_METADATA_DISABLED="true",
+    )  # fmt: skip
+    try:
+        import fsspec
+
+        for _ in range(100):
+            with contextlib.suppress(Exception):
+                fsspec.filesystem("s3", skip_instance_cache=True).mkdir("bench")
+                break
+            time.sleep(0.1)
+        yield "s3://bench/cache"
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def fsspec_legs(args: Any, records: list[Record], out: Path, check: Checker) -> int:
+    """Reader vs raw reads of the same bytes, on a local folder and on S3 (warm page cache:
+    the S3 server holds the objects in memory)."""
+    dtype = DTYPES[args.dtype]
+    dev = device_of(out)
+    rows: list[tuple[str, Leg, Leg]] = []
+    with moto_process() as url:
+        for where, location in (("local", out / "wds"), ("s3", url)):
+            write_cache(records, location, "webdataset", dtype, args.shard_records)
+            ranges = reader_ranges(str(location), args.batch_size, args.threads)
+            if where == "local":
+                raw = functools.partial(raw_ranges_local, Path(location), ranges)
+            else:
+                raw = functools.partial(raw_ranges_s3, url, ranges)
+            reads, raws = [], []
+            for _ in range(args.repeats):
+                body = functools.partial(
+                    read_training, location, args.batch_size, args.threads, check
+                )
+                reads.append(measure(f"{where} TrainingReader", body, dev))
+                raws.append(measure(f"{where} raw reads of the same bytes", raw, dev))
+            rows.append((where, median_leg(reads), median_leg(raws)))
+    # Both legs move the same byte ranges (the raw leg also counts the header bytes, which the
+    # reader's MB/s leaves out), so the ratio is one of times: raw seconds / reader seconds.
+    print("\n| storage | reader s | reader MB/s | raw same-ranges s | ratio (raw s / reader s) |")
+    print("|---|---|---|---|---|")
+    for where, rd, rw in rows:
+        ratio = rw.seconds / rd.seconds if rd.seconds else 0.0
+        target = 0.9 if where == "local" else 0.8
+        print(
+            f"| {where} | {rd.seconds:.2f} {rd.runs} | {rd.mbps:.0f} | {rw.seconds:.3f} {rw.runs} "
+            f"| {verdict(ratio, target)} |"
+        )
+    return 0
+
+
 # --------------------------------------------------------------------------------- report
 
 
@@ -608,6 +747,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm", action="store_true", help="do not drop the page cache")
     p.add_argument("--keep", action="store_true", help="keep the generated data")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument(
+        "--fsspec",
+        action="store_true",
+        help="only the fsspec legs: the webdataset reader on a local folder and on a local S3 "
+        "server (moto, its own process) against raw reads of the same bytes",
+    )
     args = p.parse_args(argv)
     if args.records * args.steps < args.batch_size:
         p.error("need records x steps >= batch size")
@@ -640,6 +785,12 @@ def main(argv: list[str] | None = None) -> int:
         f"generated {len(records)} records x {per_record / MB:.2f} MB ({args.dtype}) "
         f"= {payload / MB:.0f} MB in {time.perf_counter() - t0:.1f} s (not timed below)"
     )
+    if args.fsspec:
+        try:
+            return fsspec_legs(args, records, out, check=Checker(records))
+        finally:
+            if created and not args.keep:
+                shutil.rmtree(out, ignore_errors=True)
     backends = [b for b in args.backends.split(",") if b]
     need = payload * (len(backends) + 1) * 1.1
     if need > free:

@@ -17,7 +17,6 @@ a meaning they were not written with.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -28,8 +27,8 @@ from wandistill import __version__
 from wandistill.cache.formats import JOURNALS, MANIFESTS, SEALED
 from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.fsutil import atomic_open, atomic_write_json, fsync_dir, temp_name
-from wandistill.validate import GiB, check, parse_json, read_capped, seal
+from wandistill.storage import Storage, join, open_storage
+from wandistill.validate import GiB, check, parse_json, seal
 
 JOURNAL_DIR = "journal"
 _JOURNAL_NAME = re.compile(r"rank-(\d{5,7})\.json")
@@ -158,74 +157,78 @@ def check_seal(data: dict[str, Any], where: str) -> None:
 
 
 def manifest_path(cache: str | Path) -> Path:
+    """The manifest of a local cache (a cache at a URL: `has_manifest`, `manifest_name`)."""
     return Path(cache) / MANIFEST_NAME
 
 
-def read_manifest(cache: str | Path) -> Manifest:
+def manifest_name(cache: str | Path) -> str:
+    """The manifest's path or URL, for messages."""
+    return join(cache, MANIFEST_NAME)
+
+
+def has_manifest(cache: str | Path) -> bool:
+    """True once a cache's manifest exists (a file, or an object at a URL)."""
+    st = open_storage(cache)
+    return st.exists(MANIFEST_NAME) and not st.isdir(MANIFEST_NAME)
+
+
+def _dump(obj: Any) -> bytes:
+    """The bytes of a manifest or journal (the same as `fsutil.atomic_write_json` writes)."""
+    return (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
+
+
+def read_manifest(cache: str | Path | Storage) -> Manifest:
     """Load a cache's manifest; every way it can be wrong is one clear CacheError."""
-    cache = Path(cache)
-    if not cache.exists():
+    st = cache if isinstance(cache, Storage) else open_storage(cache)
+    if not st.exists(""):
         raise UsageError(
-            f"cache path {str(cache)!r} does not exist",
+            f"cache path {st.url!r} does not exist",
             fix="pass the --out directory of a `wandistill precompute` run",
         )
-    mpath = manifest_path(cache)
-    if not mpath.is_file():
+    if not st.exists(MANIFEST_NAME) or st.isdir(MANIFEST_NAME):
         raise UsageError(
-            f"{str(cache)!r} is not a wandistill cache (no {MANIFEST_NAME})",
+            f"{st.url!r} is not a wandistill cache (no {MANIFEST_NAME})",
             fix="pass the --out directory of a `wandistill precompute` run",
         )
-    where = repr(str(mpath))
+    where = repr(st.name(MANIFEST_NAME))
     cap = MAX_MANIFEST_BYTES
-    data = read_capped(mpath, max_bytes=cap, what="manifest", fix=FIX_RESTORE, error=CacheError)
+    data = st.read(MANIFEST_NAME, max_bytes=cap, what="manifest", fix=FIX_RESTORE, error=CacheError)
     obj = parse_json(data, f"{where} is corrupt", fix=FIX_RESTORE, error=CacheError)
     return Manifest.from_json(obj, where)
 
 
 def write_manifest(cache: str | Path, manifest: Manifest) -> None:
-    atomic_write_json(manifest_path(cache), manifest.to_json())
+    open_storage(cache).put(MANIFEST_NAME, _dump(manifest.to_json()))
 
 
-def create_manifest_exclusive(cache: Path, manifest: Manifest) -> bool:
+def create_manifest_exclusive(cache: str | Path, manifest: Manifest) -> bool:
     """Create manifest.json only if absent (several ranks may race); True if this call won."""
     manifest.created = manifest.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    final = manifest_path(cache)
-    tmp = temp_name(final)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest.to_json(), f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, final)  # atomic create-if-absent, unlike rename
-        won = True
-    except FileExistsError:
-        won = False
-    finally:
-        os.unlink(tmp)
-    fsync_dir(cache)
-    return won
+    return open_storage(cache).create(MANIFEST_NAME, _dump(manifest.to_json()))
 
 
-def journal_path(cache: Path, rank: int) -> Path:
-    return cache / JOURNAL_DIR / f"rank-{rank:05d}.json"
+def journal_path(cache: str | Path, rank: int) -> str:
+    return join(cache, JOURNAL_DIR, f"rank-{rank:05d}.json")
 
 
-def journal_files(cache: Path, backend: str) -> list[tuple[Path, list[dict[str, Any]]]]:
-    """Each writer's journal (path, shard entries), checked against the journal schema."""
-    jdir = cache / JOURNAL_DIR
-    if not jdir.is_dir():
-        return []
-    out: list[tuple[Path, list[dict[str, Any]]]] = []
-    for p in sorted(jdir.glob("rank-*.json")):
-        where = f"journal {str(p)!r}"
+def _journal_rel(rank: int) -> str:
+    return f"{JOURNAL_DIR}/rank-{rank:05d}.json"
+
+
+def journal_files(cache: str | Path, backend: str) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each writer's journal (its name, shard entries), checked against the journal schema."""
+    st = open_storage(cache)
+    out: list[tuple[str, list[dict[str, Any]]]] = []
+    for name in st.list(JOURNAL_DIR):
+        if not (name.startswith("rank-") and name.endswith(".json")):
+            continue
+        rel = f"{JOURNAL_DIR}/{name}"
+        where = f"journal {st.name(rel)!r}"
         fix = "restore the journal, or re-run `wandistill precompute` into a fresh directory"
-        m = _JOURNAL_NAME.fullmatch(p.name)
+        m = _JOURNAL_NAME.fullmatch(name)
         if m is None:
             raise CacheError(f"{where}: not a journal name (rank-<5 digits>.json)", fix=fix)
-        data = read_capped(
-            p, max_bytes=MAX_MANIFEST_BYTES, what="journal", fix=fix, error=CacheError
-        )
+        data = st.read(rel, max_bytes=MAX_MANIFEST_BYTES, what="journal", fix=fix, error=CacheError)
         obj = parse_json(data, f"{where} is corrupt", fix=fix, error=CacheError)
         journal = check(JOURNALS[backend], obj, f"{where} is corrupt", fix=fix, error=CacheError)
         ranks = {int(m.group(1)), journal.rank, *(e.rank for e in journal.shards)}
@@ -235,11 +238,11 @@ def journal_files(cache: Path, backend: str) -> list[tuple[Path, list[dict[str, 
                 f"({sorted(ranks)})",
                 fix=fix,
             )
-        out.append((p, obj["shards"]))
+        out.append((st.name(rel), obj["shards"]))
     return out
 
 
-def read_journals(cache: Path, backend: str) -> list[dict[str, Any]]:
+def read_journals(cache: str | Path, backend: str) -> list[dict[str, Any]]:
     """Shard entries committed by writers since the last finalize, ordered by rank and sequence."""
     return [e for _, entries in journal_files(cache, backend) for e in entries]
 
@@ -249,12 +252,13 @@ def entry_json(entry: dict[str, Any]) -> bytes:
     return json.dumps(entry, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def write_journal_chunks(cache: Path, rank: int, entries: list[bytes]) -> None:
+def write_journal_chunks(cache: str | Path, rank: int, entries: list[bytes]) -> None:
     """`write_journal` for entries already serialized by `entry_json`: the same JSON document,
-    streamed, so a writer never re-serializes (or holds as objects) every entry it committed."""
-    path = journal_path(cache, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path, "wb") as f:
+    streamed, so a writer never re-serializes (or holds as objects) every entry it committed.
+    The journal is the commit: it appears whole (rename, or one completed object upload)."""
+    st = open_storage(cache)
+    st.makedirs(JOURNAL_DIR)
+    with st.upload(_journal_rel(rank)) as f:
         f.write(b'{"rank": %d, "shards": [\n' % rank)
         for i, chunk in enumerate(entries):
             if i:
@@ -263,26 +267,26 @@ def write_journal_chunks(cache: Path, rank: int, entries: list[bytes]) -> None:
         f.write(b"\n]}\n")
 
 
-def write_journal(cache: Path, rank: int, shards: list[dict[str, Any]]) -> None:
-    path = journal_path(cache, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, {"rank": rank, "shards": shards})
+def write_journal(cache: str | Path, rank: int, shards: list[dict[str, Any]]) -> None:
+    st = open_storage(cache)
+    st.makedirs(JOURNAL_DIR)
+    st.put(_journal_rel(rank), _dump({"rank": rank, "shards": shards}))
 
 
-def committed_shards(cache: Path, manifest: Manifest) -> list[dict[str, Any]]:
+def committed_shards(cache: str | Path, manifest: Manifest) -> list[dict[str, Any]]:
     """Every committed shard: the manifest's list, then journal entries not yet folded in."""
     return _committed(cache, manifest)[0]
 
 
 def _committed(
-    cache: Path, manifest: Manifest
+    cache: str | Path, manifest: Manifest
 ) -> tuple[list[dict[str, Any]], list[tuple[str, dict[str, Any]]]]:
     """(committed entries, [(the file that lists it, entry)]) with journal entries folded in."""
     seen = {s["name"] for s in manifest.shards}
-    mpath = str(manifest_path(cache))
+    mpath = manifest_name(cache)
     sources = [(mpath, s) for s in manifest.shards]
     for p, entries in journal_files(cache, manifest.backend):
-        sources += [(str(p), s) for s in entries if s["name"] not in seen]
+        sources += [(p, s) for s in entries if s["name"] not in seen]
     return [s for _, s in sources], sources
 
 
@@ -294,13 +298,12 @@ def load_committed(cache: str | Path, *, check_entries: bool = True) -> Manifest
     the shard. `cache verify` passes check_entries=False and reports those edits itself, with
     their consequences.
     """
-    cache = Path(cache)
     manifest = read_manifest(cache)
     manifest.shards, sources = _committed(cache, manifest)
     problems: list[tuple[str, str]] = []
     names = [e["name"] for e in manifest.shards]
     problems += [
-        (str(manifest_path(cache)), f"shard {n} is listed twice")
+        (manifest_name(cache), f"shard {n} is listed twice")
         for n in sorted({n for n in names if names.count(n) > 1})
     ]
     for where, entry in sources:
@@ -352,14 +355,13 @@ def digest_problem(entry: dict[str, Any]) -> str | None:
 
 def finalize(cache: str | Path, *, complete: bool) -> Manifest:
     """Fold journals into manifest.json (one process, after every writer has closed)."""
-    cache = Path(cache)
     manifest = load_committed(cache)
     manifest.complete = complete
     write_manifest(cache, manifest)
-    jdir = cache / JOURNAL_DIR
-    if jdir.is_dir():
-        for p in jdir.glob("rank-*.json"):
-            p.unlink()
+    st = open_storage(cache)
+    for name in st.list(JOURNAL_DIR):
+        if name.startswith("rank-") and name.endswith(".json"):
+            st.rm(f"{JOURNAL_DIR}/{name}")
     return manifest
 
 
@@ -386,7 +388,7 @@ def _stored(spec: dict[str, Any]) -> str:
     return text
 
 
-def check_compatible(cache: Path, existing: Manifest, new: Manifest) -> None:
+def check_compatible(cache: str | Path, existing: Manifest, new: Manifest) -> None:
     """Refuse to mix records from another teacher, sampler settings, numerics or backend.
 
     The first line of the error names what differs; one line per difference follows.

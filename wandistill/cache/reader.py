@@ -18,7 +18,8 @@ from wandistill.cache import manifest as mf
 from wandistill.cache.encoding import RecordCodec
 from wandistill.cache.schema import SHARED_NAME, Record, dtype_name, pad_embeds
 from wandistill.errors import CacheError, UsageError
-from wandistill.validate import MiB, inside, read_capped
+from wandistill.storage import Storage, describe, open_storage
+from wandistill.validate import MiB, inside
 
 MAX_SHARED_BYTES = 256 * MiB
 """Cap on shared.safetensors (a negative-prompt embedding and a schedule: ~2 MB for Wan)."""
@@ -40,15 +41,16 @@ class RecordSource(Protocol):
     def close(self) -> None: ...
 
 
-def _make_source(backend: str, cache: Path) -> RecordSource:
+def _make_source(backend: str, store: Storage) -> RecordSource:
     if backend == "webdataset":
         from wandistill.cache.wds import WebDatasetSource
 
-        return WebDatasetSource(cache)
+        return WebDatasetSource(store)
     if backend == "zarr":
-        from wandistill.cache.zarr_backend import ZarrSource
+        from wandistill.cache.zarr_backend import ZarrSource, refuse_remote
 
-        return ZarrSource(cache)
+        refuse_remote(store)
+        return ZarrSource(store.url)
     raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
 
 
@@ -56,11 +58,13 @@ class CacheStore:
     """Read side of a cache. `refresh()` picks up shards committed since it was opened."""
 
     def __init__(self, path: str | Path, *, check_entries: bool = True) -> None:
-        self.path = Path(path)
+        self.path = describe(path)
+        """The cache's path or URL (text: a URL is not a Path)."""
+        self.storage = open_storage(path)
         self.check_entries = check_entries
         """False for `verify`: report edited shard entries (and what they break) as problems."""
         self.manifest = mf.load_committed(self.path, check_entries=check_entries)
-        self.source = _make_source(self.manifest.backend, self.path)
+        self.source = _make_source(self.manifest.backend, self.storage)
         self.codec = RecordCodec(self.manifest.fields)
         """Decodes stored dtypes (fp8 + scale, bf16, ...) back to the record's (encoding.py)."""
 
@@ -128,21 +132,21 @@ class CacheStore:
 
     def read_shared(self) -> dict[str, torch.Tensor]:
         """Cache-level tensors: negative-prompt embedding, the sigma/timestep schedule."""
-        path = self.path / SHARED_NAME
-        if not path.is_file():
+        if not self.storage.exists(SHARED_NAME):
             return {}
+        path = self.storage.name(SHARED_NAME)
         fix = "restore it, or re-run `wandistill precompute` into a fresh directory"
-        data = read_capped(
-            path, max_bytes=MAX_SHARED_BYTES, what="cache file", fix=fix, error=CacheError
+        data = self.storage.read(
+            SHARED_NAME, max_bytes=MAX_SHARED_BYTES, what="cache file", fix=fix, error=CacheError
         )
         want = self.manifest.shared.get("sha256")
         if want is not None and hashlib.sha256(data).hexdigest() != want:
-            raise CacheError(f"{str(path)!r} fails its sha256 check (changed or corrupt)", fix=fix)
+            raise CacheError(f"{path!r} fails its sha256 check (changed or corrupt)", fix=fix)
         try:
             return st_load(data)
         except Exception as e:  # safetensors raises its own error types on a bad header
             raise CacheError(
-                f"{str(path)!r} is not a readable safetensors file ({e})", fix=fix
+                f"{path!r} is not a readable safetensors file ({e})", fix=fix
             ) from None
 
     def unusable(self, entries: list[dict[str, Any]] | None = None) -> dict[str, str]:
@@ -157,7 +161,7 @@ class CacheStore:
         files = entry.get("sha256")
         if not isinstance(files, dict):
             return None
-        root = self.path / entry["file"]
+        root = Path(self.path) / entry["file"]
         for rel in files:
             try:
                 full = inside(root, rel, f"shard {entry['name']}: file", CacheError)
@@ -184,13 +188,13 @@ class CacheStore:
                     )
                 seen[key] = entry["name"]
         if self.manifest.shared:
-            path = self.path / SHARED_NAME
-            if not path.is_file():
+            if not self.storage.exists(SHARED_NAME):
                 problems.append(f"{SHARED_NAME} is missing")
-            elif hashlib.sha256(path.read_bytes()).hexdigest() != self.manifest.shared.get(
-                "sha256"
-            ):
-                problems.append(f"{SHARED_NAME}: sha256 mismatch")
+            else:
+                try:
+                    self.read_shared()
+                except CacheError as e:
+                    problems.append(e.message)
         problems.extend(self._header_problems())
         return problems
 
@@ -240,6 +244,7 @@ class CacheStore:
 
     def close(self) -> None:
         self.source.close()
+        self.storage.close()
 
     def __enter__(self) -> CacheStore:
         return self

@@ -22,11 +22,12 @@ Reading with stock webdataset: use `safe_decoder()` (`.decode(safe_decoder())` o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
 import tarfile
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, BinaryIO
@@ -49,8 +50,8 @@ from wandistill.cache.schema import (
     is_step_field,
 )
 from wandistill.errors import CacheError, CorruptRecordError
-from wandistill.fsutil import fsync_dir, temp_name
-from wandistill.validate import MiB, check, inside, parse_json
+from wandistill.storage import LocalStorage, Storage, open_storage
+from wandistill.validate import MiB, check, inside, parse_json, rel_path_problem
 
 BLOCK = tarfile.BLOCKSIZE
 META_KEY = "wandistill"
@@ -61,6 +62,8 @@ MEMBER_EXTS = ("json", "safetensors")
 """The only members a wandistill shard holds, one of each per record."""
 HEAD_READ = 4096
 """First read of a record: the length prefix and (almost always) the whole header."""
+HEADER_CACHE = 4096
+"""Parsed record headers a WebDatasetSource keeps (a few KB each)."""
 MAX_HEADER_BYTES = 100 * MiB
 """safetensors' own cap on a header; a longer length prefix is corruption."""
 _META = "__metadata__"
@@ -152,16 +155,20 @@ class _DirectTarWriter(wds.TarWriter):
         self.tarstream.copybufsize = 1 << 30
 
 
+class _Aborted(Exception):
+    """Thrown into a shard's upload to drop it (temp file removed, object upload aborted)."""
+
+
 class WebDatasetSink:
     suffix = ".tar"
 
-    def __init__(self, cache: Path) -> None:
-        self.dir = cache / "shards"
+    def __init__(self, store: Storage) -> None:
+        self.store = store
 
     def begin(self, name: str) -> None:
-        self.final = self.dir / f"{name}{self.suffix}"
-        self.tmp = temp_name(self.final)
-        self.file = open(self.tmp, "wb")  # noqa: SIM115 - closed in end/abort
+        self.rel = f"shards/{name}{self.suffix}"
+        self.upload = self.store.upload(self.rel)
+        self.file = self.upload.__enter__()  # left in end (publish) or abort (drop)
         self.hashing = _HashingFile(self.file)
         # mtime=0 and fixed owner make shard bytes a pure function of the records.
         self.tar = _DirectTarWriter(
@@ -186,14 +193,14 @@ class WebDatasetSink:
         self.crcs.append([crc32c(blob[:head]), crc32c(meta)])
 
     def end(self) -> dict[str, Any]:
-        self.tar.close()
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.final)
-        fsync_dir(self.dir)
+        try:
+            self.tar.close()
+        except BaseException as e:
+            self._drop(e)
+            raise
+        self.upload.__exit__(None, None, None)  # fsync + rename, or complete the upload
         return {
-            "file": f"shards/{self.final.name}",
+            "file": self.rel,
             "bytes": self.hashing.size,
             "sha256": self.hashing.sha.hexdigest(),
             "offsets": self.offsets,
@@ -201,11 +208,11 @@ class WebDatasetSink:
         }
 
     def abort(self) -> None:
-        try:
-            self.file.close()
-        finally:
-            if self.tmp.exists():
-                self.tmp.unlink()
+        self._drop(_Aborted())
+
+    def _drop(self, e: BaseException) -> None:
+        with contextlib.suppress(_Aborted):
+            self.upload.__exit__(type(e), e, e.__traceback__)
 
 
 _ST_DTYPES = DTYPE_NAMES_BY_SAFETENSORS
@@ -231,36 +238,46 @@ def _describe(e: BaseException) -> str:
 
 
 class WebDatasetSource:
-    """Random access into published tar shards with `os.pread` at manifest offsets.
+    """Random access into published tar shards: positioned reads at manifest offsets
+    (`os.pread` locally, ranged GETs on an object store; `wandistill.storage`).
 
     Thread-safe: `pread` has no shared file position, and releases the GIL while it waits on the
     disk, so a thread pool reads at close to the device's speed. Every read is checked against
     the record's checksums (see the module docstring) and fails with `CorruptRecordError`.
     """
 
-    def __init__(self, cache: Path) -> None:
-        self.cache = cache
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
+    def __init__(self, cache: str | Path | Storage) -> None:
+        self.store = cache if isinstance(cache, Storage) else open_storage(cache)
+        self.cache = self.store.url
+        self._headers: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._headers_lock = threading.Lock()
 
     # ------------------------------------------------------------------ files
 
-    def path(self, entry: dict[str, Any]) -> Path:
-        """The shard's file; a manifest `file` outside the cache directory is refused."""
+    def rel(self, entry: dict[str, Any]) -> str:
+        """The shard's name in the cache; a manifest `file` outside the cache is refused."""
         rel = entry.get("file")
+        what = f"shard {entry.get('name')}: manifest file"
         if not isinstance(rel, str):
-            raise CacheError(f"shard {entry.get('name')}: manifest file {rel!r} is not a string")
-        return inside(self.cache, rel, f"shard {entry.get('name')}: manifest file", CacheError)
+            raise CacheError(f"{what} {rel!r} is not a string")
+        if isinstance(self.store, LocalStorage):
+            inside(self.store.root, rel, what, CacheError)
+        elif problem := rel_path_problem(rel):  # an object store has no links to follow
+            raise CacheError(f"{what} {rel!r} {problem}; refused", fix="restore the manifest")
+        return rel
+
+    def path(self, entry: dict[str, Any]) -> str:
+        """The shard's path or URL."""
+        return self.store.name(self.rel(entry))
 
     def check_file(self, entry: dict[str, Any]) -> str | None:
         """Why this shard cannot be read at all (missing, wrong size, bad path), or None."""
         try:
-            path = self.path(entry)
+            rel = self.rel(entry)
         except CacheError as e:
             return e.message
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
+        size = self.store.size(rel)
+        if size is None:
             return f"shard {entry['name']}: file {entry['file']} is missing"
         if size != entry["bytes"]:
             return (
@@ -269,18 +286,8 @@ class WebDatasetSource:
             )
         return None
 
-    def _fd(self, entry: dict[str, Any]) -> int:
-        fd = self._fds.get(entry["name"])
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(entry["name"])
-                if fd is None:
-                    fd = os.open(self.path(entry), os.O_RDONLY)
-                    self._fds[entry["name"]] = fd
-        return fd
-
-    def _pread(self, fd: int, offset: int, size: int, what: str) -> bytes:
-        data = os.pread(fd, size, offset)
+    def _pread(self, rel: str, offset: int, size: int, what: str) -> bytes:
+        data = self.store.read_range(rel, offset, size)
         if len(data) != size:
             raise EOFError(
                 f"short read of {what} ({len(data)} of {size} bytes at offset {offset}): "
@@ -333,18 +340,40 @@ class WebDatasetSource:
     def header(
         self, entry: dict[str, Any], i: int
     ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
-        """Record i's safetensors header: (absolute data start, tensor table, checksums)."""
+        """Record i's safetensors header: (absolute data start, tensor table, checksums).
+
+        Kept for the last HEADER_CACHE records read: a committed shard never changes, and a
+        training epoch reads each record once per recorded step, so this saves a read (a GET
+        round trip on an object store) and a parse per sample. The key holds what the manifest
+        says about the record, so an edited entry is read afresh."""
+        crcs = entry.get("crc32c")
+        key = (entry["name"], i, *entry["offsets"][i][:2], crcs[i][0] if crcs else None)
+        with self._headers_lock:
+            found = self._headers.get(key)
+            if found is not None:
+                self._headers.move_to_end(key)
+                return found
+        found = self._read_header(entry, i)
+        with self._headers_lock:
+            self._headers[key] = found
+            while len(self._headers) > HEADER_CACHE:
+                self._headers.popitem(last=False)
+        return found
+
+    def _read_header(
+        self, entry: dict[str, Any], i: int
+    ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
         off, length = entry["offsets"][i][:2]
-        fd = self._fd(entry)
+        rel = self.rel(entry)
         want = min(length, HEAD_READ)
-        head = os.pread(fd, want, off)  # one read covers the header almost always
+        head = self.store.read_range(rel, off, want)  # one read covers the header almost always
         if len(head) < min(want, 8):
             raise EOFError(f"short read of the safetensors header at offset {off}: truncated")
         hlen = self._header_len(entry, i, head)
         if 8 + hlen > len(head):
             if len(head) < want:
                 raise EOFError(f"short read of the safetensors header at offset {off}: truncated")
-            head += self._pread(fd, off + len(head), 8 + hlen - len(head), "the header")
+            head += self._pread(rel, off + len(head), 8 + hlen - len(head), "the header")
         table, sums = self._parse_header(entry, i, head[: 8 + hlen])
         return off + 8 + hlen, table, sums
 
@@ -387,11 +416,11 @@ class WebDatasetSource:
 
     def read_blob(self, entry: dict[str, Any], i: int) -> bytes:
         off, length = entry["offsets"][i][:2]
-        return self._pread(self._fd(entry), off, length, "the safetensors member")
+        return self._pread(self.rel(entry), off, length, "the safetensors member")
 
     def read_meta(self, entry: dict[str, Any], i: int) -> dict[str, Any]:
         _, _, joff, jlen = entry["offsets"][i]
-        data = self._pread(self._fd(entry), joff, jlen, "the json member")
+        data = self._pread(self.rel(entry), joff, jlen, "the json member")
         crcs = entry.get("crc32c")
         if crcs is not None and crc32c(data) != crcs[i][1]:
             raise ValueError("json member fails its crc32c check")
@@ -411,11 +440,11 @@ class WebDatasetSource:
         """
         try:
             base, table, sums = self.header(entry, i)
-            fd = self._fd(entry)
+            rel = self.rel(entry)
             out: dict[str, tuple[bytes, str, list[int]]] = {}
             for name, step in wanted.items():
                 pos, n, dtype, shape, want = self._span(entry, i, base, table, sums, name, step)
-                data = self._pread(fd, pos, n, repr(name))
+                data = self._pread(rel, pos, n, repr(name))
                 if sums is not None and crc32c(data) != want:
                     raise ValueError(f"{name!r}{_step_text(step)} fails its crc32c check")
                 out[name] = (data, DTYPE_NAMES[dtype], shape)
@@ -430,30 +459,33 @@ class WebDatasetSource:
     ) -> dict[str, torch.Tensor]:
         """Named tensors (one step of a step field) read straight into fresh tensors.
 
-        One `preadv` per tensor lands the bytes in the tensor's own memory: no intermediate
-        bytes object, no copy (this is the training reader's hot path). Each tensor or row is
-        checked against its crc32c before it is returned.
+        One positioned read per tensor lands the bytes in the tensor's own memory (`preadv`
+        locally; on an object store the ranged GETs of a sample go out together). Each tensor
+        or row is checked against its crc32c before it is returned (the training reader's hot
+        path).
         """
         try:
             base, table, sums = self.header(entry, i)
-            fd = self._fd(entry)
+            rel = self.rel(entry)
             out: dict[str, torch.Tensor] = {}
+            reads: list[tuple[str, int | None, int, Any, Any]] = []
             for name, step in wanted.items():
                 pos, n, dtype, shape, want = self._span(entry, i, base, table, sums, name, step)
-                t = torch.empty(shape, dtype=dtype)
+                out[name] = t = torch.empty(shape, dtype=dtype)
                 if n:
-                    raw = t.reshape(-1).view(torch.uint8).numpy()
-                    got = os.preadv(fd, [raw], pos)
-                    if got != n:
-                        raise EOFError(
-                            f"short read of {name!r} ({got} of {n} bytes): the shard is truncated"
-                        )
-                    if sums is not None and crc32c(raw) != want:
-                        raise ValueError(
-                            f"{name!r}{_step_text(step)} fails its crc32c check (its bytes "
-                            "changed after they were written)"
-                        )
-                out[name] = t
+                    reads.append((name, step, pos, t.reshape(-1).view(torch.uint8).numpy(), want))
+            got = self.store.read_into(rel, [(pos, raw) for _, _, pos, raw, _ in reads])
+            for (name, step, _, raw, want), n in zip(reads, got, strict=True):
+                if n != raw.nbytes:
+                    raise EOFError(
+                        f"short read of {name!r} ({n} of {raw.nbytes} bytes): the shard is "
+                        "truncated"
+                    )
+                if sums is not None and crc32c(raw) != want:
+                    raise ValueError(
+                        f"{name!r}{_step_text(step)} fails its crc32c check (its bytes "
+                        "changed after they were written)"
+                    )
             return out
         except CorruptRecordError:
             raise
@@ -532,7 +564,10 @@ class WebDatasetSource:
         seen: dict[str, tuple[int, int]] = {}
         complete = True
         try:
-            with tarfile.open(self.path(entry), "r:") as tar:
+            with (
+                self.store.open_read(self.rel(entry)) as f,
+                tarfile.open(fileobj=f, mode="r:") as tar,
+            ):
                 for m in tar:
                     problem = member_name_problem(m.name)
                     if problem:
@@ -588,16 +623,16 @@ class WebDatasetSource:
         if problems:
             return problems  # offsets cannot be trusted: nothing more to read by them
         try:
-            path = self.path(entry)
+            rel = self.rel(entry)
         except CacheError as e:
             return [e.message]
-        if not path.is_file():
+        size = self.store.size(rel)
+        if size is None:
             return [f"shard {name}: file {entry['file']} is missing"]
-        size = path.stat().st_size
         if size != entry["bytes"]:
             problems.append(f"shard {name}: {size} bytes on disk, manifest says {entry['bytes']}")
         sha = hashlib.sha256()
-        with open(path, "rb") as f:
+        with self.store.open_read(rel) as f:
             while chunk := f.read(1 << 22):
                 sha.update(chunk)
         if sha.hexdigest() != entry["sha256"]:
@@ -622,9 +657,7 @@ class WebDatasetSource:
         return problems
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self.store.close()
 
 
 # ---------------------------------------------------------------------- stock webdataset reads

@@ -9,7 +9,6 @@ run of records into one complete shard (`ShardSink`).
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from pathlib import Path
 from types import TracebackType
@@ -24,7 +23,7 @@ from wandistill.cache.keyindex import NameIndex
 from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name
 from wandistill.errors import CacheError, UsageError
 from wandistill.finite import refuse_nonfinite_record
-from wandistill.fsutil import fsync_dir, temp_name
+from wandistill.storage import Storage, describe, open_storage
 
 SHARD_DIR = "shards"
 _SHARD_RE = re.compile(r"r(\d{5})-(\d{6})")
@@ -50,7 +49,7 @@ def shard_name(rank: int, seq: int) -> str:
     return f"r{rank:05d}-{seq:06d}"
 
 
-def _naming(e: OSError, cache: Path) -> OSError:
+def _naming(e: OSError, cache: str | Path) -> OSError:
     """The same error, naming the cache when the OS did not name a file (ENOSPC on write)."""
     if e.filename is not None:
         return e
@@ -58,7 +57,7 @@ def _naming(e: OSError, cache: Path) -> OSError:
 
 
 def _make_sink(
-    backend: str, cache: Path, shard_records: int, fields: list[dict[str, Any]]
+    backend: str, store: Storage, shard_records: int, fields: list[dict[str, Any]]
 ) -> ShardSink:
     compression = compression_of(fields)
     if backend == "webdataset":
@@ -69,11 +68,12 @@ def _make_sink(
                 f"cache.compression={compression[0]!r} {ZARR_ONLY}",
                 fix="set cache.backend = 'zarr', or cache.compression = 'none'",
             )
-        return WebDatasetSink(cache)
+        return WebDatasetSink(store)
     if backend == "zarr":
-        from wandistill.cache.zarr_backend import ZarrSink
+        from wandistill.cache.zarr_backend import ZarrSink, refuse_remote
 
-        return ZarrSink(cache, block_records=shard_records, compression=compression)
+        refuse_remote(store)
+        return ZarrSink(store.url, block_records=shard_records, compression=compression)
     raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
 
 
@@ -115,10 +115,11 @@ class CacheWriter:
     ) -> None:
         if shard_records <= 0:
             raise UsageError(f"shard_records={shard_records} must be positive")
-        self.path = Path(path)
+        self.path = describe(path)
+        self.store = open_storage(path)
         self.rank = rank
         self.shard_records = shard_records
-        self.sink = _make_sink(backend, self.path, shard_records, fields)
+        self.sink = _make_sink(backend, self.store, shard_records, fields)
         header = mf.Manifest(
             backend=backend,
             teacher=teacher,
@@ -153,7 +154,7 @@ class CacheWriter:
 
     def _open_cache(self, new: mf.Manifest, shared: dict[str, torch.Tensor]) -> None:
         try:
-            (self.path / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+            self.store.makedirs(SHARD_DIR)
         except OSError as e:
             raise UsageError(
                 f"cannot create cache directory {str(self.path)!r}: {e.strerror}",
@@ -162,7 +163,7 @@ class CacheWriter:
         if shared:
             blob, new.shared = shared_blob(shared)
         fresh = True
-        if mf.manifest_path(self.path).exists() or not mf.create_manifest_exclusive(self.path, new):
+        if mf.has_manifest(self.path) or not mf.create_manifest_exclusive(self.path, new):
             existing = mf.read_manifest(self.path)
             if mf.committed_shards(self.path, existing):  # records bind the header
                 mf.check_compatible(self.path, existing, new)
@@ -173,16 +174,8 @@ class CacheWriter:
                 self.manifest = new
         else:
             self.manifest = new
-        if shared:
-            target = self.path / SHARED_NAME
-            if fresh or not target.exists():
-                tmp = temp_name(target)
-                with open(tmp, "wb") as f:
-                    f.write(blob)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
-                fsync_dir(self.path)
+        if shared and (fresh or not self.store.exists(SHARED_NAME)):
+            self.store.put(SHARED_NAME, blob)
 
     # ------------------------------------------------------------------ writing
 

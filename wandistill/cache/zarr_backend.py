@@ -98,7 +98,7 @@ from wandistill.cache.schema import (
     ZarrShardEntry,
     is_step_field,
 )
-from wandistill.errors import CacheError
+from wandistill.errors import CacheError, UsageError
 from wandistill.fsutil import fsync_dir
 from wandistill.validate import MiB, check, inside, parse_json, read_capped
 
@@ -136,6 +136,17 @@ def zarr_store(location: str | Path, *, read_only: bool = False) -> Store:
     A local path gives `zarr.storage.LocalStore`; an fsspec URL would map to
     `zarr.storage.FsspecStore` here and nowhere else."""
     return LocalStore(Path(location), read_only=read_only)
+
+
+def refuse_remote(store: Any) -> None:
+    """The zarr backend writes under flock with fsync and reads through LocalStore: a cache at
+    an fsspec URL must be a webdataset cache (docs/cache-format.md)."""
+    if getattr(store, "remote", False):
+        raise UsageError(
+            f"cache {store.url!r}: the zarr backend needs a local or mounted folder; caches at "
+            "fsspec URLs use the webdataset backend",
+            fix="set cache.backend=webdataset for a cache on an object store, or use a local --out",
+        )
 
 
 MAX_META_BYTES = 16 * MiB

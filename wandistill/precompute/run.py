@@ -36,17 +36,16 @@ from typing import Any
 
 import torch
 
-from wandistill import dist, failures, outputs
+from wandistill import dist, failures, outputs, storage
 from wandistill.cache import manifest as mf
 from wandistill.cache.background import BackgroundWriter
 from wandistill.cache.embeds import EmbedStore, own_negative_name
 from wandistill.cache.schema import Record, dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
 from wandistill.config import PrecomputeConfig, to_dict
-from wandistill.errors import WandistillError
+from wandistill.errors import UsageError, WandistillError
 from wandistill.failures import Stopped, StopRequested, StopSignals, first_line
 from wandistill.finite import NonFiniteError
-from wandistill.fsutil import atomic_write_json
 from wandistill.placements import Placement
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
 from wandistill.precompute.numerics import record_numerics
@@ -208,7 +207,7 @@ def _run(
         _denoise_and_write(w, enc, stop)
     finally:
         enc.store.close_reader()
-        if w.null_sink:
+        if enc.local:
             shutil.rmtree(enc.scratch, ignore_errors=True)
     return _finalise(w, enc, report, stop, t0)
 
@@ -238,8 +237,13 @@ class Work:
     least over ranks: a rank that planned late may see another's first shards of this run)."""
 
     @property
-    def cache(self) -> Path:
-        return Path(self.cfg.cache.path)
+    def cache(self) -> str:
+        """A local folder or an fsspec URL (as text: a Path would fold `s3://` to `s3:/`)."""
+        return storage.describe(self.cfg.cache.path)
+
+    @property
+    def remote(self) -> bool:
+        return storage.is_url(self.cache)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -261,7 +265,14 @@ def _plan(
     dtype = DTYPES[cfg.teacher.dtype]
     settings = sampler_settings(teacher, cfg)
     header = _header(cfg, teacher, info, settings)
-    done = set() if null_sink else _committed_keys(Path(cfg.cache.path), header)
+    cache = storage.describe(cfg.cache.path)
+    if storage.is_url(cache) and cfg.previews > 0:
+        raise UsageError(
+            f"precompute.previews = {cfg.previews}: previews are PNG files written next to a "
+            f"local cache, and {cache!r} is an object store",
+            fix="set precompute.previews=0 for a cache at a URL",
+        )
+    done = set() if null_sink else _committed_keys(cache, header)
     keys = KeyTable(_key(p, settings) for p in prompts)
     bs = cfg.sampler.batch_size
     batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
@@ -274,7 +285,7 @@ def _plan(
         world_size=info.world_size,
         local_rank=info.local_rank,
     )
-    offload = Path(cfg.teacher.offload_folder or Path(cfg.cache.path) / ".offload.tmp")
+    offload = Path(cfg.teacher.offload_folder or _scratch(cache, ".offload.tmp"))
     load_kw = {"dtype": dtype, "placement": placement, "offload_dir": offload / f"rank{info.rank}"}
     return Work(
         cfg=cfg,
@@ -315,11 +326,11 @@ def _header(
     )
 
 
-def _committed_keys(cache: Path, header: mf.Manifest) -> set[str]:
+def _committed_keys(cache: str, header: mf.Manifest) -> set[str]:
     """Keys already committed in the cache; a cache with records must match `header` (checked
     before loading any weights). A cache without records binds nothing: a fixed run takes it
     over."""
-    if not mf.manifest_path(cache).is_file():
+    if not mf.has_manifest(cache):
         return set()
     existing = mf.load_committed(cache)
     if existing.shards:
@@ -333,10 +344,13 @@ class Encoded:
 
     store: EmbedStore
     scratch: Path
-    """Where the store lives: the cache, or a temp folder with --null-sink."""
+    """Where the store lives: the cache, or a local temp folder with --null-sink or a cache at
+    a URL (an interrupted run then encodes again)."""
     default_negative: torch.Tensor
     writer: BackgroundWriter | None
     """None with --null-sink."""
+    local: bool = False
+    """The store is in a temp folder of its own, removed at the end."""
     prompts_encoded: int = 0
 
 
@@ -344,7 +358,8 @@ def _encode(w: Work, stop: StopSignals) -> Encoded:
     """Phase 1: text embeddings for the prompts still to do, straight to disk (embeds/). The
     cache (manifest, shared tensors) is created first, so embeds/ only ever lives in a cache."""
     info = w.info
-    scratch = Path(tempfile.mkdtemp(prefix="wandistill-embeds-")) if w.null_sink else w.cache
+    local = w.null_sink or w.remote
+    scratch = Path(tempfile.mkdtemp(prefix="wandistill-embeds-")) if local else Path(w.cache)
     store = EmbedStore(scratch, rank=info.rank, flush_records=w.cfg.cache.shard_records)
     job = EncodeJob(
         teacher=w.teacher,
@@ -362,11 +377,11 @@ def _encode(w: Work, stop: StopSignals) -> Encoded:
     try:
         negative = recipe_negative(job, store, encoder)
         writer = None if w.null_sink else _open_writer(w, negative)
-        enc = Encoded(store, scratch, negative, writer)
+        enc = Encoded(store, scratch, negative, writer, local=local)
         enc.prompts_encoded = encode_phase(job, store, encoder, stop.check)
         return enc
     except BaseException:
-        if w.null_sink:
+        if local:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
     finally:
@@ -524,11 +539,13 @@ def _finalise(w: Work, enc: Encoded, report: PromptReport, stop: StopSignals, t0
     cut = {k for v in views for k in v["truncated"]}
     if writer is not None and info.is_main:
         mf.finalize(w.cache, complete=True)
-        cut |= set(_earlier_truncations(w.cache / "prompts_report.json"))
+        store = storage.open_storage(w.cache)
+        cut |= set(_earlier_truncations(store))
         report.truncated_keys = [k for k in w.keys if k in cut]
         report.truncated = [p.line for p, k in zip(w.prompts, w.keys, strict=True) if k in cut]
-        atomic_write_json(w.cache / "prompts_report.json", report.to_json())
-        enc.store.remove()  # every record holds its own embeddings now
+        store.put(REPORT_NAME, (json.dumps(report.to_json(), indent=1) + "\n").encode())
+        if not enc.local:
+            enc.store.remove()  # every record holds its own embeddings now
     return Summary(
         cache=str(w.cache),
         records_written=sum(v["written"] for v in views),
@@ -558,13 +575,27 @@ def _rank_counts(w: Work, enc: Encoded) -> dict[str, Any]:
     }
 
 
-def _earlier_truncations(path: Path) -> list[str]:
+REPORT_NAME = "prompts_report.json"
+
+
+def _scratch(cache: str, name: str) -> Path:
+    """A local scratch folder for the run: inside a local cache (its temps are cleaned by the
+    next claim), in the system temp folder for a cache at a URL."""
+    if storage.is_url(cache):
+        return Path(tempfile.gettempdir()) / f"wandistill{name}"
+    return Path(cache) / name
+
+
+def _earlier_truncations(store: storage.Storage) -> list[str]:
     """Truncated keys an earlier run of this cache recorded (its embedding store is gone)."""
-    if not path.is_file():
-        return []
     try:
-        keys = json.loads(path.read_text(encoding="utf-8")).get("truncated_keys", [])
-    except (OSError, ValueError, AttributeError):
+        if not store.exists(REPORT_NAME):
+            return []
+        data = store.read(
+            REPORT_NAME, max_bytes=1 << 30, what="prompts report", fix="", error=UsageError
+        )
+        keys = json.loads(data).get("truncated_keys", [])
+    except (OSError, ValueError, AttributeError, WandistillError):
         return []  # a report we cannot read is rewritten from what this run knows
     return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
 

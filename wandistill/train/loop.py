@@ -30,7 +30,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from wandistill import dist, outputs
-from wandistill.cache.manifest import Manifest, load_committed, manifest_path, read_manifest
+from wandistill.cache.manifest import (
+    Manifest,
+    has_manifest,
+    load_committed,
+    manifest_name,
+    read_manifest,
+)
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import SHARED_NAME
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
@@ -49,6 +55,8 @@ from wandistill.finite import check_step, check_weights
 from wandistill.fsutil import atomic_write_json
 from wandistill.plots import LOSS_PNG, plot_loss
 from wandistill.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
+from wandistill.storage import describe as location
+from wandistill.storage import open_storage
 from wandistill.student.config import (
     check_against_cache,
     describe,
@@ -75,7 +83,8 @@ console = Console(stderr=True, highlight=False, soft_wrap=True)
 class Plan:
     """What validation resolved from the recipe and the cache manifest."""
 
-    cache: Path
+    cache: str
+    """The cache's path or fsspec URL."""
     out: Path
     manifest: Manifest
     student_config: dict[str, Any]
@@ -210,21 +219,21 @@ def run_inputs(cfg: TrainConfig) -> dict[str, str]:
     }
 
 
-def _cache_started(path: Path) -> bool:
+def _cache_started(cache: str) -> bool:
     """The manifest exists and so does the shared schedule it lists (the writer creates the
     manifest first, then shared.safetensors: the steps plan needs both)."""
-    if not path.is_file():
+    if not has_manifest(cache):
         return False
-    listed = bool(read_manifest(path.parent).shared)
-    return not listed or (path.parent / SHARED_NAME).is_file()
+    listed = bool(read_manifest(cache).shared)
+    return not listed or open_storage(cache).exists(SHARED_NAME)
 
 
 def wait_for_manifest(cfg: TrainConfig) -> None:
     """--follow may start before precompute has created the cache: wait for its manifest."""
-    path = manifest_path(cfg.cache) if cfg.cache else None
+    path = manifest_name(cfg.cache) if cfg.cache else None
     start = time.monotonic()
     told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
-    while path is not None and not _cache_started(path):
+    while path is not None and not _cache_started(cfg.cache):
         if not told:
             console.print(f"train: waiting for {path} (has precompute started?)")
             told = True
@@ -277,7 +286,8 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     if problems or objectives is None:
         raise UsageError("; ".join(problems))
     teacher_width = width(tconf) if tconf else width(student_config)
-    return Plan(Path(cfg.cache), out, manifest, student_config, teacher_width, fields, objectives)
+    cache = location(cfg.cache)
+    return Plan(cache, out, manifest, student_config, teacher_width, fields, objectives)
 
 
 def objective_plan(cfg: TrainConfig, manifest: Manifest | None = None) -> ObjectivePlan:

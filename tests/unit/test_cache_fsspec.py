@@ -1,0 +1,227 @@
+"""Caches at fsspec URLs, against a real S3 server on 127.0.0.1 (moto): the same records as a
+local cache, the same commit rules (only what a journal or the manifest names is read), one
+writer per cache through a lease lock, and every bad input one line naming the URL and the fix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+from wandistill import outputs, storage
+from wandistill.cache.manifest import load_committed
+from wandistill.cache.reader import open_cache
+from wandistill.cache.training import TrainingReader
+from wandistill.cli import main
+from wandistill.errors import UsageError
+
+from cachefixtures import make_record, write_cache
+from s3server import BUCKET, forget_clients, s3_server
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, str]]:
+    with s3_server() as env:
+        yield env
+
+
+def _url(name: str) -> str:
+    return f"s3://{BUCKET}/{name}"
+
+
+def _fs() -> fsspec.AbstractFileSystem:
+    return fsspec.filesystem("s3")
+
+
+def _samples(cache: str | Path) -> list[dict[str, torch.Tensor]]:
+    reader = TrainingReader(cache, batch_size=2, num_threads=2)
+    return list(itertools.islice(reader, reader.batches_per_epoch()))  # one epoch (it cycles)
+
+
+def test_a_cache_on_s3_holds_the_same_bytes_and_samples_as_a_local_one(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    write_cache(tmp_path / "local", range(6), shard_records=4)
+    write_cache(_url("same"), range(6), shard_records=4)
+    local, remote = load_committed(tmp_path / "local"), load_committed(_url("same"))
+    assert [s["sha256"] for s in remote.shards] == [s["sha256"] for s in local.shards]
+    with open_cache(_url("same")) as store:
+        assert store.verify() == []
+        assert store.read_shared().keys() == {"negative_prompt_embeds", "sigmas"}
+    for a, b in zip(_samples(tmp_path / "local"), _samples(_url("same")), strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+
+
+def test_a_shard_object_no_journal_names_is_never_read(s3: dict[str, str]) -> None:
+    write_cache(_url("orphan"), range(4), shard_records=4)
+    fs = _fs()
+    shard = f"{BUCKET}/orphan/shards/r00000-000000.tar"
+    fs.pipe_file(f"{BUCKET}/orphan/shards/r00000-000001.tar", fs.cat_file(shard))
+    m = load_committed(_url("orphan"))
+    assert [s["name"] for s in m.shards] == ["r00000-000000"] and m.num_records == 4
+
+
+def test_an_aborted_shard_upload_leaves_no_object(s3: dict[str, str]) -> None:
+    writer = write_cache(_url("aborted"), range(2), shard_records=2, finalize=False)
+    writer.write(make_record(7))  # a third record opens a second shard...
+    writer.abort()  # ...which a failure drops
+    names = _fs().find(f"{BUCKET}/aborted/shards")
+    assert names == [f"{BUCKET}/aborted/shards/r00000-000000.tar"]
+    assert load_committed(_url("aborted")).num_records == 2
+
+
+def test_a_partially_uploaded_shard_is_named_by_verify_and_refused_by_the_reader(
+    s3: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_cache(_url("partial"), range(4), shard_records=4)
+    fs = _fs()
+    shard = f"{BUCKET}/partial/shards/r00000-000000.tar"
+    fs.pipe_file(shard, fs.cat_file(shard)[:5000])
+    with open_cache(_url("partial")) as store:
+        assert store.unusable() == {
+            "r00000-000000": "shard r00000-000000: file shards/r00000-000000.tar has 5000 bytes, "
+            f"the manifest says {store.entries[0]['bytes']} (truncated or replaced)"
+        }
+    with pytest.raises(SystemExit) as e:
+        main(["cache", "verify", _url("partial")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "shard r00000-000000: 5000 bytes on disk, manifest says" in err
+
+
+def test_cache_info_and_verify_take_an_s3_url(
+    s3: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_cache(_url("cli"), range(3), shard_records=2)
+    main(["cache", "verify", _url("cli")])
+    assert f"OK: 3 records in 2 shards of {_url('cli')} verified" in capsys.readouterr().out
+    main(["cache", "info", "--json", _url("cli")])
+    assert json.loads(capsys.readouterr().out)["complete"] is True
+
+
+# --------------------------------------------------------------------------- one writer
+
+
+def test_a_live_writer_holds_an_s3_cache_and_a_second_claim_names_it(s3: dict[str, str]) -> None:
+    url = _url("locked")
+    first = outputs.claim(url, "cache")
+    try:
+        holder = json.loads(_fs().cat_file(f"{BUCKET}/locked/{outputs.LOCK}"))
+        assert (holder["host"], holder["pid"]) == (socket.gethostname(), os.getpid())
+        with pytest.raises(UsageError) as e:
+            outputs.claim(url, "cache")
+        assert e.value.message.startswith(f"--out {url!r} is in use by another wandistill")
+        assert f"host {socket.gethostname()}, pid {os.getpid()}" in e.value.message
+    finally:
+        first.release()
+    assert not _fs().exists(f"{BUCKET}/locked/{outputs.LOCK}")
+    outputs.claim(url, "cache").release()  # free again once released
+
+
+@pytest.mark.parametrize(
+    "holder",
+    [
+        {"host": socket.gethostname(), "pid": 2**22 + 7, "heartbeat": time.time()},  # killed
+        {"host": "elsewhere", "pid": 1, "heartbeat": time.time() - 2 * storage.LOCK_LEASE_S},
+    ],
+    ids=["dead-pid-on-this-host", "heartbeat-past-its-lease"],
+)
+def test_a_dead_writers_lock_and_temp_objects_are_taken_over(
+    s3: dict[str, str], holder: dict[str, object]
+) -> None:
+    root = f"{BUCKET}/stale-{holder['host']}"
+    fs = _fs()
+    fs.pipe_file(f"{root}/{outputs.MARKER}", json.dumps(outputs._marker("cache")).encode())
+    fs.pipe_file(f"{root}/{outputs.LOCK}", json.dumps(holder).encode())
+    fs.pipe_file(f"{root}/shards/.r00000-000000.tar.123-456.tmp", b"half")
+    folder = outputs.claim(f"s3://{root}", "cache")
+    try:
+        assert json.loads(fs.cat_file(f"{root}/{outputs.LOCK}"))["pid"] == os.getpid()
+        assert not fs.exists(f"{root}/shards/.r00000-000000.tar.123-456.tmp")
+    finally:
+        folder.release()
+
+
+def test_an_s3_prefix_holding_foreign_objects_is_refused(s3: dict[str, str]) -> None:
+    _fs().pipe_file(f"{BUCKET}/foreign/notes.txt", b"mine")
+    with pytest.raises(UsageError, match="is not empty and was not written by wandistill"):
+        outputs.claim(_url("foreign"), "cache")
+    assert _fs().cat_file(f"{BUCKET}/foreign/notes.txt") == b"mine"
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "Traceback" not in err and err.startswith("error: ")
+    return err
+
+
+@pytest.mark.parametrize(
+    ("env", "url", "message", "fix"),
+    [
+        (
+            {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
+            _url("c"),
+            "the object store cannot be reached",
+            "AWS_ENDPOINT_URL",
+        ),
+        (
+            {
+                "AWS_ACCESS_KEY_ID": None,
+                "AWS_SECRET_ACCESS_KEY": None,
+                "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                "AWS_CONFIG_FILE": "/nonexistent",
+            },
+            _url("c"),
+            "no credentials for the object store",
+            "AWS_ACCESS_KEY_ID",
+        ),
+        ({}, "s3://no-such-bucket/c", "the bucket 'no-such-bucket' does not exist", "create"),
+        ({}, "gs://somewhere/c", "no fsspec backend for gs:// is installed", "wandistill[gcs]"),
+    ],
+    ids=["unreachable-endpoint", "no-credentials", "no-bucket", "no-backend"],
+)
+def test_a_bad_object_store_is_one_line_naming_the_url_and_the_fix(
+    s3: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    env: dict[str, str | None],
+    url: str,
+    message: str,
+    fix: str,
+) -> None:
+    for k, v in env.items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if the [gcs] extra were not installed
+    forget_clients()
+    try:
+        for argv in (["cache", "info", url], ["cache", "verify", url]):
+            err = _fails(argv, capsys)
+            assert url in err.splitlines()[0] and message in err.splitlines()[0], err
+            assert fix in err.splitlines()[1], err
+    finally:
+        forget_clients()
+
+
+def test_a_zarr_cache_at_a_url_is_refused_before_anything_is_written(s3: dict[str, str]) -> None:
+    with pytest.raises(UsageError, match="caches at fsspec URLs use the webdataset backend"):
+        write_cache(_url("zarr"), range(2), backend="zarr")
+    assert not _fs().exists(f"{BUCKET}/zarr")

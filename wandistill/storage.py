@@ -1,0 +1,521 @@
+"""Where a cache lives: a local folder or an fsspec URL (`s3://`, `gs://`, ...), one interface.
+
+Every byte of a cache (manifest, journals, shared tensors, shards) goes through a `Storage`, so
+the commit protocol is written once:
+
+- a whole small file (manifest, journal, marker) is `put`: locally a temp sibling + fsync +
+  rename (`wandistill.fsutil`), on an object store one PUT of the whole object, which S3 and GCS
+  make visible all at once or not at all;
+- `create` is create-if-absent: a hard link locally, a conditional PUT (`If-None-Match: *`)
+  on an object store, so racing writers agree on one manifest and one lock;
+- a shard is streamed with `upload`: locally into a temp sibling renamed on success, on an
+  object store straight to its final key (a multipart upload only becomes an object when it is
+  completed on close; a killed writer leaves no object). A shard becomes part of the cache only
+  when the journal that names it is `put`, so a shard object no journal names is never read;
+- reads are byte ranges: `pread` on a cached descriptor locally, `cat_file`/`cat_ranges` (ranged
+  GETs, concurrent for several ranges) on an object store.
+
+A local path (or `file://` URL) gives `LocalStorage`, which keeps the POSIX behaviour (fsync,
+flock) unchanged. Any other URL gives `FsspecStorage` over `fsspec.core.url_to_fs`. Endpoint and
+credentials come from the backend's usual sources (for S3: the standard AWS environment
+variables and files, `AWS_ENDPOINT_URL` for an S3-compatible server; docs/cache-format.md).
+Object-store errors become one line naming the URL and the fix (`StorageError`).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import errno
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from wandistill.errors import UsageError
+from wandistill.fsutil import atomic_open, fsync_dir, temp_name
+from wandistill.validate import read_capped
+
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+"""URL scheme -> the wandistill extra that installs its fsspec backend (`pip install
+'wandistill[s3]'`)."""
+CONNECT_TIMEOUT_S = 5
+"""Object stores: seconds to wait for a connection before giving up (s3fs's own default: 5)."""
+CONNECT_ATTEMPTS = 2
+"""Object stores: attempts per request at the HTTP level (botocore's default is 5 with backoff,
+so an unreachable endpoint would take a minute to report)."""
+
+
+class StorageError(UsageError):
+    """An object store refused or could not be reached: names the URL and the fix."""
+
+
+def is_url(location: str | Path) -> bool:
+    """True for an fsspec URL other than `file://` (which is a local path)."""
+    text = str(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def local_path(location: str | Path) -> Path:
+    text = str(location)
+    return Path(text[len("file://") :] if text.startswith("file://") else text)
+
+
+def join(location: str | Path, *parts: str) -> str:
+    """`location/part/...` as text: a URL keeps its `//` (Path would fold it)."""
+    if is_url(location):
+        return "/".join([str(location).rstrip("/"), *parts])
+    return str(local_path(location).joinpath(*parts))
+
+
+def describe(location: str | Path) -> str:
+    return str(location) if is_url(location) else str(local_path(location))
+
+
+def open_storage(location: str | Path) -> Storage:
+    """The storage at `location`: the one place where a location becomes a store."""
+    if is_url(location):
+        return FsspecStorage(str(location))
+    return LocalStorage(local_path(location))
+
+
+class Storage(abc.ABC):
+    """Files under one root, by relative `/`-separated name (see the module docstring)."""
+
+    url: str
+    remote: bool = False
+
+    def name(self, rel: str) -> str:
+        return join(self.url, rel) if rel else self.url
+
+    @abc.abstractmethod
+    def exists(self, rel: str) -> bool: ...
+
+    @abc.abstractmethod
+    def isdir(self, rel: str) -> bool: ...
+
+    @abc.abstractmethod
+    def size(self, rel: str) -> int | None: ...
+
+    @abc.abstractmethod
+    def list(self, rel: str) -> list[str]: ...
+
+    @abc.abstractmethod
+    def read(self, rel: str, *, max_bytes: int, what: str, fix: str, error: type) -> bytes: ...
+
+    @abc.abstractmethod
+    def put(self, rel: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def create(self, rel: str, data: bytes) -> bool: ...
+
+    @abc.abstractmethod
+    def rm(self, rel: str) -> None: ...
+
+    @abc.abstractmethod
+    def makedirs(self, rel: str) -> None: ...
+
+    @abc.abstractmethod
+    def upload(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]: ...
+
+    @abc.abstractmethod
+    def open_read(self, rel: str) -> IO[bytes]: ...
+
+    @abc.abstractmethod
+    def read_range(self, rel: str, offset: int, size: int) -> bytes: ...
+
+    def read_ranges(self, rel: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        return [self.read_range(rel, off, n) for off, n in spans]
+
+    def read_into(self, rel: str, requests: list[tuple[int, Any]]) -> list[int]:
+        """Fill each writable buffer from its offset; the bytes each one got."""
+        got = self.read_ranges(rel, [(off, memoryview(buf).nbytes) for off, buf in requests])
+        for (_, buf), data in zip(requests, got, strict=True):
+            memoryview(buf).cast("B")[: len(data)] = data
+        return [len(d) for d in got]
+
+    def close(self) -> None:
+        return None
+
+
+class LocalStorage(Storage):
+    """A local (or mounted POSIX) folder: temp + fsync + rename, `pread` on cached fds."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = str(root)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel if rel else self.root
+
+    def exists(self, rel: str) -> bool:
+        return self.path(rel).exists()
+
+    def isdir(self, rel: str) -> bool:
+        return self.path(rel).is_dir()
+
+    def size(self, rel: str) -> int | None:
+        try:
+            return self.path(rel).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, rel: str) -> list[str]:
+        folder = self.path(rel)
+        return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+    def read(self, rel: str, *, max_bytes: int, what: str, fix: str, error: type) -> bytes:
+        return read_capped(self.path(rel), max_bytes=max_bytes, what=what, fix=fix, error=error)
+
+    def put(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(path, "wb") as f:
+            f.write(data)
+
+    def create(self, rel: str, data: bytes) -> bool:
+        final = self.path(rel)
+        tmp = temp_name(final)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, final)  # atomic create-if-absent, unlike rename
+            won = True
+        except FileExistsError:
+            won = False
+        finally:
+            os.unlink(tmp)
+        fsync_dir(final.parent)
+        return won
+
+    def rm(self, rel: str) -> None:
+        self.path(rel).unlink(missing_ok=True)
+
+    def makedirs(self, rel: str) -> None:
+        self.path(rel).mkdir(parents=True, exist_ok=True)
+
+    def upload(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        return atomic_open(self.path(rel), "wb")
+
+    def open_read(self, rel: str) -> IO[bytes]:
+        return open(self.path(rel), "rb")  # noqa: SIM115 - the caller closes it
+
+    def fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(rel)
+                if fd is None:
+                    fd = os.open(self.path(rel), os.O_RDONLY)
+                    self._fds[rel] = fd
+        return fd
+
+    def read_range(self, rel: str, offset: int, size: int) -> bytes:
+        return os.pread(self.fd(rel), size, offset)
+
+    def read_into(self, rel: str, requests: list[tuple[int, Any]]) -> list[int]:
+        """`preadv` straight into each buffer: no intermediate bytes object, no copy."""
+        fd = self.fd(rel)
+        return [os.preadv(fd, [buf], off) for off, buf in requests]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class FsspecStorage(Storage):
+    """An fsspec filesystem (S3, GCS, ...): whole-object PUTs, conditional create, ranged GETs."""
+
+    remote = True
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        scheme = url.split("://", 1)[0]
+        self.fs, self.root = _filesystem(url, scheme)
+
+    def key(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def _call(self, rel: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError as e:
+            if "bucket" in str(e).lower():  # s3fs: NoSuchBucket is a FileNotFoundError
+                raise storage_error(self.name(rel), e) from None
+            raise
+        except Exception as e:
+            raise storage_error(self.name(rel), e) from None
+
+    def exists(self, rel: str) -> bool:
+        found = bool(self._call(rel, self.fs.exists, self.key(rel)))
+        if not found and not rel:  # name the real problem: no bucket at all
+            bucket = self.root.split("/", 1)[0]
+            if bucket != self.root and not self._call(rel, self.fs.exists, bucket):
+                raise StorageError(
+                    f"{self.url}: the bucket {bucket!r} does not exist",
+                    fix="create the bucket, or fix the URL",
+                )
+        return found
+
+    def isdir(self, rel: str) -> bool:
+        return bool(self._call(rel, self.fs.isdir, self.key(rel)))
+
+    def size(self, rel: str) -> int | None:
+        try:
+            return int(self._call(rel, self.fs.size, self.key(rel)))
+        except FileNotFoundError:
+            return None
+
+    def list(self, rel: str) -> list[str]:
+        try:
+            found = self._call(rel, self.fs.ls, self.key(rel), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
+
+    def find(self, rel: str = "") -> list[str]:
+        """Every object under `rel`, as names relative to the root."""
+        try:
+            found = self._call(rel, self.fs.find, self.key(rel))
+        except FileNotFoundError:
+            return []
+        return sorted(p[len(self.root) + 1 :] for p in found if p.startswith(self.root + "/"))
+
+    def read(self, rel: str, *, max_bytes: int, what: str, fix: str, error: type) -> bytes:
+        name = f"{what} {self.name(rel)!r}"
+        size = self.size(rel)
+        if size is None:
+            raise error(f"{name} does not exist", fix=fix)
+        if size > max_bytes:
+            raise error(
+                f"{name} is larger than the {max_bytes} bytes such a file may be "
+                "(oversized or not the file wandistill expects)",
+                fix=fix,
+            )
+        try:
+            return bytes(self._call(rel, self.fs.cat_file, self.key(rel)))
+        except FileNotFoundError:
+            raise error(f"{name} does not exist", fix=fix) from None
+
+    def put(self, rel: str, data: bytes) -> None:
+        self._call(rel, self.fs.pipe_file, self.key(rel), data)
+
+    def create(self, rel: str, data: bytes) -> bool:
+        try:
+            self._call(rel, self.fs.pipe_file, self.key(rel), data, mode="create")
+        except FileExistsError:
+            return False
+        except StorageError as e:
+            if "pre-condition" in e.message or "PreconditionFailed" in e.message:
+                return False
+            raise
+        return True
+
+    def rm(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._call(rel, self.fs.rm_file, self.key(rel))
+
+    def makedirs(self, rel: str) -> None:
+        return None  # object stores have no folders
+
+    @contextlib.contextmanager
+    def upload(self, rel: str) -> Iterator[IO[bytes]]:
+        """Stream to the final key; the object exists only once the upload completes on close
+        (a failure aborts it: nothing half-written is ever visible)."""
+        f = self._call(rel, self.fs.open, self.key(rel), "wb")
+        try:
+            yield f
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard()  # aborts a multipart upload already under way
+            f.closed = True  # discarded: closing must not upload what was buffered
+            raise
+        self._call(rel, f.close)
+
+    def open_read(self, rel: str) -> IO[bytes]:
+        return self._call(rel, self.fs.open, self.key(rel), "rb")
+
+    def read_range(self, rel: str, offset: int, size: int) -> bytes:
+        if size <= 0:
+            return b""
+        key = self.key(rel)
+        return bytes(self._call(rel, self.fs.cat_file, key, start=offset, end=offset + size))
+
+    def read_ranges(self, rel: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        """Several ranges of one object in one call: fsspec issues the GETs concurrently."""
+        if len(spans) <= 1:
+            return [self.read_range(rel, off, n) for off, n in spans]
+        key = self.key(rel)
+        starts = [off for off, _ in spans]
+        ends = [off + n for off, n in spans]
+        got = self._call(rel, self.fs.cat_ranges, [key] * len(spans), starts, ends)
+        for g in got:
+            if isinstance(g, BaseException):
+                if isinstance(g, FileNotFoundError):
+                    raise g
+                raise storage_error(self.name(rel), g)
+        return [bytes(g) for g in got]
+
+
+def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
+    extra = EXTRAS.get(scheme)
+    install = (
+        f"pip install 'wandistill[{extra}]'"
+        if extra
+        else f"install the fsspec backend for {scheme}://"
+    )
+    # Never answer from a cached listing: another rank or node may have committed since.
+    options: dict[str, Any] = {"use_listings_cache": False} if extra else {}
+    if scheme in ("s3", "s3a"):
+        options |= {
+            "config_kwargs": {
+                "connect_timeout": CONNECT_TIMEOUT_S,
+                "retries": {"max_attempts": CONNECT_ATTEMPTS, "mode": "standard"},
+            },
+        }
+    try:
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except ImportError:
+        raise StorageError(
+            f"{url!r}: no fsspec backend for {scheme}:// is installed", fix=install
+        ) from None
+    except ValueError as e:
+        if "Protocol not known" in str(e):
+            raise StorageError(f"{url!r}: unknown URL scheme {scheme}://", fix=install) from None
+        raise StorageError(f"{url!r}: {e}", fix="check the URL") from None
+    if hasattr(fs, "retries"):  # s3fs's own retry loop (on top of botocore's): keep it short
+        fs.retries = CONNECT_ATTEMPTS
+    return fs, root.rstrip("/")
+
+
+def storage_error(where: str, e: BaseException) -> StorageError:
+    """One line for an object-store failure, with the fix for its class of problem."""
+    text = f"{type(e).__name__}: {e}"
+    lowered = text.lower()
+    if "credential" in lowered or "nocredentials" in lowered:
+        return StorageError(
+            f"{where}: no credentials for the object store ({e})",
+            fix="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for s3://, "
+            "GOOGLE_APPLICATION_CREDENTIALS for gs://",
+        )
+    if any(s in lowered for s in ("could not connect", "connect timeout", "endpoint", "timed out")):
+        return StorageError(
+            f"{where}: the object store cannot be reached ({e})",
+            fix="check the endpoint (AWS_ENDPOINT_URL for an S3-compatible server) and the network",
+        )
+    if "bucket" in lowered and ("not exist" in lowered or "nosuchbucket" in lowered):
+        return StorageError(
+            f"{where}: the bucket does not exist", fix="create the bucket, or fix the URL"
+        )
+    if "access denied" in lowered or "forbidden" in lowered or "403" in lowered:
+        return StorageError(
+            f"{where}: access denied ({e})", fix="use credentials that may read and write it"
+        )
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return StorageError(f"{where}: no space left", fix="free space or choose another --out")
+    return StorageError(f"{where}: {text}", fix="check the URL, the endpoint and credentials")
+
+
+# --------------------------------------------------------------------------- one writer
+
+LOCK_LEASE_S = 60.0
+"""An object-store lock whose heartbeat is older than this is stale (its holder died)."""
+
+
+class LeaseLock:
+    """One writer on an object store, where there is no flock: a lock object created with a
+    conditional PUT (`If-None-Match: *`), holding host, pid, start and a heartbeat that a
+    thread refreshes every LOCK_LEASE_S / 4 seconds.
+
+    A lock is stale when its heartbeat is older than the lease, or at once when its holder ran
+    on this host and that pid is gone (a `kill -9`); a stale lock is deleted and taken. Two
+    runs taking over the same stale lock in the same instant could both win (the delete is not
+    conditional); a live holder is always refused.
+    """
+
+    def __init__(self, store: FsspecStorage, rel: str, me: dict[str, Any]) -> None:
+        self.store, self.rel, self.me = store, rel, me
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_locked(self) -> bool:
+        return self._thread is not None
+
+    def _body(self) -> bytes:
+        beat = {**self.me, "heartbeat": time.time(), "lease_s": LOCK_LEASE_S}
+        return json.dumps(beat).encode()
+
+    def holder(self) -> dict[str, Any] | None:
+        """The lock object's content (None if there is none; {} if unreadable)."""
+        try:
+            data = self.store.read(
+                self.rel, max_bytes=1 << 16, what="lock", fix="", error=StorageError
+            )
+        except StorageError as e:
+            if "does not exist" in e.message:
+                return None
+            raise
+        try:
+            info = json.loads(data)
+        except ValueError:
+            return {}
+        return info if isinstance(info, dict) else {}
+
+    def acquire(self) -> dict[str, Any] | None:
+        """Take the lock (None), or return the live holder's details."""
+        for _ in range(3):
+            if self.store.create(self.rel, self._body()):
+                self._thread = threading.Thread(
+                    target=self._beat, name="wandistill-lock-heartbeat", daemon=True
+                )
+                self._thread.start()
+                return None
+            holder = self.holder()
+            if holder is None:
+                continue  # released between our create and our read: try again
+            if not _stale(holder):
+                return holder
+            self.store.rm(self.rel)
+        return self.holder() or {}
+
+    def _beat(self) -> None:
+        while not self._stop.wait(LOCK_LEASE_S / 4):
+            with contextlib.suppress(Exception):  # a missed beat is retried; the lease is long
+                self.store.put(self.rel, self._body())
+
+    def release(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        with contextlib.suppress(Exception):
+            self.store.rm(self.rel)
+
+
+def _stale(holder: dict[str, Any]) -> bool:
+    beat = holder.get("heartbeat")
+    if not isinstance(beat, int | float) or time.time() - beat > LOCK_LEASE_S:
+        return True
+    pid = holder.get("pid")
+    if holder.get("host") == socket.gethostname() and isinstance(pid, int):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+    return False
