@@ -174,12 +174,14 @@ class _Merger:
     def _sink(self) -> Any:
         if self.backend == "webdataset":
             from wandistill.cache.wds import WebDatasetSink
+            from wandistill.storage import open_storage
 
-            return WebDatasetSink(self.out)
+            return WebDatasetSink(open_storage(self.out))
         from wandistill.cache.zarr_backend import BLOCK_RECORDS, ZarrSink
 
         first = self.stores[0]
-        attrs = json.loads((first.path / ZARR_DATA_NAME / "zarr.json").read_text())["attributes"]
+        meta = Path(first.path) / ZARR_DATA_NAME / "zarr.json"
+        attrs = json.loads(meta.read_text())["attributes"]
         block = int(attrs.get("wandistill", {}).get("block_records", BLOCK_RECORDS))
         fields = first.manifest.fields
         return ZarrSink(self.out, block_records=block, compression=compression_of(fields))
@@ -192,7 +194,7 @@ class _Merger:
             from wandistill.cache.zarr_merge import ZarrLinker
 
             self._linker = ZarrLinker(self.out, _link_or_copy)
-        return self._linker.add(store.path, src)
+        return self._linker.add(Path(store.path), src)
 
     def shard(self, seq: int, step: _Step) -> dict[str, Any]:
         """Write M's shard `seq` from `step`; its committed (sealed) entry."""
@@ -208,7 +210,7 @@ class _Merger:
             entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
         elif step.rows is None and self.backend == "webdataset":
             dst = self.out / SHARD_DIR / f"{name}.tar"
-            linked = _link_or_copy(store.source.path(src), dst)
+            linked = _link_or_copy(Path(store.source.path(src)), dst)
             self.summary.linked += linked
             self.summary.copied += not linked
             entry = {k: v for k, v in src.items() if k != mf.ENTRY_DIGEST}
@@ -269,6 +271,14 @@ def merge(cfg: MergeConfig) -> MergeSummary:
 
     if len(cfg.inputs) < 2:
         raise UsageError("cache merge needs at least two input caches", fix="pass A B ... --out M")
+    from wandistill.storage import is_url
+
+    remote = [str(p) for p in (*cfg.inputs, cfg.out) if is_url(p)]
+    if remote:
+        raise UsageError(
+            f"cache merge links shard files on one filesystem; {remote[0]!r} is an object store",
+            fix="merge local (or network-mounted) caches; on S3 merge a local copy and upload M",
+        )
     named = {str(p.resolve()): p for p in cfg.inputs}
     if len(named) != len(cfg.inputs):
         raise UsageError("an input cache is given twice", fix="pass each cache once")
@@ -291,7 +301,7 @@ def merge(cfg: MergeConfig) -> MergeSummary:
             _clear_unfinished(folder.path)
             (folder.path / SHARD_DIR).mkdir()
             if stores[0].manifest.shared:
-                _link_or_copy(stores[0].path / SHARED_NAME, folder.path / SHARED_NAME)
+                _link_or_copy(Path(stores[0].path) / SHARED_NAME, folder.path / SHARED_NAME)
             header.shards = [merger.shard(seq, step) for seq, step in enumerate(steps)]
             fsync_dir(folder.path / SHARD_DIR)
             mf.write_manifest(folder.path, header)
