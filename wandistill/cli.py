@@ -239,8 +239,8 @@ def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -
 
 @cache_app.command("merge")
 def cache_merge(
-    inputs: Annotated[list[Path], typer.Argument(help="Input cache directories (2 or more).")],
-    out_dir: Annotated[Path, typer.Option("--out", help="The merged cache (new or empty).")],
+    inputs: Annotated[list[str], typer.Argument(help="Input cache directories (2 or more).")],
+    out_dir: Annotated[str, typer.Option("--out", help="The merged cache (new or empty).")],
 ) -> None:
     """Join finished caches of one teacher and settings into one (shards hard-linked, not
     copied, where the disk allows; see docs/cache-format.md)."""

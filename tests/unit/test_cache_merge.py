@@ -176,3 +176,13 @@ def test_whole_zarr_entries_are_hard_links_read_by_stock_zarr(tmp_path: Path) ->
             assert torch.equal(got.prompt_embeds, want.prompt_embeds)
             assert torch.equal(got.negative_prompt_embeds, want.negative_prompt_embeds)
             assert torch.equal(torch.from_numpy(np.asarray(group["noise"][row])), want.noise)
+
+
+def test_a_cache_at_a_url_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, m = tmp_path / "a", tmp_path / "m"
+    write_cache(a, range(2))
+    code, _, err = _run(capsys, "cache", "merge", str(a), "s3://bucket/b", "--out", str(m))
+    assert code == 2 and "'s3://bucket/b'" in err and "fix:" in err and "Traceback" not in err
+    assert not m.exists()

@@ -279,6 +279,7 @@ def merge(cfg: MergeConfig) -> MergeSummary:
             f"cache merge links shard files on one filesystem; {remote[0]!r} is an object store",
             fix="merge local (or network-mounted) caches; on S3 merge a local copy and upload M",
         )
+    cfg = MergeConfig(inputs=tuple(Path(p) for p in cfg.inputs), out=Path(cfg.out))
     named = {str(p.resolve()): p for p in cfg.inputs}
     if len(named) != len(cfg.inputs):
         raise UsageError("an input cache is given twice", fix="pass each cache once")
