@@ -85,7 +85,7 @@ def _root(
             "--verbose/--no-verbose",
             "-v",
             help="Show the libraries' progress bars, log messages and warnings (diffusers, "
-            "transformers, torch), hidden by default; under torchrun rank 0 only.",
+            "transformers, torch), hidden by default. One process only: refused under torchrun.",
         ),
     ] = False,
     version: Annotated[
@@ -96,6 +96,14 @@ def _root(
 
     global _debug
     _debug = _debug or debug
+    world = os.environ.get("WORLD_SIZE", "1")
+    if verbose and world.isdigit() and int(world) > 1:
+        raise UsageError(
+            f"--verbose under torchrun ({world} ranks): every rank would print the libraries' "
+            "progress bars and warnings, interleaved",
+            fix="drop -v/--verbose; to see the libraries' output, run the same command as one "
+            "process (without torchrun)",
+        )
     configure(verbose)
 
 

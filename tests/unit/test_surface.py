@@ -52,6 +52,27 @@ def test_verbose_is_honoured_on_rank_0_only(
         assert os.environ["TQDM_DISABLE"] == "1"
 
 
+@pytest.mark.parametrize("command", [["recipes"], ["train", "--dry-run"]])
+def test_verbose_under_torchrun_is_refused_in_one_line_on_every_rank(
+    clean_env: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: list[str],
+) -> None:
+    from wandistill.cli import main
+
+    for rank in ("0", "1"):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["-v", *command])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert lines[0].startswith("error: --verbose under torchrun (2 ranks)"), err
+        assert len(lines) == 2 and "fix:" in lines[1] and "without torchrun" in err
+
+
 def test_a_users_own_setting_wins(clean_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "info")
     with warnings.catch_warnings():
