@@ -12,8 +12,8 @@ commands like `recipes` or `--help` never load it. The variables are read when t
 imported (after the CLI callback runs) and are inherited by every process the command starts.
 Libraries already imported (an in-process caller such as the demo or a test) get the function calls.
 
-Under torchrun every rank runs the CLI; `--verbose` is honoured on rank 0 only (the other ranks
-would print the same bars and warnings again, interleaved), so the output stays one copy.
+The CLI refuses `--verbose` under torchrun (WORLD_SIZE > 1: every rank would print the same bars
+and warnings, interleaved); `configure` still keeps a non-zero rank quiet for in-process callers.
 """
 
 from __future__ import annotations
