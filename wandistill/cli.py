@@ -759,7 +759,7 @@ def eval_cmd(
         device=where,
         warn=_warn,
     )
-    out.print(result.table(), highlight=False, soft_wrap=True)  # Markdown rows stay whole
+    out.print(result.console_table(), highlight=False)  # cells wrap to the terminal
     out.print(
         f"wrote {out_dir / 'eval.md'}, {out_dir / 'eval.json'}, {result.grid}",
         highlight=False,
@@ -970,7 +970,7 @@ def demo_cmd(
 
     result = run_demo(root, recipe, overrides, baseline=baseline, teacher=teacher)
     out.print()
-    out.print(result.eval.table(), highlight=False, soft_wrap=True)
+    out.print(result.eval.console_table(), highlight=False)
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in result.seconds.items())
     out.print(
         f"\nwall time: {stages} ({sum(result.seconds.values()):.0f} s)\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,10 +135,14 @@ def test_demo_runs_end_to_end_and_a_rerun_reuses_everything(tmp_path: Path) -> N
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
     assert first.returncode == 0, first.stderr[-3000:]
     assert "warning: only" in first.stderr  # 40 prompts hold out too few records to trust
-    for text in ("| student@2 | 2 | 2 |", "| teacher@2 | 2 | 4 |", "| baseline@4 |", "R_2 ="):
-        assert text in first.stdout, first.stdout
+    cells = [re.sub(r"\s+", " ", c).strip() for c in re.split(r"[│┃|]", first.stdout)]
+    for row in (["student@2", "2", "2"], ["teacher@2", "2", "4"], ["baseline@4"]):
+        at = cells.index(row[0])  # the terminal table: one row per column, cells in order
+        assert cells[at : at + len(row)] == row, first.stdout
+    assert "R_2 =" in first.stdout, first.stdout
     assert "noise | teacher@4 | teacher@2 | student@2 | baseline@2 | baseline@4" in first.stdout
-    for name in ("grid.png", "loss.png", "eval/eval.json", "run/student/config.json"):
+    made = ("grid.png", "loss.png", "metrics.png", "eval/eval.json", "run/student/config.json")
+    for name in made:
         assert (tmp_path / "demo" / name).is_file(), name
     manifest = json.loads((tmp_path / "demo" / "cache" / "manifest.json").read_text())
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())

@@ -119,8 +119,8 @@ class EvalResult:
         out.update(latent_mse=self.latent_mse, latent_psnr=self.latent_psnr)
         return out
 
-    def table(self) -> str:
-        """eval.md: one row per column, then what R_K says."""
+    def rows(self) -> list[list[str]]:
+        """The header, then one row per column (what eval.md and the terminal table show)."""
         k, n = self.num_inference_steps, self.teacher_steps
         head = [
             "column",
@@ -134,7 +134,7 @@ class EvalResult:
         images = any(c.image_psnr is not None for c in self.columns)
         if images:
             head.append("image PSNR (dB)")
-        rows = [head, ["---"] * len(head)]
+        rows = [head]
         for c in self.columns:
             row = [
                 c.name,
@@ -148,14 +148,22 @@ class EvalResult:
             if images:
                 row.append("-" if c.image_psnr is None else f"{c.image_psnr:.2f}")
             rows.append(row)
-        lines = ["| " + " | ".join(r) + " |" for r in rows]
-        lines.append("")
-        lines.append(f"{self.records} held-out records, each from its own cached noise.")
+        return rows
+
+    def notes(self) -> list[str]:
+        """What the table says, in sentences: record count, R_K, the baseline, warnings."""
+        k, n = self.num_inference_steps, self.teacher_steps
+        lines = [f"{self.records} held-out records, each from its own cached noise."]
         if self.r_k is not None:
             verdict = "better than" if self.r_k < 1 else "no better than"
             lines.append(
                 f"R_{k} = MSE(student@{k}, teacher@{n}) / MSE(teacher@{k}, teacher@{n}) = "
                 f"{self.r_k:.3f}: in {k} steps the student lands {verdict} the teacher does."
+            )
+        elif k >= n:
+            lines.append(
+                f"R_{k} is not defined: at K = {k} >= N = {n} the teacher@{k} column is the "
+                f"reference itself (train the student for fewer steps than the teacher's)."
             )
         if self.baseline_r_k is not None:
             lines.append(
@@ -163,7 +171,26 @@ class EvalResult:
             )
         lines.append(f"Student output-matching loss at the recorded steps: {self.step_loss:.5f}.")
         lines.extend(f"Warning: {w}" for w in self.warnings)
-        return "\n".join(lines)
+        return lines
+
+    def table(self) -> str:
+        """eval.md: one row per column (a markdown table), then what R_K says."""
+        rows = self.rows()
+        rows.insert(1, ["---"] * len(rows[0]))
+        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join([*lines, "", *self.notes()])
+
+    def console_table(self) -> Any:
+        """The same for a terminal: a rich table whose cells wrap to the width it is given."""
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        head, *rows = self.rows()
+        table = Table(*head, show_lines=False)
+        for row in rows:
+            table.add_row(*row)
+        return Group(table, *(Text(line) for line in self.notes()))
 
 
 def _seconds(c: Column) -> str:
@@ -497,7 +524,7 @@ def _summary(
 ) -> EvalResult:
     """Ratios to teacher@K, R_K and the baseline's ratio at K."""
     teacher_k = next((c for c in columns if c.role == "teacher"), None)
-    if teacher_k is not None and teacher_k.latent_mse > 0:
+    if teacher_k is not None and teacher_k.steps < n and teacher_k.latent_mse > 0:
         for c in columns:
             c.ratio = c.latent_mse / teacher_k.latent_mse
     student = next(c for c in columns if c.role == "student")

@@ -509,13 +509,17 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
     n_params = sum(p.numel() for p in t.model.student.parameters())
     global_batch = cfg.batch_size * cfg.grad_accum * info.world_size
     state = "complete" if store.complete else "still being written"
-    console.print(
-        f"train: student {describe(t.plan.student_config)}, {n_params / 1e6:.2f}M params; "
+    phrases = [
+        f"train: student {describe(t.plan.student_config)},",
+        f"{n_params / 1e6:.2f}M params;",
         f"{info.world_size} rank(s) on {info.device.type} x batch {cfg.batch_size} x accum "
-        f"{cfg.grad_accum} = {global_batch} samples/step; cache {t.plan.cache} "
-        f"({len(store)} records, {state})"
-    )
-    console.print(f"train: {t.plan.objectives.describe()[0]}")
+        f"{cfg.grad_accum} = {global_batch} samples/step;",
+        f"cache {t.plan.cache} ({len(store)} records, {state})",
+    ]
+    for line in summary_lines(phrases):  # short lines: readable at 80 columns and in logs
+        console.print(line, soft_wrap=True)
+    for line in summary_lines(f"train: {t.plan.objectives.describe()[0]}".split(" ")):
+        console.print(line, soft_wrap=True)
     if not store.complete and not follow:
         console.print(
             "[yellow]train: the cache is not complete; training on the records committed so "
