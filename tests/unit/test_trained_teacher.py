@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -91,10 +93,21 @@ def test_grammar_words_are_single_tokens_and_no_prompt_is_truncated(quick_teache
         assert len(ids) <= TRAINED_SAMPLER["max_sequence_length"]
 
 
-def test_same_seed_gives_identical_weights(quick_teacher: Path, tmp_path: Path) -> None:
-    torch.manual_seed(99)  # another global RNG history must not matter
-    torch.rand(7)
-    same = make_trained_teacher(tmp_path / "same", steps=QUICK_STEPS, progress=False)
+def test_same_seed_gives_identical_bytes_whatever_the_threads_and_global_rng(
+    quick_teacher: Path, tmp_path: Path
+) -> None:
+    threads = torch.get_num_threads()
+    other_threads = 1 if threads > 1 else 2
+    torch.manual_seed(99)
+    expected_next = torch.rand(3)
+    torch.manual_seed(99)  # the build must neither read nor advance the global RNG
+    torch.set_num_threads(other_threads)  # nor depend on the caller's thread count
+    try:
+        same = make_trained_teacher(tmp_path / "same", steps=QUICK_STEPS, progress=False)
+        assert torch.get_num_threads() == other_threads, "thread count not restored"
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.rand(3), expected_next)
     ref = _safetensors_digests(quick_teacher)
     assert _safetensors_digests(same) == ref
     meta = "wandistill_teacher.json"
@@ -103,14 +116,6 @@ def test_same_seed_gives_identical_weights(quick_teacher: Path, tmp_path: Path) 
     other = make_trained_teacher(tmp_path / "other", seed=1, steps=QUICK_STEPS, progress=False)
     differing = {k for k, v in _safetensors_digests(other).items() if ref[k] != v}
     assert differing == set(ref)
-
-
-def test_build_leaves_global_rng_alone(tmp_path: Path) -> None:
-    torch.manual_seed(1234)
-    expected = torch.rand(3)
-    torch.manual_seed(1234)
-    make_trained_teacher(tmp_path / "t", steps=1, progress=False)
-    assert torch.equal(torch.rand(3), expected)
 
 
 def test_synthetic_prompts_are_reproducible_grammar_prompts() -> None:
@@ -176,14 +181,40 @@ def test_ensure_builds_once_and_reuses_the_folder(
     first = ensure_trained_teacher(tmp_path, steps=1, progress=False)
     assert first.parent == tmp_path / "teachers" and (first / "model_index.json").is_file()
 
-    def no_rebuild(*_: object, **__: object) -> Path:
-        raise AssertionError("a cached teacher was trained again")
-
-    monkeypatch.setattr(trained, "make_trained_teacher", no_rebuild)
+    monkeypatch.setattr(trained, "make_trained_teacher", _no_rebuild)
     assert ensure_trained_teacher(tmp_path, steps=1, progress=False) == first
     monkeypatch.undo()
     other = ensure_trained_teacher(tmp_path, steps=2, progress=False)
     assert other != first and (other / "model_index.json").is_file()
+
+
+def test_a_second_caller_waits_for_the_running_build_and_reuses_it(
+    quick_teacher: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from filelock import FileLock
+
+    folder = tmp_path / "teachers" / _folder_name(1)
+    folder.parent.mkdir()
+    waiting = threading.Event()
+    monkeypatch.setattr(trained._console, "print", lambda *_, **__: waiting.set())
+    monkeypatch.setattr(trained, "make_trained_teacher", _no_rebuild)
+    got: list[Path] = []
+
+    def second_caller() -> None:
+        got.append(ensure_trained_teacher(tmp_path, steps=1, progress=False))
+
+    with FileLock(folder.parent / f".{folder.name}.lock"):  # the first builder, mid-build
+        caller = threading.Thread(target=second_caller)
+        caller.start()
+        assert waiting.wait(timeout=120), "the second caller never reported waiting"
+        assert not folder.exists() and caller.is_alive()
+        shutil.copytree(quick_teacher, folder)  # what the first builder's rename leaves
+    caller.join(timeout=120)
+    assert got == [folder]
+
+
+def _no_rebuild(*_: object, **__: object) -> Path:
+    raise AssertionError("a cached teacher was trained again")
 
 
 def test_an_interrupted_build_leaves_nothing_and_the_next_one_finishes(

@@ -2,10 +2,11 @@
 
 Why this exists: the random teacher of `tiny.py` maps noise to noise, so nothing tells a good
 few-step student from a bad one. This teacher has learnt a real conditional distribution, small
-enough to train in about a minute on two CPU cores: "a big red ring at the top" gives a red ring
-near the top of a black frame, and sampling it in one or two steps gives a blurred, over-bright
-blob instead, which is the gap few-step distillation has to close. It is still a stock diffusers
-Wan 2.1 folder (`WanPipeline.from_pretrained(folder)`); only the transformer is trained.
+enough to train in about 75 s of one CPU core: "a big red ring at the top" gives a red ring near
+the top of a black frame, and sampling it in one or two steps gives a blurred, over-bright blob
+instead, which is the gap few-step distillation has to close (figures: docs/benchmarks.md,
+"Trained tiny teacher"). It is still a stock diffusers Wan 2.1 folder
+(`WanPipeline.from_pretrained(folder)`); only the transformer is trained.
 
 **Data.** Every prompt of a small grammar, ``a|an [small|big] <colour> <shape> [<position>]``
 (8 colours x 4 shapes x 3 sizes x 5 positions = 480 prompts, `grammar_prompts()`), rendered
@@ -31,19 +32,23 @@ decided); logit-normal sigmas gave crisper edges but a useless first step in a t
 samples get the embedding of the empty prompt, exactly what WanPipeline uses for
 ``negative_prompt=""``, so classifier-free guidance works. Prompt embeddings come from the frozen
 tiny UMT5 encoder (random weights; its tokenizer gets the grammar's words as whole-word pieces),
-computed once through `WanPipeline.encode_prompt`. AdamW (lr 4e-3, warm-up, cosine decay), batch
-64, 1500 steps, and the weights saved are an EMA (0.995) of the trained ones. `BuildSettings`
-holds these numbers; `TRAINED_SAMPLER` the sampler settings the teacher is meant for.
+computed once through `WanPipeline.encode_prompt`. Fused AdamW (lr 4e-3, warm-up, cosine
+decay), batch 64, 1000 steps, and the weights saved are an EMA (0.995) of the trained ones (1500
+steps draw crisper shapes but take about 115 s of CPU, too close to the 2-minute budget).
+`BuildSettings` holds these numbers; `TRAINED_SAMPLER` the sampler settings the teacher is meant
+for.
 
-**Reproducibility.** The same seed gives byte-identical safetensors for the same torch build, CPU
-kind and thread count (CPU matmuls may order float sums differently under another thread count or
-instruction set). Training uses torch's current thread count (OMP_NUM_THREADS).
-`ensure_trained_teacher(root)` builds once per digest of everything above under
-``root/teachers/`` and reuses that folder afterwards.
+**Reproducibility.** The same seed gives byte-identical safetensors for the same torch build and
+CPU kind, whatever OMP_NUM_THREADS says: training runs on one intra-op thread (`_one_thread`),
+since CPU matmuls order float sums by thread count. Another instruction set may still round
+differently. `ensure_trained_teacher(root, seed)` builds once per digest of everything above
+under ``root/teachers/`` (temp folder, then rename; concurrent callers wait on a file lock) and
+reuses that folder afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -51,12 +56,13 @@ import math
 import random
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import torch
+from rich.console import Console
 
 from wandistill.errors import UsageError
 from wandistill.progress import Progress
@@ -101,7 +107,7 @@ COLOURS: Mapping[str, tuple[float, float, float]] = MappingProxyType(
 )
 #: Shape words, each a signed-distance function in `_signed_distance`. They differ at the scale
 #: of whole latent pixels (a hole, an aspect ratio, corners); a cross was tried and dropped: at 8x8
-#: the 1500-step teacher drew it as a blob.
+#: the trained teacher drew it as a blob.
 SHAPES: tuple[str, ...] = ("circle", "square", "ring", "bar")
 #: Size words -> radius in latent pixels ("" is the default size, no word).
 SIZES: Mapping[str, float] = MappingProxyType({"small": 1.9, "": 2.5, "big": 3.2})
@@ -159,8 +165,9 @@ _EXTRA_WORDS: tuple[str, ...] = (*SHAPES, "top", "bottom", "left", "right")
 _LATENT_HW = (TRAINED_SAMPLER["height"] // 8, TRAINED_SAMPLER["width"] // 8)
 _CHANNELS = 16
 _META_FILE = "wandistill_teacher.json"
+_console = Console(stderr=True, highlight=False, soft_wrap=True)
 #: Bump when the renderer or the training loop changes what the same settings produce.
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,8 +176,8 @@ class BuildSettings:
 
     seed: int = 0
     """Seeds the components, the data stream and the training."""
-    steps: int = 1500
-    """Optimiser steps; tests pass a few dozen. 1500 takes about a minute on two cores."""
+    steps: int = 1000
+    """Optimiser steps; tests pass a few. 1000 take about 70 s of one CPU core."""
     batch_size: int = 64
     lr: float = 4e-3
     warmup_steps: int = 50
@@ -388,7 +395,8 @@ def _train(model: torch.nn.Module, pipe: Any, settings: BuildSettings, progress:
     specs = _grammar()
     embeds_PLD, empty_1LD = _embed(pipe, [p.text for p in specs])
     g = torch.Generator().manual_seed(derived_seed(settings.seed, "trained-data"))
-    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.99))
+    # fused: one kernel for all 69 tensors, 2 ms a step instead of 7 (a tenth of the step).
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.99), fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: _lr_factor(step, settings))
     b, smooth = settings.batch_size, float("nan")
     ema = torch.optim.swa_utils.AveragedModel(
@@ -430,7 +438,7 @@ def build_trained_pipeline(settings: BuildSettings, progress: bool = True) -> tu
     from diffusers import WanPipeline, WanTransformer3DModel
 
     components = build_components(settings.seed, wan22=False, extra_words=_EXTRA_WORDS)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _one_thread():
         torch.manual_seed(derived_seed(settings.seed, "trained-transformer"))
         model = WanTransformer3DModel(**TRAINED_TRANSFORMER_CONFIG)
         components["transformer"] = model
@@ -438,6 +446,24 @@ def build_trained_pipeline(settings: BuildSettings, progress: bool = True) -> tu
         loss = _train(model, pipe, settings, progress)
     model.eval()
     return pipe, loss
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread, then restore the caller's count.
+
+    Why: CPU matmuls split their sums differently under another thread count, so the weights
+    would depend on OMP_NUM_THREADS; with one thread the same seed gives the same bytes however
+    the process was started. It costs little: these matrices are too small for a second thread
+    to help much (about 1.3x when idle), and on a shared 2-core machine two OpenMP threads run
+    many times slower as soon as another process takes a core (docs/benchmarks.md, Train).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- building
@@ -489,14 +515,12 @@ def ensure_trained_teacher(
     A file lock makes concurrent callers (demo and benchmark started together) train it once;
     temp folders that an interrupted build left behind are removed under that lock.
     """
-    from filelock import FileLock
-
     folder = Path(root).absolute() / "teachers" / f"trained-{_settings(seed, steps).digest()}"
     if (folder / "model_index.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(folder.parent / f".{folder.name}.lock"):
-        if (folder / "model_index.json").is_file():
+    with _build_lock(folder):
+        if (folder / "model_index.json").is_file():  # another process built it meanwhile
             return folder
         for stale in folder.parent.glob(f".{folder.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -504,3 +528,24 @@ def ensure_trained_teacher(
             return make_trained_teacher(folder, seed=seed, steps=steps, progress=progress)
         except FileExistsError as e:
             raise UsageError(str(e), fix=f"remove {folder} and run again") from None
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Hold `folder`'s build lock; say so on stderr when another process holds it first.
+
+    Why the line: a second demo started beside the first would otherwise sit silent for the
+    minute the first one spends training.
+    """
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(folder.parent / f".{folder.name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        _console.print(f"teacher: waiting for another process to finish training {folder}")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
