@@ -87,7 +87,8 @@ def teacher_make_trained(
     steps: Annotated[
         int | None,
         typer.Option(
-            help="Optimiser steps [default: the recipe's 1000, ~75 s of one core]; fewer: tests."
+            help="Optimiser steps (default: the recipe's 1000, about 75 s of one core); "
+            "fewer for tests."
         ),
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing teacher at PATH.")] = False,

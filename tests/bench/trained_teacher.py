@@ -15,7 +15,7 @@
    - conditioning, on the 16-step samples: the share of samples nearer (latent MSE) to their own
      prompt's `synthetic_pattern` than to every other sampled prompt's; and, for the nearest of
      all 480 grammar patterns, the share that agrees with the prompt on colour, shape, size and
-     position.
+     position; the same scores for jittered training samples of those prompts are the ceiling.
 3. Writes a PNG of the first 8 prompts (rows) at each K and the ground-truth pattern (columns):
    latent channels 0-2 as RGB, each latent pixel 8x8, at --guidance.
 
@@ -44,6 +44,7 @@ from PIL import Image, ImageDraw
 from wandistill.teacher.decode import save_png
 from wandistill.teacher.trained import (
     TRAINED_SAMPLER,
+    _training_batch,
     grammar_prompts,
     parse_prompt,
     synthetic_pattern,
@@ -87,9 +88,8 @@ def sample(pipe: Any, prompts: list[str], k: int, guidance: float) -> torch.Tens
 def conditioning(latents: torch.Tensor, prompts: list[str]) -> dict[str, float]:
     """Own-pattern win rate against the other sampled prompts, and per-attribute accuracy of
     the nearest grammar pattern."""
-    own = torch.stack([synthetic_pattern(p) for p in prompts])
-    d = (latents[:, None] - own[None]).square().mean(dim=(2, 3, 4, 5))
-    wins = (d.argmin(dim=1) == torch.arange(len(prompts))).float().mean().item()
+    sampled = sorted(set(prompts))
+    wins = nearest_share(latents, prompts, sampled)
     grammar = grammar_prompts()
     every = torch.stack([synthetic_pattern(p) for p in grammar])
     nearest = (latents[:, None] - every[None]).square().mean(dim=(2, 3, 4, 5)).argmin(dim=1)
@@ -100,6 +100,22 @@ def conditioning(latents: torch.Tensor, prompts: list[str]) -> dict[str, float]:
         hits = sum(getattr(g, attr) == getattr(w, attr) for g, w in zip(got, want, strict=True))
         out[attr] = round(hits / len(prompts), 3)
     return out
+
+
+def nearest_share(latents: torch.Tensor, prompts: list[str], candidates: list[str]) -> float:
+    """Share of latents whose nearest candidate pattern is their own prompt's."""
+    patterns = torch.stack([synthetic_pattern(p) for p in candidates])
+    nearest = (latents[:, None] - patterns[None]).square().mean(dim=(2, 3, 4, 5)).argmin(dim=1)
+    hits = sum(candidates[j] == p for j, p in zip(nearest.tolist(), prompts, strict=True))
+    return hits / len(prompts)
+
+
+def data_ceiling(prompts: list[str]) -> dict[str, float]:
+    """The same scores for jittered training samples of the same prompts (4 per prompt): what a
+    teacher that samples its training distribution exactly would score."""
+    specs = [parse_prompt(p) for p in prompts]
+    idx, latents = _training_batch(specs, 4 * len(specs), torch.Generator().manual_seed(0))
+    return conditioning(latents, [prompts[i] for i in idx])
 
 
 def evaluate(folder: Path, prompts: list[str]) -> dict[str, Any]:
@@ -194,6 +210,7 @@ def main() -> None:
         "builds": builds,
         "settings": meta["settings"],
         "final_loss": meta["final_loss"],
+        "data_ceiling": data_ceiling(prompts),
         "trained": strip(trained),
         "random_baseline": strip(random_teacher),
         "png": str(args.png),
