@@ -87,13 +87,13 @@ def teacher_make_trained(
     steps: Annotated[
         int | None,
         typer.Option(
-            help="Optimiser steps (default: the recipe's 1000, about 75 s of one core); "
+            help="Optimiser steps (default: the recipe's 800, about 70 s of one core); "
             "fewer for tests."
         ),
     ] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace an existing teacher at PATH.")] = False,
 ) -> None:
-    """Train a tiny Wan teacher on coloured shapes ("a red circle at the top"), ~75 s on a CPU."""
+    """Train a tiny Wan teacher on coloured shapes ("a red circle at the top"), ~70 s on a CPU."""
     from wandistill.teacher.trained import make_trained_teacher
 
     _positive(steps=steps)

@@ -2,7 +2,7 @@
 
 Why this exists: the random teacher of `tiny.py` maps noise to noise, so nothing tells a good
 few-step student from a bad one. This teacher has learnt a real conditional distribution, small
-enough to train in about 75 s of one CPU core: "a big red ring at the top" gives a red ring near
+enough to train in about 70 s of one CPU core: "a big red ring at the top" gives a red ring near
 the top of a black frame, and sampling it in one or two steps gives a blurred, over-bright blob
 instead, which is the gap few-step distillation has to close (figures: docs/benchmarks.md,
 "Trained tiny teacher"). It is still a stock diffusers Wan 2.1 folder
@@ -33,8 +33,9 @@ samples get the embedding of the empty prompt, exactly what WanPipeline uses for
 ``negative_prompt=""``, so classifier-free guidance works. Prompt embeddings come from the frozen
 tiny UMT5 encoder (random weights; its tokenizer gets the grammar's words as whole-word pieces),
 computed once through `WanPipeline.encode_prompt`. Fused AdamW (lr 4e-3, warm-up, cosine
-decay), batch 64, 1000 steps, and the weights saved are an EMA (0.995) of the trained ones (1500
-steps draw crisper shapes but take about 115 s of CPU, too close to the 2-minute budget).
+decay), batch 64, 800 steps, and the weights saved are an EMA (0.995) of the trained ones. More
+steps draw crisper shapes, but each costs ~80 ms of a core: 1500 steps took 115 s of CPU, and
+even 1000 (~90 s for the whole build) left too little of the 2-minute budget on a shared machine.
 `BuildSettings` holds these numbers; `TRAINED_SAMPLER` the sampler settings the teacher is meant
 for.
 
@@ -176,8 +177,8 @@ class BuildSettings:
 
     seed: int = 0
     """Seeds the components, the data stream and the training."""
-    steps: int = 1000
-    """Optimiser steps; tests pass a few. 1000 take about 70 s of one CPU core."""
+    steps: int = 800
+    """Optimiser steps; tests pass a few. 800 take about 65 s of one CPU core."""
     batch_size: int = 64
     lr: float = 4e-3
     warmup_steps: int = 50
