@@ -1,6 +1,6 @@
 """The trained tiny teacher: a stock Wan folder, reproducible, conditioned on its grammar.
 
-Builds here train for a few hundred steps at most (the recipe's 1500 take about a minute);
+Builds here train for a few hundred steps at most (the recipe's 800 take about 70 s);
 the full build's sample quality and few-step degradation are measured by
 tests/bench/trained_teacher.py and recorded in docs/benchmarks.md.
 """
