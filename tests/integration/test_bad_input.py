@@ -367,6 +367,16 @@ CASES = [
          watch=("teacher",)),
     Case("make-tiny-under-a-file", ["teacher", "make-tiny", "{prompts}/t"], 2,
          "cannot create teacher folder '{prompts}/t': '{prompts}' is a file"),
+    Case("make-trained-exists", ["teacher", "make-trained", "{teacher}"], 2,
+         "already holds a teacher", watch=("teacher",)),
+    Case("make-trained-not-a-teacher", ["teacher", "make-trained", "{cache}"], 2,
+         "{cache} exists and is not a diffusers teacher folder", watch=("cache",)),
+    Case("make-trained-on-a-file", ["teacher", "make-trained", "{prompts}"], 2,
+         "cannot create teacher folder '{prompts}': '{prompts}' is a file"),
+    Case("make-trained-under-a-file", ["teacher", "make-trained", "{prompts}/t"], 2,
+         "cannot create teacher folder '{prompts}/t': '{prompts}' is a file"),
+    Case("make-trained-zero-steps", ["teacher", "make-trained", "{tmp}/t", "--steps", "0"], 2,
+         "--steps 0 must be positive", absent=("t",), fix=False),
     Case("demo-recipe-missing", ["demo", "--recipe", "{tmp}/nope.toml", "--root", "{tmp}/out"], 2,
          "recipe '{tmp}/nope.toml' does not exist"),
     Case("unknown-command", ["cache", "infoo", "x"], 2, "No such command", fix=False),
@@ -412,6 +422,7 @@ def test_the_matrix_covers_every_command_with_at_least_30_cases() -> None:
         "plan",
         "demo",
         "teacher make-tiny",
+        "teacher make-trained",
     } <= commands
     assert {"cache info", "cache verify"} <= commands
     assert len(CASES) >= 30

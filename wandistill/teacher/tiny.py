@@ -38,7 +38,12 @@ __all__ = [
     "TEXT_ENCODER_CONFIG",
     "VAE_CONFIG",
     "SCHEDULER_CONFIG",
+    "build_components",
+    "check_target",
+    "derived_seed",
     "make_tiny_teacher",
+    "NotATeacherError",
+    "write_teacher",
 ]
 
 #: Sampling sizes that suit the tiny teacher: `height`/`width` are multiples of 16 (VAE stride 8
@@ -145,10 +150,11 @@ _WORDS: tuple[str, ...] = tuple(
 _CHARS: str = string.ascii_letters + string.digits + string.punctuation
 
 
-def _tokenizer_vocab() -> list[tuple[str, float]]:
+def _tokenizer_vocab(extra_words: tuple[str, ...] = ()) -> list[tuple[str, float]]:
     """Unigram pieces with log-probability scores: whole words beat spelling them out."""
     vocab: list[tuple[str, float]] = [(_PAD, 0.0), (_EOS, 0.0), (_UNK, 0.0), (_SPACE, -4.0)]
-    vocab += [(f"{_SPACE}{w}", -5.0 - 0.01 * i) for i, w in enumerate(_WORDS)]
+    words = (*_WORDS, *extra_words)
+    vocab += [(f"{_SPACE}{w}", -5.0 - 0.01 * i) for i, w in enumerate(words)]
     vocab += [(c, -8.0) for c in _CHARS]
     pieces = [p for p, _ in vocab]
     if len(set(pieces)) != len(pieces):  # pragma: no cover - guards edits to the word list
@@ -156,8 +162,11 @@ def _tokenizer_vocab() -> list[tuple[str, float]]:
     return vocab
 
 
-def _build_tokenizer() -> Any:
+def _build_tokenizer(extra_words: tuple[str, ...] = ()) -> Any:
     """A T5-style (SentencePiece Unigram) fast tokenizer built offline with `tokenizers`.
+
+    `extra_words` become whole-word pieces after the common English ones (a trained teacher's
+    grammar words); the default vocabulary is the random tiny teacher's.
 
     The backend mirrors what `transformers` builds for T5 (Unigram with unk id 2, whitespace split
     then Metaspace, `$A </s>` post-processing), so reloading `tokenizer.json` through
@@ -167,7 +176,7 @@ def _build_tokenizer() -> Any:
     from tokenizers.models import Unigram
     from transformers import T5TokenizerFast
 
-    vocab = _tokenizer_vocab()
+    vocab = _tokenizer_vocab(extra_words)
     backend = Tokenizer(Unigram(vocab, unk_id=2, byte_fallback=False))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -190,7 +199,7 @@ def _build_tokenizer() -> Any:
     )
 
 
-def _derived_seed(seed: int, component: str) -> int:
+def derived_seed(seed: int, component: str) -> int:
     """A distinct, platform-independent seed per component (same seed -> same weights)."""
     digest = hashlib.sha256(f"wandistill-tiny-teacher:{seed}:{component}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
@@ -210,12 +219,15 @@ def _variance_preserving_(module: torch.nn.Module) -> None:
                 sub.weight.normal_(0.0, sub.in_features**-0.5)
 
 
-def _build_components(seed: int, wan22: bool) -> dict[str, Any]:
-    """Every component of a WanPipeline, each drawn from its own derived seed."""
+def build_components(seed: int, wan22: bool, extra_words: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every component of a WanPipeline, each drawn from its own derived seed.
+
+    `extra_words` extend the tokenizer's whole-word pieces (see `_build_tokenizer`).
+    """
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    tokenizer = _build_tokenizer()
+    tokenizer = _build_tokenizer(extra_words)
     if len(tokenizer) > TEXT_ENCODER_CONFIG["vocab_size"]:  # pragma: no cover - config guard
         raise AssertionError(
             f"tokenizer has {len(tokenizer)} tokens but the text encoder only "
@@ -223,16 +235,16 @@ def _build_components(seed: int, wan22: bool) -> dict[str, Any]:
         )
 
     def transformer(name: str) -> Any:
-        torch.manual_seed(_derived_seed(seed, name))
+        torch.manual_seed(derived_seed(seed, name))
         model = WanTransformer3DModel(**TRANSFORMER_CONFIG)
         _variance_preserving_(model)
         return model.eval()
 
     # fork_rng: seeding here must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_derived_seed(seed, "text_encoder"))
+        torch.manual_seed(derived_seed(seed, "text_encoder"))
         text_encoder = UMT5EncoderModel(UMT5Config(**TEXT_ENCODER_CONFIG)).eval()
-        torch.manual_seed(_derived_seed(seed, "vae"))
+        torch.manual_seed(derived_seed(seed, "vae"))
         vae = AutoencoderKLWan(**VAE_CONFIG).eval()
         transformer_1 = transformer("transformer")
         transformer_2 = transformer("transformer_2") if wan22 else None
@@ -265,7 +277,11 @@ def _fsync_tree(root: Path) -> None:
         _fsync(path)
 
 
-def _check_target(path: Path, overwrite: bool) -> None:
+class NotATeacherError(FileExistsError):
+    """The target exists and is no teacher folder: never replaced, even with overwrite."""
+
+
+def check_target(path: Path, overwrite: bool) -> None:
     """Refuse to clobber an existing teacher (unless `overwrite`) or anything that is not one."""
     if not path.exists() and not path.is_symlink():
         return
@@ -279,7 +295,7 @@ def _check_target(path: Path, overwrite: bool) -> None:
             return
         if not any(path.iterdir()):
             return
-    raise FileExistsError(
+    raise NotATeacherError(
         f"{path} exists and is not a diffusers teacher folder (no model_index.json); "
         "refusing to replace it"
     )
@@ -309,19 +325,32 @@ def make_tiny_teacher(
     from diffusers import WanPipeline
 
     path = Path(path).absolute()
-    _check_target(path, overwrite)
+    check_target(path, overwrite)
+    return write_teacher(path, WanPipeline(**build_components(seed, wan22)), overwrite=overwrite)
+
+
+def write_teacher(
+    path: Path, pipe: Any, *, overwrite: bool, extra_json: Mapping[str, Any] | None = None
+) -> Path:
+    """`pipe.save_pretrained` into a hidden temp sibling, then rename it onto `path`.
+
+    `extra_json` adds top-level JSON files (name -> object) next to model_index.json. `path` is
+    either absent or a complete teacher at every moment; `overwrite` swaps an old teacher out.
+    """
+    path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     if tmp.exists():  # an unfinished build by a dead process that had our pid
         shutil.rmtree(tmp)
 
     try:
-        pipe = WanPipeline(**_build_components(seed, wan22))
         pipe.save_pretrained(tmp, safe_serialization=True)
         _normalise_model_index(tmp)
+        for name, obj in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
         _fsync_tree(tmp)
 
-        _check_target(path, overwrite)  # again: another writer may have finished meanwhile
+        check_target(path, overwrite)  # again: another writer may have finished meanwhile
         if path.is_dir() and any(path.iterdir()):
             # overwrite: park the old teacher under a unique hidden name, swap, then delete it.
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
