@@ -438,7 +438,9 @@ class Checker:
 def read_training(
     path: Path | str, batch_size: int, threads: int, check: Checker
 ) -> tuple[int, int]:
-    reader = TrainingReader(path, batch_size=batch_size, fields=FIELDS, num_threads=threads)
+    reader = TrainingReader(  # padded as `wandistill train` reads: to the batch, then on device
+        path, batch_size=batch_size, fields=FIELDS, num_threads=threads, pad="batch"
+    )
     n_batches = reader.batches_per_epoch()
     samples = payload = 0
     check.checked = 0
@@ -572,7 +574,9 @@ class RangeLog:
 
 def reader_ranges(location: str, batch_size: int, threads: int) -> list[tuple[str, int, int]]:
     """Every (object, offset, size) one epoch of the training reader reads."""
-    reader = TrainingReader(location, batch_size=batch_size, fields=FIELDS, num_threads=threads)
+    reader = TrainingReader(  # padded as `wandistill train` reads: to the batch, then on device
+        location, batch_size=batch_size, fields=FIELDS, num_threads=threads, pad="batch"
+    )
     log = RangeLog(reader.store.source.store)
     reader.store.source.store = log
     it = iter(reader)
