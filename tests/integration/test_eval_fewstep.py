@@ -15,11 +15,12 @@ import pytest
 import torch
 from PIL import Image
 
-from wandistill.cli import main
 from wandistill.eval import grid as gridmod
 from wandistill.eval.run import evaluate
 from wandistill.student.folders import read_run
 from wandistill.teacher.folder import TeacherFolder
+
+from clirun import run_cli as _cli
 
 pytestmark = pytest.mark.slow
 
@@ -64,16 +65,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "cache": root / "cache",
         **{n: root / n for n in ("fewstep", "baseline", "prompts.txt")},
     }
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _figures(path: Path) -> dict:

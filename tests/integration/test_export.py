@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from wandistill.cli import main
 from wandistill.train.metrics import read_metrics
+
+from clirun import run_cli as _cli
 
 pytestmark = pytest.mark.slow
 
@@ -91,16 +92,6 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     _precompute(w["teacher_wan21"], prompts, root / "sparse", "sampler.record_every=2")
     w["sparse"] = root / "sparse"
     return w
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _export(capsys, world: dict[str, Path], layout: str, out: Path, *flags: str) -> str:

@@ -16,21 +16,11 @@ from wandistill.cache.merge import MergeConfig, merge
 from wandistill.cache.reader import open_cache
 from wandistill.cache.schema import is_holdout
 from wandistill.cache.wds import safe_decoder
-from wandistill.cli import main
 
 from cachefixtures import SETTINGS, write_cache
+from clirun import run_cli as _run
 
 HOLDOUT = {**SETTINGS, "holdout_fraction": 0.3}
-
-
-def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _keys(path: Path) -> list[str]:

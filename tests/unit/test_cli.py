@@ -10,19 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from wandistill.cli import main
-
 from cachefixtures import write_cache
-
-
-def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+from clirun import run_cli as _run
 
 
 def test_the_console_script_answers_help() -> None:

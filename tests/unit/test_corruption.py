@@ -22,10 +22,10 @@ from wandistill.cache import open_cache
 from wandistill.cache.manifest import read_manifest
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.training import TrainingReader
-from wandistill.cli import main
 from wandistill.errors import CacheError, CorruptRecordError
 
 from cachefixtures import make_record, write_cache
+from clirun import run_cli as _cli
 
 STEP_FIELDS = ("xt", "teacher_out", "timesteps")
 TRAIN_SETS = (
@@ -46,16 +46,6 @@ def _no_process_group() -> Iterator[None]:
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _train(

@@ -15,7 +15,6 @@ import pytest
 import torch
 from rich.console import Console
 
-from wandistill.cli import main
 from wandistill.config import load_recipe, to_dict
 from wandistill.errors import ConfigError, UsageError
 from wandistill.placements import (
@@ -36,6 +35,8 @@ from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.plan import GiB, Inventory, SamplerSizes, make_plan, render_plan
 from wandistill.teacher.tiny import make_tiny_teacher
 
+from clirun import run_cli as _run
+
 ROOT = Path(__file__).parents[2]
 BF16 = torch.bfloat16
 RECIPE_4X80 = ROOT / "pipelines" / "wan2.1-14b_4x80gb.toml"
@@ -53,16 +54,6 @@ def _offline() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_teacher(tmp_path_factory.mktemp("placements") / "wan21")
-
-
-def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 class _Captured(Exception):

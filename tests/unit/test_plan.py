@@ -10,7 +10,6 @@ import pytest
 import torch
 from rich.console import Console
 
-from wandistill.cli import main
 from wandistill.config import load_recipe
 from wandistill.errors import UsageError
 from wandistill.placements import parse_placement
@@ -27,6 +26,8 @@ from wandistill.teacher.plan import (
     render_plan,
 )
 from wandistill.teacher.tiny import make_tiny_teacher
+
+from clirun import run_cli as _run
 
 BF16, FP32 = torch.bfloat16, torch.float32
 MACHINES = {
@@ -267,16 +268,6 @@ def test_meminfo_is_read_in_bytes(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- command
-
-
-def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_plan_command_for_a_committed_config(capsys: pytest.CaptureFixture[str]) -> None:

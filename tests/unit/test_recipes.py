@@ -7,22 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from wandistill.cli import main
 from wandistill.config import load_recipe, resolve_recipe, shipped_recipe_names, to_dict
 from wandistill.errors import ConfigError
 
+from clirun import run_cli as _run
+
 REPO = Path(__file__).parents[2]
 PIPELINES = sorted((REPO / "pipelines").glob("*.toml"))
-
-
-def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _error_lines(err: str) -> list[str]:
