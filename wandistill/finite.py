@@ -40,7 +40,7 @@ def is_finite(t: torch.Tensor) -> bool:
         return True
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return bool(torch.isfinite(t).all())
-    return math.isfinite(float(torch.sum(t, dtype=torch.float64)))
+    return math.isfinite(float(torch.sum(t.detach(), dtype=torch.float64)))
 
 
 def bad_rows(t: torch.Tensor) -> list[int]:
