@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import socket
+import urllib.request
 from collections.abc import Iterator
 
 BUCKET = "wandistill-test"
@@ -49,6 +50,10 @@ def s3_server() -> Iterator[dict[str, str]]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = s3_env(f"http://127.0.0.1:{port}")
+    # moto keeps its buckets in process-wide state: a server started after another one in the
+    # same test process would see that one's buckets and objects. Start from an empty account.
+    reset = urllib.request.Request(f"{env['AWS_ENDPOINT_URL']}/moto-api/reset", method="POST")
+    urllib.request.urlopen(reset, timeout=10).close()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     forget_clients()
