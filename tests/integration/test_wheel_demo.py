@@ -79,6 +79,19 @@ def test_the_wheel_holds_every_module_data_file_and_recipe(wheel: Path) -> None:
     assert "wandistill/recipes/tiny.toml" in names
 
 
+CHEAP = [  # the demo's recipe at toy sizes: 4 teacher steps, a K = 2 student, 2 training steps
+    "precompute.sampler.num_inference_steps=4",
+    "precompute.sampler.height=32",
+    "precompute.sampler.width=32",
+    "train.student.num_inference_steps=2",
+    "train.steps=2",
+    "train.batch_size=8",
+    "train.checkpoint_every=2",
+    "train.data_threads=1",
+    'train.device="cpu"',
+]
+
+
 def test_the_installed_wheel_runs_the_demo_from_an_empty_directory(
     venv: Path, tmp_path: Path
 ) -> None:
@@ -86,8 +99,17 @@ def test_the_installed_wheel_runs_the_demo_from_an_empty_directory(
     where = _run([venv / "bin" / "python", "-c", code], cwd=tmp_path)
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout + where.stderr
 
-    # The demo's own content may change; it must run end to end from the wheel (few steps).
-    demo = _run([venv / "bin" / "wandistill", "demo", "--set", "train.steps=2"], cwd=tmp_path)
+    # The demo's own content may change; it must run end to end from the wheel. Made cheap: a
+    # random tiny teacher (the trained one costs a minute of CPU; its build has its own tests),
+    # given prompts, few steps.
+    cli = venv / "bin" / "wandistill"
+    assert _run([cli, "teacher", "make-tiny", "teacher"], cwd=tmp_path).returncode == 0
+    (tmp_path / "prompts.txt").write_text("".join(f"a cat number {i}\n" for i in range(40)))
+    sets = [*CHEAP, 'precompute.prompts="prompts.txt"']
+    demo = _run(
+        [cli, "demo", "--teacher", "teacher", *(x for s in sets for x in ("--set", s))],
+        cwd=tmp_path,
+    )
     assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-3000:]
     made = tmp_path / "cache" / "demo"  # the default --root is relative to the cwd
     assert made.is_dir() and any(made.iterdir())
