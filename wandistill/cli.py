@@ -1241,7 +1241,9 @@ def _fail(message: str, code: int, fix: str | None = None) -> None:
 def _command() -> Any:
     """The click command tree, built once: typer rebuilds it on every `app()` call (~0.1 s of
     signature inspection), which in-process callers (tests, the demo) would pay each time."""
-    return typer.main.get_command(app)
+    from wandistill.workarounds import hide_flag_types
+
+    return hide_flag_types(typer.main.get_command(app))
 
 
 def main(argv: list[str] | None = None) -> None:

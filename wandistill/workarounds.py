@@ -30,6 +30,7 @@ __all__ = [
     "ddp_no_buffer_sync",
     "dtype_kwarg",
     "group_offload_level",
+    "hide_flag_types",
     "incomplete_device_map",
     "mixed_map_kwargs",
     "never_split",
@@ -285,6 +286,30 @@ def remove_diffusers_hooks(module: torch.nn.Module) -> None:
         del sub._diffusers_hook
 
 
+# --------------------------------------------------------------------------- typer
+
+
+def hide_flag_types(command: Any) -> Any:
+    """typer's rich help prints a boolean flag's type, `--resume --no-resume <bool>`, which
+    reads as if the flag took a value (`--resume false` is refused). An empty metavar is what
+    typer shows instead of the type, so every flag of the command tree gets one."""
+    for param in getattr(command, "params", []):
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    help_option = command.get_help_option  # --help is made per context, not in `params`
+
+    def get_help_option(ctx: Any) -> Any:
+        option = help_option(ctx)
+        if option is not None and option.metavar is None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = get_help_option
+    for sub in getattr(command, "commands", {}).values():
+        hide_flag_types(sub)
+    return command
+
+
 # --------------------------------------------------------------------------- registry
 
 WORKAROUNDS: tuple[Workaround, ...] = (
@@ -368,5 +393,11 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "diffusers",
         "diffusers >=0.33 (tested 0.42.1): private _diffusers_hook registry",
         "none found: no public API to undo apply_group_offloading",
+    ),
+    Workaround(
+        "hide_flag_types",
+        "typer",
+        "typer >=0.12 (tested 0.29.2; still needed): rich help shows <bool> after every flag",
+        "none found: typer's rich_utils prints `display_type_rich()` for flags as for options",
     ),
 )

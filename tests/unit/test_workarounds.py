@@ -12,6 +12,7 @@ import tempfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -260,3 +261,28 @@ def test_remove_diffusers_hooks_still_finds_the_private_registry(teacher: Path) 
     assert registries and all(hasattr(r, "hooks") and hasattr(r, "remove_hook") for r in registries)
     workarounds.remove_diffusers_hooks(model)
     assert not any(hasattr(m, "_diffusers_hook") for m in model.modules())
+
+
+# --------------------------------------------------------------------------- typer
+
+
+def test_hide_flag_types_is_needed_typer_still_shows_bool_after_a_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import typer
+
+    monkeypatch.setenv("COLUMNS", "100")
+    app = typer.Typer()
+
+    @app.command()
+    def go(resume: bool = typer.Option(False, "--resume/--no-resume", help="Go on.")) -> None:
+        """Go."""
+
+    def shown(command: Any) -> str:
+        with pytest.raises(SystemExit):
+            command.main(["--help"], prog_name="go")
+        return capsys.readouterr().out
+
+    assert "<bool>" in shown(typer.main.get_command(app))  # still needed: the type is shown
+    fixed = shown(workarounds.hide_flag_types(typer.main.get_command(app)))
+    assert "<bool>" not in fixed and "--no-resume" in fixed  # and hiding it still applies
