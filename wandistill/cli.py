@@ -168,8 +168,10 @@ def teacher_make_trained(
         ),
     ] = False,
 ) -> None:
-    """Train a tiny Wan teacher on coloured shapes ("a red circle at the top"), ~70 s on a CPU:
-    its samples have structure and few-step sampling visibly degrades (the demo's teacher)."""
+    """Train a tiny Wan teacher on coloured shapes, ~70 s on a CPU (the demo's teacher).
+
+    Prompts like "a red circle at the top" give matching patterns: its samples have structure
+    and few-step sampling visibly degrades."""
     from wandistill.bounds import SEED, flag_problem
     from wandistill.teacher.trained import make_trained_teacher
 
@@ -299,8 +301,9 @@ def cache_merge(
     inputs: Annotated[list[str], typer.Argument(help="Input cache directories (2 or more).")],
     out_dir: Annotated[str, typer.Option("--out", help="The merged cache (new or empty).")],
 ) -> None:
-    """Join finished caches of one teacher and settings into one (shards hard-linked, not
-    copied, where the disk allows; see docs/cache-format.md)."""
+    """Join finished caches of one teacher and settings into one.
+
+    Shards are hard-linked, not copied, where the disk allows; see docs/cache-format.md."""
     from wandistill.cache.merge import MergeConfig, merge
 
     _out_dir(out_dir)
@@ -777,8 +780,10 @@ def eval_cmd(
     ] = False,
     device: DeviceOpt = "cpu",
 ) -> None:
-    """The K-step student vs the teacher's N-step result on held-out records, beside the teacher
-    at K steps and a step-imitating baseline: a table (R_K), JSON and a PNG grid."""
+    """Score the K-step student against the teacher on held-out records (R_K).
+
+    The student at K steps vs the teacher's N-step result, beside the teacher itself at K steps
+    and a step-imitating baseline: a table (R_K), JSON and a PNG grid."""
     from wandistill.eval.run import evaluate
     from wandistill.placements import parse_device
     from wandistill.student.folders import open_student, read_run
@@ -904,8 +909,10 @@ def sample_cmd(
     limit: Annotated[int, typer.Option(help="Sample at most N prompts (>= 1).")] = 16,
     device: DeviceOpt = "cpu",
 ) -> None:
-    """Images from prompts through WanPipeline: an exported student (--export), a run's student
-    with its teacher's text encoder and VAE (--run + --teacher), or the teacher itself."""
+    """Images from prompts through WanPipeline, from a student or the teacher.
+
+    An exported student (--export), a run's student with its teacher's text encoder and VAE
+    (--run + --teacher), or the teacher itself."""
     from wandistill.eval.sample import SampleOptions, sample
     from wandistill.placements import parse_device
     from wandistill.precompute.prompts import read_prompts
@@ -1013,7 +1020,9 @@ def demo_cmd(
         ),
     ] = None,
 ) -> None:
-    """Trained tiny teacher -> precompute (16 steps, CFG) -> a 4-step student -> eval against the
+    """The whole job on a tiny teacher, offline: cache, a 4-step student, its evaluation.
+
+    Trained tiny teacher -> precompute (16 steps, CFG) -> a 4-step student -> eval against the
     teacher at 4 steps; prints the table, writes grid.png, loss.png and metrics.png."""
     from wandistill.demo import run_demo
 
@@ -1066,8 +1075,9 @@ def export_cmd(
         ),
     ] = False,
 ) -> None:
-    """Write a complete WanPipeline folder: the student, its K-step scheduler, the teacher's
-    tokenizer, text encoder and VAE."""
+    """Write a WanPipeline folder that stock diffusers loads and runs in K steps.
+
+    The student, its K-step scheduler, the teacher's tokenizer, text encoder and VAE."""
     from wandistill.student.export import export
     from wandistill.teacher.folder import TeacherFolder
 

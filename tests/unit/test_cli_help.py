@@ -106,3 +106,10 @@ def test_the_no_form_switches_a_boolean_back_off(
     cli.main(["cache", "info", str(tmp_path / "c"), "--json", "--no-json"])
     table = capsys.readouterr().out
     assert not table.lstrip().startswith("{") and "records" in table  # the table, not JSON
+
+
+def test_every_command_opens_its_help_with_a_one_line_summary() -> None:
+    """The command list shows the first paragraph as it is written: one line, or it wraps oddly."""
+    for name, command in COMMANDS.items():
+        first = (command.help or "").strip().split("\n\n")[0]
+        assert "\n" not in first, f"{name}: {first!r}"
