@@ -1029,16 +1029,24 @@ def demo_cmd(
     result = run_demo(root, recipe, overrides, baseline=baseline, teacher=teacher)
     out.print()
     out.print(result.eval.console_table(), highlight=False)
-    stages = ", ".join(f"{k} {v:.0f} s" for k, v in result.seconds.items())
-    out.print(
-        f"\nwall time: {stages} ({sum(result.seconds.values()):.0f} s)\n"
-        f"grid ({' | '.join(c.name for c in result.eval.columns)}): {result.grid}\n"
-        f"loss curve: {result.loss_plot}\nmetrics: {result.metrics_plot}\n"
-        f"export it: wandistill export --run {result.root / 'run'} --teacher "
-        f"{result.teacher} --out {result.root / 'pipeline'}",
-        highlight=False,
-        soft_wrap=True,
-    )
+    from wandistill.progress import summary_lines
+
+    total = sum(result.seconds.values())
+    stages = [f"{k} {v:.0f} s" for k, v in result.seconds.items()]
+    stages = [*(f"{x}," for x in stages[:-1]), *stages[-1:]]
+    lines = [
+        "",
+        *summary_lines(["wall time:", *stages, f"({total:.0f} s in all)"]),
+        f"grid ({' | '.join(c.name for c in result.eval.columns)}):",
+        f"  {result.grid}",
+        f"loss curve: {result.loss_plot}",
+        f"metrics: {result.metrics_plot}",
+        "export it:",
+        f"  wandistill export --run {result.root / 'run'} --teacher {result.teacher} \\",
+        f"    --out {result.root / 'pipeline'}",
+    ]
+    for line in lines:
+        out.print(line, highlight=False, soft_wrap=True)
 
 
 @app.command("export")
