@@ -69,13 +69,15 @@ def grammar() -> list[str]:
 
 
 def build_caches(
-    work: Path, teacher: Path, prompts: list[str], n_eval: int, sets: list[str]
+    work: Path, teacher: Path, prompts: list[str], n_eval: int, sets: list[str], repeats: int = 1
 ) -> tuple[Path, Path]:
-    """Training cache (prompts minus held-out ones) and eval cache (held-out, fresh noise)."""
+    """Training cache (prompts minus held-out ones, each `repeats` times: a line's seed is the
+    base seed + its index, so every repeat is another trajectory of the same prompt) and eval
+    cache (held-out, fresh noise)."""
     from wandistill.config import load_recipe
     from wandistill.precompute import run as precompute
 
-    split = {"train": prompts[n_eval:], "eval": prompts[:n_eval]}
+    split = {"train": prompts[n_eval:] * repeats, "eval": prompts[:n_eval]}
     seeds = {"train": 0, "eval": 1_000_000}
     for name, texts in split.items():
         (work / f"{name}.txt").write_text("\n".join(texts) + "\n")
@@ -206,6 +208,12 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--teacher", type=Path, help="a Wan teacher folder instead of the trained one")
     p.add_argument("--prompts", type=int, default=256, help="with --teacher: generic prompts")
+    p.add_argument(
+        "--seeds-per-prompt",
+        type=int,
+        default=1,
+        help="trajectories per training prompt (each repeat of a prompt line gets its own noise)",
+    )
     args = p.parse_args()
     print(f"# {' '.join(sys.argv)}\n# {machine()}", flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -219,7 +227,7 @@ def main() -> None:
     else:
         teacher = args.teacher.absolute()
         prompts = [f"a photo of subject {i}" for i in range(args.prompts)]
-    build_caches(args.work, teacher, prompts, args.eval_prompts, sets)
+    build_caches(args.work, teacher, prompts, args.eval_prompts, sets, args.seeds_per_prompt)
     print(f"# teacher + caches: {time.perf_counter() - t0:.1f} s", flush=True)
     baseline = train_one(args.work, "baseline", teacher, ["loss.output=1.0"], sets)
     results: dict[str, dict[str, Any]] = {}
