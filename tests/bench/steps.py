@@ -81,11 +81,14 @@ def build_caches(
     seeds = {"train": 0, "eval": 1_000_000}
     for name, texts in split.items():
         (work / f"{name}.txt").write_text("\n".join(texts) + "\n")
+        # A .txt file takes a repeated line for a duplicate; a .jsonl line names its own seed.
+        lines = (json.dumps({"prompt": t, "seed": seeds[name] + i}) for i, t in enumerate(texts))
+        (work / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
         cfg = load_recipe(
             RECIPE,
             [
                 f'teacher.path="{teacher}"',
-                f'prompts="{work / f"{name}.txt"}"',
+                f'prompts="{work / f"{name}.jsonl"}"',
                 f'cache.path="{work / f"cache-{name}"}"',
                 "cache.holdout_fraction=0.0",
                 f"sampler.seed={seeds[name]}",
