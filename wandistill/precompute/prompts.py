@@ -102,6 +102,30 @@ def _parse_jsonl(line: str, lineno: int, base_seed: int) -> Prompt | None:
     return Prompt(text, seed, lineno, neg) if text else None
 
 
+def _parse_line(
+    raw: bytes, lineno: int, jsonl: bool, base_seed: int, report: PromptReport
+) -> Prompt | list[int]:
+    """One line as a prompt, or the report's list (empty, bad UTF-8, bad JSON, control
+    characters only) it belongs to."""
+    try:
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
+    except UnicodeDecodeError:
+        return report.bad_utf8
+    if not line:
+        return report.empty
+    if only_control(line):
+        return report.control
+    if not jsonl:
+        return Prompt(line, base_seed + lineno - 1, lineno)
+    try:
+        prompt = _parse_jsonl(line, lineno, base_seed)
+    except (json.JSONDecodeError, ValueError):
+        return report.bad_json
+    if prompt is None:
+        return report.empty
+    return report.control if only_control(prompt.text) else prompt
+
+
 def read_prompts(
     path: str | Path, *, base_seed: int = 0, into: Any = None
 ) -> tuple[list[Prompt], PromptReport]:
@@ -138,31 +162,10 @@ def read_prompts(
     with f:
         for lineno, raw in enumerate(f, start=1):
             report.lines = lineno
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
-            except UnicodeDecodeError:
-                report.bad_utf8.append(lineno)
+            prompt = _parse_line(raw, lineno, p.suffix == ".jsonl", base_seed, report)
+            if isinstance(prompt, list):  # the report's list for this bad line
+                prompt.append(lineno)
                 continue
-            if not line:
-                report.empty.append(lineno)
-                continue
-            if only_control(line):
-                report.control.append(lineno)
-                continue
-            if p.suffix == ".jsonl":
-                try:
-                    prompt = _parse_jsonl(line, lineno, base_seed)
-                except (json.JSONDecodeError, ValueError):
-                    report.bad_json.append(lineno)
-                    continue
-                if prompt is None:
-                    report.empty.append(lineno)
-                    continue
-                if only_control(prompt.text):
-                    report.control.append(lineno)
-                    continue
-            else:
-                prompt = Prompt(line, base_seed + lineno - 1, lineno)
             # A .txt seed is implicit (its line), so a repeated line is a duplicate; a .jsonl line
             # with the same prompt and an explicit other seed is another sample.
             # (A .txt line's identity is its text: the string itself, no tuple per line.)
