@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import pytest
@@ -18,3 +20,16 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int,
         code = int(e.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def run_cli_text(*args: str) -> tuple[int, str]:
+    """`wandistill ARGS...` in-process without pytest's capture (usable inside hypothesis
+    examples): the exit code and stdout + stderr with whitespace folded to single spaces."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = int(e.code or 0)
+    return code, " ".join((out.getvalue() + err.getvalue()).split())

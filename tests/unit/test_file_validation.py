@@ -9,8 +9,6 @@ an internal error leaves instead of a traceback.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -36,18 +34,8 @@ from wandistill.validate import (
 )
 
 from cachefixtures import write_cache
+from clirun import run_cli_text as _cli
 from realfiles import RealFiles, real_files, tree_digest
-
-
-def _cli(*args: str) -> tuple[int, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as e:
-            code = int(e.code or 0)
-    return code, " ".join((out.getvalue() + err.getvalue()).split())
 
 
 def _one_error(code: int, text: str, *named: str) -> None:

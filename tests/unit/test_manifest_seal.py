@@ -9,8 +9,6 @@ are not resumed.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,22 +19,11 @@ import torch
 
 from wandistill.cache.formats import SEALED
 from wandistill.cache.manifest import HEADER_DIGEST, read_manifest
-from wandistill.cli import main
 from wandistill.precompute.numerics import record_numerics
 
 from cachefixtures import write_cache
+from clirun import run_cli_text as _cli
 from realfiles import RealFiles, real_files, tree_digest
-
-
-def _cli(*args: str) -> tuple[int, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as e:
-            code = int(e.code or 0)
-    return code, " ".join((out.getvalue() + err.getvalue()).split())
 
 
 def _edit(cache: Path, edit: Callable[[dict[str, Any]], None]) -> None:
