@@ -351,6 +351,14 @@ class LossConfig:
     x0 of a stop-gradient EMA copy of the student at the cached next point x_{t_(n+1)} (the
     teacher's ODE step, read from the cache); at the last step the target is the final latent.
     Needs every teacher step recorded."""
+    reflow: float = num(0.0, ge=0, le=1e6)
+    """Weight of reflow (rectified-flow distillation, Liu et al. 2023 / InstaFlow): at the K-step
+    student's sigmas, the input is the straight-line point sigma * noise + (1 - sigma) * x_0
+    between the trajectory's cached noise and its final latent, and x0 = x - sigma * v_student
+    matches that final latent. These are the very points the K-step first-order sampler visits
+    when its earlier estimates were right (the recorded x_t of the teacher's curved trajectory
+    are not), so it trains the student where it samples. Needs the noise and final latent only
+    (and the K steps recorded, which are its samples' slots)."""
     consistency_target_decay: float = num(0.95, ge=0, lt=1)
     """EMA decay of the consistency target network (updated after every optimizer step; 0 makes
     the target a stop-gradient copy of the current student). 0.95 as in Song et al. 2023 (CD)."""
@@ -363,7 +371,19 @@ class LossConfig:
             "feature": self.feature,
             "trajectory": self.trajectory,
             "consistency": self.consistency,
+            "reflow": self.reflow,
         }
+
+    @property
+    def x0_terms(self) -> bool:
+        """Does any weighted objective compare the student's x0 estimate with the final latent
+        (and so need sigma_t and the cached final latent)."""
+        return self.final_latent > 0 or self.few_step
+
+    @property
+    def few_step(self) -> bool:
+        """Does any weighted objective train a K-step student (first-order sampler)."""
+        return self.trajectory > 0 or self.consistency > 0 or self.reflow > 0
 
     def __post_init__(self) -> None:
         _problems(

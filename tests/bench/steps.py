@@ -46,8 +46,10 @@ import torch
 
 RECIPE = "tiny-fewstep"
 OBJECTIVES = {
-    "trajectory": ["loss.trajectory=1.0", "loss.consistency=0.0"],
-    "consistency": ["loss.trajectory=0.0", "loss.consistency=1.0"],
+    "trajectory": ["loss.trajectory=1.0", "loss.consistency=0.0", "loss.reflow=0.0"],
+    "consistency": ["loss.trajectory=0.0", "loss.consistency=1.0", "loss.reflow=0.0"],
+    "reflow": ["loss.trajectory=0.0", "loss.consistency=0.0", "loss.reflow=1.0"],
+    "trajreflow": ["loss.trajectory=1.0", "loss.consistency=0.0", "loss.reflow=1.0"],
     "both": [],  # the recipe's weights
 }
 

@@ -64,6 +64,7 @@ TRAIN = [
     "loss.final_latent=0.0",
     "loss.trajectory=1.0",
     "loss.consistency=0.5",
+    "loss.reflow=0.5",
 ]
 
 
@@ -154,16 +155,22 @@ def test_the_exported_folder_in_stock_wan_pipeline_equals_the_students_own_sampl
 
 
 @pytest.mark.parametrize("layout", ["wan21", "wan22"])
-def test_trajectory_and_consistency_train_one_student_over_the_whole_trajectory(
+def test_trajectory_consistency_and_reflow_train_one_student_over_the_whole_trajectory(
     world: dict[str, Path], layout: str
 ) -> None:
     sampling = json.loads((world[f"run_{layout}"] / "sampling.json").read_text())
     assert sampling["num_inference_steps"] == K
     assert sampling["student_schedule"]["teacher_steps"] == [0, 2]
-    assert sampling["objectives"] == {"trajectory": [0, 2], "consistency": [0, 1, 2, 3]}
+    assert sampling["objectives"] == {
+        "trajectory": [0, 2],
+        "consistency": [0, 1, 2, 3],
+        "reflow": [0, 2],
+    }
     rows = [r for r in read_metrics(world[f"run_{layout}"]) if "loss" in r]
-    assert all(r["loss_trajectory"] > 0 and r["loss_consistency"] > 0 for r in rows)
+    terms = ("loss_trajectory", "loss_consistency", "loss_reflow")
+    assert all(r[name] > 0 for r in rows for name in terms)
     assert rows[-1]["loss_trajectory"] < rows[0]["loss_trajectory"]
+    assert rows[-1]["loss_reflow"] < rows[0]["loss_reflow"]
     if layout == "wan22":  # steps on both sides of the expert boundary (t = 875)
         from wandistill.cache import open_cache
 

@@ -8,7 +8,13 @@ from torch import nn
 
 from wandistill.config import LossConfig, SamplerConfig
 from wandistill.errors import ConfigError, UsageError
-from wandistill.student.losses import SigmaTable, consistency_target, distill_losses, flow_x0
+from wandistill.student.losses import (
+    SigmaTable,
+    consistency_target,
+    distill_losses,
+    flow_x0,
+    reflow_input,
+)
 from wandistill.student.schedule import (
     TeacherSchedule,
     build_scheduler,
@@ -112,6 +118,16 @@ def test_each_objective_trains_at_its_own_recorded_steps() -> None:
     assert any("trajectory" in line for line in alone.describe())
 
 
+def test_reflow_trains_at_the_student_steps_and_names_the_ones_the_cache_lacks() -> None:
+    plan = plan_objectives(LossConfig(output=0.0, reflow=1.0), 4, _teacher(8))
+    assert plan.steps == {"reflow": (0, 2, 4, 6)} and not plan.needs_next
+    assert any(line.rstrip().endswith("reflow") for line in plan.describe())
+    every_4th = _teacher(16, recorded=[0, 4, 8, 12])
+    with pytest.raises(UsageError, match=r"loss.reflow trains .* did not record \[2, 6, 10"):
+        plan_objectives(LossConfig(output=0.0, reflow=1.0), 8, every_4th)
+    assert not LossConfig(output=1.0).few_step and LossConfig(reflow=1.0).x0_terms
+
+
 def test_a_wan22_student_trains_over_both_experts_regions() -> None:
     teacher = TeacherSchedule.from_scheduler(_unipc(), 8, boundary_ratio=0.875)
     assert teacher.boundary_timestep == 875.0
@@ -174,6 +190,43 @@ def test_trajectory_matches_x0_to_the_final_latent_on_its_own_samples_only() -> 
     err = (flow_x0(batch["xt"], pred, sigma) - batch["final_latent"]).square().mean((1, 2, 3, 4))
     torch.testing.assert_close(terms["trajectory"], err[mask].mean())
     torch.testing.assert_close(terms["loss"], 2.0 * err[mask].sum() / 4)  # sum / batch size
+
+
+def test_reflow_inputs_lie_on_the_line_from_noise_to_the_final_latent() -> None:
+    batch = _batch() | {"noise": torch.randn(4, 16, 1, 4, 4)}
+    sigma = torch.tensor([1.0, 0.9, 0.5, 0.25])
+    x = reflow_input(batch, sigma)
+    torch.testing.assert_close(x[0], batch["noise"][0])  # sigma 1: the noise x_T itself
+    torch.testing.assert_close(x[2], 0.5 * batch["noise"][2] + 0.5 * batch["final_latent"][2])
+    # The straight flow's velocity (noise - x_0) is an exact student there: error 0. Its x0
+    # estimate is the final latent, so a first-order step lands on the line again (the sampler
+    # visits exactly these points).
+    exact_v = batch["noise"] - batch["final_latent"]
+    mask = torch.tensor([True, True, False, True])
+    w = LossConfig(output=0.0, reflow=3.0)
+    terms = distill_losses(
+        torch.randn(4, 16, 1, 4, 4),
+        {},
+        batch,
+        w,
+        sigma,
+        {"output": mask, "reflow": mask},
+        reflow_x0=flow_x0(x, exact_v, sigma),
+    )
+    assert terms["reflow"].item() < 1e-10 and terms["loss"].item() < 1e-10
+    wrong = flow_x0(x, torch.zeros_like(x), sigma)  # x0 = x: off by sigma * (noise - x_0)
+    terms = distill_losses(
+        torch.randn(4, 16, 1, 4, 4),
+        {},
+        batch,
+        w,
+        sigma,
+        {"output": mask, "reflow": mask},
+        reflow_x0=wrong,
+    )
+    err = (wrong - batch["final_latent"]).square().mean((1, 2, 3, 4))
+    torch.testing.assert_close(terms["reflow"], err[mask].mean())
+    torch.testing.assert_close(terms["loss"], 3.0 * err[mask].sum() / 4)
 
 
 class _Const(nn.Module):

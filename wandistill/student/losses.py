@@ -16,6 +16,14 @@
   so f_theta(x_{t_n}) = x0 of the student there matches stop-grad f_ema(x_{t_(n+1)}) = x0 of an
   EMA copy of the student at the next point; after the last step the next point is the final
   latent itself (the boundary condition f(x_0) = x_0). No teacher forward anywhere.
+- reflow (rectified-flow distillation, Liu et al. 2023 "Flow Straight and Fast", InstaFlow): at
+  the student's K sigmas, the input is x = sigma * noise + (1 - sigma) * x_0 on the straight line
+  from the trajectory's cached noise to its final latent, and the student's x0 there matches x_0.
+  A first-order K-step sampler whose earlier x0 estimates were right visits exactly these points
+  (from x_T = noise, each step lands on sigma' * noise + (1 - sigma') * x0), not the recorded x_t
+  of the teacher's curved trajectory, which `trajectory` trains at: the two cover the points the
+  sampler starts from and the points it then goes through. It needs a second student forward for
+  the samples it covers (run in the same call, concatenated).
 
 Each sample is one (record, recorded step); an objective covers only the steps it trains at (a
 per-sample mask, from `schedule.ObjectivePlan`). Its contribution to the loss is the sum of its
@@ -81,6 +89,13 @@ class SigmaTable:
         return padded.to(timesteps_next_B.device)[step_slot_B.to(timesteps_next_B.device) + 1]
 
 
+def reflow_input(batch: dict[str, Any], sigma_B: torch.Tensor) -> torch.Tensor:
+    """The straight-line point between each sample's noise and final latent at its sigma."""
+    noise = batch["noise"].float()
+    s = sigma_B.view(-1, *([1] * (noise.ndim - 1))).to(noise)
+    return s * noise + (1 - s) * batch["final_latent"].float()
+
+
 def per_sample_mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[B] mean squared error of each sample, in fp32."""
     return (a.float() - b.float()).square().flatten(1).mean(1)
@@ -119,13 +134,19 @@ def distill_losses(
     sigma_B: torch.Tensor | None,
     masks: dict[str, torch.Tensor] | None = None,
     consistency_x0: torch.Tensor | None = None,
+    reflow_x0: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every weighted term (the mean over the samples it covers; absent if it covers none of
     this batch, `output` always when it covers any) and `loss`, the weighted sum of each term's
-    per-sample errors over the batch size. `masks`: objective -> [B] bool (default: all)."""
+    per-sample errors over the batch size. `masks`: objective -> [B] bool (default: all).
+    `reflow_x0`: [B, ...] the student's x0 at each sample's `reflow_input` (rows outside the
+    reflow mask are ignored)."""
     pred = pred.float()
     batch_size = pred.shape[0]
     per: dict[str, torch.Tensor] = {"output": per_sample_mse(pred, batch["teacher_out"])}
+    if weights.reflow > 0:
+        assert reflow_x0 is not None, "reflow needs the student's x0 on the straight line"
+        per["reflow"] = per_sample_mse(reflow_x0, batch["final_latent"])
     if weights.final_latent > 0 or weights.trajectory > 0 or weights.consistency > 0:
         assert sigma_B is not None, "x0 objectives need sigma_t"
         x0 = flow_x0(batch["xt"].float(), pred, sigma_B)

@@ -54,6 +54,8 @@ SIGMA_TOLERANCE = 1e-6
 SUPPORTED = ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
 STEP_IMITATION = ("output", "final_latent", "feature")
 """Objectives that match the teacher at every recorded step of its N-step trajectory."""
+AT_STUDENT_STEPS = ("trajectory", "reflow")
+"""Objectives that train a K-step student at exactly its K sigmas (the recorded slots there)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,7 +396,7 @@ class ObjectivePlan:
 
 def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -> ObjectivePlan:
     """Resolve K and the steps of every weighted objective; every gap in the cache is named."""
-    few_step = k is not None or loss.trajectory > 0 or loss.consistency > 0
+    few_step = k is not None or loss.few_step
     key = "train.student.num_inference_steps"
     student = student_schedule(teacher, k, few_step=few_step, key=key)
     recorded = set(teacher.recorded)
@@ -413,13 +415,15 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
     for name in STEP_IMITATION:
         if weights[name] > 0:
             steps[name] = tuple(teacher.recorded)
-    if loss.trajectory > 0:
-        steps["trajectory"] = student.steps
+    for name in AT_STUDENT_STEPS:
+        if weights[name] == 0:
+            continue
+        steps[name] = student.steps
         missing = sorted(set(student.steps) - recorded)
         if missing:
             problems.append(
                 (
-                    f"loss.trajectory trains the {student.num_inference_steps}-step student at "
+                    f"loss.{name} trains the {student.num_inference_steps}-step student at "
                     f"teacher steps {list(student.steps)}, but the cache did not record {missing}",
                     [f"re-run precompute with {fix_k}"],
                 )

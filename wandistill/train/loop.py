@@ -65,7 +65,13 @@ from wandistill.student.config import (
 )
 from wandistill.student.export import LINKED
 from wandistill.student.init import init_from_teacher
-from wandistill.student.losses import SigmaTable, consistency_target, distill_losses
+from wandistill.student.losses import (
+    SigmaTable,
+    consistency_target,
+    distill_losses,
+    flow_x0,
+    reflow_input,
+)
 from wandistill.student.model import DistillModule, build_student
 from wandistill.student.schedule import ObjectivePlan, TeacherSchedule, plan_objectives
 from wandistill.train import checkpoint as ckpt_io
@@ -262,8 +268,10 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     except UsageError as e:
         problems.append(e.message + (f" ({e.fix})" if e.fix else ""))
     fields = list(DEFAULT_FIELDS)
-    if cfg.loss.final_latent > 0 or cfg.loss.trajectory > 0 or cfg.loss.consistency > 0:
+    if cfg.loss.x0_terms:
         fields.append("final_latent")
+    if cfg.loss.reflow > 0:
+        fields.append("noise")
     if cfg.loss.feature > 0:
         recorded = sorted(n.removeprefix("feature.") for n in cached if n.startswith("feature."))
         for name in cfg.loss.feature_map:
@@ -614,18 +622,30 @@ def forward(
     on = {k: v.to(dev, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
     masks = {n: m[on["step_slot"]] for n, m in t.masks.items()}
     loss = t.cfg.loss
-    x0_terms = loss.final_latent > 0 or loss.trajectory > 0 or loss.consistency > 0
-    sigma = t.sigmas(on["step_slot"], on["timesteps"]) if x0_terms else None
-    target_x0 = None
+    sigma = t.sigmas(on["step_slot"], on["timesteps"]) if loss.x0_terms else None
+    target_x0 = reflow_x0 = None
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=t.cfg.mixed_precision == "bf16"):
         embeds = pad_to(on["prompt_embeds"], t.reader.store.max_sequence_length).float()
-        pred, feats = t.ddp(on["xt"].float(), on["timesteps"].float(), embeds)
+        xt, timesteps, cond = on["xt"].float(), on["timesteps"].float(), embeds
+        if loss.reflow > 0:  # one forward over both inputs (DDP wants one forward per backward)
+            assert sigma is not None
+            rows = masks["reflow"].nonzero().flatten()
+            xr = reflow_input(on, sigma)
+            xt = torch.cat([xt, xr[rows]])
+            timesteps = torch.cat([timesteps, timesteps[rows]])
+            cond = torch.cat([embeds, embeds[rows]])
+        pred, feats = t.ddp(xt, timesteps, cond)
+        if loss.reflow > 0:
+            size = on["xt"].shape[0]
+            vr = torch.zeros_like(xr).index_copy(0, rows, pred[size:].float())
+            reflow_x0 = flow_x0(xr, vr, sigma)
+            pred, feats = pred[:size], {k: f[:size] for k, f in feats.items()}
         if t.target is not None:
             sigma_next = t.sigmas.next(on["step_slot"], on["timesteps_next"])
             target_x0 = consistency_target(
                 t.target.module, on, embeds, sigma_next, masks["consistency"]
             )
-    terms = distill_losses(pred, feats, on, loss, sigma, masks, target_x0)
+    terms = distill_losses(pred, feats, on, loss, sigma, masks, target_x0, reflow_x0)
     return terms, {n: m.sum() for n, m in masks.items()}
 
 
