@@ -381,6 +381,12 @@ class LossConfig:
         return self.final_latent > 0 or self.few_step
 
     @property
+    def at_recorded_points(self) -> bool:
+        """Does any weighted objective run the student at the recorded x_t (all but reflow, which
+        builds its own inputs): if none does, the x_t forward is skipped."""
+        return any(w > 0 for name, w in self.weights().items() if name != "reflow")
+
+    @property
     def few_step(self) -> bool:
         """Does any weighted objective train a K-step student (first-order sampler)."""
         return self.trajectory > 0 or self.consistency > 0 or self.reflow > 0

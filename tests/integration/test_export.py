@@ -296,6 +296,29 @@ def test_export_refuses_bad_runs_teachers_and_outputs_writing_nothing(
     ]
 
 
+def test_reflow_alone_trains_from_noise_and_final_latent_with_one_forward_per_sample(
+    tmp_path: Path, world: dict[str, Path]
+) -> None:
+    """A cache of every 2nd step is all a K = 2 reflow student needs; no objective runs the
+    student at the recorded x_t, so that forward (and the output diagnostic) is skipped."""
+    from wandistill.config import load_recipe
+    from wandistill.train import run
+
+    weights = ["loss.output=0.0", "loss.final_latent=0.0", "loss.reflow=1.0"]
+    sets = [s for s in TRAIN if not s.startswith("loss.")] + weights
+    out = tmp_path / "run"
+    cfg = load_recipe(
+        Path("pipelines/tiny.toml"),
+        [*sets, f'cache="{world["sparse"]}"', f'out="{out}"'],
+        stage="train",
+    ).train
+    run(cfg)
+    assert json.loads((out / "sampling.json").read_text())["objectives"] == {"reflow": [0, 2]}
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    assert all("loss_output" not in r and r["loss_reflow"] == r["loss"] for r in rows)
+    assert rows[-1]["loss_reflow"] < rows[0]["loss_reflow"]
+
+
 @pytest.mark.parametrize(
     ("sets", "message"),
     [

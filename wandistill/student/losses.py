@@ -137,17 +137,22 @@ def distill_losses(
     reflow_x0: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every weighted term (the mean over the samples it covers; absent if it covers none of
-    this batch, `output` always when it covers any) and `loss`, the weighted sum of each term's
+    this batch, `output` always when it covers any and the student ran at the recorded x_t:
+    `pred` has no rows when only reflow is weighted) and `loss`, the weighted sum of each term's
     per-sample errors over the batch size. `masks`: objective -> [B] bool (default: all).
     `reflow_x0`: [B, ...] the student's x0 at each sample's `reflow_input` (rows outside the
     reflow mask are ignored)."""
+    batch_size = batch["xt"].shape[0]
+    per: dict[str, torch.Tensor] = {}
     pred = pred.float()
-    batch_size = pred.shape[0]
-    per: dict[str, torch.Tensor] = {"output": per_sample_mse(pred, batch["teacher_out"])}
+    if pred.shape[0]:  # empty when no weighted objective uses the recorded x_t (reflow alone)
+        per["output"] = per_sample_mse(pred, batch["teacher_out"])
     if weights.reflow > 0:
         assert reflow_x0 is not None, "reflow needs the student's x0 on the straight line"
         per["reflow"] = per_sample_mse(reflow_x0, batch["final_latent"])
-    if weights.final_latent > 0 or weights.trajectory > 0 or weights.consistency > 0:
+    if pred.shape[0] and (
+        weights.final_latent > 0 or weights.trajectory > 0 or weights.consistency > 0
+    ):
         assert sigma_B is not None, "x0 objectives need sigma_t"
         x0 = flow_x0(batch["xt"].float(), pred, sigma_B)
         x0_err = per_sample_mse(x0, batch["final_latent"])
@@ -161,7 +166,7 @@ def distill_losses(
     if weights.feature > 0:
         per["feature"] = _feature_error(feats, batch)
     terms: dict[str, torch.Tensor] = {}
-    loss = pred.new_zeros(())
+    loss = batch["xt"].new_zeros((), dtype=torch.float32)
     for name, err in per.items():
         mask = torch.ones_like(err, dtype=torch.bool) if masks is None else masks[name]
         covered = err[mask]

@@ -626,17 +626,19 @@ def forward(
     target_x0 = reflow_x0 = None
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=t.cfg.mixed_precision == "bf16"):
         embeds = pad_to(on["prompt_embeds"], t.reader.store.max_sequence_length).float()
-        xt, timesteps, cond = on["xt"].float(), on["timesteps"].float(), embeds
-        if loss.reflow > 0:  # one forward over both inputs (DDP wants one forward per backward)
+        # One forward over every input (DDP wants one forward per backward): the recorded x_t
+        # of each sample if a weighted objective uses them, then reflow's own points.
+        size = on["xt"].shape[0] if loss.at_recorded_points else 0
+        x, timesteps, cond = on["xt"][:size].float(), on["timesteps"][:size], embeds[:size]
+        if loss.reflow > 0:
             assert sigma is not None
             rows = masks["reflow"].nonzero().flatten()
             xr = reflow_input(on, sigma)
-            xt = torch.cat([xt, xr[rows]])
-            timesteps = torch.cat([timesteps, timesteps[rows]])
-            cond = torch.cat([embeds, embeds[rows]])
-        pred, feats = t.ddp(xt, timesteps, cond)
+            x = torch.cat([x, xr[rows]])
+            timesteps = torch.cat([timesteps, on["timesteps"][rows]])
+            cond = torch.cat([cond, embeds[rows]])
+        pred, feats = t.ddp(x, timesteps.float(), cond)
         if loss.reflow > 0:
-            size = on["xt"].shape[0]
             vr = torch.zeros_like(xr).index_copy(0, rows, pred[size:].float())
             reflow_x0 = flow_x0(xr, vr, sigma)
             pred, feats = pred[:size], {k: f[:size] for k, f in feats.items()}
