@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Few-step students from the cache: R_K for K = 1, 2, 4 and each objective, and the speed-up.
 
-    python tests/bench/steps.py [--work DIR] [--ks 1,2,4] [--objectives trajectory,consistency,both]
+    python tests/bench/steps.py [--work DIR] [--ks 1,2,4] [--objectives reflow,trajectory,...]
                                 [--train-steps N] [--json FILE] [--set KEY=VALUE ...]
                                 [--teacher PATH [--prompts N]]
 
@@ -14,7 +14,8 @@ recorded):
 2. an eval cache of the held-out prompts with FRESH noise (sampler seed 1_000_000: no noise the
    training cache holds), split "all";
 3. one student per (K, objective), trained with the recipe's student and budget: `trajectory`,
-   `consistency`, and `both` (the recipe's weights); and the step-imitating baseline (`output`
+   `consistency`, `reflow`, `trajreflow` (trajectory 1 + reflow 1) and `both` (trajectory 1 +
+   consistency 0.5); and the step-imitating baseline (`output`
    loss, K unset = N, the teacher's own scheduler), the same student and budget;
 4. `wandistill.eval.run.evaluate` of each on the eval cache, with the teacher (teacher@K: the
    teacher's own scheduler at K steps, same noise, same prompts, CFG as cached) and the baseline:
@@ -50,7 +51,7 @@ OBJECTIVES = {
     "consistency": ["loss.trajectory=0.0", "loss.consistency=1.0", "loss.reflow=0.0"],
     "reflow": ["loss.trajectory=0.0", "loss.consistency=0.0", "loss.reflow=1.0"],
     "trajreflow": ["loss.trajectory=1.0", "loss.consistency=0.0", "loss.reflow=1.0"],
-    "both": [],  # the recipe's weights
+    "both": ["loss.trajectory=1.0", "loss.consistency=0.5", "loss.reflow=0.0"],
 }
 
 
@@ -206,7 +207,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=Path("/tmp/wandistill-bench-steps"))
     p.add_argument("--ks", default="1,2,4")
-    p.add_argument("--objectives", default="trajectory,consistency,both")
+    p.add_argument("--objectives", default="reflow,trajectory,consistency,both")
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--train-steps", type=int, default=None, help="default: the recipe's")
     p.add_argument("--set", dest="sets", action="append", default=[], help="recipe override")

@@ -2,7 +2,7 @@
 
 A student trained for K steps must be *sampled* at exactly the points it was trained at, by a
 stock diffusers scheduler (so the export drops into `WanPipeline`), with a first-order update
-(the trajectory and consistency objectives teach an x0 estimate; a first-order step turns an
+(the trajectory, consistency and reflow objectives teach an x0 estimate; a first-order step turns an
 x0 estimate into the next point, DDIM-style, and nothing else). Why this scheduler:
 
 - Wan's teachers use `UniPCMultistepScheduler(prediction_type="flow_prediction",
@@ -33,7 +33,7 @@ does not land on it is an error listing the K that do. The truncated integer tim
 computes the two linspaces separately (seen at shift 1.0: N = 21, K = 3); the sigma, which is all
 the update uses, is identical.
 
-Step imitation (K unset and neither trajectory nor consistency) keeps the teacher's own scheduler
+Step imitation (K unset and no trajectory, consistency or reflow) keeps the teacher's own scheduler
 and N: the student learned the teacher's velocity at every step, so the teacher's solver is the
 one that reproduces the teacher's trajectory from it.
 """
@@ -274,7 +274,8 @@ def student_schedule(
     if teacher.scheduler is None or len(teacher.sigmas) != n + 1:
         raise UsageError(
             "the cache records no teacher scheduler and sigma schedule, which a K-step student "
-            "(train.student.num_inference_steps, loss.trajectory, loss.consistency) needs",
+            "(train.student.num_inference_steps, loss.trajectory, loss.consistency, "
+            "loss.reflow) needs",
             fix="re-run `wandistill precompute` into a new cache with this wandistill",
         )
     if k > n:
