@@ -39,6 +39,7 @@ __all__ = [
     "redispatch_disk",
     "remove_diffusers_hooks",
     "restore_fp32_offloaded",
+    "safetensors_header",
     "served_names",
     "t5_tokenizer_class",
     "tie_meta_weights",
@@ -310,6 +311,45 @@ def hide_flag_types(command: Any) -> Any:
     return command
 
 
+# --------------------------------------------------------------------------- safetensors
+
+
+def safetensors_header(
+    tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[str]]:
+    """The bytes `safetensors.torch.save(tensors, metadata)` starts with (8-byte length, JSON
+    header, space padding) and the order its tensors' bytes follow in, copying no tensor data.
+
+    safetensors serialises only into one new buffer (`save`: every byte copied into freshly
+    faulted pages, the cache writer's largest cost) or into a named file (`save_file`), never
+    into an open file, on purpose, so a record cannot be streamed into a tar member. The library
+    still decides the layout: it serialises zero-size stand-ins with the same names, dtypes and
+    metadata, and only each tensor's shape and data offsets (in the library's order) are filled
+    in here, then padded to 8 bytes as the library pads. One metadata key at most: safetensors
+    orders several in a hash map's order. `tests/unit/test_workarounds.py` checks the result
+    byte for byte against `save`.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save
+
+    stand_ins = {name: torch.empty(0, dtype=t.dtype) for name, t in tensors.items()}
+    blob = save(stand_ins, metadata=metadata)
+    table = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
+    order = [name for name in table if name != "__metadata__"]
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        table[name]["shape"] = list(t.shape)
+        table[name]["data_offsets"] = [offset, offset + size]
+        offset += size
+    text = json.dumps(table, ensure_ascii=False, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, order
+
+
 # --------------------------------------------------------------------------- registry
 
 WORKAROUNDS: tuple[Workaround, ...] = (
@@ -359,6 +399,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "https://github.com/huggingface/transformers/pull/46849 (the index dtype now follows the "
         "placeholder, so a wrong placeholder still loads wrong) and accelerate PR "
         "https://github.com/huggingface/accelerate/pull/1631",
+    ),
+    Workaround(
+        "safetensors_header",
+        "safetensors",
+        "safetensors >=0.4 (tested 0.8.0; still needed): no serialisation into an open file",
+        "https://github.com/safetensors/safetensors/issues/531 (no file-object API, on purpose) "
+        "and https://github.com/safetensors/safetensors/issues/458 (streamed writes asked for)",
     ),
     Workaround(
         "redispatch_disk",
