@@ -14,6 +14,7 @@ accelerate 1.15); the lower bound is pyproject's, unless the feature is younger.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -324,30 +325,47 @@ def safetensors_header(
     faulted pages, the cache writer's largest cost) or into a named file (`save_file`), never
     into an open file, on purpose, so a record cannot be streamed into a tar member. The library
     still decides the layout: it serialises zero-size stand-ins with the same names, dtypes and
-    metadata, and only each tensor's shape and data offsets (in the library's order) are filled
-    in here, then padded to 8 bytes as the library pads. One metadata key at most: safetensors
-    orders several in a hash map's order. `tests/unit/test_workarounds.py` checks the result
-    byte for byte against `save`.
+    metadata keys (once per such signature: ~1 ms), and only each tensor's shape and data
+    offsets (in the library's order) and the metadata values are filled in here, then padded to
+    8 bytes as the library pads. `tests/unit/test_workarounds.py` checks the result byte for
+    byte against `save` (with one metadata key: safetensors orders several in hash-map order).
     """
+    import json
+
+    meta = metadata or {}
+    signature = tuple((name, t.dtype) for name, t in tensors.items()), tuple(meta)
+    template, order = _safetensors_layout(signature, metadata is not None)
+    table: dict[str, Any] = {}
+    offset = 0
+    for name, entry in template.items():
+        if name == "__metadata__":
+            table[name] = {k: meta[k] for k in entry}
+            continue
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        table[name] = {**entry, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(table, ensure_ascii=False, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, list(order)
+
+
+@functools.lru_cache(maxsize=64)
+def _safetensors_layout(
+    signature: tuple[tuple[tuple[str, torch.dtype], ...], tuple[str, ...]], has_metadata: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """The header safetensors writes for zero-size stand-ins of a signature (tensor names and
+    dtypes, metadata keys), parsed, and its tensor order."""
     import json
 
     import torch
     from safetensors.torch import save
 
-    stand_ins = {name: torch.empty(0, dtype=t.dtype) for name, t in tensors.items()}
-    blob = save(stand_ins, metadata=metadata)
-    table = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
-    order = [name for name in table if name != "__metadata__"]
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        table[name]["shape"] = list(t.shape)
-        table[name]["data_offsets"] = [offset, offset + size]
-        offset += size
-    text = json.dumps(table, ensure_ascii=False, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, order
+    named, keys = signature
+    stand_ins = {name: torch.empty(0, dtype=dtype) for name, dtype in named}
+    blob = save(stand_ins, metadata=dict.fromkeys(keys, "") if has_metadata else None)
+    template = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
+    return template, [name for name in template if name != "__metadata__"]
 
 
 # --------------------------------------------------------------------------- registry
