@@ -7,9 +7,10 @@
     (480x832, a few frames) with the tiny teacher and 1-2 steps, so that writing is a real share
     of the work; that share is printed too: the time to write the run's records synchronously /
     the null-sink run's time.
-(2) Writer throughput: the same records through `CacheWriter` (safetensors blob, crc32c per
-    tensor, tar member, shard sha256, fsync per shard) vs the plain baseline of one
-    `safetensors.torch.save_file` + fsync per record, in bytes/s.
+(2) Writer throughput: the same records through `CacheWriter` (each record's safetensors
+    member streamed into the tar, crc32c per tensor / step row, the shard's frame sha256, fsync
+    and journal commit per shard) vs the plain baseline of one `safetensors.torch.save_file` +
+    fsync per record, in bytes/s.
 
 Targets: (1) overhead <= 3% where the writing share is >= 10%; (2) ratio >= 0.8x.
 
