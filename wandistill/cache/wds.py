@@ -678,13 +678,14 @@ class WebDatasetSource:
                 sha.update(chunk)
         return sha.hexdigest()
 
-    def frame_digest(self, entry: dict[str, Any], rel: str, size: int) -> str:
+    def frame_digest(self, entry: dict[str, Any], rel: str) -> str:
         """sha256 of the shard's bytes outside its records' tensor data (schema 3's
         `frame_sha256`): each record's data starts after its safetensors header, whose length is
-        read from the file (a changed length moves the frame, so the digest fails)."""
-        skips = []
+        read from the file (a changed length moves the frame, so the digest fails). The file
+        must have the entry's size (the schema keeps every offset inside it)."""
+        skips, size = [], entry["bytes"]
         for st_off, length, _, _ in entry["offsets"]:
-            prefix = self.store.read_range(rel, st_off, 8)
+            prefix = self.store.read_range(rel, st_off, min(8, length))
             head = 8 + int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
             skips.append((st_off + min(head, length), st_off + length))
         sha, pos = hashlib.sha256(), 0
@@ -716,7 +717,7 @@ class WebDatasetSource:
         if size != entry["bytes"]:
             problems.append(f"shard {name}: {size} bytes on disk, manifest says {entry['bytes']}")
         if "frame_sha256" in entry:  # schema 3: the records' tensor data is crc32c-checked below
-            if self.frame_digest(entry, rel, size) != entry["frame_sha256"]:
+            if size == entry["bytes"] and self.frame_digest(entry, rel) != entry["frame_sha256"]:
                 problems.append(
                     f"shard {name}: sha256 mismatch in its frame (tar headers or padding, "
                     ".json members or safetensors headers changed after it was written, or the "
