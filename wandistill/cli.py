@@ -261,7 +261,8 @@ def cache_info(
     for col in ("name", "records", "bytes", "sha256"):
         shards.add_column(col)
     for s in m.shards:
-        sha = s["sha256"] if isinstance(s["sha256"], str) else f"{len(s['sha256'])} files"
+        digest = s.get("frame_sha256") or s["sha256"]  # webdataset schema 3: the frame's
+        sha = digest if isinstance(digest, str) else f"{len(digest)} files"
         shards.add_row(s["name"], str(s["records"]), _human(s["bytes"]), sha[:16])
     out.print(shards)
 

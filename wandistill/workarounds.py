@@ -14,6 +14,7 @@ accelerate 1.15); the lower bound is pyproject's, unless the feature is younger.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ __all__ = [
     "redispatch_disk",
     "remove_diffusers_hooks",
     "restore_fp32_offloaded",
+    "safetensors_header",
     "served_names",
     "t5_tokenizer_class",
     "tie_meta_weights",
@@ -310,6 +312,62 @@ def hide_flag_types(command: Any) -> Any:
     return command
 
 
+# --------------------------------------------------------------------------- safetensors
+
+
+def safetensors_header(
+    tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[str]]:
+    """The bytes `safetensors.torch.save(tensors, metadata)` starts with (8-byte length, JSON
+    header, space padding) and the order its tensors' bytes follow in, copying no tensor data.
+
+    safetensors serialises only into one new buffer (`save`: every byte copied into freshly
+    faulted pages, the cache writer's largest cost) or into a named file (`save_file`), never
+    into an open file, on purpose, so a record cannot be streamed into a tar member. The library
+    still decides the layout: it serialises zero-size stand-ins with the same names, dtypes and
+    metadata keys (once per such signature: ~1 ms), and only each tensor's shape and data
+    offsets (in the library's order) and the metadata values are filled in here, then padded to
+    8 bytes as the library pads. `tests/unit/test_workarounds.py` checks the result byte for
+    byte against `save` (with one metadata key: safetensors orders several in hash-map order).
+    """
+    import json
+
+    meta = metadata or {}
+    signature = tuple((name, t.dtype) for name, t in tensors.items()), tuple(meta)
+    template, order = _safetensors_layout(signature, metadata is not None)
+    table: dict[str, Any] = {}
+    offset = 0
+    for name, entry in template.items():
+        if name == "__metadata__":
+            table[name] = {k: meta[k] for k in entry}
+            continue
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        table[name] = {**entry, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(table, ensure_ascii=False, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text, list(order)
+
+
+@functools.lru_cache(maxsize=64)
+def _safetensors_layout(
+    signature: tuple[tuple[tuple[str, torch.dtype], ...], tuple[str, ...]], has_metadata: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """The header safetensors writes for zero-size stand-ins of a signature (tensor names and
+    dtypes, metadata keys), parsed, and its tensor order."""
+    import json
+
+    import torch
+    from safetensors.torch import save
+
+    named, keys = signature
+    stand_ins = {name: torch.empty(0, dtype=dtype) for name, dtype in named}
+    blob = save(stand_ins, metadata=dict.fromkeys(keys, "") if has_metadata else None)
+    template = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
+    return template, [name for name in template if name != "__metadata__"]
+
+
 # --------------------------------------------------------------------------- registry
 
 WORKAROUNDS: tuple[Workaround, ...] = (
@@ -359,6 +417,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "https://github.com/huggingface/transformers/pull/46849 (the index dtype now follows the "
         "placeholder, so a wrong placeholder still loads wrong) and accelerate PR "
         "https://github.com/huggingface/accelerate/pull/1631",
+    ),
+    Workaround(
+        "safetensors_header",
+        "safetensors",
+        "safetensors >=0.4 (tested 0.8.0; still needed): no serialisation into an open file",
+        "https://github.com/safetensors/safetensors/issues/531 (no file-object API, on purpose) "
+        "and https://github.com/safetensors/safetensors/issues/458 (streamed writes asked for)",
     ),
     Workaround(
         "redispatch_disk",

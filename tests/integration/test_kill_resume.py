@@ -334,7 +334,8 @@ def committed(cache: Path, *, decoded: bool = False) -> Committed:
         return Committed([], {}, {}, False)
     m = load_committed(cache)
     keys = [k for s in m.shards for k in s["keys"]]
-    shards = {e["name"]: json.dumps(e["sha256"], sort_keys=True) for e in m.shards}
+    digests = ((e["name"], e.get("frame_sha256") or e["sha256"]) for e in m.shards)
+    shards = {name: json.dumps(digest, sort_keys=True) for name, digest in digests}
     if m.backend == "webdataset" and not decoded:
         src = WebDatasetSource(cache)
         try:

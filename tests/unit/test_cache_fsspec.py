@@ -54,7 +54,7 @@ def test_a_cache_on_s3_holds_the_same_bytes_and_samples_as_a_local_one(
     write_cache(tmp_path / "local", range(6), shard_records=4)
     write_cache(_url("same"), range(6), shard_records=4)
     local, remote = load_committed(tmp_path / "local"), load_committed(_url("same"))
-    assert [s["sha256"] for s in remote.shards] == [s["sha256"] for s in local.shards]
+    assert [s["frame_sha256"] for s in remote.shards] == [s["frame_sha256"] for s in local.shards]
     with open_cache(_url("same")) as store:
         assert store.verify() == []
         assert store.read_shared().keys() == {"negative_prompt_embeds", "sigmas"}

@@ -125,6 +125,48 @@ def _corrupt(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def test_each_safetensors_member_is_what_the_library_writes_streamed_in_any_read_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load, save
+
+    import wandistill.cache.wds as wds
+
+    write_cache(tmp_path / "a", range(3), shard_records=3)
+    init = wds._DirectTarWriter.__init__
+
+    def small_reads(self: wds._DirectTarWriter, fileobj: object, **kw: object) -> None:
+        init(self, fileobj, **kw)
+        self.tarstream.copybufsize = 777  # tarfile reads each member in 777-byte pieces
+
+    monkeypatch.setattr(wds._DirectTarWriter, "__init__", small_reads)
+    write_cache(tmp_path / "b", range(3), shard_records=3)
+    a, b = read_manifest(tmp_path / "a").shards[0], read_manifest(tmp_path / "b").shards[0]
+    assert a == b
+    tar = (tmp_path / "a" / a["file"]).read_bytes()
+    assert tar == (tmp_path / "b" / b["file"]).read_bytes()
+    for st_off, length, _, _ in a["offsets"]:
+        blob = tar[st_off : st_off + length]
+        head = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
+        assert blob == save(load(blob), metadata=head["__metadata__"])  # byte for byte
+
+
+def test_verify_reports_a_changed_byte_outside_every_record_by_the_frame_digest(
+    tmp_path: Path,
+) -> None:
+    write_cache(tmp_path, range(3), shard_records=3)
+    entry = read_manifest(tmp_path).shards[0]
+    _, _, json_off, json_len = entry["offsets"][0]
+    assert json_len % 512, "the .json member must end inside a block, before its padding"
+    _corrupt(tmp_path / entry["file"], json_off + json_len)  # the member's zero padding
+    with open_cache(tmp_path) as store:
+        problems = store.verify()
+        assert store.read_key(entry["keys"][0]).key == entry["keys"][0]  # records still read
+    assert problems == [f"shard {entry['name']}: sha256 mismatch in its frame (tar headers or "
+                        "padding, .json members or safetensors headers changed after it was "
+                        "written, or the manifest's frame_sha256 was edited)"]  # fmt: skip
+
+
 def test_verify_names_the_shard_of_a_truncated_file(tmp_path: Path) -> None:
     write_cache(tmp_path, range(6), shard_records=3)
     m = read_manifest(tmp_path)

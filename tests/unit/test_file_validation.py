@@ -33,7 +33,7 @@ from wandistill.validate import (
     seal,
 )
 
-from cachefixtures import write_cache
+from cachefixtures import as_whole_file_sha256, without_tensor_checksums, write_cache
 from clirun import run_cli_text as _cli
 from realfiles import RealFiles, real_files, tree_digest
 
@@ -155,14 +155,11 @@ def test_inside_refuses_names_that_leave_their_folder_even_through_a_symlink(
 
 def _schema_1_cache(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cache as wandistill wrote it before checksums and the seal: nothing guards a header."""
-    from safetensors.torch import save
-
-    import wandistill.cache.wds as wds
-
     with monkeypatch.context() as m:
-        m.setattr(wds, "st_save", lambda tensors, metadata=None: save(tensors))
+        without_tensor_checksums(m)
         write_cache(path, range(2), shard_records=2)
     manifest = json.loads((path / "manifest.json").read_text())
+    as_whole_file_sha256(path, manifest)
     for entry in manifest["shards"]:
         del entry["crc32c"], entry["entry_sha256"]
     del manifest["numerics"], manifest["header_sha256"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import gzip
-import hashlib
 import io
 import json
 import os
@@ -30,7 +29,12 @@ import webdataset as wds
 
 from wandistill.cache import open_cache
 from wandistill.cache.manifest import read_manifest, seal_entry
-from wandistill.cache.wds import UnsafeMemberError, iter_members, safe_decoder
+from wandistill.cache.wds import (
+    UnsafeMemberError,
+    WebDatasetSource,
+    iter_members,
+    safe_decoder,
+)
 from wandistill.cli import main
 
 from cachefixtures import make_record, write_cache
@@ -267,8 +271,8 @@ def test_iter_members_refuses_links_and_lists_a_clean_shard(cache: Path, tmp_pat
 def _append_members(
     cache: Path, members: list[tuple[str, bytes]], *, link: str | None = None
 ) -> dict[str, Any]:
-    """Append members to shard 0 and update its manifest entry consistently (size, sha256,
-    entry digest): only the member walk can tell."""
+    """Append members to shard 0 and update its manifest entry consistently (size, frame
+    digest, entry digest): only the member walk can tell."""
     mpath = cache / "manifest.json"
     manifest = json.loads(mpath.read_text())
     entry = manifest["shards"][0]
@@ -283,8 +287,10 @@ def _append_members(
             info.type = tarfile.SYMTYPE
             info.linkname = "/etc/passwd"
             tar.addfile(info)
-    raw = path.read_bytes()
-    entry.update(bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+    entry["bytes"] = path.stat().st_size
+    source = WebDatasetSource(cache)
+    entry["frame_sha256"] = source.frame_digest(entry, entry["file"])
+    source.close()
     seal_entry(entry)
     mpath.write_text(json.dumps(manifest))
     return entry

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -286,3 +288,38 @@ def test_hide_flag_types_is_needed_typer_still_shows_bool_after_a_flag(
     assert "<bool>" in shown(typer.main.get_command(app))  # still needed: the type is shown
     fixed = shown(workarounds.hide_flag_types(typer.main.get_command(app)))
     assert "<bool>" not in fixed and "--no-resume" in fixed  # and hiding it still applies
+
+
+# --------------------------------------------------------------------------- safetensors
+
+_ST_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64]
+_ST_DTYPES += [torch.uint8, torch.bool, torch.float64, torch.int32, torch.int8]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    specs=st.dictionaries(
+        st.text("abAB_.-09", min_size=1, max_size=12),
+        st.tuples(
+            st.sampled_from(_ST_DTYPES), st.lists(st.integers(0, 4), min_size=0, max_size=4)
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    meta=st.none() | st.text(max_size=20).map(lambda t: {"wandistill": t}),
+)
+def test_safetensors_header_is_needed_and_still_matches_save_byte_for_byte(
+    specs: dict[str, tuple[torch.dtype, list[int]]], meta: dict[str, str] | None
+) -> None:
+    import io
+
+    from safetensors.torch import save, save_file
+
+    tensors = {name: torch.zeros(shape, dtype=dtype) for name, (dtype, shape) in specs.items()}
+    with pytest.raises(TypeError):  # still needed: no serialisation into an open file
+        save_file(tensors, io.BytesIO())  # type: ignore[arg-type]
+    head, order = workarounds.safetensors_header(tensors, meta)
+    blob = save(tensors, metadata=meta)
+    assert blob[: len(head)] == head and sorted(order) == sorted(tensors)
+    data = b"".join(tensors[n].reshape(-1).view(torch.uint8).numpy().tobytes() for n in order)
+    assert blob == head + data

@@ -1,9 +1,9 @@
 """Cache writes off the critical path: a writer thread behind a bounded queue.
 
-Serialising, checksumming and writing a record (safetensors bytes, crc32c, the tar member, the
-shard's sha256, fsync at every shard) is pure I/O and C code that releases the GIL, so a thread
-overlaps it with the next batch's denoising. The queue is bounded (`depth` records): a slow disk
-slows the producer down instead of holding every record in memory.
+Checksumming and writing a record (crc32c, the tar member streamed from the tensors' memory,
+the shard's frame sha256, fsync at every shard) is mostly I/O and C code that releases the GIL,
+so a thread overlaps it with the next batch's denoising. The queue is bounded (`depth` records):
+a slow disk slows the producer down instead of holding every record in memory.
 
 Failures keep their meaning: an error in the thread (disk full, a non-finite record refused) is
 re-raised, the same exception object, in the caller's thread at its next `write()` or at

@@ -103,7 +103,12 @@ class Entry(Schema):
 
 class WdsEntry(Entry):
     file: RelPath
-    sha256: Hex64
+    sha256: Hex64 | None = None
+    """Schema 1 and 2: sha256 of the whole shard file."""
+    frame_sha256: Hex64 | None = None
+    """Schema 3: sha256 of every byte of the shard file outside its records' tensor data (tar
+    headers and padding, `.json` members, safetensors headers); tensor data is covered by the
+    crc32c in each record's safetensors header, so every byte is hashed once."""
     offsets: list[Annotated[list[Count], Field(min_length=4, max_length=4)]]
     """Per record: [safetensors offset, bytes, json offset, bytes] in the tar."""
     crc32c: list[Annotated[list[U32], Field(min_length=2, max_length=2)]] | None = None
@@ -111,6 +116,8 @@ class WdsEntry(Entry):
 
     @model_validator(mode="after")
     def _rows(self) -> WdsEntry:
+        if (self.sha256 is None) == (self.frame_sha256 is None):
+            raise ValueError("must list one of sha256 (schema 1-2) and frame_sha256 (schema 3)")
         n = len(self.keys)
         for name, rows in (("offsets", self.offsets), ("crc32c", self.crc32c)):
             if rows is not None and len(rows) != n:
@@ -253,6 +260,17 @@ class ManifestBase(Schema):
 
 class WdsManifest(ManifestBase):
     shards: list[WdsEntry]
+
+    @model_validator(mode="after")
+    def _digests(self) -> WdsManifest:
+        want = "frame_sha256" if self.schema_version >= 3 else "sha256"
+        for e in self.shards:
+            if getattr(e, want) is None:
+                raise ValueError(
+                    f"shard {e.name}: a schema {self.schema_version} entry lists {want} "
+                    "(schema_version edited?)"
+                )
+        return self
 
 
 class ZarrManifest(ManifestBase):

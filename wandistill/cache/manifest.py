@@ -32,8 +32,8 @@ from wandistill.validate import GiB, check, parse_json, seal
 
 JOURNAL_DIR = "journal"
 _JOURNAL_NAME = re.compile(r"rank-(\d{5,7})\.json")
-READABLE_VERSIONS = (1, SCHEMA_VERSION)
-"""Schema 1 (no seal, no numerics) is still read; precompute refuses to add records to it."""
+READABLE_VERSIONS = (1, 2, SCHEMA_VERSION)
+"""Older schemas are still read; precompute refuses to add records to them."""
 HEADER_DIGEST = "header_sha256"
 MAX_MANIFEST_BYTES = GiB
 """Cap on manifest.json and each journal (~150 bytes per record: far beyond any real cache)."""
@@ -388,6 +388,13 @@ def _stored(spec: dict[str, Any]) -> str:
     return text
 
 
+_OLDER = {
+    1: "which does not record how its bits were computed",
+    2: "whose webdataset shards are checksummed whole (schema 3 checksums each byte once)",
+}
+"""Why a cache of an older schema takes no new records: what its manifest lacks."""
+
+
 def check_compatible(cache: str | Path, existing: Manifest, new: Manifest) -> None:
     """Refuse to mix records from another teacher, sampler settings, numerics or backend.
 
@@ -396,7 +403,7 @@ def check_compatible(cache: str | Path, existing: Manifest, new: Manifest) -> No
     if existing.schema_version != new.schema_version:
         raise CacheMismatchError(
             f"cache {str(cache)!r} was written with cache schema {existing.schema_version}, "
-            f"which does not record how its bits were computed; this wandistill writes schema "
+            f"{_OLDER[existing.schema_version]}; this wandistill writes schema "
             f"{new.schema_version} and cannot add records to it without risking a mix",
             fix="write to a new --out directory (the old cache stays readable for train/eval)",
         )

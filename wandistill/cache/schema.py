@@ -15,8 +15,10 @@ import torch
 
 from wandistill.validate import canonical_json
 
-SCHEMA_VERSION = 2
-"""2: the manifest is sealed (`header_sha256`) and records `numerics`; 1 is still read."""
+SCHEMA_VERSION = 3
+"""3: a webdataset shard entry lists `frame_sha256` (every byte but the tensor data, which the
+per-tensor crc32c cover) instead of the whole file's `sha256`. 2: the manifest is sealed
+(`header_sha256`) and records `numerics`. 1 and 2 are still read."""
 FORMAT_NAME = "wandistill-cache"
 MANIFEST_NAME = "manifest.json"
 SHARED_NAME = "shared.safetensors"

@@ -1,16 +1,20 @@
 """webdataset backend: POSIX tar shards, one `<key>.json` + `<key>.safetensors` pair per record.
 
 Shards are written with `webdataset.TarWriter` (no encoder: we hand it bytes, so nothing is ever
-pickled) into a temp name, fsynced and renamed. Because every member name is short and the tar
-format is USTAR, member data offsets are computable; we record each record's safetensors offset
-and length in the manifest so the training reader can `pread` one recorded step directly instead
-of streaming the tar. Stock `webdataset.WebDataset` still reads these shards unchanged.
+pickled; the `.safetensors` member is streamed by its tarfile from the header and each tensor's
+own bytes, never serialised into one blob first) into a temp name, fsynced and renamed. Because
+every member name is short and the tar format is USTAR, member data offsets are computable; we
+record each record's safetensors offset and length in the manifest so the training reader can
+`pread` one recorded step directly instead of streaming the tar. Stock `webdataset.WebDataset`
+still reads these shards unchanged.
 
-Checksums (no silent wrong tensors). The training reader `pread`s one step's rows, so a
-whole-shard sha256 cannot guard it. Each record's safetensors header carries, in its
-`__metadata__`, the record key and a crc32c of every tensor (one per row of the leading step axis
-for step fields: x_t, teacher output, timesteps, features); the manifest entry's `crc32c` lists,
-per record, the crc32c of that header (8-byte length prefix + JSON) and of the `.json` member.
+Checksums (no silent wrong tensors), each byte hashed once. The training reader `pread`s one
+step's rows, so a whole-shard sha256 cannot guard it. Each record's safetensors header carries,
+in its `__metadata__`, the record key and a crc32c of every tensor (one per row of the leading
+step axis for step fields: x_t, teacher output, timesteps, features); the manifest entry's
+`crc32c` lists, per record, the crc32c of that header (8-byte length prefix + JSON) and of the
+`.json` member; its `frame_sha256` (schema 3) hashes every other byte of the tar: headers,
+padding and members outside the tensor data (schema 1-2 entries list the whole file's `sha256`).
 Every read verifies the header against the manifest, then each tensor or row it returns against
 the header (crc32c runs at ~13 GB/s). Caches written before these checksums existed carry neither
 and are read unverified, as before. `verify` also walks the tar headers: any member that is not
@@ -38,7 +42,6 @@ import torch
 import webdataset as wds
 from pydantic import StringConstraints
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from wandistill.cache.formats import Name, OwnMeta, RecordMeta, TensorInfo
 from wandistill.cache.schema import (
@@ -52,6 +55,7 @@ from wandistill.cache.schema import (
 from wandistill.errors import CacheError, CorruptRecordError
 from wandistill.storage import LocalStorage, Storage, open_storage
 from wandistill.validate import MiB, check, inside, parse_json, rel_path_problem
+from wandistill.workarounds import safetensors_header
 
 BLOCK = tarfile.BLOCKSIZE
 META_KEY = "wandistill"
@@ -118,18 +122,57 @@ def _padded(n: int) -> int:
     return (n + BLOCK - 1) // BLOCK * BLOCK
 
 
+class _Parts:
+    """Some bytes as a list of (buffer, hashed) pieces: what `_PartReader.read` hands tarfile,
+    which only takes its `len` and passes it on to `_HashingFile.write`."""
+
+    def __init__(self, parts: list[tuple[memoryview, bool]]) -> None:
+        self.parts = parts
+        self.size = sum(len(v) for v, _ in parts)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class _PartReader:
+    """A read-only file over (buffer, hashed) pieces, read without copying a byte: a record's
+    safetensors header (hashed into the shard's frame digest) and its tensors' bytes (covered by
+    the crc32c in that header instead, so hashed once, not twice)."""
+
+    def __init__(self, parts: list[tuple[Any, bool]]) -> None:
+        self.parts = [(memoryview(v).cast("B"), hashed) for v, hashed in parts]
+        self.size = sum(len(v) for v, _ in self.parts)
+
+    def read(self, n: int) -> _Parts:
+        out: list[tuple[memoryview, bool]] = []
+        while n > 0 and self.parts:
+            view, hashed = self.parts[0]
+            out.append((view[:n], hashed))
+            if len(view) <= n:
+                self.parts.pop(0)
+            else:
+                self.parts[0] = (view[n:], hashed)
+            n -= len(out[-1][0])
+        return _Parts(out)
+
+
 class _HashingFile:
-    """A write-only file object that hashes and counts what passes through to the real file."""
+    """A write-only file object that counts what passes through to the real file and hashes the
+    shard's frame: every byte but the records' tensor data (see `WebDatasetSink`)."""
 
     def __init__(self, f: BinaryIO) -> None:
         self.f = f
         self.sha = hashlib.sha256()
         self.size = 0
 
-    def write(self, data: bytes) -> int:
-        self.sha.update(data)
+    def write(self, data: bytes | _Parts) -> int:
+        parts = data.parts if isinstance(data, _Parts) else [(data, True)]
+        for view, hashed in parts:
+            if hashed:
+                self.sha.update(view)
+            self.f.write(view)
         self.size += len(data)
-        return self.f.write(data)
+        return len(data)
 
     def flush(self) -> None:
         self.f.flush()
@@ -153,6 +196,16 @@ class _DirectTarWriter(wds.TarWriter):
     def __init__(self, fileobj: Any, **kw: Any) -> None:
         super().__init__(fileobj, **kw)
         self.tarstream.copybufsize = 1 << 30
+
+    def write_parts(self, name: str, parts: list[tuple[Any, bool]]) -> None:
+        """One member streamed from (buffer, hashed) pieces by tarfile, with the header fields
+        `TarWriter.write` gives a member (which takes only one bytes object per member)."""
+        reader = _PartReader(parts)
+        info = tarfile.TarInfo(name)
+        info.size = reader.size
+        info.mtime, info.mode = self.mtime, self.mode
+        info.uname, info.gname = self.user, self.group
+        self.tarstream.addfile(info, reader)
 
 
 class _Aborted(Exception):
@@ -178,19 +231,27 @@ class WebDatasetSink:
         self.crcs: list[list[int]] = []
 
     def add(self, record: Record) -> None:
+        """Stream the record's members into the tar: no serialised blob, no copy of a tensor.
+
+        The `.safetensors` member is the header `safetensors.torch.save` would write, then each
+        tensor's own bytes. Each byte is checksummed once: tensor bytes by the crc32c (per
+        tensor, per step row) in that header, every other byte of the shard (tar headers and
+        padding, `.json` members, safetensors headers) by the entry's `frame_sha256`."""
         meta = json.dumps(record.meta(), ensure_ascii=False).encode()
         tensors = record.tensors()
         own = {"key": record.key, "crc32c": tensor_checksums(tensors)}
-        blob = st_save(tensors, metadata={META_KEY: canonical_json(own)})
-        head = 8 + int.from_bytes(blob[:8], "little")
+        head, order = safetensors_header(tensors, {META_KEY: canonical_json(own)})
+        parts = [(head, True)] + [(_raw(tensors[name]), False) for name in order]
         start = self.tar.tarstream.offset
-        # Members are written in sorted extension order: json, then safetensors.
+        # Members in webdataset's order (sorted extensions): json, then safetensors.
         json_off = start + BLOCK
         st_off = json_off + _padded(len(meta)) + BLOCK
-        self.tar.write({"__key__": record.key, "json": meta, "safetensors": blob})
-        assert self.tar.tarstream.offset == st_off + _padded(len(blob)), "tar layout changed"
-        self.offsets.append([st_off, len(blob), json_off, len(meta)])
-        self.crcs.append([crc32c(blob[:head]), crc32c(meta)])
+        self.tar.write({"__key__": record.key, "json": meta})
+        self.tar.write_parts(f"{record.key}.safetensors", parts)
+        size = self.tar.tarstream.members[-1].size
+        assert self.tar.tarstream.offset == st_off + _padded(size), "tar layout changed"
+        self.offsets.append([st_off, size, json_off, len(meta)])
+        self.crcs.append([crc32c(head), crc32c(meta)])
 
     def end(self) -> dict[str, Any]:
         try:
@@ -202,7 +263,7 @@ class WebDatasetSink:
         return {
             "file": self.rel,
             "bytes": self.hashing.size,
-            "sha256": self.hashing.sha.hexdigest(),
+            "frame_sha256": self.hashing.sha.hexdigest(),
             "offsets": self.offsets,
             "crc32c": self.crcs,
         }
@@ -613,6 +674,34 @@ class WebDatasetSource:
                     )
         return shard, per_key
 
+    def file_digest(self, rel: str) -> str:
+        """sha256 of the whole shard file (what schema 1 and 2 entries list)."""
+        sha = hashlib.sha256()
+        with self.store.open_read(rel) as f:
+            while chunk := f.read(1 << 22):
+                sha.update(chunk)
+        return sha.hexdigest()
+
+    def frame_digest(self, entry: dict[str, Any], rel: str) -> str:
+        """sha256 of the shard's bytes outside its records' tensor data (schema 3's
+        `frame_sha256`): each record's data starts after its safetensors header, whose length is
+        read from the file (a changed length moves the frame, so the digest fails). The file
+        must have the entry's size (the schema keeps every offset inside it)."""
+        skips, size = [], entry["bytes"]
+        for st_off, length, _, _ in entry["offsets"]:
+            prefix = self.store.read_range(rel, st_off, min(8, length))
+            head = 8 + int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+            skips.append((st_off + min(head, length), st_off + length))
+        sha, pos = hashlib.sha256(), 0
+        with self.store.open_read(rel) as f:
+            for skip_from, skip_to in [*sorted(skips), (size, size)]:
+                f.seek(pos)
+                while pos < skip_from and (chunk := f.read(min(1 << 22, skip_from - pos))):
+                    sha.update(chunk)
+                    pos += len(chunk)
+                pos = max(pos, skip_to)
+        return sha.hexdigest()
+
     def verify(self, entry: dict[str, Any]) -> list[str]:
         """Checksum the shard, walk its members, then read and check every record.
 
@@ -631,11 +720,14 @@ class WebDatasetSource:
             return [f"shard {name}: file {entry['file']} is missing"]
         if size != entry["bytes"]:
             problems.append(f"shard {name}: {size} bytes on disk, manifest says {entry['bytes']}")
-        sha = hashlib.sha256()
-        with self.store.open_read(rel) as f:
-            while chunk := f.read(1 << 22):
-                sha.update(chunk)
-        if sha.hexdigest() != entry["sha256"]:
+        if "frame_sha256" in entry:  # schema 3: the records' tensor data is crc32c-checked below
+            if size == entry["bytes"] and self.frame_digest(entry, rel) != entry["frame_sha256"]:
+                problems.append(
+                    f"shard {name}: sha256 mismatch in its frame (tar headers or padding, "
+                    ".json members or safetensors headers changed after it was written, or the "
+                    "manifest's frame_sha256 was edited)"
+                )
+        elif self.file_digest(rel) != entry["sha256"]:
             problems.append(
                 f"shard {name}: sha256 mismatch (file changed after it was written, or the "
                 "manifest's sha256 was edited)"
