@@ -32,6 +32,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -432,21 +433,28 @@ def storage_error(where: str, e: BaseException) -> StorageError:
 
 LOCK_LEASE_S = 60.0
 """An object-store lock whose heartbeat is older than this is stale (its holder died)."""
+LOCK_SETTLE_S = 0.5
+"""How long a new holder waits before reading its lock back (see `LeaseLock`)."""
 
 
 class LeaseLock:
     """One writer on an object store, where there is no flock: a lock object created with a
-    conditional PUT (`If-None-Match: *`), holding host, pid, start and a heartbeat that a
-    thread refreshes every LOCK_LEASE_S / 4 seconds.
+    conditional PUT (`If-None-Match: *`), holding host, pid, start, a random token and a
+    heartbeat that a thread refreshes every LOCK_LEASE_S / 4 seconds.
 
     A lock is stale when its heartbeat is older than the lease, or at once when its holder ran
-    on this host and that pid is gone (a `kill -9`); a stale lock is deleted and taken. Two
-    runs taking over the same stale lock in the same instant could both win (the delete is not
-    conditional); a live holder is always refused.
+    on this host and that pid is gone (a `kill -9`); a stale lock is deleted and taken. The
+    delete is not conditional (S3 has no compare-and-delete that s3fs exposes), so two runs
+    taking over one stale lock at once could each delete the other's fresh lock. Tokens fence
+    that: a new holder reads its lock back after LOCK_SETTLE_S and yields to the token it finds
+    there; a heartbeat never overwrites another run's lock (it marks this one `lost` and stops);
+    release deletes the lock only if it is still this run's.
     """
 
     def __init__(self, store: FsspecStorage, rel: str, me: dict[str, Any]) -> None:
         self.store, self.rel, self.me = store, rel, me
+        self.token = uuid.uuid4().hex
+        self.lost = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -455,7 +463,7 @@ class LeaseLock:
         return self._thread is not None
 
     def _body(self) -> bytes:
-        beat = {**self.me, "heartbeat": time.time(), "lease_s": LOCK_LEASE_S}
+        beat = {**self.me, "token": self.token, "heartbeat": time.time(), "lease_s": LOCK_LEASE_S}
         return json.dumps(beat).encode()
 
     def holder(self) -> dict[str, Any] | None:
@@ -474,10 +482,22 @@ class LeaseLock:
             return {}
         return info if isinstance(info, dict) else {}
 
+    def _settle(self) -> None:
+        time.sleep(LOCK_SETTLE_S)
+
+    def _mine(self, holder: dict[str, Any] | None) -> bool:
+        return holder is not None and holder.get("token") == self.token
+
     def acquire(self) -> dict[str, Any] | None:
         """Take the lock (None), or return the live holder's details."""
         for _ in range(3):
             if self.store.create(self.rel, self._body()):
+                self._settle()  # a racing takeover's delete + create shows by now
+                holder = self.holder()
+                if holder is None:
+                    continue  # deleted by a racing takeover that has not created yet: again
+                if not self._mine(holder):
+                    return holder  # that run took it: it is the live holder
                 self._thread = threading.Thread(
                     target=self._beat, name="wandistill-lock-heartbeat", daemon=True
                 )
@@ -491,10 +511,22 @@ class LeaseLock:
             self.store.rm(self.rel)
         return self.holder() or {}
 
+    def beat_once(self) -> bool:
+        """Refresh the heartbeat unless another run holds the lock now (then mark it lost)."""
+        holder = self.holder()
+        if holder is not None and not self._mine(holder):
+            self.lost = True
+            return False
+        self.store.put(self.rel, self._body())
+        return True
+
     def _beat(self) -> None:
         while not self._stop.wait(LOCK_LEASE_S / 4):
-            with contextlib.suppress(Exception):  # a missed beat is retried; the lease is long
-                self.store.put(self.rel, self._body())
+            try:
+                if not self.beat_once():
+                    return
+            except Exception:  # a missed beat is retried; the lease is long
+                continue
 
     def release(self) -> None:
         if self._thread is None:
@@ -503,7 +535,8 @@ class LeaseLock:
         self._thread.join()
         self._thread = None
         with contextlib.suppress(Exception):
-            self.store.rm(self.rel)
+            if self._mine(self.holder()):
+                self.store.rm(self.rel)
 
 
 def _stale(holder: dict[str, Any]) -> bool:

@@ -152,6 +152,43 @@ def test_a_dead_writers_lock_and_temp_objects_are_taken_over(
         folder.release()
 
 
+def _lock(root: str, host: str) -> storage.LeaseLock:
+    return storage.LeaseLock(storage.FsspecStorage(f"s3://{root}"), outputs.LOCK, {"host": host})
+
+
+def test_two_runs_taking_over_one_stale_lock_at_once_end_with_one_holder(
+    s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B read the stale lock before A took it over; B's delete (of A's fresh lock) and create
+    land while A settles. A yields to B, and B's lock is left alone."""
+    root = f"{BUCKET}/race"
+    stale = {"host": "gone", "pid": 1, "heartbeat": time.time() - 2 * storage.LOCK_LEASE_S}
+    _fs().pipe_file(f"{root}/{outputs.LOCK}", json.dumps(stale).encode())
+    a, b = _lock(root, "a"), _lock(root, "b")
+
+    def b_takes_over() -> None:
+        b.store.rm(b.rel)
+        assert b.store.create(b.rel, b._body())
+
+    monkeypatch.setattr(a, "_settle", b_takes_over)
+    assert a.acquire()["host"] == "b" and not a.is_locked
+    a.release()  # holds nothing: B's lock stays
+    assert json.loads(_fs().cat_file(f"{root}/{outputs.LOCK}"))["token"] == b.token
+
+
+def test_a_holder_whose_lock_was_taken_over_neither_beats_over_it_nor_deletes_it(
+    s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = f"{BUCKET}/taken"
+    monkeypatch.setattr(storage, "LOCK_SETTLE_S", 0.0)
+    a, b = _lock(root, "a"), _lock(root, "b")
+    assert a.acquire() is None and a.beat_once() and not a.lost
+    _fs().pipe_file(f"{root}/{outputs.LOCK}", b._body())  # presumed dead, taken over by B
+    assert not a.beat_once() and a.lost
+    a.release()
+    assert json.loads(_fs().cat_file(f"{root}/{outputs.LOCK}"))["token"] == b.token
+
+
 def test_an_s3_prefix_holding_foreign_objects_is_refused(s3: dict[str, str]) -> None:
     _fs().pipe_file(f"{BUCKET}/foreign/notes.txt", b"mine")
     with pytest.raises(UsageError, match="is not empty and was not written by wandistill"):
