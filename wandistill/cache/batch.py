@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 RAGGED = ("prompt_embeds", "negative_prompt_embeds")
@@ -20,6 +21,19 @@ RAGGED = ("prompt_embeds", "negative_prompt_embeds")
 
 Shape = tuple[tuple[int, ...], torch.dtype]
 """A field of one sample as stored: (shape, dtype)."""
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.empty` in memory numpy allocates: malloc hands a freed batch's pages to the next
+    one, where torch's allocator maps fresh pages for every large tensor and each first write
+    takes a page fault (measured: a 7 MB `preadv` into `torch.empty` 1.5 ms, into `np.empty`
+    0.6 ms)."""
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(np.empty(n, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class BatchBuffers:
@@ -32,6 +46,7 @@ class BatchBuffers:
         self.tensors: dict[str, torch.Tensor] = {}
         self.lengths: dict[str, list[int]] = {}
         """Ragged field -> each sample's true length (0 for a failed sample)."""
+        self._raw: dict[str, Any] = {}
 
     def allocate(self, shapes: list[dict[str, Shape] | None]) -> list[str | None]:
         """Make the batch tensors from each sample's field shapes (None: a failed sample).
@@ -59,7 +74,7 @@ class BatchBuffers:
             )
         for name, (shape, dtype) in first.items():
             if name not in RAGGED:
-                self.tensors[name] = torch.empty((self.size, *shape), dtype=dtype)
+                self.tensors[name] = empty((self.size, *shape), dtype)
                 continue
             lengths = [
                 s[name][0][0] if s is not None and p is None else 0
@@ -70,7 +85,7 @@ class BatchBuffers:
                 if n > length and problems[b] is None:
                     problems[b] = f"{name!r} has {n} tokens, more than max_sequence_length {length}"
                     lengths[b] = 0
-            out = torch.empty((self.size, length, *shape[1:]), dtype=dtype)
+            out = empty((self.size, length, *shape[1:]), dtype)
             for b, n in enumerate(lengths):
                 out[b, n:] = 0
             self.tensors[name], self.lengths[name] = out, lengths
@@ -80,6 +95,19 @@ class BatchBuffers:
         """Where sample b's `name` goes: its row, or its first `length` tokens (contiguous)."""
         t = self.tensors[name][b]
         return t[: self.lengths[name][b]] if name in self.lengths else t
+
+    def raw_row(self, b: int, name: str) -> Any:
+        """`row(b, name)` as a writable uint8 numpy view, for `preadv` and crc32c (slicing
+        numpy costs ~0.2 us, a torch view ~10 us: it adds up at 24 views a batch)."""
+        raw = self._raw.get(name)
+        if raw is None:
+            t = self.tensors[name]
+            raw = self._raw[name] = t.view(t.shape[0], -1).view(torch.uint8).numpy()
+        if name not in self.lengths:
+            return raw[b]
+        return raw[
+            b, : self.lengths[name][b] * (raw.shape[1] // max(1, self.tensors[name].shape[1]))
+        ]
 
     @staticmethod
     def raw(t: torch.Tensor) -> Any:

@@ -226,39 +226,45 @@ class TrainingReader:
         read by one pool thread straight into its batch tensors (`_read_batch`)."""
         plan = self._follow_plan() if self.follow else self._epoch_plan()
         with ThreadPoolExecutor(self.num_threads, thread_name_prefix="wandistill-read") as pool:
-            pending: deque[tuple[tuple[int, int], list[Sample], Future[Any]]] = deque()
-            exhausted = blocked = False
-            while True:
-                # Fill the prefetch queue, except that a planner about to poll the cache (follow
-                # mode) waits until everything already planned has been handed over: polls then
-                # happen at the same batch index on every rank, which keeps `sync` in lockstep.
-                while not exhausted and len(pending) < self.prefetch_batches:
-                    if blocked and pending:
-                        break
-                    blocked = False
-                    try:
-                        item = next(plan)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    if item is None:
-                        blocked = True
-                        continue
-                    position, samples = item
-                    pending.append((position, samples, pool.submit(self._read_batch, samples)))
-                if not pending:
-                    if exhausted:
-                        return
+            try:
+                yield from self._batches(pool, plan)
+            finally:  # closed early: batches nobody will take are not read
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _batches(self, pool: ThreadPoolExecutor, plan: Iterator[Any]) -> Iterator[dict[str, Any]]:
+        pending: deque[tuple[tuple[int, int], list[Sample], Future[Any]]] = deque()
+        exhausted = blocked = False
+        while True:
+            # Fill the prefetch queue, except that a planner about to poll the cache (follow
+            # mode) waits until everything already planned has been handed over: polls then
+            # happen at the same batch index on every rank, which keeps `sync` in lockstep.
+            while not exhausted and len(pending) < self.prefetch_batches:
+                if blocked and pending:
+                    break
+                blocked = False
+                try:
+                    item = next(plan)
+                except StopIteration:
+                    exhausted = True
+                    break
+                if item is None:
+                    blocked = True
                     continue
-                position, samples, future = pending.popleft()
-                t0 = time.perf_counter()
-                tensors, order = future.result()
-                self.wait_seconds += time.perf_counter() - t0
-                batch = self._collate(tensors, order, samples)
-                # The position advances only when a batch is handed over, so a checkpoint taken
-                # now resumes right after it, whatever was prefetched.
-                self.epoch, self.batches_done = position
-                yield batch
+                position, samples = item
+                pending.append((position, samples, pool.submit(self._read_batch, samples)))
+            if not pending:
+                if exhausted:
+                    return
+                continue
+            position, samples, future = pending.popleft()
+            t0 = time.perf_counter()
+            tensors, order = future.result()
+            self.wait_seconds += time.perf_counter() - t0
+            batch = self._collate(tensors, order, samples)
+            # The position advances only when a batch is handed over, so a checkpoint taken
+            # now resumes right after it, whatever was prefetched.
+            self.epoch, self.batches_done = position
+            yield batch
 
     def _permutation(self, n: int, *tag: Any) -> torch.Tensor:
         gen = torch.Generator().manual_seed(_seed_for(self.seed, *tag))

@@ -40,7 +40,7 @@ from pydantic import StringConstraints
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from wandistill.cache.batch import BatchBuffers
+from wandistill.cache.batch import BatchBuffers, empty
 from wandistill.cache.formats import Name, OwnMeta, RecordMeta, TensorInfo
 from wandistill.cache.schema import (
     DTYPE_NAMES,
@@ -482,8 +482,8 @@ class WebDatasetSource:
         """
         try:
             rel, spans = self._spans(entry, i, wanted)
-            out = {name: torch.empty(s[3], dtype=s[2]) for name, s in spans.items()}
-            self._fill(rel, wanted, spans, out)
+            out = {name: empty(tuple(s[3]), s[2]) for name, s in spans.items()}
+            self._fill(rel, wanted, spans, {n: BatchBuffers.raw(t) for n, t in out.items()})
             return out
         except Exception as e:
             raise self._corrupt(entry, i, e) from None
@@ -508,13 +508,17 @@ class WebDatasetSource:
             None if p is None else {n: (tuple(s[3]), s[2]) for n, s in p[1].items()} for p in plans
         ]
         problems = out.allocate(shapes)
+        for plan in plans:
+            if plan is not None:
+                with contextlib.suppress(OSError):  # only a hint; the read reports errors
+                    self.store.will_need(plan[0], [(s[0], s[1]) for s in plan[1].values()])
         for b, ((entry, i, wanted), plan) in enumerate(zip(samples, plans, strict=True)):
             if plan is None:
                 continue
             try:
                 if problems[b] is not None:
                     raise ValueError(problems[b])
-                self._fill(plan[0], wanted, plan[1], {n: out.row(b, n) for n in plan[1]})
+                self._fill(plan[0], wanted, plan[1], {n: out.raw_row(b, n) for n in plan[1]})
             except Exception as e:
                 errors[b] = self._corrupt(entry, i, e)
         return errors
@@ -534,13 +538,13 @@ class WebDatasetSource:
         rel: str,
         wanted: dict[str, int | None],
         spans: dict[str, tuple[int, int, torch.dtype, list[int], int | None]],
-        dest: dict[str, torch.Tensor],
+        dest: dict[str, Any],
     ) -> None:
-        """One positioned read per span into its (contiguous) destination tensor, then its
-        crc32c check."""
+        """One positioned read per span into its destination (a writable uint8 numpy view of
+        the span's size), then its crc32c check."""
         reads = [
-            (name, spans[name][0], BatchBuffers.raw(t), spans[name][4])
-            for name, t in dest.items()
+            (name, spans[name][0], raw, spans[name][4])
+            for name, raw in dest.items()
             if spans[name][1]
         ]
         got = self.store.read_into(rel, [(pos, raw) for _, pos, raw, _ in reads])
