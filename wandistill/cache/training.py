@@ -16,8 +16,10 @@ sorted by key, so it does not depend on how the cache was sharded or by how many
 - `slots` narrows the space to the recorded steps the objectives use, and `with_next` adds the
   next point of each sample's trajectory (`xt_next`, `timesteps_next`: the next recorded step, or
   after the last one the final latent with t = 0 and `next_is_final`), for consistency training;
-- each sample is a few positioned reads (the step's rows of x_t and the teacher output, the
-  embedding) done by a thread pool, a couple of batches ahead of the consumer.
+- each batch is one task of a thread pool, read `max(prefetch_batches, num_threads)` batches
+  ahead of the consumer; each sample is a few positioned reads (the step's rows of x_t and the
+  teacher output, the embedding) straight into its row of the batch tensors (cache/batch.py),
+  so no byte is copied twice.
 
 Follow mode trains on a cache that is still being written: shards are taken in "generations" as
 they are committed, each generation shuffled on its own, and batches are emitted as soon as a

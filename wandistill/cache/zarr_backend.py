@@ -47,13 +47,16 @@ it (read-modify-write, no locking), so two partial writes into one zarr shard lo
 BLOCK_RECORDS = 64); once the group exists, its recorded layout wins.
 
 Reads (`ZarrSource`) go through `zarr.AsyncArray.getitem`, all fields of one sample in one
-`asyncio.gather` handed to zarr's event loop (one thread hop per sample, not per field). Reading
-one inner chunk costs one ranged read of the shard index and one of the chunk; the index read is
-served by `zarr.experimental.cache_store.CacheStore` (in memory, LRU, INDEX_CACHE_BYTES), so
-each shard file's index is read once. Small per-record arrays (offsets, timesteps) are read once
-per shard entry. zarr checks every chunk's crc32c; `_ReadStore` turns a missing shard file (zarr
-would read fill values) or a short read into `ZarrChunkError`, and read errors name the shard
-entry, the record key, the field and the zarr shard file(s).
+`asyncio.gather` handed to zarr's event loop (one thread hop per sample, not per field); the
+training reader's `read_batch` gathers every field of a whole batch at once, each with
+`AsyncArray.get_orthogonal_selection(..., out=<its row of the batch tensor>)`, so zarr decodes
+each chunk straight into the batch. Reading one inner chunk costs one ranged read of the shard
+index and one of the chunk; the index read is served by `zarr.experimental.cache_store.CacheStore`
+(in memory, LRU, INDEX_CACHE_BYTES), so each shard file's index is read once. Small per-record
+arrays (offsets, timesteps) are read once per shard entry. zarr checks every chunk's crc32c;
+`_ReadStore` turns a missing shard file (zarr would read fill values) or a short read into
+`ZarrChunkError`, and read errors name the shard entry, the record key, the field and the zarr
+shard file(s).
 
 Stock `zarr.open_group(<cache>/data.zarr, mode="r")` reads the same files: see
 docs/cache-format.md. This module never pickles. `fcntl` makes writing POSIX-only; the cache
