@@ -217,6 +217,8 @@ class WebDatasetSink:
 
 
 _ST_DTYPES = DTYPE_NAMES_BY_SAFETENSORS
+_Read = tuple[str, int, Any, int | None]
+"""One tensor read: (name, offset in the shard, destination buffer, expected crc32c)."""
 _RECORD_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError)
 """What a damaged record or shard raises while it is read (a CorruptRecordError)."""
 UNSAFE_EXTS = frozenset({"pth", "pt", "pyd", "pkl", "pickle", "ckpt", "bin", "npy", "npz"})
@@ -508,19 +510,39 @@ class WebDatasetSource:
             None if p is None else {n: (tuple(s[3]), s[2]) for n, s in p[1].items()} for p in plans
         ]
         problems = out.allocate(shapes)
-        for plan in plans:
-            if plan is not None:
-                with contextlib.suppress(OSError):  # only a hint; the read reports errors
-                    self.store.will_need(plan[0], [(s[0], s[1]) for s in plan[1].values()])
-        for b, ((entry, i, wanted), plan) in enumerate(zip(samples, plans, strict=True)):
+        # One read_into per shard file for the whole batch: on an object store its ranges go
+        # out as one concurrent `cat_ranges`.
+        groups: dict[str, list[tuple[int, list[_Read]]]] = {}
+        for b, plan in enumerate(plans):
             if plan is None:
                 continue
+            if problems[b] is not None:
+                errors[b] = self._corrupt(*samples[b][:2], ValueError(problems[b]))
+                continue
+            reads = self._reads(plan[1], {n: out.raw_row(b, n) for n in plan[1]})
+            groups.setdefault(plan[0], []).append((b, reads))
+        for rel, group in groups.items():
+            with contextlib.suppress(OSError):  # only a hint; the read reports errors
+                self.store.will_need(rel, [(r[1], r[2].nbytes) for _, rs in group for r in rs])
+        for rel, group in groups.items():
             try:
-                if problems[b] is not None:
-                    raise ValueError(problems[b])
-                self._fill(plan[0], wanted, plan[1], {n: out.raw_row(b, n) for n in plan[1]})
-            except Exception as e:
-                errors[b] = self._corrupt(entry, i, e)
+                got: list[int] | None = self.store.read_into(
+                    rel, [(r[1], r[2]) for _, rs in group for r in rs]
+                )
+            except Exception:  # the file as a whole: read each sample alone to say which
+                got = None
+            k = 0
+            for b, reads in group:
+                entry, i, wanted = samples[b]
+                try:
+                    if got is None:
+                        mine = self.store.read_into(rel, [(r[1], r[2]) for r in reads])
+                    else:
+                        mine = got[k : k + len(reads)]
+                    self._check(wanted, reads, mine)
+                except Exception as e:
+                    errors[b] = self._corrupt(entry, i, e)
+                k += len(reads)
         return errors
 
     def _spans(
@@ -540,14 +562,22 @@ class WebDatasetSource:
         spans: dict[str, tuple[int, int, torch.dtype, list[int], int | None]],
         dest: dict[str, Any],
     ) -> None:
-        """One positioned read per span into its destination (a writable uint8 numpy view of
-        the span's size), then its crc32c check."""
-        reads = [
-            (name, spans[name][0], raw, spans[name][4])
-            for name, raw in dest.items()
-            if spans[name][1]
-        ]
-        got = self.store.read_into(rel, [(pos, raw) for _, pos, raw, _ in reads])
+        """One positioned read per span into its destination, then its crc32c check."""
+        reads = self._reads(spans, dest)
+        self._check(wanted, reads, self.store.read_into(rel, [(r[1], r[2]) for r in reads]))
+
+    @staticmethod
+    def _reads(
+        spans: dict[str, tuple[int, int, torch.dtype, list[int], int | None]],
+        dest: dict[str, Any],
+    ) -> list[_Read]:
+        """(name, offset, destination, expected crc32c) of each non-empty span; a destination
+        is a writable uint8 numpy view of the span's size."""
+        return [(n, spans[n][0], raw, spans[n][4]) for n, raw in dest.items() if spans[n][1]]
+
+    @staticmethod
+    def _check(wanted: dict[str, int | None], reads: list[_Read], got: list[int]) -> None:
+        """Each read complete and matching its crc32c."""
         for (name, _, raw, want), n in zip(reads, got, strict=True):
             if n != raw.nbytes:
                 raise EOFError(
