@@ -215,3 +215,23 @@ def test_a_step_row_failing_its_checksum_is_replaced_by_the_batchs_first_good_sa
         _check_rows(batch, reader.store, "batch")
     assert short == 1 and reader.corrupt  # (prefetch may have met it again in epoch 1)
     assert all(f"{bad} " in m and "'xt' step 0 fails its crc32c check" in m for m in reader.corrupt)
+
+
+def test_a_sample_that_cannot_share_its_batchs_tensors_gets_a_problem_not_a_row() -> None:
+    from wandistill.cache.batch import BatchBuffers
+
+    out = BatchBuffers(4, pad_len=5)
+    emb = torch.bfloat16
+    problems = out.allocate(
+        [
+            {"xt": ((2, 3), torch.float32), "prompt_embeds": ((4, 8), emb)},
+            {"xt": ((2, 4), torch.float32), "prompt_embeds": ((3, 8), emb)},
+            {"prompt_embeds": ((2, 8), emb)},
+            {"xt": ((2, 3), torch.float32), "prompt_embeds": ((6, 8), emb)},
+        ]
+    )
+    assert problems[0] is None
+    assert "'xt' is (2, 4)" in str(problems[1]) and "has no 'xt'" in str(problems[2])
+    assert "6 tokens, more than max_sequence_length 5" in str(problems[3])
+    assert out.tensors["prompt_embeds"].shape == (4, 5, 8) and out.lengths["prompt_embeds"][0] == 4
+    assert not bool(out.tensors["prompt_embeds"][0, 4:].any())

@@ -36,6 +36,19 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.empty(n, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def _differs(name: str, got: Shape | None, want: Shape) -> str | None:
+    """Why a sample's field cannot share a batch tensor with the first sample's, or None."""
+    if got is None:
+        return f"has no {name!r}, the batch's first sample has one"
+    same = got[0][1:] == want[0][1:] if name in RAGGED else got[0] == want[0]
+    if same and got[1] == want[1]:
+        return None
+    return (
+        f"{name!r} is {tuple(got[0])} {got[1]}, the batch's first sample has "
+        f"{tuple(want[0])} {want[1]}"
+    )
+
+
 class BatchBuffers:
     """The batch tensors of B samples; `allocate` once the samples' shapes are known."""
 
@@ -62,14 +75,7 @@ class BatchBuffers:
             if s is None or s is first:
                 continue
             problems[b] = next(
-                (
-                    f"{name!r} is {tuple(got[0])} {got[1]}, the batch's first sample has "
-                    f"{tuple(want[0])} {want[1]}"
-                    for name, want in first.items()
-                    if (got := s.get(name)) is None
-                    or got[1] != want[1]
-                    or (got[0][1:] != want[0][1:] if name in RAGGED else got[0] != want[0])
-                ),
+                (p for name, want in first.items() if (p := _differs(name, s.get(name), want))),
                 None,
             )
         for name, (shape, dtype) in first.items():
