@@ -374,18 +374,7 @@ class TrainingReader:
         out = BatchBuffers(len(samples), pad)
         errors = None if self.with_next else self.store.read_batch(samples, self.fields, out)
         if errors is None:
-            results = [self._read_sample(*s) for s in samples]
-            errors = [r if isinstance(r, BaseException) else None for r in results]
-            shapes = [
-                None if e is not None else {n: (tuple(t.shape), t.dtype) for n, t in r.items()}
-                for r, e in zip(results, errors, strict=True)
-            ]
-            for b, problem in enumerate(out.allocate(shapes)):
-                if problem is not None:
-                    errors[b] = ValueError(problem)
-                elif errors[b] is None:
-                    for name, t in results[b].items():
-                        out.row(b, name).copy_(t)
+            errors = self._read_each(samples, out)
         for (entry, row, _), e in zip(samples, errors, strict=True):
             if e is not None:
                 self._failed(entry, row, e)
@@ -405,6 +394,26 @@ class TrainingReader:
                 longest = max(lengths[b] for b in good)
                 tensors[name] = tensors[name][:, :longest].contiguous()
         return tensors, order
+
+    def _read_each(self, samples: list[Sample], out: BatchBuffers) -> list[BaseException | None]:
+        """Read and decode each sample on its own, then copy it into its row of `out`; each
+        sample's error, or None."""
+        results = [self._read_sample(*s) for s in samples]
+        errors = [r if isinstance(r, BaseException) else None for r in results]
+        shapes = [
+            None
+            if isinstance(r, BaseException)
+            else {n: (tuple(t.shape), t.dtype) for n, t in r.items()}
+            for r in results
+        ]
+        for b, problem in enumerate(out.allocate(shapes)):
+            r = results[b]
+            if problem is not None:
+                errors[b] = ValueError(problem)
+            elif not isinstance(r, BaseException):
+                for name, t in r.items():
+                    out.row(b, name).copy_(t)
+        return errors
 
     def _read_sample(
         self, entry: dict[str, Any], row: int, slot: int
