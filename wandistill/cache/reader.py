@@ -27,7 +27,10 @@ MAX_SHARED_BYTES = 256 * MiB
 
 
 class RecordSource(Protocol):
-    """What a backend provides for reading: positioned, thread-safe, partial reads."""
+    """What a backend provides for reading: positioned, thread-safe, partial reads.
+
+    A backend may also offer `read_batch(samples, out: BatchBuffers)`, reading many samples
+    straight into the rows of one batch (both backends do; `CacheStore.read_batch`)."""
 
     def read_tensors(
         self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
