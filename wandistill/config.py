@@ -435,7 +435,8 @@ class TrainConfig:
     tensorboard: bool = True
     """Also write TensorBoard events to <out>/tensorboard when tensorboard is installed."""
     data_threads: int = num(4, ge=1, le=256)
-    """Reader threads per rank."""
+    """Reader threads per rank. Each reads one whole batch, so this many batches are read ahead
+    (host memory: data_threads batches)."""
     follow_poll_interval: float = num(2.0, gt=0, le=3600)
     """--follow: seconds between looks for newly committed shards."""
     follow_timeout: float = num(3600.0, ge=0, le=TIMEOUT_S.le)

@@ -7,8 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from wandistill.cache.training import TrainingReader
+from wandistill.cache.reader import CacheStore
+from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader
 from wandistill.errors import CacheError
 
 from cachefixtures import write_cache
@@ -158,3 +160,78 @@ def test_a_corrupt_record_fails_loudly_or_is_skipped_and_counted(tmp_path: Path)
     batches = _take(skipping, 3)
     assert all(len(b) == 4 for b in batches)
     assert skipping.corrupt and all(entry["keys"][1] in m for m in skipping.corrupt)
+
+
+def _check_rows(batch: dict, store: CacheStore, pad: str) -> None:
+    """Every row of a batch is exactly its (record, step) as `read_sample` reads it alone."""
+    where = store.locate()
+    lengths = batch["prompt_len"].tolist()
+    want_len = max(lengths) if pad == "batch" else store.max_sequence_length
+    assert batch["prompt_embeds"].shape[1] == want_len
+    for b, (key, slot) in enumerate(zip(batch["key"], batch["step_slot"].tolist(), strict=True)):
+        want = store.read_sample(*where[key], slot, list(DEFAULT_FIELDS), pad=False)
+        assert lengths[b] == want["prompt_embeds"].shape[0]
+        assert torch.equal(batch["prompt_embeds"][b, : lengths[b]], want["prompt_embeds"])
+        assert not bool(batch["prompt_embeds"][b, lengths[b] :].any())
+        for name in ("xt", "teacher_out", "timesteps"):
+            assert torch.equal(batch[name][b], want[name]), (key, slot, name)
+
+
+@pytest.mark.parametrize("backend", ["webdataset", "zarr"])
+@pytest.mark.parametrize("pad", ["batch", "max_sequence_length"])
+def test_batches_read_in_place_hold_exactly_each_samples_record_step(
+    tmp_path: Path, backend: str, pad: str
+) -> None:
+    write_cache(tmp_path, range(5), backend=backend, shard_records=2)
+    reader = TrainingReader(tmp_path, batch_size=3, pad=pad, num_threads=2)
+    it = iter(reader)
+    for _ in range(reader.batches_per_epoch()):
+        _check_rows(next(it), reader.store, pad)
+
+
+def test_a_step_row_failing_its_checksum_is_replaced_by_the_batchs_first_good_sample(
+    tmp_path: Path,
+) -> None:
+    from wandistill.cache.manifest import read_manifest
+
+    write_cache(tmp_path, range(4), shard_records=4)
+    entry = read_manifest(tmp_path).shards[0]
+    reader = TrainingReader(tmp_path, batch_size=4, skip_corrupt=True, pad="batch")
+    base, table, _ = reader.store.source.header(entry, 1)  # type: ignore[attr-defined]
+    path = tmp_path / entry["file"]
+    data = bytearray(path.read_bytes())
+    data[base + table["xt"]["data_offsets"][0]] ^= 0xFF  # record 1, step 0 of x_t
+    path.write_bytes(bytes(data))
+    bad = entry["keys"][1]
+    it = iter(reader)
+    short = 0
+    for _ in range(reader.batches_per_epoch()):
+        batch = next(it)
+        pairs = list(zip(batch["key"], batch["step_slot"].tolist(), strict=True))
+        assert (bad, 0) not in pairs and len(pairs) == 4
+        if len(set(pairs)) < 4:  # the batch that held (bad, 0): its first good sample repeated
+            short += 1
+            assert pairs[-1] == pairs[0]
+        _check_rows(batch, reader.store, "batch")
+    assert short == 1 and reader.corrupt  # (prefetch may have met it again in epoch 1)
+    assert all(f"{bad} " in m and "'xt' step 0 fails its crc32c check" in m for m in reader.corrupt)
+
+
+def test_a_sample_that_cannot_share_its_batchs_tensors_gets_a_problem_not_a_row() -> None:
+    from wandistill.cache.batch import BatchBuffers
+
+    out = BatchBuffers(4, pad_len=5)
+    emb = torch.bfloat16
+    problems = out.allocate(
+        [
+            {"xt": ((2, 3), torch.float32), "prompt_embeds": ((4, 8), emb)},
+            {"xt": ((2, 4), torch.float32), "prompt_embeds": ((3, 8), emb)},
+            {"prompt_embeds": ((2, 8), emb)},
+            {"xt": ((2, 3), torch.float32), "prompt_embeds": ((6, 8), emb)},
+        ]
+    )
+    assert problems[0] is None
+    assert "'xt' is (2, 4)" in str(problems[1]) and "has no 'xt'" in str(problems[2])
+    assert "6 tokens, more than max_sequence_length 5" in str(problems[3])
+    assert out.tensors["prompt_embeds"].shape == (4, 5, 8) and out.lengths["prompt_embeds"][0] == 4
+    assert not bool(out.tensors["prompt_embeds"][0, 4:].any())

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from wandistill.cache import manifest as mf
+from wandistill.cache.batch import BatchBuffers
 from wandistill.cache.encoding import RecordCodec
 from wandistill.cache.schema import SHARED_NAME, Record, dtype_name, pad_embeds
 from wandistill.errors import CacheError, UsageError
@@ -26,7 +27,10 @@ MAX_SHARED_BYTES = 256 * MiB
 
 
 class RecordSource(Protocol):
-    """What a backend provides for reading: positioned, thread-safe, partial reads."""
+    """What a backend provides for reading: positioned, thread-safe, partial reads.
+
+    A backend may also offer `read_batch(samples, out: BatchBuffers)`, reading many samples
+    straight into the rows of one batch (both backends do; `CacheStore.read_batch`)."""
 
     def read_tensors(
         self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
@@ -129,6 +133,22 @@ class CacheStore:
             out["prompt_len"] = torch.tensor(out["prompt_embeds"].shape[0])
             out["prompt_embeds"] = pad_embeds(out["prompt_embeds"], self.max_sequence_length)
         return out
+
+    def read_batch(
+        self, samples: list[tuple[dict[str, Any], int, int]], names: list[str], out: BatchBuffers
+    ) -> list[BaseException | None] | None:
+        """Read (entry, record, step) samples straight into the rows of `out`; each sample's
+        error (None when read). None when this cache cannot be read in place (a backend without
+        batch reads, or fields stored in another dtype: those go through `read_sample`)."""
+        from wandistill.cache.schema import is_step_field
+
+        read = getattr(self.source, "read_batch", None)
+        if read is None or not self.codec.identity:
+            return None
+        return read(
+            [(e, i, {n: (s if is_step_field(n) else None) for n in names}) for e, i, s in samples],
+            out,
+        )
 
     def read_shared(self) -> dict[str, torch.Tensor]:
         """Cache-level tensors: negative-prompt embedding, the sigma/timestep schedule."""

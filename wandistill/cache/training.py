@@ -16,8 +16,10 @@ sorted by key, so it does not depend on how the cache was sharded or by how many
 - `slots` narrows the space to the recorded steps the objectives use, and `with_next` adds the
   next point of each sample's trajectory (`xt_next`, `timesteps_next`: the next recorded step, or
   after the last one the final latent with t = 0 and `next_is_final`), for consistency training;
-- each sample is a few positioned reads (the step's rows of x_t and the teacher output, the
-  embedding) done by a thread pool, a couple of batches ahead of the consumer.
+- each batch is one task of a thread pool, read `max(prefetch_batches, num_threads)` batches
+  ahead of the consumer; each sample is a few positioned reads (the step's rows of x_t and the
+  teacher output, the embedding) straight into its row of the batch tensors (cache/batch.py),
+  so no byte is copied twice.
 
 Follow mode trains on a cache that is still being written: shards are taken in "generations" as
 they are committed, each generation shuffled on its own, and batches are emitted as soon as a
@@ -38,26 +40,17 @@ from typing import Any
 
 import torch
 
+from wandistill.cache.batch import BatchBuffers
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import is_holdout
 from wandistill.errors import CacheError, CorruptRecordError, UsageError
 
 DEFAULT_FIELDS = ("prompt_embeds", "xt", "timesteps", "teacher_out")
-RAGGED = ("prompt_embeds", "negative_prompt_embeds")
-"""Fields stored trimmed; batches zero-pad them (bit-exact with the pipeline's own padding)."""
 SyncFn = Callable[[list[str], bool], tuple[list[str], bool]]
 """(shard names this rank sees, manifest complete?) -> what every rank agrees on."""
 
 Sample = tuple[dict[str, Any], int, int]
 """(shard entry, row in shard, recorded-step slot)."""
-
-
-def _pad_stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
-    """Stack [L_i, D] rows into one zero-padded [B, length, D] tensor (one copy per row)."""
-    out = rows[0].new_zeros((len(rows), length, rows[0].shape[1]))
-    for b, r in enumerate(rows):
-        out[b, : r.shape[0]] = r
-    return out
 
 
 def pad_to(embeds_BLD: torch.Tensor, length: int) -> torch.Tensor:
@@ -124,7 +117,8 @@ class TrainingReader:
         self.follow_timeout = follow_timeout
         self.sync = sync or _local_sync
         self.num_threads = num_threads
-        self.prefetch_batches = max(1, prefetch_batches)
+        self.prefetch_batches = max(1, prefetch_batches, num_threads)
+        """Batches read ahead, one task each: at least one per thread."""
         self.holdout = (
             0.0
             if include_holdout
@@ -137,7 +131,7 @@ class TrainingReader:
         self.corrupt: list[str] = []
         """One line per skipped sample ("corrupt record ...") or shard ("unusable shard ...")."""
         self._unusable: dict[str, str] = {}
-        self._last_good: list[tuple[dict[str, torch.Tensor], Sample]] = []
+        self._last_good: dict[str, Any] | None = None
         self.wait_seconds = 0.0
         # Position: epoch and optimizer steps (global batches) consumed in it (normal mode), or
         # the list of follow generations and steps consumed overall (follow mode).
@@ -230,43 +224,49 @@ class TrainingReader:
     # ------------------------------------------------------------------ iteration
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """Yield this rank's batches; the planner runs ahead by `prefetch_batches`."""
+        """Yield this rank's batches; the planner runs ahead by `prefetch_batches`, each batch
+        read by one pool thread straight into its batch tensors (`_read_batch`)."""
         plan = self._follow_plan() if self.follow else self._epoch_plan()
         with ThreadPoolExecutor(self.num_threads, thread_name_prefix="wandistill-read") as pool:
-            pending: deque[tuple[tuple[int, int], list[Sample], list[Future[Any]]]] = deque()
-            exhausted = blocked = False
-            while True:
-                # Fill the prefetch queue, except that a planner about to poll the cache (follow
-                # mode) waits until everything already planned has been handed over: polls then
-                # happen at the same batch index on every rank, which keeps `sync` in lockstep.
-                while not exhausted and len(pending) < self.prefetch_batches:
-                    if blocked and pending:
-                        break
-                    blocked = False
-                    try:
-                        item = next(plan)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    if item is None:
-                        blocked = True
-                        continue
-                    position, samples = item
-                    futures = [pool.submit(self._read, *s) for s in samples]
-                    pending.append((position, samples, futures))
-                if not pending:
-                    if exhausted:
-                        return
+            try:
+                yield from self._batches(pool, plan)
+            finally:  # closed early: batches nobody will take are not read
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _batches(self, pool: ThreadPoolExecutor, plan: Iterator[Any]) -> Iterator[dict[str, Any]]:
+        pending: deque[tuple[tuple[int, int], list[Sample], Future[Any]]] = deque()
+        exhausted = blocked = False
+        while True:
+            # Fill the prefetch queue, except that a planner about to poll the cache (follow
+            # mode) waits until everything already planned has been handed over: polls then
+            # happen at the same batch index on every rank, which keeps `sync` in lockstep.
+            while not exhausted and len(pending) < self.prefetch_batches:
+                if blocked and pending:
+                    break
+                blocked = False
+                try:
+                    item = next(plan)
+                except StopIteration:
+                    exhausted = True
+                    break
+                if item is None:
+                    blocked = True
                     continue
-                position, samples, futures = pending.popleft()
-                t0 = time.perf_counter()
-                results = [f.result() for f in futures]
-                self.wait_seconds += time.perf_counter() - t0
-                batch = self._collate(results, samples)
-                # The position advances only when a batch is handed over, so a checkpoint taken
-                # now resumes right after it, whatever was prefetched.
-                self.epoch, self.batches_done = position
-                yield batch
+                position, samples = item
+                pending.append((position, samples, pool.submit(self._read_batch, samples)))
+            if not pending:
+                if exhausted:
+                    return
+                continue
+            position, samples, future = pending.popleft()
+            t0 = time.perf_counter()
+            tensors, order = future.result()
+            self.wait_seconds += time.perf_counter() - t0
+            batch = self._collate(tensors, order, samples)
+            # The position advances only when a batch is handed over, so a checkpoint taken
+            # now resumes right after it, whatever was prefetched.
+            self.epoch, self.batches_done = position
+            yield batch
 
     def _permutation(self, n: int, *tag: Any) -> torch.Tensor:
         gen = torch.Generator().manual_seed(_seed_for(self.seed, *tag))
@@ -362,27 +362,78 @@ class TrainingReader:
 
     # ------------------------------------------------------------------ reading
 
-    def _pad_len(self, rows: list[torch.Tensor]) -> int:
-        if self.pad == "batch":
-            return max(r.shape[0] for r in rows)
-        return self.store.max_sequence_length
+    def _read_batch(self, samples: list[Sample]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """(batch tensors, the sample in each row); runs in a pool thread. A skipped corrupt
+        sample's row holds the batch's first good sample; no rows when none was good.
 
-    def _read(self, entry: dict[str, Any], row: int, slot: int) -> dict[str, torch.Tensor] | None:
+        In place when the backend can (`CacheStore.read_batch`): every tensor is read straight
+        into its row of the batch, with no per-sample tensor and no stacking copy. Otherwise
+        (fields stored in another dtype, `with_next`) each sample is read and decoded on its own
+        and copied into its row."""
+        pad = None if self.pad == "batch" else self.store.max_sequence_length
+        out = BatchBuffers(len(samples), pad)
+        errors = None if self.with_next else self.store.read_batch(samples, self.fields, out)
+        if errors is None:
+            errors = self._read_each(samples, out)
+        for (entry, row, _), e in zip(samples, errors, strict=True):
+            if e is not None:
+                self._failed(entry, row, e)
+        good = [b for b, e in enumerate(errors) if e is None]
+        if not good:
+            return {}, []
+        if "prompt_embeds" in out.lengths:
+            out.tensors["prompt_len"] = torch.tensor(out.lengths["prompt_embeds"])
+        if len(good) == len(samples):
+            return out.tensors, good
+        # Keep the batch shape: the first good sample takes the place of each skipped one.
+        order = good + [good[0]] * (len(samples) - len(good))
+        index = torch.tensor(order)
+        tensors = {name: t[index] for name, t in out.tensors.items()}
+        if self.pad == "batch":  # padded to the longest good sample only
+            for name, lengths in out.lengths.items():
+                longest = max(lengths[b] for b in good)
+                tensors[name] = tensors[name][:, :longest].contiguous()
+        return tensors, order
+
+    def _read_each(self, samples: list[Sample], out: BatchBuffers) -> list[BaseException | None]:
+        """Read and decode each sample on its own, then copy it into its row of `out`; each
+        sample's error, or None."""
+        results = [self._read_sample(*s) for s in samples]
+        errors = [r if isinstance(r, BaseException) else None for r in results]
+        shapes = [
+            None
+            if isinstance(r, BaseException)
+            else {n: (tuple(t.shape), t.dtype) for n, t in r.items()}
+            for r in results
+        ]
+        for b, problem in enumerate(out.allocate(shapes)):
+            r = results[b]
+            if problem is not None:
+                errors[b] = ValueError(problem)
+            elif not isinstance(r, BaseException):
+                for name, t in r.items():
+                    out.row(b, name).copy_(t)
+        return errors
+
+    def _read_sample(
+        self, entry: dict[str, Any], row: int, slot: int
+    ) -> dict[str, torch.Tensor] | BaseException:
         try:
             out = self.store.read_sample(entry, row, slot, self.fields, pad=False)
             if self.with_next:
                 out.update(self._read_next(entry, row, slot))
             return out
         except Exception as e:
-            detail = e.detail if isinstance(e, CorruptRecordError) else str(e)
-            detail = detail.removeprefix(f"shard {entry['name']} record {entry['keys'][row]}: ")
-            msg = f"corrupt record {entry['keys'][row]} in shard {entry['name']}: {detail}"
-            if not self.skip_corrupt:
-                raise CacheError(
-                    msg, fix="run `wandistill cache verify`, or pass --skip-corrupt"
-                ) from None
-            self.corrupt.append(msg)
-            return None
+            return e
+
+    def _failed(self, entry: dict[str, Any], row: int, e: BaseException) -> None:
+        """A sample that could not be read: refuse it, or with skip_corrupt record it."""
+        detail = e.detail if isinstance(e, CorruptRecordError) else str(e)
+        detail = detail.removeprefix(f"shard {entry['name']} record {entry['keys'][row]}: ")
+        msg = f"corrupt record {entry['keys'][row]} in shard {entry['name']}: {detail}"
+        if not self.skip_corrupt:
+            raise CacheError(msg, fix="run `wandistill cache verify`, or pass --skip-corrupt")
+        self.corrupt.append(msg)
 
     def _read_next(self, entry: dict[str, Any], row: int, slot: int) -> dict[str, torch.Tensor]:
         """The next point of this sample's trajectory: the next recorded step's x_t and t, or
@@ -397,30 +448,25 @@ class TrainingReader:
         return {"xt_next": xt, "timesteps_next": t, "next_is_final": torch.tensor(final)}
 
     def _collate(
-        self, results: list[dict[str, torch.Tensor] | None], samples: list[Sample]
+        self, tensors: dict[str, torch.Tensor], order: list[int], samples: list[Sample]
     ) -> dict[str, Any]:
-        good = [(r, s) for r, s in zip(results, samples, strict=True) if r is not None]
-        if good:
-            self._last_good = good
-        elif self._last_good:  # a wholly corrupt batch: repeat the last good one (ranks stay
-            good = list(self._last_good)  # in step; every skipped sample is in self.corrupt)
-        else:
-            raise CacheError(
-                f"every sample of the first batch was corrupt ({len(samples)} samples; the last: "
-                f"{self.corrupt[-1] if self.corrupt else '?'})",
-                fix="run `wandistill cache verify` and restore the damaged shards",
-            )
-        # Keep the batch shape by repeating good samples in place of skipped ones.
-        while len(good) < len(samples):
-            good.append(good[len(good) % max(1, len(good))])
-        batch: dict[str, Any] = {}
-        for name in good[0][0]:
-            rows = [r[name] for r, _ in good]
-            batch[name] = (
-                _pad_stack(rows, self._pad_len(rows)) if name in RAGGED else torch.stack(rows)
-            )
-        if "prompt_embeds" in batch:
-            batch["prompt_len"] = torch.tensor([r["prompt_embeds"].shape[0] for r, _ in good])
-        batch["key"] = [e["keys"][i] for _, (e, i, _) in good]
-        batch["step_slot"] = torch.tensor([slot for _, (_, _, slot) in good])
+        """The batch handed over: `tensors` hold the samples in `order` (empty: every sample of
+        the batch was corrupt and skipped)."""
+        if not order:
+            if self._last_good is None:
+                raise CacheError(
+                    f"every sample of the first batch was corrupt ({len(samples)} samples; the "
+                    f"last: {self.corrupt[-1] if self.corrupt else '?'})",
+                    fix="run `wandistill cache verify` and restore the damaged shards",
+                )
+            # A wholly corrupt batch: repeat the last good one (ranks stay in step; every
+            # skipped sample is in self.corrupt).
+            return {
+                k: v.clone() if isinstance(v, torch.Tensor) else list(v)
+                for k, v in self._last_good.items()
+            }
+        batch: dict[str, Any] = dict(tensors)
+        batch["key"] = [samples[b][0]["keys"][samples[b][1]] for b in order]
+        batch["step_slot"] = torch.tensor([samples[b][2] for b in order])
+        self._last_good = dict(batch)
         return batch

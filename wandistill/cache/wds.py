@@ -43,6 +43,7 @@ import webdataset as wds
 from pydantic import StringConstraints
 from safetensors.torch import load as st_load
 
+from wandistill.cache.batch import BatchBuffers, empty
 from wandistill.cache.formats import Name, OwnMeta, RecordMeta, TensorInfo
 from wandistill.cache.schema import (
     DTYPE_NAMES,
@@ -277,6 +278,10 @@ class WebDatasetSink:
 
 
 _ST_DTYPES = DTYPE_NAMES_BY_SAFETENSORS
+_Read = tuple[str, int, Any, int | None]
+"""One tensor read: (name, offset in the shard, destination buffer, expected crc32c)."""
+_RECORD_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError)
+"""What a damaged record or shard raises while it is read (a CorruptRecordError)."""
 UNSAFE_EXTS = frozenset({"pth", "pt", "pyd", "pkl", "pickle", "ckpt", "bin", "npy", "npz"})
 """Extensions webdataset's default handlers (or their usual loaders) unpickle."""
 
@@ -312,11 +317,25 @@ class WebDatasetSource:
         self.cache = self.store.url
         self._headers: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._headers_lock = threading.Lock()
+        self._rels: dict[tuple[str, str], str] = {}
 
     # ------------------------------------------------------------------ files
 
     def rel(self, entry: dict[str, Any]) -> str:
-        """The shard's name in the cache; a manifest `file` outside the cache is refused."""
+        """The shard's name in the cache; a manifest `file` outside the cache is refused.
+
+        Checked once per (shard, file) and kept: the check resolves symlinks (a `realpath`,
+        ~30 us), which the training reader would otherwise pay on every sample."""
+        file = entry.get("file")
+        if not isinstance(file, str):
+            return self._checked_rel(entry)  # raises
+        key = (str(entry.get("name")), file)
+        rel = self._rels.get(key)
+        if rel is None:
+            rel = self._rels[key] = self._checked_rel(entry)
+        return rel
+
+    def _checked_rel(self, entry: dict[str, Any]) -> str:
         rel = entry.get("file")
         what = f"shard {entry.get('name')}: manifest file"
         if not isinstance(rel, str):
@@ -522,36 +541,122 @@ class WebDatasetSource:
 
         One positioned read per tensor lands the bytes in the tensor's own memory (`preadv`
         locally; on an object store the ranged GETs of a sample go out together). Each tensor
-        or row is checked against its crc32c before it is returned (the training reader's hot
-        path).
+        or row is checked against its crc32c before it is returned.
         """
         try:
-            base, table, sums = self.header(entry, i)
-            rel = self.rel(entry)
-            out: dict[str, torch.Tensor] = {}
-            reads: list[tuple[str, int | None, int, Any, Any]] = []
-            for name, step in wanted.items():
-                pos, n, dtype, shape, want = self._span(entry, i, base, table, sums, name, step)
-                out[name] = t = torch.empty(shape, dtype=dtype)
-                if n:
-                    reads.append((name, step, pos, t.reshape(-1).view(torch.uint8).numpy(), want))
-            got = self.store.read_into(rel, [(pos, raw) for _, _, pos, raw, _ in reads])
-            for (name, step, _, raw, want), n in zip(reads, got, strict=True):
-                if n != raw.nbytes:
-                    raise EOFError(
-                        f"short read of {name!r} ({n} of {raw.nbytes} bytes): the shard is "
-                        "truncated"
-                    )
-                if sums is not None and crc32c(raw) != want:
-                    raise ValueError(
-                        f"{name!r}{_step_text(step)} fails its crc32c check (its bytes "
-                        "changed after they were written)"
-                    )
+            rel, spans = self._spans(entry, i, wanted)
+            out = {name: empty(tuple(s[3]), s[2]) for name, s in spans.items()}
+            self._fill(rel, wanted, spans, {n: BatchBuffers.raw(t) for n, t in out.items()})
             return out
-        except CorruptRecordError:
-            raise
-        except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError) as e:
-            raise CorruptRecordError(entry["name"], entry["keys"][i], _describe(e)) from None
+        except Exception as e:
+            raise self._corrupt(entry, i, e) from None
+
+    def read_batch(
+        self, samples: list[tuple[dict[str, Any], int, dict[str, int | None]]], out: BatchBuffers
+    ) -> list[BaseException | None]:
+        """Read each (entry, record, wanted) sample straight into its row of `out` (the
+        training reader's hot path): headers first (kept, see `header`), then one positioned
+        read per tensor or step row into the batch tensor, each checked against its crc32c.
+        Returns each sample's error (a `CorruptRecordError`), or None."""
+        plans: list[tuple[str, dict[str, Any]] | None] = []
+        errors: list[BaseException | None] = []
+        for entry, i, wanted in samples:
+            try:
+                plans.append(self._spans(entry, i, wanted))
+                errors.append(None)
+            except Exception as e:
+                plans.append(None)
+                errors.append(self._corrupt(entry, i, e))
+        shapes = [
+            None if p is None else {n: (tuple(s[3]), s[2]) for n, s in p[1].items()} for p in plans
+        ]
+        problems = out.allocate(shapes)
+        # One read_into per shard file for the whole batch: on an object store its ranges go
+        # out as one concurrent `cat_ranges`.
+        groups: dict[str, list[tuple[int, list[_Read]]]] = {}
+        for b, plan in enumerate(plans):
+            if plan is None:
+                continue
+            if problems[b] is not None:
+                errors[b] = self._corrupt(*samples[b][:2], ValueError(problems[b]))
+                continue
+            reads = self._reads(plan[1], {n: out.raw_row(b, n) for n in plan[1]})
+            groups.setdefault(plan[0], []).append((b, reads))
+        for rel, group in groups.items():
+            with contextlib.suppress(OSError):  # only a hint; the read reports errors
+                self.store.will_need(rel, [(r[1], r[2].nbytes) for _, rs in group for r in rs])
+        for rel, group in groups.items():
+            try:
+                got: list[int] | None = self.store.read_into(
+                    rel, [(r[1], r[2]) for _, rs in group for r in rs]
+                )
+            except Exception:  # the file as a whole: read each sample alone to say which
+                got = None
+            k = 0
+            for b, reads in group:
+                entry, i, wanted = samples[b]
+                try:
+                    if got is None:
+                        mine = self.store.read_into(rel, [(r[1], r[2]) for r in reads])
+                    else:
+                        mine = got[k : k + len(reads)]
+                    self._check(wanted, reads, mine)
+                except Exception as e:
+                    errors[b] = self._corrupt(entry, i, e)
+                k += len(reads)
+        return errors
+
+    def _spans(
+        self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
+    ) -> tuple[str, dict[str, tuple[int, int, torch.dtype, list[int], int | None]]]:
+        """(shard name, name -> `_span`) of the named tensors of record i."""
+        base, table, sums = self.header(entry, i)
+        spans = {n: self._span(entry, i, base, table, sums, n, s) for n, s in wanted.items()}
+        if sums is not None:  # a tensor the checksums do not list fails its check
+            spans = {n: (*s[:4], -1 if s[4] is None else s[4]) for n, s in spans.items()}
+        return self.rel(entry), spans
+
+    def _fill(
+        self,
+        rel: str,
+        wanted: dict[str, int | None],
+        spans: dict[str, tuple[int, int, torch.dtype, list[int], int | None]],
+        dest: dict[str, Any],
+    ) -> None:
+        """One positioned read per span into its destination, then its crc32c check."""
+        reads = self._reads(spans, dest)
+        self._check(wanted, reads, self.store.read_into(rel, [(r[1], r[2]) for r in reads]))
+
+    @staticmethod
+    def _reads(
+        spans: dict[str, tuple[int, int, torch.dtype, list[int], int | None]],
+        dest: dict[str, Any],
+    ) -> list[_Read]:
+        """(name, offset, destination, expected crc32c) of each non-empty span; a destination
+        is a writable uint8 numpy view of the span's size."""
+        return [(n, spans[n][0], raw, spans[n][4]) for n, raw in dest.items() if spans[n][1]]
+
+    @staticmethod
+    def _check(wanted: dict[str, int | None], reads: list[_Read], got: list[int]) -> None:
+        """Each read complete and matching its crc32c."""
+        for (name, _, raw, want), n in zip(reads, got, strict=True):
+            if n != raw.nbytes:
+                raise EOFError(
+                    f"short read of {name!r} ({n} of {raw.nbytes} bytes): the shard is truncated"
+                )
+            if want is not None and crc32c(raw) != want:
+                raise ValueError(
+                    f"{name!r}{_step_text(wanted[name])} fails its crc32c check (its bytes "
+                    "changed after they were written)"
+                )
+
+    @staticmethod
+    def _corrupt(entry: dict[str, Any], i: int, e: BaseException) -> BaseException:
+        """A read failure as the CorruptRecordError naming shard and record (a failure that is
+        not about the data, e.g. a bug, as it is)."""
+        if isinstance(e, CorruptRecordError) or not isinstance(e, _RECORD_ERRORS):
+            return e
+        return CorruptRecordError(entry["name"], entry["keys"][i], _describe(e))
 
     def _checked_record(self, entry: dict[str, Any], i: int) -> Record:
         """Read and check a whole record: header, every tensor and row, the json member."""

@@ -47,13 +47,16 @@ it (read-modify-write, no locking), so two partial writes into one zarr shard lo
 BLOCK_RECORDS = 64); once the group exists, its recorded layout wins.
 
 Reads (`ZarrSource`) go through `zarr.AsyncArray.getitem`, all fields of one sample in one
-`asyncio.gather` handed to zarr's event loop (one thread hop per sample, not per field). Reading
-one inner chunk costs one ranged read of the shard index and one of the chunk; the index read is
-served by `zarr.experimental.cache_store.CacheStore` (in memory, LRU, INDEX_CACHE_BYTES), so
-each shard file's index is read once. Small per-record arrays (offsets, timesteps) are read once
-per shard entry. zarr checks every chunk's crc32c; `_ReadStore` turns a missing shard file (zarr
-would read fill values) or a short read into `ZarrChunkError`, and read errors name the shard
-entry, the record key, the field and the zarr shard file(s).
+`asyncio.gather` handed to zarr's event loop (one thread hop per sample, not per field); the
+training reader's `read_batch` gathers every field of a whole batch at once, each with
+`AsyncArray.get_orthogonal_selection(..., out=<its row of the batch tensor>)`, so zarr decodes
+each chunk straight into the batch. Reading one inner chunk costs one ranged read of the shard
+index and one of the chunk; the index read is served by `zarr.experimental.cache_store.CacheStore`
+(in memory, LRU, INDEX_CACHE_BYTES), so each shard file's index is read once. Small per-record
+arrays (offsets, timesteps) are read once per shard entry. zarr checks every chunk's crc32c;
+`_ReadStore` turns a missing shard file (zarr would read fill values) or a short read into
+`ZarrChunkError`, and read errors name the shard entry, the record key, the field and the zarr
+shard file(s).
 
 Stock `zarr.open_group(<cache>/data.zarr, mode="r")` reads the same files: see
 docs/cache-format.md. This module never pickles. `fcntl` makes writing POSIX-only; the cache
@@ -82,10 +85,12 @@ import torch
 import zarr
 from zarr.abc.store import RangeByteRequest, Store, SuffixByteRequest
 from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.experimental.cache_store import CacheStore
 from zarr.storage import LocalStore, MemoryStore, WrapperStore
 
+from wandistill.cache.batch import BatchBuffers, Shape
 from wandistill.cache.formats import ZarrArrayMeta, ZarrGroupAttrs, ZarrGroupMeta, ZarrNodeMeta
 from wandistill.cache.schema import (
     DTYPE_BY_NAME,
@@ -849,6 +854,73 @@ class ZarrSource:
         self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
     ) -> dict[str, torch.Tensor]:
         return self._read(entry, i, wanted, missing_ok=False)
+
+    def _shape(self, plan: tuple[str, Any, int, int] | torch.Tensor) -> Shape:
+        """(shape, torch dtype) of what a `_plan` reads."""
+        if isinstance(plan, torch.Tensor):
+            return tuple(plan.shape), plan.dtype
+        path, sel, a, b = plan
+        arr, dtype = self._array(path, b)
+        if isinstance(sel, slice):
+            return (b - a, *arr.shape[1:]), dtype.torch
+        return tuple(arr.shape[1 if isinstance(sel, int) else len(sel) :]), dtype.torch
+
+    def read_batch(
+        self, samples: list[tuple[dict[str, Any], int, dict[str, int | None]]], out: BatchBuffers
+    ) -> list[BaseException | None]:
+        """Read each (entry, record, wanted) sample straight into its row of `out` (the
+        training reader's hot path): every field of every sample is one
+        `AsyncArray.get_orthogonal_selection(..., out=<its row>)`, all of them in one
+        `asyncio.gather` on zarr's event loop, so zarr decodes each chunk (and checks its
+        crc32c) into the batch tensor itself. Returns each sample's error, or None."""
+        plans: list[dict[str, Any] | None] = []
+        errors: list[BaseException | None] = []
+        for entry, i, wanted in samples:
+            try:
+                e = self.entry(entry)
+                if not 0 <= i < e.records:
+                    raise IndexError(f"shard {e.name} has {e.records} records, no record {i}")
+                where = f"shard {e.name} record {e.keys[i] if i < len(e.keys) else f'#{i}'}"
+                plan: dict[str, Any] = {}
+                for name, step in wanted.items():
+                    got = self._plan(e, i, name, step) if name in e.fields else None
+                    if got is None:
+                        raise KeyError(f"{where} has no {name!r}")
+                    plan[name] = got
+                plans.append(plan)
+                errors.append(None)
+            except Exception as err:
+                plans.append(None)
+                errors.append(err)
+        problems = out.allocate(
+            [None if p is None else {n: self._shape(x) for n, x in p.items()} for p in plans]
+        )
+        reads: list[tuple[int, str, tuple[str, Any, int, int]]] = []
+        coros = []
+        proto = default_buffer_prototype()
+        for b, plan in enumerate(plans):
+            if plan is None or problems[b] is not None:
+                errors[b] = errors[b] or (ValueError(problems[b]) if problems[b] else None)
+                continue
+            for name, x in plan.items():
+                row = out.row(b, name)
+                if isinstance(x, torch.Tensor):
+                    row.copy_(x)
+                elif row.numel():
+                    arr, dtype = self._array(x[0], x[3])
+                    dest = proto.nd_buffer.from_numpy_array(_numpy_view(row, dtype))
+                    coros.append(arr.async_array.get_orthogonal_selection(x[1], out=dest))
+                    reads.append((b, name, x))
+        for (b, name, (path, _, a, stop)), value in zip(reads, sync(_gather(coros)), strict=True):
+            if isinstance(value, BaseException) and errors[b] is None:
+                err = _as_chunk_error(value, _shard_files(self._array(path, stop)[0], a, stop))
+                if isinstance(err, ZarrChunkError):
+                    entry, i, _ = samples[b]
+                    err = ZarrChunkError(
+                        f"shard {entry['name']} record {entry['keys'][i]}: {name}: {err.message}"
+                    )
+                errors[b] = err
+        return errors
 
     def read_record(self, entry: dict[str, Any], i: int) -> Record:
         e = self.entry(entry)
