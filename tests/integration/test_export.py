@@ -50,6 +50,16 @@ def _precompute(teacher: Path, prompts: Path, cache: Path, *extra: str) -> None:
     run(load_recipe(Path("pipelines/tiny.toml"), sets, stage="precompute").precompute, quiet=True)
 
 
+def _train(sets: list[str], cache: Path, out: Path) -> None:
+    from wandistill.config import load_recipe
+    from wandistill.train import run
+
+    cfg = load_recipe(
+        Path("pipelines/tiny.toml"), [*sets, f'cache="{cache}"', f'out="{out}"'], stage="train"
+    ).train
+    run(cfg)
+
+
 TRAIN = [
     "steps=24",
     "batch_size=4",
@@ -72,9 +82,7 @@ TRAIN = [
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny Wan 2.1 and 2.2 teachers, a cache of each (every step of 4 recorded), a K = 2
     student trained on each, and a cache of the 2.1 teacher recording every 2nd step only."""
-    from wandistill.config import load_recipe
     from wandistill.teacher.tiny import make_tiny_teacher
-    from wandistill.train import run
 
     root = tmp_path_factory.mktemp("fewstep")
     prompts = root / "prompts.txt"
@@ -83,12 +91,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for layout in ("wan21", "wan22"):
         w[f"teacher_{layout}"] = make_tiny_teacher(root / layout, wan22=layout == "wan22")
         _precompute(w[f"teacher_{layout}"], prompts, root / f"cache_{layout}")
-        cfg = load_recipe(
-            Path("pipelines/tiny.toml"),
-            [*TRAIN, f'cache="{root / f"cache_{layout}"}"', f'out="{root / f"run_{layout}"}"'],
-            stage="train",
-        ).train
-        run(cfg)
+        _train(TRAIN, root / f"cache_{layout}", root / f"run_{layout}")
         w[f"cache_{layout}"], w[f"run_{layout}"] = root / f"cache_{layout}", root / f"run_{layout}"
     _precompute(w["teacher_wan21"], prompts, root / "sparse", "sampler.record_every=2")
     w["sparse"] = root / "sparse"
@@ -301,18 +304,9 @@ def test_reflow_alone_trains_from_noise_and_final_latent_with_one_forward_per_sa
 ) -> None:
     """A cache of every 2nd step is all a K = 2 reflow student needs; no objective runs the
     student at the recorded x_t, so that forward (and the output diagnostic) is skipped."""
-    from wandistill.config import load_recipe
-    from wandistill.train import run
-
     weights = ["loss.output=0.0", "loss.final_latent=0.0", "loss.reflow=1.0"]
-    sets = [s for s in TRAIN if not s.startswith("loss.")] + weights
     out = tmp_path / "run"
-    cfg = load_recipe(
-        Path("pipelines/tiny.toml"),
-        [*sets, f'cache="{world["sparse"]}"', f'out="{out}"'],
-        stage="train",
-    ).train
-    run(cfg)
+    _train([s for s in TRAIN if not s.startswith("loss.")] + weights, world["sparse"], out)
     assert json.loads((out / "sampling.json").read_text())["objectives"] == {"reflow": [0, 2]}
     rows = [r for r in read_metrics(out) if "loss" in r]
     assert all("loss_output" not in r and r["loss_reflow"] == r["loss"] for r in rows)
