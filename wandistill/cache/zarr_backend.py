@@ -35,13 +35,16 @@ it (read-modify-write, no locking), so two partial writes into one zarr shard lo
   range per ragged field (whole zarr shards of `token_block` tokens), grows EVERY record-indexed
   array to the claimed stop (so each `offsets` array has a row for every record; rows no writer
   filled read as the fill value, [-1, -1] for offsets), then releases the lock;
-* outside the lock it writes each array with one `arr[a:b] = block`: the ranges are disjoint and
-  zarr-shard aligned, so no other writer touches those files;
+* outside the lock it writes each array with one `setitem(a:b, block)`, all arrays in one
+  `asyncio.gather` on zarr's event loop (zarr `codec_pipeline.batch_size` WRITE_BATCH_CHUNKS):
+  the ranges are disjoint and zarr-shard aligned, so no other writer touches those files;
 * every byte goes through `_SealingStore`, a `zarr.storage.WrapperStore` that hashes what zarr
-  hands to `set` (no file is read back) and, on a local disk, fsyncs the file and its new
-  directories. The shard files and their sha256 go in the entry; the CacheWriter then commits it
-  in its journal. Rows claimed but never committed (a writer killed mid-shard, `abort()`, a
-  failed `end()`) are never listed, and readers ignore them.
+  hands to `set` (no file is read back). On a local disk each file is fsynced once: a shard file
+  by the hashing worker right after its write (overlapping the other arrays' encoding), the
+  metadata rewritten under the lock at the end of `end()`, then the directories. The shard
+  files and their sha256 go in the entry; the CacheWriter then commits it in its journal.
+  Rows claimed but never committed (a writer killed mid-shard, `abort()`, a failed `end()`)
+  are never listed, and readers ignore them.
 
 `block` is the sink's `block_records` (the CacheWriter passes its shard_records; default
 BLOCK_RECORDS = 64); once the group exists, its recorded layout wins.
@@ -73,6 +76,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -123,6 +127,13 @@ FSYNC_THREADS = 8
 _WRITE_CONFIG: dict[str, Any] = {"write_empty_chunks": True}
 """Store every chunk, even one equal to the fill value, so each shard file this writer claims
 exists and holds every row it wrote (verify relies on it). Not persisted by zarr."""
+WRITE_BATCH_CHUNKS = 64
+"""zarr's `codec_pipeline.batch_size` while a shard is written: inner chunks the sharding codec
+encodes per batch (zarr's default, 1, schedules some ten asyncio tasks per chunk; 64 cuts the
+event loop's CPU per shard by about a third, docs/benchmarks.md). Read at write time."""
+_WRITE_CONFIG_LOCK = threading.Lock()
+"""zarr's config is process-global and `config.set` restores what it saw on entry, so two
+threads overlapping their `set` blocks would leave the write setting behind: one at a time."""
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN}
 """OSErrors that say nothing about the record being read (re-raised as they are)."""
 
@@ -718,7 +729,11 @@ class ZarrSink:
                 arrays, start, reserved, token_rows = self._claim(store, n)
             store.sealed.clear()  # from here on, only this shard's zarr shard files are written
             store.sync_on_write = True  # outside the lock: sync each file as soon as it is written
-            self._write(arrays, start, token_rows)
+            with (
+                _WRITE_CONFIG_LOCK,
+                zarr.config.set({"codec_pipeline.batch_size": WRITE_BATCH_CHUNKS}),
+            ):
+                self._write(arrays, start, token_rows)
             store.make_durable()  # the claim's zarr.json rewrites and this shard's files
             entry = ZarrShardEntry(
                 rows=(start, start + n),
