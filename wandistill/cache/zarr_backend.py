@@ -120,9 +120,9 @@ GROUP_ATTR = "wandistill"
 INDEX_CACHE_BYTES = 64 << 20
 """Shard indexes a ZarrSource keeps in memory (a Wan xt shard's index is 8 KiB)."""
 SMALL_ROW_BYTES = 1024
+"""Arrays whose row is at most this big (offsets, timesteps) are read once per shard entry."""
 FSYNC_THREADS = 8
 """fsyncs in flight at once when a shard commits (the device merges their writeback)."""
-"""Arrays whose row is at most this big (offsets, timesteps) are read once per shard entry."""
 
 _WRITE_CONFIG: dict[str, Any] = {"write_empty_chunks": True}
 """Store every chunk, even one equal to the fill value, so each shard file this writer claims
