@@ -9,7 +9,10 @@ Prints median wall seconds, the ratio to the baseline, and CPU seconds per threa
 `asyncio` (worker threads: file writes, sha256, fsync).
 
     flock /tmp/wandistill-bench.lock python tests/bench/zarr_write_profile.py [--records 64]
-        [--shard-records 16] [--repeats 5]
+        [--shard-records 16] [--repeats 5] [--batch-sizes 64]
+
+`--batch-sizes 1,64` runs the full writer leg once per zarr `codec_pipeline.batch_size`
+(`zarr_backend.WRITE_BATCH_CHUNKS`; zarr's own default is 1).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> None:
     p.add_argument("--records", type=int, default=64)
     p.add_argument("--shard-records", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch-sizes", default=str(zb.WRITE_BATCH_CHUNKS))
     args = p.parse_args()
     records = cache_io.make_records(args.records, cache_io.STEPS, torch.bfloat16, seed=0)
     out = Path(tempfile.mkdtemp(prefix="wandistill-zarr-prof-"))
@@ -71,17 +75,19 @@ def main() -> None:
     def nohash_nofsync(self, key, value, fsync):  # noqa: ANN001, ANN202
         return len(value), "0" * 64
 
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
     legs = {
-        "zarr": (seal, durable),
-        "nohash": (nohash, durable),
-        "nohash_nofsync": (nohash_nofsync, nofsync),
+        **{f"zarr bs{b}" if len(sizes) > 1 else "zarr": (seal, durable, b) for b in sizes},
+        "nohash": (nohash, durable, sizes[-1]),
+        "nohash_nofsync": (nohash_nofsync, nofsync, sizes[-1]),
     }
     wall: dict[str, list[float]] = collections.defaultdict(list)
     cpu: dict[str, list[collections.Counter]] = collections.defaultdict(list)
     try:
         for _ in range(args.repeats):
-            for name, (s, d) in legs.items():
+            for name, (s, d, b) in legs.items():
                 zb._SealingStore._seal, zb._SealingStore.make_durable = s, d
+                zb.WRITE_BATCH_CHUNKS = b
                 shutil.rmtree(out / "zarr", ignore_errors=True)
                 os.sync()
                 c0, t0 = thread_cpu(), time.perf_counter()
