@@ -129,8 +129,9 @@ _WRITE_CONFIG: dict[str, Any] = {"write_empty_chunks": True}
 exists and holds every row it wrote (verify relies on it). Not persisted by zarr."""
 WRITE_BATCH_CHUNKS = 64
 """zarr's `codec_pipeline.batch_size` while a shard is written: inner chunks the sharding codec
-encodes per batch (zarr's default, 1, schedules some ten asyncio tasks per chunk; 64 cuts the
-event loop's CPU per shard by about a third, docs/benchmarks.md). Read at write time."""
+encodes per batch (zarr's default, 1, schedules some ten asyncio tasks per chunk; 64 cut the
+event loop's CPU by about a third in three of four measured pairs, docs/benchmarks.md). Read at
+write time."""
 _WRITE_CONFIG_LOCK = threading.Lock()
 """zarr's config is process-global and `config.set` restores what it saw on entry, so two
 threads overlapping their `set` blocks would leave the write setting behind: one at a time."""
