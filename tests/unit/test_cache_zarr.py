@@ -682,6 +682,37 @@ def test_sink_hashes_what_it_wrote_and_reuses_its_blocks(tmp_path: Path) -> None
     src.close()
 
 
+def test_sink_fsyncs_every_file_it_wrote_once_before_returning_the_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the journal will name must be durable when `end()` returns: every zarr shard file
+    and every zarr.json the shard wrote is fsynced, each file once, and so is every directory
+    it wrote into (the renames)."""
+    import os
+
+    synced: list[Path] = []
+    real = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    zb.ZarrSink(tmp_path, block_records=2)  # nothing written yet
+    _sink_entries(tmp_path, [make_record(0)], 1, block_records=2)  # the group and its arrays
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "data.zarr").rglob("*")}
+    monkeypatch.setattr(os, "fsync", record)
+    (entry,) = _sink_entries(tmp_path, [make_record(i) for i in (1, 2, 3)], 3, block_records=2)
+    root = tmp_path / "data.zarr"
+    shard_files = {root / rel for rel in entry["sha256"]}
+    metadata = {p for p in root.rglob("zarr.json") if p.stat().st_mtime_ns != before.get(p)}
+    files = [p for p in synced if p.is_file()]
+    assert shard_files and metadata
+    assert set(files) == shard_files | metadata
+    assert len(files) == len(set(files))  # once each
+    dirs = {p for p in synced if p.is_dir()}
+    assert {(root / rel).parent for rel in entry["sha256"]} <= dirs
+
+
 def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None:
     sink = zb.ZarrSink(tmp_path, block_records=4)
     sink.begin("r00000-000000")

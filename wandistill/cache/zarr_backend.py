@@ -35,13 +35,16 @@ it (read-modify-write, no locking), so two partial writes into one zarr shard lo
   range per ragged field (whole zarr shards of `token_block` tokens), grows EVERY record-indexed
   array to the claimed stop (so each `offsets` array has a row for every record; rows no writer
   filled read as the fill value, [-1, -1] for offsets), then releases the lock;
-* outside the lock it writes each array with one `arr[a:b] = block`: the ranges are disjoint and
-  zarr-shard aligned, so no other writer touches those files;
+* outside the lock it writes each array with one `setitem(a:b, block)`, all arrays in one
+  `asyncio.gather` on zarr's event loop (zarr `codec_pipeline.batch_size` WRITE_BATCH_CHUNKS):
+  the ranges are disjoint and zarr-shard aligned, so no other writer touches those files;
 * every byte goes through `_SealingStore`, a `zarr.storage.WrapperStore` that hashes what zarr
-  hands to `set` (no file is read back) and, on a local disk, fsyncs the file and its new
-  directories. The shard files and their sha256 go in the entry; the CacheWriter then commits it
-  in its journal. Rows claimed but never committed (a writer killed mid-shard, `abort()`, a
-  failed `end()`) are never listed, and readers ignore them.
+  hands to `set` (no file is read back). On a local disk each file is fsynced once: a shard file
+  by the hashing worker right after its write (overlapping the other arrays' encoding), the
+  metadata rewritten under the lock at the end of `end()`, then the directories. The shard
+  files and their sha256 go in the entry; the CacheWriter then commits it in its journal.
+  Rows claimed but never committed (a writer killed mid-shard, `abort()`, a failed `end()`)
+  are never listed, and readers ignore them.
 
 `block` is the sink's `block_records` (the CacheWriter passes its shard_records; default
 BLOCK_RECORDS = 64); once the group exists, its recorded layout wins.
@@ -76,7 +79,9 @@ import errno
 import fcntl
 import hashlib
 import os
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -121,10 +126,20 @@ INDEX_CACHE_BYTES = 64 << 20
 """Shard indexes a ZarrSource keeps in memory (a Wan xt shard's index is 8 KiB)."""
 SMALL_ROW_BYTES = 1024
 """Arrays whose row is at most this big (offsets, timesteps) are read once per shard entry."""
+FSYNC_THREADS = 8
+"""fsyncs in flight at once when a shard commits (the device merges their writeback)."""
 
 _WRITE_CONFIG: dict[str, Any] = {"write_empty_chunks": True}
 """Store every chunk, even one equal to the fill value, so each shard file this writer claims
 exists and holds every row it wrote (verify relies on it). Not persisted by zarr."""
+WRITE_BATCH_CHUNKS = 64
+"""zarr's `codec_pipeline.batch_size` while a shard is written: inner chunks the sharding codec
+encodes per batch (zarr's default, 1, schedules some ten asyncio tasks per chunk; 64 cut the
+event loop's CPU by about a third in three of four measured pairs, docs/benchmarks.md). Read at
+write time."""
+_WRITE_CONFIG_LOCK = threading.Lock()
+"""zarr's config is process-global and `config.set` restores what it saw on entry, so two
+threads overlapping their `set` blocks would leave the write setting behind: one at a time."""
 _TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN}
 """OSErrors that say nothing about the record being read (re-raised as they are)."""
 
@@ -313,15 +328,25 @@ def _check_node_name(name: str) -> None:
 
 class _SealingStore(WrapperStore[Store]):
     """Remembers the size and sha256 of every value zarr writes, hashed from the bytes zarr
-    hands to `set` (one pass, no read-back), and on a local disk fsyncs the file.
+    hands to `set` (one pass, no read-back), and fsyncs each file it wrote once.
 
     zarr's LocalStore writes each value with one `write` into a temp file that it renames over
-    the key, so the file holds exactly `value`. Hashing and fsync run in a worker thread
-    (hashlib releases the GIL), like zarr's own file write."""
+    the key, so the file holds exactly `value`. Hashing runs in a worker thread (hashlib
+    releases the GIL), like zarr's own file write. With `sync_on_write` the same worker fsyncs
+    the file right away, so its writeback overlaps the encoding of the arrays still being
+    written; otherwise (metadata rewritten under the claim lock) the file waits for
+    `make_durable`, which fsyncs each pending file once, concurrently, and then every directory
+    written into, right before the caller commits the entry that names them."""
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)
         self.sealed: dict[str, tuple[int, str]] = {}
+        """Key -> (size, sha256) of the values written since the caller last cleared it."""
+        self.sync_on_write = False
+        self._pending: set[str] = set()
+        """Keys written but not fsynced yet."""
+        self._touched: set[str] = set()
+        """Keys written since the last `make_durable` (their directories get fsynced)."""
 
     @property
     def local_root(self) -> Path | None:
@@ -329,22 +354,40 @@ class _SealingStore(WrapperStore[Store]):
 
     async def set(self, key: str, value: Any) -> None:
         await self._store.set(key, value)
-        self.sealed[key] = await asyncio.to_thread(self._seal, key, value)
+        self._touched.add(key)
+        eager = self.sync_on_write and self.local_root is not None
+        if not eager:
+            self._pending.add(key)
+        self.sealed[key] = await asyncio.to_thread(self._seal, key, value, eager)
 
-    def _seal(self, key: str, value: Any) -> tuple[int, str]:
+    async def set_if_not_exists(self, key: str, value: Any) -> None:
+        """How zarr writes the implicit parent groups of a nested array (`a/values` -> `a`):
+        not hashed (no entry names it), but made durable with the rest."""
+        if await self._store.exists(key):
+            return
+        await self._store.set_if_not_exists(key, value)
+        self._touched.add(key)
+        self._pending.add(key)
+
+    def _seal(self, key: str, value: Any, fsync: bool) -> tuple[int, str]:
         data = memoryview(value.as_buffer_like()).cast("B")
         digest = hashlib.sha256(data).hexdigest()
-        if self.local_root is not None:
-            _fsync_path(self.local_root / key)
+        if fsync:
+            _fsync_path(self.local_root / key)  # type: ignore[operator]
         return data.nbytes, digest
 
-    def sync_dirs(self, keys: list[str]) -> None:
-        """fsync the directories holding `keys` (new entries, renames), deepest first."""
+    def make_durable(self, keys: Iterable[str] = ()) -> None:
+        """fsync every written file not synced yet (FSYNC_THREADS at a time), then the
+        directories holding what was written and `keys` (new entries, renames), deepest first."""
         root = self.local_root
+        pending, self._pending = sorted(self._pending), set()
+        touched, self._touched = sorted(self._touched), set()
         if root is None:
             return
+        with ThreadPoolExecutor(max_workers=FSYNC_THREADS) as pool:
+            list(pool.map(_fsync_path, [root / key for key in pending]))
         dirs: set[Path] = {root}
-        for key in keys:
+        for key in [*touched, *keys]:
             d = (root / key).parent
             while d != root and root in d.parents:
                 dirs.add(d)
@@ -554,7 +597,7 @@ class ZarrSink:
                 "token_block": self.token_block,
                 "note": "rows are committed only via manifest.json / journal entries",
             }
-            store.sync_dirs(["zarr.json"])
+            store.make_durable()
             fsync_dir(self.root.parent)
         return group, dict(group.attrs[GROUP_ATTR])
 
@@ -652,7 +695,6 @@ class ZarrSink:
         for arr in record_arrays:  # all of them: every offsets array covers every record
             if int(arr.shape[0]) < reserved:
                 arr.resize((reserved, *arr.shape[1:]))
-        store.sync_dirs(list(store.sealed))
         arrays = {path: group[path].with_config(_WRITE_CONFIG) for path in arrays}  # new shapes
         return arrays, start, reserved, token_rows
 
@@ -660,19 +702,27 @@ class ZarrSink:
         self, arrays: dict[str, Any], start: int, token_rows: dict[str, tuple[int, int]]
     ) -> None:
         """Outside the lock: these zarr shards belong to this writer alone. One write per array,
-        straight from the shard's block."""
+        straight from the shard's block, all arrays at once on zarr's event loop (one array's
+        hashing and file writes overlap the next one's encoding)."""
         n = len(self._meta)
-        for name in self._dense:
-            arrays[name][start : start + n] = self._dense[name][:n]
+        writes = [
+            (arrays[name], slice(start, start + n), self._dense[name][:n]) for name in self._dense
+        ]
         for name, spans in self._spans.items():
             t0, t1 = token_rows[name]
             offs = np.full((n, 2), -1, dtype=np.int64)
             for i, span in enumerate(spans):
                 if span is not None:
                     offs[i] = (t0 + span[0], span[1])
-            arrays[f"{name}/offsets"][start : start + n] = offs
+            writes.append((arrays[f"{name}/offsets"], slice(start, start + n), offs))
             if t1 > t0:
-                arrays[f"{name}/values"][t0:t1] = self._tokens[name][: t1 - t0]
+                writes.append(
+                    (arrays[f"{name}/values"], slice(t0, t1), self._tokens[name][: t1 - t0])
+                )
+        results = sync(_gather([arr.async_array.setitem(sel, block) for arr, sel, block in writes]))
+        for err in results:
+            if isinstance(err, BaseException):
+                raise err
 
     def end(self) -> dict[str, Any]:
         n = len(self._meta)
@@ -684,8 +734,13 @@ class ZarrSink:
             with _flock(self.lock_path):
                 arrays, start, reserved, token_rows = self._claim(store, n)
             store.sealed.clear()  # from here on, only this shard's zarr shard files are written
-            self._write(arrays, start, token_rows)
-            store.sync_dirs(list(store.sealed))
+            store.sync_on_write = True  # outside the lock: sync each file as soon as it is written
+            with (
+                _WRITE_CONFIG_LOCK,
+                zarr.config.set({"codec_pipeline.batch_size": WRITE_BATCH_CHUNKS}),
+            ):
+                self._write(arrays, start, token_rows)
+            store.make_durable()  # the claim's zarr.json rewrites and this shard's files
             entry = ZarrShardEntry(
                 rows=(start, start + n),
                 reserved=(start, reserved),

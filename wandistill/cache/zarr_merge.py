@@ -142,7 +142,7 @@ class ZarrLinker:
             moved = offs[:, 0] - e.token_rows[r][0] + token_rows[r][0]
             offs = np.where(offs[:, 1:] >= 0, np.stack([moved, offs[:, 1]], axis=1), -1)
             arrays[f"{r}/offsets"][start : start + n] = offs.astype(np.int64)
-        self.store.sync_dirs([*self.store.sealed, *sha])
+        self.store.make_durable(sha)
         for key, (size, digest) in self.store.sealed.items():
             sha[key] = digest
             nbytes += size
