@@ -22,6 +22,8 @@ from wandistill.cache import open_cache
 from wandistill.cli import main
 from wandistill.outputs import LOCK, MARKER, claim
 
+from clirun import run_cli
+
 REPO = Path(__file__).parents[2]
 N_PROMPTS = 6
 FAST = ["--set", "sampler.height=32", "--set", "sampler.width=32", "--set",
@@ -39,12 +41,8 @@ def _no_process_group() -> Iterator[None]:
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
+    """`run_cli` with stdout's whitespace folded (wrapped summaries read as one line)."""
+    code, out, err = run_cli(capsys, *args)
     return code, " ".join(out.split()), err
 
 
