@@ -22,8 +22,9 @@
   A first-order K-step sampler whose earlier x0 estimates were right visits exactly these points
   (from x_T = noise, each step lands on sigma' * noise + (1 - sigma') * x0), not the recorded x_t
   of the teacher's curved trajectory, which `trajectory` trains at: the two cover the points the
-  sampler starts from and the points it then goes through. It needs a second student forward for
-  the samples it covers (run in the same call, concatenated).
+  sampler starts from and the points it then goes through. The samples it covers get a forward
+  of their own, concatenated into the same call as the recorded x_t (which are not run at all
+  when no other weighted objective uses them).
 
 Each sample is one (record, recorded step); an objective covers only the steps it trains at (a
 per-sample mask, from `schedule.ObjectivePlan`). Its contribution to the loss is the sum of its
