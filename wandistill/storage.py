@@ -255,8 +255,21 @@ class FsspecStorage(Storage):
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
-        scheme = url.split("://", 1)[0]
-        self.fs, self.root = _filesystem(url, scheme)
+        self.fs, self.root = _filesystem(url, url.split("://", 1)[0])
+        self._async_fs: Any = None
+
+    def async_fs(self) -> Any:
+        """This filesystem as an fsspec `AsyncFileSystem`, for zarr's `FsspecStore`: fsspec's
+        `AsyncFileSystemWrapper`, which runs each call of the synchronous instance above in a
+        worker thread. Not a second `asynchronous=True` instance: that one's HTTP session
+        belongs to zarr's event loop and must be closed by whoever opened it (aiohttp warns
+        "Unclosed client session" at exit otherwise); the synchronous instance's session is
+        fsspec's, closed by fsspec."""
+        if self._async_fs is None:
+            from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+
+            self._async_fs = AsyncFileSystemWrapper(self.fs, asynchronous=True)
+        return self._async_fs
 
     def key(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root

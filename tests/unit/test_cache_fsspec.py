@@ -12,11 +12,13 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fsspec
 import pytest
 import torch
+import zarr
 
 from wandistill import outputs, storage
 from wandistill.cache.manifest import load_committed
@@ -258,7 +260,59 @@ def test_a_bad_object_store_is_one_line_naming_the_url_and_the_fix(
         forget_clients()
 
 
-def test_a_zarr_cache_at_a_url_is_refused_before_anything_is_written(s3: dict[str, str]) -> None:
-    with pytest.raises(UsageError, match="caches at fsspec URLs use the webdataset backend"):
-        write_cache(_url("zarr"), range(2), backend="zarr")
-    assert not _fs().exists(f"{BUCKET}/zarr")
+def test_a_zarr_cache_on_s3_holds_the_same_files_and_samples_as_a_local_one(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    write_cache(tmp_path / "local", range(5), backend="zarr", shard_records=2)
+    write_cache(_url("zarr"), range(5), backend="zarr", shard_records=2)
+    local, remote = load_committed(tmp_path / "local"), load_committed(_url("zarr"))
+    assert [s["sha256"] for s in remote.shards] == [s["sha256"] for s in local.shards]
+    with open_cache(_url("zarr")) as store, open_cache(tmp_path / "local") as mine:
+        assert store.verify() == []
+        for a, b in zip(store.records(), mine.records(), strict=True):
+            assert a.key == b.key and torch.equal(a.xt, b.xt)
+    for a, b in zip(_samples(tmp_path / "local"), _samples(_url("zarr")), strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+    stock = zarr.open_group(f"s3://{BUCKET}/zarr/data.zarr", mode="r")  # stock zarr reads it
+    assert stock["xt"].shape[0] == stock["prompt_embeds/offsets"].shape[0] >= 5
+
+
+def test_two_writers_on_one_s3_zarr_cache_claim_disjoint_rows(s3: dict[str, str]) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [
+            pool.submit(write_cache, _url("zarr2"), idx, backend="zarr", shard_records=2, rank=r)
+            for r, idx in enumerate([range(0, 5), range(5, 9)])
+        ]
+        [j.result() for j in jobs]
+    m = load_committed(_url("zarr2"))
+    rows = sorted(tuple(s["rows"]) for s in m.shards)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(rows)), rows
+    with open_cache(_url("zarr2")) as store:
+        assert store.verify() == []
+        assert sorted(r.seed for r in store.records()) == list(range(9))
+    assert not _fs().exists(f"{BUCKET}/zarr2/data.zarr.lock")  # each claim released its lock
+
+
+def test_a_dead_writers_zarr_claim_lock_is_taken_over(s3: dict[str, str]) -> None:
+    dead = {"host": socket.gethostname(), "pid": 2**22 + 7, "heartbeat": time.time()}  # killed
+    _fs().pipe_file(f"{BUCKET}/zarr3/data.zarr.lock", json.dumps(dead).encode())
+    write_cache(_url("zarr3"), range(3), backend="zarr", shard_records=2)
+    assert load_committed(_url("zarr3")).num_records == 3
+
+
+def test_verify_names_a_missing_and_a_truncated_zarr_shard_object(
+    s3: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_cache(_url("zarr4"), range(4), backend="zarr", shard_records=2)
+    fs = _fs()
+    xt = f"{BUCKET}/zarr4/data.zarr/xt/c/0/0/0/0/0/0"
+    noise = f"{BUCKET}/zarr4/data.zarr/noise/c/0/0/0/0/0"
+    fs.rm_file(xt)
+    fs.pipe_file(noise, fs.cat_file(noise)[:100])
+    with pytest.raises(SystemExit) as e:
+        main(["cache", "verify", _url("zarr4")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1
+    assert "data.zarr/xt/c/0/0/0/0/0/0 is missing" in err, err
+    assert "data.zarr/noise/c/0/0/0/0/0 sha256 mismatch" in err, err

@@ -20,7 +20,7 @@ from wandistill.cache.encoding import RecordCodec
 from wandistill.cache.schema import SHARED_NAME, Record, dtype_name, pad_embeds
 from wandistill.errors import CacheError, UsageError
 from wandistill.storage import Storage, describe, open_storage
-from wandistill.validate import MiB, inside
+from wandistill.validate import MiB
 
 MAX_SHARED_BYTES = 256 * MiB
 """Cap on shared.safetensors (a negative-prompt embedding and a schedule: ~2 MB for Wan)."""
@@ -42,6 +42,11 @@ class RecordSource(Protocol):
 
     def verify(self, entry: dict[str, Any]) -> list[str]: ...
 
+    def check_file(self, entry: dict[str, Any]) -> str | None:
+        """Why this shard cannot be read at all (a file missing, truncated, outside the
+        cache), or None: a cheap check (a stat, or one listing), not a read."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -51,10 +56,9 @@ def _make_source(backend: str, store: Storage) -> RecordSource:
 
         return WebDatasetSource(store)
     if backend == "zarr":
-        from wandistill.cache.zarr_backend import ZarrSource, refuse_remote
+        from wandistill.cache.zarr_backend import ZarrSource
 
-        refuse_remote(store)
-        return ZarrSource(store.url)
+        return ZarrSource(store)
     raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
 
 
@@ -172,24 +176,8 @@ class CacheStore:
     def unusable(self, entries: list[dict[str, Any]] | None = None) -> dict[str, str]:
         """Shards that cannot be read at all (file missing, truncated, outside the cache), by
         name, with the reason: a cheap stat per shard, for train to refuse or skip up front."""
-        check = getattr(self.source, "check_file", None) or self._files_exist
+        check = self.source.check_file
         return {e["name"]: why for e in (entries or self.entries) if (why := check(e))}
-
-    def _files_exist(self, entry: dict[str, Any]) -> str | None:
-        """Fallback for backends that list one sha256 per file (zarr: `{relative path: sha}`
-        under `entry["file"]`): every listed file must exist."""
-        files = entry.get("sha256")
-        if not isinstance(files, dict):
-            return None
-        root = Path(self.path) / entry["file"]
-        for rel in files:
-            try:
-                full = inside(root, rel, f"shard {entry['name']}: file", CacheError)
-            except CacheError as e:
-                return e.message
-            if not full.is_file():
-                return f"shard {entry['name']}: file {entry['file']}/{rel} is missing"
-        return None
 
     def verify(self) -> list[str]:
         """Every problem of the cache, one line each, naming shard and record where it can."""

@@ -70,10 +70,9 @@ def _make_sink(
             )
         return WebDatasetSink(store)
     if backend == "zarr":
-        from wandistill.cache.zarr_backend import ZarrSink, refuse_remote
+        from wandistill.cache.zarr_backend import ZarrSink
 
-        refuse_remote(store)
-        return ZarrSink(store.url, block_records=shard_records, compression=compression)
+        return ZarrSink(store, block_records=shard_records, compression=compression)
     raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
 
 

@@ -79,7 +79,10 @@ import errno
 import fcntl
 import hashlib
 import os
+import random
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -93,7 +96,7 @@ from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 from zarr.experimental.cache_store import CacheStore
-from zarr.storage import LocalStore, MemoryStore, WrapperStore
+from zarr.storage import FsspecStore, LocalStore, MemoryStore, WrapperStore
 
 from wandistill.cache.batch import BatchBuffers, Shape
 from wandistill.cache.formats import ZarrArrayMeta, ZarrGroupAttrs, ZarrGroupMeta, ZarrNodeMeta
@@ -108,9 +111,10 @@ from wandistill.cache.schema import (
     ZarrShardEntry,
     is_step_field,
 )
-from wandistill.errors import CacheError, UsageError
+from wandistill.errors import CacheError
 from wandistill.fsutil import fsync_dir
-from wandistill.validate import MiB, check, inside, parse_json, read_capped
+from wandistill.storage import LeaseLock, LocalStorage, Storage, open_storage, storage_error
+from wandistill.validate import MiB, check, inside, parse_json
 
 DATA_NAME = ZARR_DATA_NAME
 LOCK_NAME = "data.zarr.lock"
@@ -128,6 +132,9 @@ SMALL_ROW_BYTES = 1024
 """Arrays whose row is at most this big (offsets, timesteps) are read once per shard entry."""
 FSYNC_THREADS = 8
 """fsyncs in flight at once when a shard commits (the device merges their writeback)."""
+CLAIM_WAIT_S = 300.0
+"""How long a writer on an object store waits for the row-claim lock (longer than a dead
+holder's lease, `storage.LOCK_LEASE_S`)."""
 
 _WRITE_CONFIG: dict[str, Any] = {"write_empty_chunks": True}
 """Store every chunk, even one equal to the fill value, so each shard file this writer claims
@@ -150,23 +157,20 @@ class ZarrChunkError(CacheError, ValueError):
     Also a ValueError, like zarr-python's own checksum error on the same data."""
 
 
-def zarr_store(location: str | Path, *, read_only: bool = False) -> Store:
-    """The zarr store at `location`: the one place where a location becomes a store.
-
-    A local path gives `zarr.storage.LocalStore`; an fsspec URL would map to
-    `zarr.storage.FsspecStore` here and nowhere else."""
-    return LocalStore(Path(location), read_only=read_only)
+def storage_of(cache: str | Path | Storage) -> Storage:
+    return cache if isinstance(cache, Storage) else open_storage(cache)
 
 
-def refuse_remote(store: Any) -> None:
-    """The zarr backend writes under flock with fsync and reads through LocalStore: a cache at
-    an fsspec URL must be a webdataset cache (docs/cache-format.md)."""
-    if getattr(store, "remote", False):
-        raise UsageError(
-            f"cache {store.url!r}: the zarr backend needs a local or mounted folder; caches at "
-            "fsspec URLs use the webdataset backend",
-            fix="set cache.backend=webdataset for a cache on an object store, or use a local --out",
-        )
+def zarr_store(cache: str | Path | Storage, *, read_only: bool = False) -> Store:
+    """The zarr store of the cache at `cache` (its `data.zarr`): the one place where a location
+    becomes a zarr store. A local folder gives `zarr.storage.LocalStore`; an fsspec URL gives
+    `zarr.storage.FsspecStore` over the same filesystem as the rest of the cache, opened
+    asynchronously (`FsspecStorage.async_fs`)."""
+    storage = storage_of(cache)
+    if isinstance(storage, LocalStorage):
+        return LocalStore(storage.root / DATA_NAME, read_only=read_only)
+    fs = storage.async_fs()  # type: ignore[attr-defined]
+    return FsspecStore(fs, read_only=read_only, path=storage.key(DATA_NAME))  # type: ignore[attr-defined]
 
 
 MAX_META_BYTES = 16 * MiB
@@ -174,32 +178,34 @@ MAX_META_BYTES = 16 * MiB
 _META_FIX = "restore data.zarr's metadata, or re-run `wandistill precompute` into a new cache"
 
 
-def check_metadata(root: Path) -> None:
+def check_metadata(storage: Storage) -> None:
     """Check every zarr.json of the group (the group's and each array's) against its schema
     before zarr-python parses it, so bad metadata is one CacheError naming the file.
 
-    Chunk folders (`c/`) are not walked; a symlinked folder is refused (it could lead outside
-    the cache). zarr-python itself is still the parser: this only bounds and types what it reads.
-    """
-    stack = [root]
+    Chunk folders (`c/`) are not walked; on a local disk a symlink is refused (it could lead
+    outside the cache). zarr-python itself is still the parser: this only bounds and types what
+    it reads."""
+    local = storage.root if isinstance(storage, LocalStorage) else None
+    stack = [DATA_NAME]
     while stack:
         folder = stack.pop()
-        meta = folder / "zarr.json"
-        if meta.exists():
-            _check_meta_file(meta, group_root=folder == root)
-        for child in sorted(folder.iterdir()) if folder.is_dir() else ():
-            if child.is_symlink():
+        names = storage.list(folder)
+        if "zarr.json" in names:
+            _check_meta_file(storage, f"{folder}/zarr.json", group_root=folder == DATA_NAME)
+        for name in names:
+            rel = f"{folder}/{name}"
+            if local is not None and (local / rel).is_symlink():
                 raise CacheError(
-                    f"{str(child)!r} is a symlink inside {DATA_NAME}; refused", fix=_META_FIX
+                    f"{str(local / rel)!r} is a symlink inside {DATA_NAME}; refused", fix=_META_FIX
                 )
-            if child.is_dir() and child.name != "c":
-                stack.append(child)
+            if name not in ("c", "zarr.json") and storage.isdir(rel):
+                stack.append(rel)
 
 
-def _check_meta_file(meta: Path, *, group_root: bool) -> None:
+def _check_meta_file(storage: Storage, rel: str, *, group_root: bool) -> None:
     what = "zarr metadata"
-    where = f"{what} {str(meta)!r} is corrupt"
-    data = read_capped(meta, max_bytes=MAX_META_BYTES, what=what, fix=_META_FIX, error=CacheError)
+    where = f"{what} {storage.name(rel)!r} is corrupt"
+    data = storage.read(rel, max_bytes=MAX_META_BYTES, what=what, fix=_META_FIX, error=CacheError)
     obj = parse_json(data, where, fix=_META_FIX, error=CacheError)
     node = check(ZarrNodeMeta, obj, where, fix=_META_FIX, error=CacheError)
     if node.node_type == "array":
@@ -310,6 +316,33 @@ def _flock(path: Path) -> Iterator[None]:
         os.close(fd)  # closing the last fd of this open file description drops the lock
 
 
+@contextlib.contextmanager
+def claim_lock(storage: Storage) -> Iterator[None]:
+    """The lock every writer takes to claim rows: `flock` on `data.zarr.lock` on a local disk;
+    on an object store (no flock) a lease lock object of that name (`storage.LeaseLock`),
+    waited for. A claim holds it for a few metadata rewrites, so holders come and go; a dead
+    holder's lock goes stale after its lease (at once on its own host)."""
+    if isinstance(storage, LocalStorage):
+        with _flock(storage.root / LOCK_NAME):
+            yield
+        return
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "command": "zarr row claim"}
+    lock = LeaseLock(storage, LOCK_NAME, me)  # type: ignore[arg-type]
+    deadline = time.monotonic() + CLAIM_WAIT_S
+    while (holder := lock.acquire()) is not None:
+        if time.monotonic() > deadline:
+            raise CacheError(
+                f"cache {storage.url!r}: {LOCK_NAME} has been held by another writer for "
+                f"{CLAIM_WAIT_S:g} s ({holder})",
+                fix="stop the writer that holds it, or delete the lock object if none runs",
+            )
+        time.sleep(random.uniform(0.05, 0.5))
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -324,6 +357,22 @@ def _check_node_name(name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ stores
+
+
+@contextlib.contextmanager
+def _store_errors(store: Store, key: str) -> Iterator[None]:
+    """An object store's failure (no connection, no credentials, denied) as one StorageError
+    line naming the object, as every other access to a cache on an object store reports it."""
+    try:
+        yield
+    except (CacheError, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        if not isinstance(store, FsspecStore):
+            raise
+        protocol = store.fs.protocol
+        protocol = protocol[0] if isinstance(protocol, tuple | list) else protocol
+        raise storage_error(f"{protocol}://{store.path}/{key}", e) from None
 
 
 class _SealingStore(WrapperStore[Store]):
@@ -353,7 +402,8 @@ class _SealingStore(WrapperStore[Store]):
         return self._store.root if isinstance(self._store, LocalStore) else None
 
     async def set(self, key: str, value: Any) -> None:
-        await self._store.set(key, value)
+        with _store_errors(self._store, key):
+            await self._store.set(key, value)
         self._touched.add(key)
         eager = self.sync_on_write and self.local_root is not None
         if not eager:
@@ -414,7 +464,8 @@ class _ReadStore(WrapperStore[Store]):
 
     async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
         source = self.indexes if isinstance(byte_range, SuffixByteRequest) else self._store
-        buf = await source.get(key, prototype, byte_range)
+        with _store_errors(self._store, key):
+            buf = await source.get(key, prototype, byte_range)
         if key.endswith("zarr.json"):
             return buf
         where = f"{DATA_NAME}/{key}"
@@ -441,7 +492,7 @@ class ZarrSink:
 
     def __init__(
         self,
-        cache: str | Path,
+        cache: str | Path | Storage,
         *,
         block_records: int | None = None,
         token_chunk: int | None = None,
@@ -455,9 +506,7 @@ class ZarrSink:
         token_block = TOKEN_BLOCK if token_block is None else token_block
         if block_records <= 0 or token_chunk <= 0 or token_block % token_chunk:
             raise ValueError("need block_records > 0 and token_block a multiple of token_chunk")
-        self.cache = Path(cache)
-        self.root = self.cache / DATA_NAME
-        self.lock_path = self.cache / LOCK_NAME
+        self.storage = storage_of(cache)
         self.block_records = block_records
         self.token_chunk = token_chunk
         self.token_block = token_block
@@ -584,9 +633,9 @@ class ZarrSink:
 
     def _open_group(self, store: _SealingStore) -> tuple[Any, dict[str, Any]]:
         """The group (created with this sink's layout if new) and its recorded layout."""
-        check_metadata(self.root)
+        check_metadata(self.storage)
         group = _zarr_call(
-            f"{DATA_NAME} in {str(self.root.parent)!r}",
+            f"{DATA_NAME} in {self.storage.url!r}",
             lambda: zarr.open_group(store=store, mode="a", zarr_format=3),
         )
         if GROUP_ATTR not in group.attrs:
@@ -598,7 +647,8 @@ class ZarrSink:
                 "note": "rows are committed only via manifest.json / journal entries",
             }
             store.make_durable()
-            fsync_dir(self.root.parent)
+            if isinstance(self.storage, LocalStorage):
+                fsync_dir(self.storage.root)
         return group, dict(group.attrs[GROUP_ATTR])
 
     def _require(
@@ -728,10 +778,10 @@ class ZarrSink:
         n = len(self._meta)
         if n == 0:
             raise CacheError("ZarrSink.end() with no records")
-        self.root.parent.mkdir(parents=True, exist_ok=True)
-        store = _SealingStore(zarr_store(self.root))
+        self.storage.makedirs("")
+        store = _SealingStore(zarr_store(self.storage))
         try:
-            with _flock(self.lock_path):
+            with claim_lock(self.storage):
                 arrays, start, reserved, token_rows = self._claim(store, n)
             store.sealed.clear()  # from here on, only this shard's zarr shard files are written
             store.sync_on_write = True  # outside the lock: sync each file as soon as it is written
@@ -766,24 +816,29 @@ class ZarrSource:
     Arrays are opened once (and again only when a writer has grown one past what this reader
     saw); shard indexes are cached by zarr's CacheStore (`index_cache_bytes`)."""
 
-    def __init__(self, cache: str | Path, *, index_cache_bytes: int = INDEX_CACHE_BYTES) -> None:
-        self.cache = Path(cache)
-        self.root = self.cache / DATA_NAME
-        self.store = _ReadStore(zarr_store(self.root, read_only=True), index_cache_bytes)
+    def __init__(
+        self, cache: str | Path | Storage, *, index_cache_bytes: int = INDEX_CACHE_BYTES
+    ) -> None:
+        self.storage = storage_of(cache)
+        self.store = _ReadStore(zarr_store(self.storage, read_only=True), index_cache_bytes)
+        self._listing: frozenset[str] | None = None
         self._group: Any = None
         self._arrays: dict[str, tuple[Any, DType]] = {}
         self._entries: dict[tuple[str, str], ZarrShardEntry] = {}
         self._small: dict[tuple[str, int, str], np.ndarray] = {}
-        if self.root.is_dir():  # bad metadata: one error at open, not one per record read
-            check_metadata(self.root)
+        if self._has_group():  # bad metadata: one error at open, not one per record read
+            check_metadata(self.storage)
+
+    def _has_group(self) -> bool:
+        return self.storage.exists(f"{DATA_NAME}/zarr.json")
 
     def _open_group(self) -> Any:
         if self._group is None:
-            if not (self.root / "zarr.json").is_file():
-                raise CacheError(f"cache {str(self.cache)!r} has no {DATA_NAME} group")
-            check_metadata(self.root)
+            if not self._has_group():
+                raise CacheError(f"cache {self.storage.url!r} has no {DATA_NAME} group")
+            check_metadata(self.storage)
             self._group = _zarr_call(
-                f"{DATA_NAME} in {str(self.cache)!r}",
+                f"{DATA_NAME} in {self.storage.url!r}",
                 lambda: zarr.open_group(store=self.store, mode="r", zarr_format=3),
             )
         return self._group
@@ -1015,13 +1070,16 @@ class ZarrSource:
         problems: list[str] = []
         skip: set[int] = set()
         total, missing = 0, False
+        local = self.storage.root if isinstance(self.storage, LocalStorage) else None
         for rel, digest in e.sha256.items():
-            try:
-                path = inside(self.root, rel, f"shard {e.name}: file", CacheError)
+            try:  # (the entry's schema already refuses `..` and absolute names)
+                if local is not None:
+                    inside(local / DATA_NAME, rel, f"shard {e.name}: file", CacheError)
             except CacheError as err:
                 problems.append(err.message)
                 continue
-            if not path.is_file():
+            size = self.storage.size(f"{DATA_NAME}/{rel}")
+            if size is None:
                 missing = True
                 hit = self._affected(e, rel)
                 skip.update(hit)
@@ -1029,9 +1087,8 @@ class ZarrSource:
                     f"shard {e.name} record {e.keys[i]}: {DATA_NAME}/{rel} is missing" for i in hit
                 )
                 continue
-            data = path.read_bytes()
-            total += len(data)
-            if hashlib.sha256(data).hexdigest() != digest:
+            total += size
+            if self._digest(f"{DATA_NAME}/{rel}") != digest:
                 hit = self._affected(e, rel)
                 shown = ", ".join(e.keys[i] for i in hit[:4]) + (" ..." if len(hit) > 4 else "")
                 problems.append(
@@ -1042,6 +1099,43 @@ class ZarrSource:
             problems.append(f"shard {e.name}: {total} bytes on disk, manifest says {e.nbytes}")
         return problems, skip
 
+    def check_file(self, entry: dict[str, Any]) -> str | None:
+        """Why the shard entry cannot be read at all (a zarr shard file it lists is missing or
+        outside the cache), or None. Locally a stat per file; on an object store one listing of
+        data.zarr, refreshed when a file is not in it (a HEAD per file would be one request per
+        zarr shard file of the whole cache)."""
+        try:
+            e = self.entry(entry)
+        except CacheError as err:
+            return err.message
+        local = self.storage.root if isinstance(self.storage, LocalStorage) else None
+        for rel in e.sha256:
+            if local is not None:
+                try:
+                    found = inside(local / DATA_NAME, rel, f"shard {e.name}: file", CacheError)
+                except CacheError as err:
+                    return err.message
+                there = found.is_file()
+            else:
+                there = rel in self._listed(refresh=False) or rel in self._listed(refresh=True)
+            if not there:
+                return f"shard {e.name}: file {DATA_NAME}/{rel} is missing"
+        return None
+
+    def _listed(self, *, refresh: bool) -> frozenset[str]:
+        """Every object under data.zarr on an object store, relative to it."""
+        if refresh or self._listing is None:
+            cut = len(DATA_NAME) + 1
+            self._listing = frozenset(k[cut:] for k in self.storage.find(DATA_NAME))  # type: ignore[attr-defined]
+        return self._listing
+
+    def _digest(self, rel: str) -> str:
+        sha = hashlib.sha256()
+        with self.storage.open_read(rel) as f:
+            while chunk := f.read(1 << 22):
+                sha.update(chunk)
+        return sha.hexdigest()
+
     def verify(self, entry: dict[str, Any]) -> list[str]:
         """Check every zarr shard file the entry lists exists and matches its sha256, then decode
         every record."""
@@ -1049,7 +1143,7 @@ class ZarrSource:
             e = self.entry(entry)
         except CacheError as err:
             return [err.message]
-        if not (self.root / "zarr.json").is_file():
+        if not self._has_group():
             return [f"shard {e.name}: {DATA_NAME} is missing"]
         problems, skip = self._file_problems(e)
         for i, key in enumerate(e.keys):

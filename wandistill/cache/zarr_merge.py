@@ -53,7 +53,7 @@ class ZarrLinker:
         self.root = out / DATA_NAME
         self.link = link
         """link(src, dst) -> True if hard-linked (False: copied)."""
-        self.store = _SealingStore(zarr_store(self.root))
+        self.store = _SealingStore(zarr_store(out))
         self._group: Any = None
 
     def _target(self, layout: dict[str, Any]) -> Any:
@@ -90,7 +90,7 @@ class ZarrLinker:
         hard-linked), or None when the layouts differ (nothing was linked)."""
         e = ZarrShardEntry.from_json(data)
         src_group = zarr.open_group(
-            store=zarr_store(cache / DATA_NAME, read_only=True), mode="r", zarr_format=3
+            store=zarr_store(cache, read_only=True), mode="r", zarr_format=3
         )
         layout = dict(src_group.attrs[GROUP_ATTR])
         group = self._target(layout)
