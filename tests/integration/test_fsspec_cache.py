@@ -107,6 +107,26 @@ def test_precompute_verify_train_eval_and_a_killed_precompute_resumes_on_s3(
     assert _blobs(killed_url) == _blobs(url)
 
 
+def test_a_zarr_cache_on_s3_survives_a_kill_resumes_verifies_and_trains(
+    world: dict[str, Path],
+) -> None:
+    url = f"s3://{BUCKET}/zarr"
+    args = [*_precompute(world, url), "--set", 'cache.backend="zarr"']
+    killed = _run(*args, env=_env(WANDISTILL_TEST_KILL_AT="precompute:record:3"))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert load_committed(url).num_records == 2  # the open shard's rows were never named
+    resumed = _run(*args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    verified = _run("cache", "verify", url)
+    assert verified.returncode == 0 and "OK: 6 records" in verified.stdout, verified.stderr
+    trained = _run(
+        "train", "pipelines/tiny.toml", "--cache", url, "--out", str(world["root"] / "zrun"),
+        "--steps", "2", *SMALL_STUDENT,
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "Unclosed" not in trained.stderr + resumed.stderr + verified.stderr
+
+
 def _free_port() -> int:
     import socket
 
