@@ -30,7 +30,8 @@ it (read-modify-write, no locking), so two partial writes into one zarr shard lo
 
 * the sink buffers one writer shard (`begin..end`) in memory, each record copied once into its
   row of a preallocated block per field (reused from shard to shard);
-* `end()` takes an exclusive `fcntl.flock` on `<cache>/data.zarr.lock`, creates missing arrays,
+* `end()` takes an exclusive `fcntl.flock` on `<cache>/data.zarr.lock` (on an object store, a
+  lease lock object of that name: `claim_lock`), creates missing arrays,
   claims the next free row range (rounded up to whole zarr shards of `block` rows) and token
   range per ragged field (whole zarr shards of `token_block` tokens), grows EVERY record-indexed
   array to the claimed stop (so each `offsets` array has a row for every record; rows no writer
@@ -62,8 +63,10 @@ arrays (offsets, timesteps) are read once per shard entry. zarr checks every chu
 shard file(s).
 
 Stock `zarr.open_group(<cache>/data.zarr, mode="r")` reads the same files: see
-docs/cache-format.md. This module never pickles. `fcntl` makes writing POSIX-only; the cache
-directory must support flock (NFSv4 does; Lustre needs -o flock).
+docs/cache-format.md. This module never pickles. A local cache directory must support flock
+(NFSv4 does; Lustre needs -o flock). A cache at an fsspec URL is the same layout through zarr's
+`FsspecStore` (`zarr_store`): objects are written whole (nothing to fsync), and the same claim
+protocol runs under the lease lock.
 
 Library notes (zarr >= 3.1.6): `zarr.experimental.cache_store` is experimental upstream
 (https://zarr.readthedocs.io/en/stable/api/zarr/experimental/); `zarr.core.sync.sync` is the
