@@ -87,14 +87,10 @@ MB = 1024**2
 
 
 def prompts_for(n: int) -> list[str]:
-    """The demo's 64 prompts (8 subjects x 8 places), numbered beyond that."""
-    from wandistill.demo import PLACES, SUBJECTS
+    """The demo's prompts (the trained teacher's grammar, wandistill/demo.py), deterministic."""
+    from wandistill.teacher.trained import synthetic_prompts
 
-    base = [f"{s} {p}" for s in SUBJECTS for p in PLACES]
-    return [
-        base[i % len(base)] + (f", take {i // len(base)}" if i >= len(base) else "")
-        for i in range(n)
-    ]
+    return synthetic_prompts(n, seed=0)
 
 
 def precompute_overrides(args: argparse.Namespace, work: Path) -> list[str]:
