@@ -382,7 +382,8 @@ def run_loop(cfg: Any, make_source: Callable[[Any], _Source] | None) -> dict[str
         source = make_source(trainer)
         trainer.reader = source  # type: ignore[assignment]
         steps = loop.fit(trainer)
-        export_pretrained(trainer.model.student, trainer.ema, plan.out, info)
+        sampling = loop.sampling_record(trainer, steps)
+        export_pretrained(trainer.model.student, trainer.ema, plan.out, info, sampling)
         trainer.metrics.write({"event": "end", "step": steps, "corrupt": 0})
     finally:
         if trainer is not None:
