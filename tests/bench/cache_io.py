@@ -63,7 +63,7 @@ from wandistill.cache import CacheWriter, Record, record_key
 from wandistill.cache.schema import field_specs, pad_embeds
 from wandistill.cache.training import TrainingReader
 
-C, F, H, W = 16, 1, 60, 104  # Wan 2.1 VAE latent of one 480x832 frame
+C, F, H, W = 16, 1, 60, 104  # Wan 2.1 VAE latent of one 480x832 frame (F: --latent-frames)
 EMBED_DIM = 4096
 MAX_LEN = 512
 STEPS = 8
@@ -773,6 +773,12 @@ def main(argv: list[str] | None = None) -> int:
         "latent are float32, as precompute writes them); default bf16",
     )
     p.add_argument("--steps", type=int, default=STEPS, help="recorded steps per record")
+    p.add_argument(
+        "--latent-frames",
+        type=int,
+        default=F,
+        help="latent frames per record (default 1; 21 is an 81-frame Wan video, ~85 MB a record)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--shard-records", type=int, default=64, help="records per cache shard")
     p.add_argument("--threads", type=int, default=4, help="TrainingReader num_threads")
@@ -796,6 +802,8 @@ def main(argv: list[str] | None = None) -> int:
         "local S3 server (moto, its own process) against raw reads of the same bytes",
     )
     args = p.parse_args(argv)
+    global F
+    F = args.latent_frames
     if args.records * args.steps < args.batch_size:
         p.error("need records x steps >= batch size")
 
