@@ -278,7 +278,10 @@ def test_a_zarr_cache_on_s3_holds_the_same_files_and_samples_as_a_local_one(
     assert stock["xt"].shape[0] == stock["prompt_embeds/offsets"].shape[0] >= 5
 
 
-def test_two_writers_on_one_s3_zarr_cache_claim_disjoint_rows(s3: dict[str, str]) -> None:
+def test_two_writers_on_one_s3_zarr_cache_claim_disjoint_rows(
+    s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(storage, "LOCK_SETTLE_S", 0.05)  # (moto answers at once)
     with ThreadPoolExecutor(2) as pool:
         jobs = [
             pool.submit(write_cache, _url("zarr2"), idx, backend="zarr", shard_records=2, rank=r)
