@@ -802,8 +802,7 @@ def main(argv: list[str] | None = None) -> int:
         "local S3 server (moto, its own process) against raw reads of the same bytes",
     )
     args = p.parse_args(argv)
-    global F
-    F = args.latent_frames
+    globals()["F"] = args.latent_frames  # make_records and the manifest dims read it
     if args.records * args.steps < args.batch_size:
         p.error("need records x steps >= batch size")
 
