@@ -31,16 +31,19 @@ class NonFiniteError(WandistillError):
 
 
 def is_finite(t: torch.Tensor) -> bool:
-    """One reduction, no temporary the size of `t` (`isfinite(t).all()` makes a bool tensor as
-    long as `t`: ~8x slower, and it ran on every byte the cache writer writes). The float64 sum of
-    a float16 / bfloat16 / float32 tensor is finite exactly when every element is: a NaN or inf
-    propagates into it (inf + -inf is NaN), and it cannot overflow (n * 3.4e38 < 1.8e308 for any
-    tensor that fits in memory)."""
+    """One `torch.aminmax` pass, no temporary the size of `t`: a NaN propagates into both the
+    min and the max, and an inf is one of them, so both are finite exactly when every element
+    is. It runs on every byte the cache writer writes, so speed matters: for an 81-frame Wan
+    480p step block (16.8M bf16 values, 2 threads) it took 1.0 ms, against 50.7 ms for the float64
+    sum this used before and 35.9 ms for `isfinite(t).all()` (measured 2026-11-23)."""
     if not t.is_floating_point():
         return True
-    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if t.numel() == 0:
+        return True
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return bool(torch.isfinite(t).all())
-    return math.isfinite(float(torch.sum(t.detach(), dtype=torch.float64)))
+    lo, hi = torch.aminmax(t.detach())
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 def bad_rows(t: torch.Tensor) -> list[int]:

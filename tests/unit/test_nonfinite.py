@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from wandistill.cache.manifest import load_committed
 from wandistill.config import load_recipe
 from wandistill.dist import DistInfo
-from wandistill.finite import NonFiniteError, check_weights
+from wandistill.finite import NonFiniteError, check_weights, is_finite
 from wandistill.train import run as train_run
 from wandistill.train.checkpoint import list_checkpoints
 
@@ -35,6 +37,32 @@ def _no_process_group() -> Iterator[None]:
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the check itself
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]),
+    n=st.integers(1, 5000),
+    where=st.floats(0, 1, exclude_max=True),
+    bad=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+    strided=st.booleans(),
+)
+def test_one_non_finite_value_anywhere_in_any_float_tensor_is_found(
+    dtype: torch.dtype, n: int, where: float, bad: float, strided: bool
+) -> None:
+    base = torch.randn(2 * n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    view = base[::2] if strided else base[:n]  # strided: a non-contiguous view
+    assert is_finite(view)
+    view[int(where * n)] = bad
+    assert not is_finite(view)
+
+
+def test_empty_and_integer_tensors_are_finite() -> None:
+    assert is_finite(torch.empty(0)) and is_finite(torch.empty(0, 3, dtype=torch.bfloat16))
+    assert is_finite(torch.arange(5))
 
 
 # --------------------------------------------------------------------------- cache writer
