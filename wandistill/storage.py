@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import socket
@@ -143,6 +144,14 @@ class Storage(abc.ABC):
         """Hint that these (offset, size) ranges are read next (a no-op where it means
         nothing)."""
         return None
+
+    def sha256(self, rel: str) -> str:
+        """sha256 of a whole file, read in 4 MiB pieces (verify: nothing is held whole)."""
+        sha = hashlib.sha256()
+        with self.open_read(rel) as f:
+            while chunk := f.read(1 << 22):
+                sha.update(chunk)
+        return sha.hexdigest()
 
     def close(self) -> None:
         return None

@@ -781,11 +781,7 @@ class WebDatasetSource:
 
     def file_digest(self, rel: str) -> str:
         """sha256 of the whole shard file (what schema 1 and 2 entries list)."""
-        sha = hashlib.sha256()
-        with self.store.open_read(rel) as f:
-            while chunk := f.read(1 << 22):
-                sha.update(chunk)
-        return sha.hexdigest()
+        return self.store.sha256(rel)
 
     def frame_digest(self, entry: dict[str, Any], rel: str) -> str:
         """sha256 of the shard's bytes outside its records' tensor data (schema 3's

@@ -1091,7 +1091,7 @@ class ZarrSource:
                 )
                 continue
             total += size
-            if self._digest(f"{DATA_NAME}/{rel}") != digest:
+            if self.storage.sha256(f"{DATA_NAME}/{rel}") != digest:
                 hit = self._affected(e, rel)
                 shown = ", ".join(e.keys[i] for i in hit[:4]) + (" ..." if len(hit) > 4 else "")
                 problems.append(
@@ -1131,13 +1131,6 @@ class ZarrSource:
             cut = len(DATA_NAME) + 1
             self._listing = frozenset(k[cut:] for k in self.storage.find(DATA_NAME))  # type: ignore[attr-defined]
         return self._listing
-
-    def _digest(self, rel: str) -> str:
-        sha = hashlib.sha256()
-        with self.storage.open_read(rel) as f:
-            while chunk := f.read(1 << 22):
-                sha.update(chunk)
-        return sha.hexdigest()
 
     def verify(self, entry: dict[str, Any]) -> list[str]:
         """Check every zarr shard file the entry lists exists and matches its sha256, then decode
