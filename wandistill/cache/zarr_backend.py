@@ -116,7 +116,14 @@ from wandistill.cache.schema import (
 )
 from wandistill.errors import CacheError
 from wandistill.fsutil import fsync_dir
-from wandistill.storage import LeaseLock, LocalStorage, Storage, open_storage, storage_error
+from wandistill.storage import (
+    FsspecStorage,
+    LeaseLock,
+    LocalStorage,
+    Storage,
+    open_storage,
+    storage_error,
+)
 from wandistill.validate import MiB, check, inside, parse_json
 
 DATA_NAME = ZARR_DATA_NAME
@@ -161,6 +168,7 @@ class ZarrChunkError(CacheError, ValueError):
 
 
 def storage_of(cache: str | Path | Storage) -> Storage:
+    """The cache's `Storage` (sinks and sources take a path, a URL, or the storage itself)."""
     return cache if isinstance(cache, Storage) else open_storage(cache)
 
 
@@ -172,8 +180,8 @@ def zarr_store(cache: str | Path | Storage, *, read_only: bool = False) -> Store
     storage = storage_of(cache)
     if isinstance(storage, LocalStorage):
         return LocalStore(storage.root / DATA_NAME, read_only=read_only)
-    fs = storage.async_fs()  # type: ignore[attr-defined]
-    return FsspecStore(fs, read_only=read_only, path=storage.key(DATA_NAME))  # type: ignore[attr-defined]
+    assert isinstance(storage, FsspecStorage), storage
+    return FsspecStore(storage.async_fs(), read_only=read_only, path=storage.key(DATA_NAME))
 
 
 MAX_META_BYTES = 16 * MiB
@@ -329,8 +337,9 @@ def claim_lock(storage: Storage) -> Iterator[None]:
         with _flock(storage.root / LOCK_NAME):
             yield
         return
+    assert isinstance(storage, FsspecStorage), storage
     me = {"host": socket.gethostname(), "pid": os.getpid(), "command": "zarr row claim"}
-    lock = LeaseLock(storage, LOCK_NAME, me)  # type: ignore[arg-type]
+    lock = LeaseLock(storage, LOCK_NAME, me)
     deadline = time.monotonic() + CLAIM_WAIT_S
     while (holder := lock.acquire()) is not None:
         if time.monotonic() > deadline:
@@ -1073,11 +1082,9 @@ class ZarrSource:
         problems: list[str] = []
         skip: set[int] = set()
         total, missing = 0, False
-        local = self.storage.root if isinstance(self.storage, LocalStorage) else None
         for rel, digest in e.sha256.items():
-            try:  # (the entry's schema already refuses `..` and absolute names)
-                if local is not None:
-                    inside(local / DATA_NAME, rel, f"shard {e.name}: file", CacheError)
+            try:
+                self._local_file(e, rel)
             except CacheError as err:
                 problems.append(err.message)
                 continue
@@ -1111,13 +1118,12 @@ class ZarrSource:
             e = self.entry(entry)
         except CacheError as err:
             return err.message
-        local = self.storage.root if isinstance(self.storage, LocalStorage) else None
         for rel in e.sha256:
-            if local is not None:
-                try:
-                    found = inside(local / DATA_NAME, rel, f"shard {e.name}: file", CacheError)
-                except CacheError as err:
-                    return err.message
+            try:
+                found = self._local_file(e, rel)
+            except CacheError as err:
+                return err.message
+            if found is not None:
                 there = found.is_file()
             else:
                 there = rel in self._listed(refresh=False) or rel in self._listed(refresh=True)
@@ -1125,11 +1131,20 @@ class ZarrSource:
                 return f"shard {e.name}: file {DATA_NAME}/{rel} is missing"
         return None
 
+    def _local_file(self, e: ZarrShardEntry, rel: str) -> Path | None:
+        """The local path of zarr shard file `rel`, refused (CacheError) when it resolves
+        outside the cache (a symlink); None on an object store, which has no links to follow
+        (the entry's schema already refuses `..` and absolute names)."""
+        if not isinstance(self.storage, LocalStorage):
+            return None
+        return inside(self.storage.root / DATA_NAME, rel, f"shard {e.name}: file", CacheError)
+
     def _listed(self, *, refresh: bool) -> frozenset[str]:
         """Every object under data.zarr on an object store, relative to it."""
         if refresh or self._listing is None:
+            assert isinstance(self.storage, FsspecStorage), self.storage
             cut = len(DATA_NAME) + 1
-            self._listing = frozenset(k[cut:] for k in self.storage.find(DATA_NAME))  # type: ignore[attr-defined]
+            self._listing = frozenset(k[cut:] for k in self.storage.find(DATA_NAME))
         return self._listing
 
     def verify(self, entry: dict[str, Any]) -> list[str]:
