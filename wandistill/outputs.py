@@ -38,8 +38,6 @@ import json
 import os
 import re
 import shutil
-import socket
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,7 +49,7 @@ from filelock import FileLock, Timeout
 from wandistill import __version__
 from wandistill.errors import UsageError, WandistillError
 from wandistill.fsutil import atomic_write_json
-from wandistill.storage import FsspecStorage, LeaseLock, is_url, open_storage
+from wandistill.storage import FsspecStorage, LeaseLock, holder_identity, is_url, open_storage
 
 if TYPE_CHECKING:
     from wandistill.dist import DistInfo
@@ -195,7 +193,7 @@ def _claim(path: str | Path, purpose: str, inputs: Inputs, flag: str) -> OutputF
         _inspect(target, purpose, label)
         if _read_json(target / MARKER).get("purpose") != purpose:  # new, empty or adopted
             atomic_write_json(target / MARKER, _marker(purpose))
-        atomic_write_json(target / HOLDER, _me())
+        atomic_write_json(target / HOLDER, holder_identity())
         remove_stale_temps(target)
     except BaseException:
         lock.release()
@@ -234,15 +232,6 @@ def _marker(purpose: str) -> dict[str, Any]:
     }
 
 
-def _me() -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "command": " ".join(["wandistill", *sys.argv[1:3]])[:120],
-    }
-
-
 def _holder(target: Path) -> str:
     """Who holds the lock, from the holder file it wrote (it may be starting: unknown yet)."""
     return _holder_text(_read_json(target / HOLDER))
@@ -267,7 +256,7 @@ def claim_remote(url: str, purpose: str, inputs: Inputs, flag: str) -> OutputFol
                 fix=f"choose an output location apart from {name}",
             )
     _inspect_remote(store, purpose, label)
-    lock = LeaseLock(store, LOCK, _me())
+    lock = LeaseLock(store, LOCK, holder_identity())
     holder = lock.acquire()
     if holder is not None:
         raise UsageError(

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -471,6 +472,17 @@ LOCK_LEASE_S = 60.0
 """An object-store lock whose heartbeat is older than this is stale (its holder died)."""
 LOCK_SETTLE_S = 0.5
 """How long a new holder waits before reading its lock back (see `LeaseLock`)."""
+
+
+def holder_identity() -> dict[str, Any]:
+    """Who holds a lock: host and pid (what makes a lock stale once that pid is gone on this
+    host), start time and command (what a refusal shows the user)."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": " ".join(["wandistill", *sys.argv[1:3]])[:120],
+    }
 
 
 class LeaseLock:

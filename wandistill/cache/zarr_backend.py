@@ -83,7 +83,6 @@ import fcntl
 import hashlib
 import os
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -121,6 +120,7 @@ from wandistill.storage import (
     LeaseLock,
     LocalStorage,
     Storage,
+    holder_identity,
     open_storage,
     storage_error,
 )
@@ -338,8 +338,7 @@ def claim_lock(storage: Storage) -> Iterator[None]:
             yield
         return
     assert isinstance(storage, FsspecStorage), storage
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "command": "zarr row claim"}
-    lock = LeaseLock(storage, LOCK_NAME, me)
+    lock = LeaseLock(storage, LOCK_NAME, holder_identity())
     deadline = time.monotonic() + CLAIM_WAIT_S
     while (holder := lock.acquire()) is not None:
         if time.monotonic() > deadline:
