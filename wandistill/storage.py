@@ -123,7 +123,11 @@ class Storage(abc.ABC):
     def makedirs(self, rel: str) -> None: ...
 
     @abc.abstractmethod
-    def upload(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]: ...
+    def upload(
+        self, rel: str, *, bulk: bool = False
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """Write `rel` atomically; `bulk`: write-once data kept out of the local page cache
+        once durable (`fsutil.drop_cached`)."""
 
     @abc.abstractmethod
     def open_read(self, rel: str) -> IO[bytes]: ...
@@ -218,8 +222,10 @@ class LocalStorage(Storage):
     def makedirs(self, rel: str) -> None:
         self.path(rel).mkdir(parents=True, exist_ok=True)
 
-    def upload(self, rel: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        return atomic_open(self.path(rel), "wb")
+    def upload(
+        self, rel: str, *, bulk: bool = False
+    ) -> contextlib.AbstractContextManager[IO[bytes]]:
+        return atomic_open(self.path(rel), "wb", bulk=bulk)
 
     def open_read(self, rel: str) -> IO[bytes]:
         return open(self.path(rel), "rb")  # noqa: SIM115 - the caller closes it
@@ -367,7 +373,7 @@ class FsspecStorage(Storage):
         return None  # object stores have no folders
 
     @contextlib.contextmanager
-    def upload(self, rel: str) -> Iterator[IO[bytes]]:
+    def upload(self, rel: str, *, bulk: bool = False) -> Iterator[IO[bytes]]:
         """Stream to the final key; the object exists only once the upload completes on close
         (a failure aborts it: nothing half-written is ever visible)."""
         f = self._call(rel, self.fs.open, self.key(rel), "wb")

@@ -221,7 +221,7 @@ class WebDatasetSink:
 
     def begin(self, name: str) -> None:
         self.rel = f"shards/{name}{self.suffix}"
-        self.upload = self.store.upload(self.rel)
+        self.upload = self.store.upload(self.rel, bulk=True)
         self.file = self.upload.__enter__()  # left in end (publish) or abort (drop)
         self.hashing = _HashingFile(self.file)
         # mtime=0 and fixed owner make shard bytes a pure function of the records.

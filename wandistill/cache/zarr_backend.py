@@ -114,7 +114,7 @@ from wandistill.cache.schema import (
     is_step_field,
 )
 from wandistill.errors import CacheError
-from wandistill.fsutil import fsync_dir
+from wandistill.fsutil import drop_cached, fsync_dir
 from wandistill.storage import (
     FsspecStorage,
     LeaseLock,
@@ -354,10 +354,13 @@ def claim_lock(storage: Storage) -> Iterator[None]:
         lock.release()
 
 
-def _fsync_path(path: Path) -> None:
+def _fsync_path(path: Path, *, bulk: bool = False) -> None:
+    """fsync a file zarr wrote; `bulk` (shard data): then drop it from the page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+        if bulk:
+            drop_cached(fd)
     finally:
         os.close(fd)
 
@@ -434,7 +437,7 @@ class _SealingStore(WrapperStore[Store]):
         data = memoryview(value.as_buffer_like()).cast("B")
         digest = hashlib.sha256(data).hexdigest()
         if fsync:
-            _fsync_path(self.local_root / key)  # type: ignore[operator]
+            _fsync_path(self.local_root / key, bulk=True)  # type: ignore[operator]
         return data.nbytes, digest
 
     def make_durable(self, keys: Iterable[str] = ()) -> None:
