@@ -227,3 +227,39 @@ def test_corrupt_manifest_is_reported(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps({"hello": 1}))
     with pytest.raises(CacheError, match="not a wandistill cache manifest"):
         open_cache(tmp_path)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shard_files_leave_the_page_cache_only_after_their_fsync(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every shard data file is fsynced, then dropped from the page cache (write-once bulk:
+    `fsutil.drop_cached`); the small files (manifest, journal) are left cached."""
+    events: list[tuple[str, int]] = []
+    real_fsync, real_fadvise = os.fsync, os.posix_fadvise
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        events.append(("fsync", os.fstat(fd).st_ino))
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        real_fadvise(fd, offset, length, advice)
+        if advice == os.POSIX_FADV_DONTNEED:
+            events.append(("drop", os.fstat(fd).st_ino))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    write_cache(tmp_path, range(6), backend=backend, shard_records=3)
+    data = tmp_path / ("shards" if backend == "webdataset" else "data.zarr")
+    shard_files = {
+        p.stat().st_ino: p
+        for p in data.rglob("*")
+        if p.is_file() and p.name != "zarr.json" and not p.name.endswith(".lock")
+    }
+    dropped = {ino for kind, ino in events if kind == "drop"}
+    assert shard_files and set(shard_files) <= dropped, "a shard file stayed in the page cache"
+    for ino in dropped:
+        first_drop = events.index(("drop", ino))
+        assert ("fsync", ino) in events[:first_drop], f"{shard_files.get(ino)} dropped unsynced"
+    small = {p.stat().st_ino for p in tmp_path.rglob("*.json") if p.is_file()}
+    assert not small & dropped
