@@ -98,6 +98,7 @@ def precompute(teacher: Path, prompts: Path, args: argparse.Namespace, cache: Pa
             "sampler.max_sequence_length=32",
             f"cache.shard_records={args.shard_records}",
             f'cache.backend="{args.backend}"',
+            f'cache.store_dtype="{args.store_dtype}"',
         ],
         stage="precompute",
     ).precompute
@@ -170,6 +171,11 @@ def main() -> None:
     p.add_argument("--work", type=Path, help="scratch folder on the disk to measure")
     p.add_argument("--backend", choices=("webdataset", "zarr"), default="webdataset")
     p.add_argument(
+        "--store-dtype",
+        default="model",
+        help="cache.store_dtype: model, fp32, bf16, fp16 or fp8 (the writer thread converts)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -226,7 +232,7 @@ def main() -> None:
         )
         print(
             f"# {args.prompts} prompts, {args.steps} steps, guidance {args.guidance}, "
-            f"batch {args.batch_size}, backend {args.backend}, "
+            f"batch {args.batch_size}, backend {args.backend}, store {args.store_dtype}, "
             f"480x832x{args.frames}, {nbytes / len(records) / 2**20:.1f} MiB of tensors per "
             f"record, shard_records {args.shard_records}, best of {args.repeats}"
         )
