@@ -794,3 +794,34 @@ def test_disk_full_mid_shard_keeps_committed_shards_and_resumes(
         for r in records:
             assert_same_record(store.read_key(r.key), r)
         assert store.verify() == []
+
+
+def test_a_shard_written_in_several_gathers_has_the_same_bytes_as_one_gather(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above WRITE_GATHER_BYTES a shard's arrays go out in groups (bounded memory); the files,
+    their sha256 and what reads back are the same as with every array in one gather."""
+    records = [make_record(i, negative=True) for i in range(5)]
+    (one,) = _sink_entries(tmp_path / "one", records, 5, block_records=2)
+    monkeypatch.setattr(zb, "WRITE_GATHER_BYTES", 1)  # every array on its own
+    (split,) = _sink_entries(tmp_path / "split", records, 5, block_records=2)
+    assert one["sha256"] == split["sha256"] and len(one["sha256"]) > 4
+    src = zb.ZarrSource(tmp_path / "split")
+    for i, r in enumerate(records):
+        assert_same_record(src.read_record(split, i), r)
+    src.close()
+
+
+@pytest.mark.parametrize(
+    "sizes,budget", [([5, 1, 9, 3, 3], 6), ([1, 1, 1], 100), ([7], 1), ([], 4)]
+)
+def test_writes_group_biggest_first_and_no_group_passes_the_budget_but_a_lone_write(
+    sizes: list[int], budget: int
+) -> None:
+    writes = [(k, slice(0, n), np.zeros(n, dtype=np.uint8)) for k, n in enumerate(sizes)]
+    groups = zb._by_bytes(writes, budget)
+    flat = [w for g in groups for w in g]
+    assert sorted(w[0] for w in flat) == list(range(len(sizes)))
+    assert [w[2].nbytes for w in flat] == sorted(sizes, reverse=True)
+    for g in groups:
+        assert len(g) == 1 or sum(w[2].nbytes for w in g) <= budget

@@ -36,9 +36,10 @@ it (read-modify-write, no locking), so two partial writes into one zarr shard lo
   range per ragged field (whole zarr shards of `token_block` tokens), grows EVERY record-indexed
   array to the claimed stop (so each `offsets` array has a row for every record; rows no writer
   filled read as the fill value, [-1, -1] for offsets), then releases the lock;
-* outside the lock it writes each array with one `setitem(a:b, block)`, all arrays in one
-  `asyncio.gather` on zarr's event loop (zarr `codec_pipeline.batch_size` WRITE_BATCH_CHUNKS):
-  the ranges are disjoint and zarr-shard aligned, so no other writer touches those files;
+* outside the lock it writes each array with one `setitem(a:b, block)`, arrays together in
+  `asyncio.gather`s of at most WRITE_GATHER_BYTES on zarr's event loop (zarr
+  `codec_pipeline.batch_size` WRITE_BATCH_CHUNKS): the ranges are disjoint and zarr-shard
+  aligned, so no other writer touches those files;
 * every byte goes through `_SealingStore`, a `zarr.storage.WrapperStore` that hashes what zarr
   hands to `set` (no file is read back). On a local disk each file is fsynced once: a shard file
   by the hashing worker right after its write (overlapping the other arrays' encoding), the
@@ -153,6 +154,14 @@ WRITE_BATCH_CHUNKS = 64
 """zarr's `codec_pipeline.batch_size` while a shard is written: inner chunks the sharding codec
 encodes per batch (zarr's default, 1, schedules some ten asyncio tasks per chunk; 64 cut the
 event loop's CPU by about a third in three of four measured pairs, docs/benchmarks.md). Read at
+write time."""
+WRITE_GATHER_BYTES = 512 * MiB
+"""Block bytes written in one `asyncio.gather`; a bigger shard goes out in several, biggest
+arrays first. zarr-python holds about three more copies of what it encodes at once (chunk
+buffers, crc32c appends, the combined shard), so all arrays of a big shard at once cost memory
+and, with fresh pages, time: 16 records of 81-frame Wan 480p (1.29 GB) took +5.1 GB peak RSS and
+17.6 s in one gather, +2.8 GB and 10.5 s one array at a time (2-core VM, 2026-11-23). Below it,
+one gather lets one array's hashing and file writes overlap the next one's encoding. Read at
 write time."""
 _WRITE_CONFIG_LOCK = threading.Lock()
 """zarr's config is process-global and `config.set` restores what it saw on entry, so two
@@ -293,6 +302,20 @@ def _shard_files(arr: Any, start: int, stop: int) -> list[str]:
         f"{arr.path}/{arr.metadata.encode_chunk_key((k, *tail))}"
         for k in range(first, last // block + 1)
     ]
+
+
+def _by_bytes(writes: list[tuple[Any, slice, np.ndarray]], budget: int) -> list[list[Any]]:
+    """The writes in groups of at most `budget` block bytes (one bigger write alone), biggest
+    first: what one `asyncio.gather` of a shard's writes may hold in memory at once."""
+    groups: list[list[Any]] = []
+    size = 0
+    for w in sorted(writes, key=lambda w: -w[2].nbytes):
+        if not groups or size + w[2].nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(w)
+        size += w[2].nbytes
+    return groups
 
 
 async def _gather(coros: list[Any]) -> list[Any]:
@@ -783,10 +806,11 @@ class ZarrSink:
                 writes.append(
                     (arrays[f"{name}/values"], slice(t0, t1), self._tokens[name][: t1 - t0])
                 )
-        results = sync(_gather([arr.async_array.setitem(sel, block) for arr, sel, block in writes]))
-        for err in results:
-            if isinstance(err, BaseException):
-                raise err
+        for group in _by_bytes(writes, WRITE_GATHER_BYTES):
+            results = sync(_gather([arr.async_array.setitem(sel, b) for arr, sel, b in group]))
+            for err in results:
+                if isinstance(err, BaseException):
+                    raise err
 
     def end(self) -> dict[str, Any]:
         n = len(self._meta)
