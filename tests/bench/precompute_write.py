@@ -200,7 +200,8 @@ def main() -> None:
         for r in range(args.repeats):  # interleaved, so load drifts hit every leg alike
             # Each round starts with another leg: a leg right after one that freed a cache's
             # worth of page cache touches memory the VM's host has taken back (see the docs).
-            for name in legs4[r % 4 :] + legs4[: r % 4]:
+            k = r % len(legs4)
+            for name in legs4[k:] + legs4[:k]:
                 target = work / f"{name}-{r}"
                 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t = precompute(teacher, prompts, args, target, name == "null_sink", name)

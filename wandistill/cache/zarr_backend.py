@@ -420,7 +420,8 @@ class _SealingStore(WrapperStore[Store]):
     the key, so the file holds exactly `value`. Hashing runs in a worker thread (hashlib
     releases the GIL), like zarr's own file write. With `sync_on_write` the same worker fsyncs
     the file right away, so its writeback overlaps the encoding of the arrays still being
-    written; otherwise (metadata rewritten under the claim lock) the file waits for
+    written, and then drops it from the page cache (`fsutil.drop_cached`: shard data is
+    write-once bulk); otherwise (metadata rewritten under the claim lock) the file waits for
     `make_durable`, which fsyncs each pending file once, concurrently, and then every directory
     written into, right before the caller commits the entry that names them."""
 
