@@ -728,6 +728,57 @@ def fsspec_legs(args: Any, records: list[Record], out: Path, check: Checker) -> 
 # --------------------------------------------------------------------------------- report
 
 
+def read_legs(
+    caches: dict[str, Path],
+    out: Path,
+    keys: list[str],
+    args: Any,
+    check: Checker,
+    notes: dict[str, str],
+) -> list[tuple[str, list[Path], Callable[[], tuple[int, int]]]]:
+    """One round's read legs: (name, files to evict first, body)."""
+    legs: list[tuple[str, list[Path], Callable[[], tuple[int, int]]]] = []
+    tars: list[Path] = []
+    for backend, path in caches.items():
+        files = files_under(path)
+        legs.append((f"raw cat {backend} files", files, functools.partial(read_raw, files)))
+        legs.append(
+            (
+                f"TrainingReader {backend}",
+                files,
+                functools.partial(read_training, path, args.batch_size, args.threads, check),
+            )
+        )
+        notes[f"TrainingReader {backend}"] = f"{args.threads} threads, shuffled (record, step)"
+        if backend == "webdataset":
+            tars = [f for f in files if f.suffix == ".tar"]
+    if tars:
+        if len(tars) < args.workers:
+            print(f"  note: {len(tars)} shards < {args.workers} workers: idle workers")
+        urls = [str(t) for t in tars]
+        legs.append(
+            (
+                "stock WebDataset+DataLoader",
+                tars,
+                functools.partial(read_stock_wds, urls, args.batch_size, args.workers, check),
+            )
+        )
+        notes["stock WebDataset+DataLoader"] = f"{args.workers} workers, shard order, whole records"
+    ffiles = files_under(out / "files")
+    legs.append(("raw cat per-file files", ffiles, functools.partial(read_raw, ffiles)))
+    legs.append(
+        (
+            "per-file safe_open+DataLoader",
+            ffiles,
+            functools.partial(
+                read_files, out / "files", keys, args.steps, args.batch_size, args.workers, check
+            ),
+        )
+    )
+    notes["per-file safe_open+DataLoader"] = f"{args.workers} workers, shuffled"
+    return legs
+
+
 def fmt(x: float | None, spec: str = ".0f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -933,48 +984,24 @@ def main(argv: list[str] | None = None) -> int:
                 write()
 
             print(f"round {rnd + 1}/{args.repeats}: read", flush=True)
-            tars: list[Path] = []
-            for backend, path in list(caches.items()):
-                files = files_under(path)
-                run_read(f"raw cat {backend} files", files, lambda f=files: read_raw(f))
+            # Rotated like the writes: on this VM a read leg's page-cache allocations cost 0.2
+            # to 2 CPU-s for the same bytes depending on what the guest's memory went through
+            # just before (docs/benchmarks.md, "Batch memory"), so no leg may always go first.
+            legs = read_legs(caches, out, keys, args, check, notes)
+            k = rnd % max(1, len(legs))
+            for name, files, body in legs[k:] + legs[:k]:
+                if name.startswith("TrainingReader") and name.split()[-1] in skipped:
+                    continue
                 try:
-                    run_read(
-                        f"TrainingReader {backend}",
-                        files,
-                        lambda p=path: read_training(p, args.batch_size, args.threads, check),
-                    )
-                    notes[f"TrainingReader {backend}"] = (
-                        f"{args.threads} threads, shuffled (record, step)"
-                    )
+                    run_read(name, files, body)
                 except Exception as e:
+                    if not name.startswith("TrainingReader"):
+                        raise
+                    backend = name.split()[-1]
                     skipped[backend] = f"reading failed: {type(e).__name__}: {e}"
                     print(f"{backend}: read skipped ({skipped[backend]})", flush=True)
                     traceback.print_exc(limit=6)
-                    caches.pop(backend)
-                if backend == "webdataset":
-                    tars = [f for f in files if f.suffix == ".tar"]
-            if tars:
-                if len(tars) < args.workers:
-                    print(f"  note: {len(tars)} shards < {args.workers} workers: idle workers")
-                urls = [str(t) for t in tars]
-                run_read(
-                    "stock WebDataset+DataLoader",
-                    tars,
-                    lambda u=urls: read_stock_wds(u, args.batch_size, args.workers, check),
-                )
-                notes["stock WebDataset+DataLoader"] = (
-                    f"{args.workers} workers, shard order, whole records"
-                )
-            ffiles = files_under(out / "files")
-            run_read("raw cat per-file files", ffiles, lambda f=ffiles: read_raw(f))
-            run_read(
-                "per-file safe_open+DataLoader",
-                ffiles,
-                lambda: read_files(
-                    out / "files", keys, args.steps, args.batch_size, args.workers, check
-                ),
-            )
-            notes["per-file safe_open+DataLoader"] = f"{args.workers} workers, shuffled"
+                    caches.pop(backend, None)
     finally:
         if not args.keep:
             for sub in ("webdataset", "zarr", "files"):
