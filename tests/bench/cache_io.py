@@ -18,9 +18,14 @@ read   one epoch of (record, recorded step) training samples per backend through
 Before every read leg the page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`);
 where that is not permitted, every file of the leg gets `posix_fadvise(DONTNEED)` (and `fincore`,
 when installed, checks what stayed resident); the table says which was used. Write legs start
-after a `sync`. Every leg runs --repeats times, interleaved, and the median is reported with its
-CPU seconds and the cores other processes used meanwhile (this machine may be shared). All data
-lives under --out and is deleted at the end unless --keep.
+after a `sync`. Before every write and cold read leg, free memory is touched (`prefault`: on a VM
+whose host reclaims free guest memory, filling the page cache otherwise costs one leg a host
+fault per page and the next leg nothing; `--no-prefault` turns it off). Every leg runs --repeats
+times, interleaved, each round starting with another leg, and the median is reported with its
+CPU seconds and the cores other processes used meanwhile (this machine may be shared). Besides
+`cat`, each backend's reader is compared with raw `preadv`s of the very ranges it reads, in its
+order (what its shuffled access pattern costs the storage). All data lives under --out and is
+deleted at the end unless --keep.
 
 Columns: MB/s is record tensor bytes per second (write), bytes the delivered samples needed from
 the cache (read: the unpadded embedding + one step of xt/teacher_out + one timestep; a record's
@@ -49,10 +54,12 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load as st_load
@@ -324,7 +331,26 @@ def median_leg(runs: list[Leg]) -> Leg:
     return mid
 
 
-def cold(drop: CacheDropper, files: list[Path]) -> str:
+def prefault(nbytes: int) -> int:
+    """Touch and free `nbytes` of anonymous memory; returns the bytes touched.
+
+    Why: this VM hands free guest memory back to its host (free page reporting), and the first
+    touch of such a page costs a host fault. After `drop_caches` the page cache of a read leg
+    is filled from those pages, so the same `cat` of 1.35 GB took 0.65-2.4 s (0.15-2.1 s of
+    system time) depending on how long the memory had been free, whichever leg it was
+    (docs/benchmarks.md, "Batch memory"). Touching the memory first puts every leg on memory
+    the host backs, as on a machine without a balloon; the page cache stays empty."""
+    with open("/proc/meminfo") as f:
+        avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    n = max(0, min(nbytes, int(avail * 0.6)))
+    if n:
+        buf = np.empty(n, dtype=np.uint8)
+        buf[::4096] = 1
+        del buf
+    return n
+
+
+def cold(drop: CacheDropper, files: list[Path], prefault_memory: bool = False) -> str:
     """Evict the leg's files and say how; flag what the eviction left resident."""
     how = drop(files)
     if not drop.enabled:
@@ -332,6 +358,9 @@ def cold(drop: CacheDropper, files: list[Path]) -> str:
     resident = resident_bytes(files)
     if resident is not None and resident > 0.05 * max(1, total_size(files)):
         how += f", {resident / MB:.0f} MB still resident"
+    if prefault_memory:
+        n = prefault(2 * total_size(files) + (1 << 30))
+        how += f", {n / 1e9:.1f} GB of free memory touched first"
     return how
 
 
@@ -639,6 +668,24 @@ def raw_ranges_local(root: Path, ranges: list[tuple[str, int, int]]) -> tuple[in
     return 0, n
 
 
+def raw_ranges_threads(
+    root: Path, ranges: list[tuple[str, int, int]], threads: int
+) -> tuple[int, int]:
+    """The same byte ranges in the reader's order, `threads` `os.preadv` calls at a time, each
+    into a buffer of its own: what that access pattern costs the storage, without the reader."""
+    fds = {rel: os.open(root / rel, os.O_RDONLY) for rel in {r[0] for r in ranges}}
+
+    def one(r: tuple[str, int, int]) -> int:
+        return os.preadv(fds[r[0]], [np.empty(r[2], dtype=np.uint8)], r[1])
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return 0, sum(pool.map(one, ranges))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 def raw_ranges_s3(url: str, ranges: list[tuple[str, int, int]]) -> tuple[int, int]:
     """The same byte ranges as ranged GETs, all handed to s3fs at once (`cat_ranges`, its own
     concurrency): the object store's limit for these requests."""
@@ -742,6 +789,17 @@ def read_legs(
     for backend, path in caches.items():
         files = files_under(path)
         legs.append((f"raw cat {backend} files", files, functools.partial(read_raw, files)))
+        ranges = reader_ranges(str(path), args.batch_size, args.threads)
+        legs.append(
+            (
+                f"raw preads {backend} ranges",
+                files,
+                functools.partial(raw_ranges_threads, path, ranges, args.threads),
+            )
+        )
+        notes[f"raw preads {backend} ranges"] = (
+            f"the reader's {len(ranges)} ranges in its order, {args.threads} threads"
+        )
         legs.append(
             (
                 f"TrainingReader {backend}",
@@ -844,6 +902,14 @@ def main(argv: list[str] | None = None) -> int:
         "--backends", default="webdataset,zarr", help="comma-separated cache backends to benchmark"
     )
     p.add_argument("--warm", action="store_true", help="do not drop the page cache")
+    p.add_argument(
+        "--no-prefault",
+        dest="prefault",
+        action="store_false",
+        help="do not touch free memory before each write and cold read leg (on a VM whose "
+        "host reclaims free guest memory, the legs then pay host faults by turns; see "
+        "prefault())",
+    )
     p.add_argument("--keep", action="store_true", help="keep the generated data")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument(
@@ -916,6 +982,8 @@ def main(argv: list[str] | None = None) -> int:
     def run_write(name: str, path: Path, body: Callable[[], tuple[int, int]]) -> Leg | None:
         shutil.rmtree(path, ignore_errors=True)
         os.sync()  # no leg pays for another's writeback
+        if args.prefault and not args.warm:  # the page cache it fills: see prefault()
+            prefault(2 * per_record * len(records) + (1 << 30))
         try:
             leg = measure(name, body, dev)
         except Exception as e:
@@ -929,7 +997,7 @@ def main(argv: list[str] | None = None) -> int:
         return leg
 
     def run_read(name: str, files: list[Path], body: Callable[[], tuple[int, int]]) -> None:
-        how = cold(drop, files)
+        how = cold(drop, files, args.prefault)
         r_runs.setdefault(name, []).append(measure(name, body, dev, how))
 
     try:
@@ -1063,6 +1131,12 @@ def main(argv: list[str] | None = None) -> int:
         raw = by[f"raw cat {backend} files"]
         ratios[f"{backend}.read_vs_raw"] = r = tr.mbps / raw.mbps
         line(backend, "read MB/s vs raw cat", verdict(r, 0.9))
+        same = by.get(f"raw preads {backend} ranges")
+        if same is not None:
+            ratios[f"{backend}.read_vs_own_ranges"] = r = same.seconds / tr.seconds
+            line(backend, "read time vs raw preads of its ranges", f"{r:5.2f}x (info)")
+            ratios[f"{backend}.own_ranges_vs_raw"] = r = same.mbps / raw.mbps
+            line(backend, "raw preads of its ranges vs raw cat", f"{r:5.2f}x (info: the order)")
         if tr.disk_mbps is not None and raw.disk_mbps:
             ratios[f"{backend}.read_disk_vs_raw"] = r = tr.disk_mbps / raw.disk_mbps
             line(backend, "read device MB/s vs raw cat", f"{r:5.2f}x (info)")
