@@ -338,8 +338,9 @@ def prefault(nbytes: int) -> int:
     touch of such a page costs a host fault. After `drop_caches` the page cache of a read leg
     is filled from those pages, so the same `cat` of 1.35 GB took 0.65-2.4 s (0.15-2.1 s of
     system time) depending on how long the memory had been free, whichever leg it was
-    (docs/benchmarks.md, "Batch memory"). Touching the memory first puts every leg on memory
-    the host backs, as on a machine without a balloon; the page cache stays empty."""
+    (docs/benchmarks.md, "The VM's memory taken out of the cold legs"). Touching the memory
+    first puts every leg on memory the host backs, as on a machine without a balloon; the page
+    cache stays empty."""
     with open("/proc/meminfo") as f:
         avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
     n = max(0, min(nbytes, int(avail * 0.6)))
@@ -1052,9 +1053,8 @@ def main(argv: list[str] | None = None) -> int:
                 write()
 
             print(f"round {rnd + 1}/{args.repeats}: read", flush=True)
-            # Rotated like the writes: on this VM a read leg's page-cache allocations cost 0.2
-            # to 2 CPU-s for the same bytes depending on what the guest's memory went through
-            # just before (docs/benchmarks.md, "Batch memory"), so no leg may always go first.
+            # Rotated like the writes: whatever a leg leaves behind (memory, device state)
+            # must not always fall on the same next leg.
             legs = read_legs(caches, out, keys, args, check, notes)
             k = rnd % max(1, len(legs))
             for name, files, body in legs[k:] + legs[:k]:

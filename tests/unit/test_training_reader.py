@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from wandistill.cache.batch import BufferPool
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader
 from wandistill.errors import CacheError
@@ -236,59 +235,3 @@ def test_a_sample_that_cannot_share_its_batchs_tensors_gets_a_problem_not_a_row(
     assert "6 tokens, more than max_sequence_length 5" in str(problems[3])
     assert out.tensors["prompt_embeds"].shape == (4, 5, 8) and out.lengths["prompt_embeds"][0] == 4
     assert not bool(out.tensors["prompt_embeds"][0, 4:].any())
-
-
-def _pool_view(pool: BufferPool, n: int) -> torch.Tensor:
-    return torch.from_numpy(pool.take(n)).view(torch.float32)
-
-
-def test_a_pooled_buffer_is_reused_only_once_its_last_view_is_gone() -> None:
-    pool = BufferPool()
-    n = 3 << 20
-    t = _pool_view(pool, n)
-    row = t[5:9]  # a view keeps the whole buffer in use
-    address = t.data_ptr()
-    del t
-    other = _pool_view(pool, n)
-    assert other.data_ptr() != address
-    del other, row
-    again = _pool_view(pool, n - 4096)  # the same size class
-    assert again.data_ptr() == address and again.numel() * 4 == n - 4096
-
-
-def test_the_pool_keeps_no_more_free_bytes_than_were_in_use_at_once() -> None:
-    pool = BufferPool()
-    held = [pool.take(4 << 20) for _ in range(3)]
-    peak = pool.peak
-    del held
-    assert pool.in_use == 0 and pool.free_bytes == peak
-    for mib in range(5, 40, 3):  # new sizes, one at a time: the oldest free buffers go
-        pool.take(mib << 20)
-        assert pool.free_bytes <= pool.peak
-    assert pool.take(100).nbytes == 100 and pool.in_use == 0  # small: plain malloc
-
-
-@pytest.mark.parametrize("backend", ["webdataset", "zarr"])
-def test_batches_from_recycled_memory_stay_exact_while_the_consumer_holds_them(
-    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(BufferPool, "MIN_BYTES", 0)  # tiny records: pool every buffer
-    write_cache(tmp_path, range(5), backend=backend, shard_records=2)
-    reader = TrainingReader(tmp_path, batch_size=3, pad="batch", num_threads=2)
-    it = iter(reader)
-    n = reader.batches_per_epoch()
-    held = [next(it) for _ in range(2 * n)]  # two epochs, none dropped
-    for batch in held:
-        _check_rows(batch, reader.store, "batch")
-    fields = ("xt", "teacher_out", "prompt_embeds", "timesteps")
-    assert len({b[f].data_ptr() for b in held for f in fields}) == len(fields) * 2 * n
-    fresh = TrainingReader(tmp_path, batch_size=3, pad="batch", num_threads=2)
-    it = iter(fresh)
-    seen = set()
-    for _ in range(2 * n):  # dropped as they come: their memory is reused
-        batch = next(it)
-        _check_rows(batch, fresh.store, "batch")
-        seen |= {batch[f].data_ptr() for f in fields}
-        del batch
-    in_flight = fresh.prefetch_batches + 2  # read ahead, the consumer's, one being made
-    assert len(seen) <= len(fields) * in_flight < len(fields) * 2 * n

@@ -11,8 +11,6 @@ batch's longest prompt (`pad="batch"`) or a fixed length; only the tails are zer
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
 import numpy as np
@@ -25,77 +23,17 @@ Shape = tuple[tuple[int, ...], torch.dtype]
 """A field of one sample as stored: (shape, dtype)."""
 
 
-def empty(
-    shape: tuple[int, ...], dtype: torch.dtype, pool: BufferPool | None = None
-) -> torch.Tensor:
-    """`torch.empty` in memory numpy allocates (or `pool` recycles): malloc hands a freed
-    batch's pages to the next one, where torch's allocator maps fresh pages for every large
-    tensor and each first write takes a page fault (measured: a 7 MB `preadv` into
-    `torch.empty` 1.5 ms, into `np.empty` 0.6 ms)."""
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.empty` in memory numpy allocates: malloc hands a freed batch's pages to the next
+    one, where torch's allocator maps fresh pages for every large tensor and each first write
+    takes a page fault (measured: a 7 MB `preadv` into `torch.empty` 1.5 ms, into `np.empty`
+    0.6 ms)."""
     n = dtype.itemsize
     for d in shape:
         n *= d
     if n == 0:
         return torch.empty(shape, dtype=dtype)
-    raw = pool.take(n) if pool is not None else np.empty(n, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
-
-
-class BufferPool:
-    """Recycles the memory of big batch tensors once every tensor over it is gone.
-
-    Why: malloc recycles a freed block only below glibc's mmap threshold, which adapts up to
-    32 MiB. A bigger batch tensor (8 samples of an 81-frame 480p latent are 33.5 MB) is mapped
-    fresh for every batch, and the kernel faults in and zeroes each page on its first write:
-    at 81 frames that is ~1 GB an epoch at ~4 GB/s on a 2-core VM, a third of the reader's
-    time (docs/benchmarks.md, "Batch memory"). A buffer returns to the pool when its last view
-    dies (`weakref.finalize`), so a batch the consumer still holds is never handed out again.
-    Sizes are rounded up to 1/8 of their power of two so that batches padded to different
-    prompt lengths share buffers; at most as many bytes are kept free as were ever in use at
-    once, oldest dropped first. Below `MIN_BYTES` plain `np.empty` (malloc) is already fast."""
-
-    MIN_BYTES = 1 << 20
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()  # a finalizer may run inside `take` (GC) on this thread
-        self._free: list[np.ndarray] = []
-        """Whole buffers ready for reuse, oldest first."""
-        self.free_bytes = 0
-        self.in_use = 0
-        self.peak = 0
-
-    @staticmethod
-    def size_class(n: int) -> int:
-        step = max(1 << 16, 1 << max(0, n.bit_length() - 4))
-        return -(-n // step) * step
-
-    def take(self, n: int) -> np.ndarray:
-        """A writable uint8 array of n bytes (uninitialised)."""
-        if n < self.MIN_BYTES:
-            return np.empty(n, dtype=np.uint8)
-        size = self.size_class(n)
-        base = None
-        with self._lock:
-            for i in range(len(self._free) - 1, -1, -1):
-                if self._free[i].nbytes == size:
-                    base = self._free.pop(i)
-                    self.free_bytes -= size
-                    break
-            self.in_use += size
-            self.peak = max(self.peak, self.in_use)
-        if base is None:
-            base = np.empty(size, dtype=np.uint8)
-        view = base[:n]
-        weakref.finalize(view, self._give, base).atexit = False
-        return view
-
-    def _give(self, base: np.ndarray) -> None:
-        with self._lock:
-            self.in_use -= base.nbytes
-            self._free.append(base)
-            self.free_bytes += base.nbytes
-            while self.free_bytes > self.peak:
-                self.free_bytes -= self._free.pop(0).nbytes
+    return torch.from_numpy(np.empty(n, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _differs(name: str, got: Shape | None, want: Shape) -> str | None:
@@ -114,10 +52,9 @@ def _differs(name: str, got: Shape | None, want: Shape) -> str | None:
 class BatchBuffers:
     """The batch tensors of B samples; `allocate` once the samples' shapes are known."""
 
-    def __init__(self, size: int, pad_len: int | None, pool: BufferPool | None = None) -> None:
+    def __init__(self, size: int, pad_len: int | None) -> None:
         self.size = size
         self.pad_len = pad_len
-        self.pool = pool
         """Length of ragged fields; None pads to the batch's longest."""
         self.tensors: dict[str, torch.Tensor] = {}
         self.lengths: dict[str, list[int]] = {}
@@ -143,7 +80,7 @@ class BatchBuffers:
             )
         for name, (shape, dtype) in first.items():
             if name not in RAGGED:
-                self.tensors[name] = empty((self.size, *shape), dtype, self.pool)
+                self.tensors[name] = empty((self.size, *shape), dtype)
                 continue
             lengths = [
                 s[name][0][0] if s is not None and p is None else 0
@@ -154,7 +91,7 @@ class BatchBuffers:
                 if n > length and problems[b] is None:
                     problems[b] = f"{name!r} has {n} tokens, more than max_sequence_length {length}"
                     lengths[b] = 0
-            out = empty((self.size, length, *shape[1:]), dtype, self.pool)
+            out = empty((self.size, length, *shape[1:]), dtype)
             for b, n in enumerate(lengths):
                 out[b, n:] = 0
             self.tensors[name], self.lengths[name] = out, lengths

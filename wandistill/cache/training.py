@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from wandistill.cache.batch import BatchBuffers, BufferPool
+from wandistill.cache.batch import BatchBuffers
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import is_holdout
 from wandistill.errors import CacheError, CorruptRecordError, UsageError
@@ -118,7 +118,6 @@ class TrainingReader:
         self.sync = sync or _local_sync
         self.num_threads = num_threads
         self.prefetch_batches = max(1, prefetch_batches, num_threads)
-        self._buffers = BufferPool()
         """Batches read ahead, one task each: at least one per thread."""
         self.holdout = (
             0.0
@@ -372,7 +371,7 @@ class TrainingReader:
         (fields stored in another dtype, `with_next`) each sample is read and decoded on its own
         and copied into its row."""
         pad = None if self.pad == "batch" else self.store.max_sequence_length
-        out = BatchBuffers(len(samples), pad, self._buffers)
+        out = BatchBuffers(len(samples), pad)
         errors = None if self.with_next else self.store.read_batch(samples, self.fields, out)
         if errors is None:
             errors = self._read_each(samples, out)
