@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 import os
 import stat
@@ -53,13 +54,58 @@ def drop_cached(fd: int) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+FLUSH_BEHIND_BYTES = 32 << 20
+"""A bulk file starts the writeback of what it wrote every this many bytes."""
+
+
+class FlushBehindWriter(io.BufferedWriter):
+    """A buffered file whose writeback starts every `FLUSH_BEHIND_BYTES`, not at its fsync.
+
+    Why: kept dirty until the fsync, a whole shard (hundreds of MB) is written to the device
+    only then, while the writer waits; started early, the device writes one window while the
+    next is produced (PostgreSQL's `*_flush_after` settings do the same). On Linux
+    `POSIX_FADV_DONTNEED` over dirty pages starts their writeback without waiting
+    (`WB_SYNC_NONE`) and drops the pages already clean, so each call covers the window before
+    too, which is written back by then. Durability is unchanged: `atomic_open` still fsyncs.
+    Measured: 4 x 338 MB in 8 MB writes, each then fsynced, 1.19 -> 0.91 s (median of 5,
+    2-core VM, 2026-11-24, docs/benchmarks.md "The VM's memory taken out of the cold legs")."""
+
+    def __init__(self, raw: io.FileIO) -> None:
+        super().__init__(raw, buffer_size=1 << 20)
+        self._written = 0
+        self._window = 0
+        """Start of the window whose writeback was started last."""
+        self._hinted = 0
+        """End of what has been hinted."""
+
+    def write(self, data: Any) -> int:
+        n = super().write(data)
+        self._written += n
+        if self._written - self._hinted >= FLUSH_BEHIND_BYTES and hasattr(os, "posix_fadvise"):
+            self.flush()
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(
+                    self.fileno(),
+                    self._window,
+                    self._written - self._window,
+                    os.POSIX_FADV_DONTNEED,
+                )
+            self._window, self._hinted = self._hinted, self._written
+        return n
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "wb", *, bulk: bool = False) -> Iterator[IO[Any]]:
-    """Open a temp sibling for writing; on success fsync and rename it onto `path`. `bulk`:
-    write-once data, dropped from the page cache once durable (`drop_cached`)."""
+    """Open a temp sibling for writing; on success fsync and rename it onto `path`. `bulk`
+    (mode "wb"): write-once data, written back as it goes (`FlushBehindWriter`) and dropped from
+    the page cache once durable (`drop_cached`)."""
     path = Path(path)
     tmp = temp_name(path)
-    f = open(tmp, mode)  # noqa: SIM115 - closed below in every branch
+    if bulk and mode != "wb":
+        raise ValueError(f"a bulk file is written in mode 'wb', not {mode!r}")
+    f: IO[Any] = (
+        FlushBehindWriter(io.FileIO(tmp, "w")) if bulk else open(tmp, mode)  # noqa: SIM115
+    )
     try:
         yield f
         f.flush()

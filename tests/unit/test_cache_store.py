@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from wandistill import fsutil
 from wandistill.cache import CacheWriter, open_cache
 from wandistill.cache.manifest import read_manifest
 from wandistill.cache.schema import field_specs
@@ -244,7 +245,7 @@ def test_shard_files_leave_the_page_cache_only_after_their_fsync(
 
     def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
         real_fadvise(fd, offset, length, advice)
-        if advice == os.POSIX_FADV_DONTNEED:
+        if advice == os.POSIX_FADV_DONTNEED and (offset, length) == (0, 0):  # the whole file
             events.append(("drop", os.fstat(fd).st_ino))
 
     monkeypatch.setattr(os, "fsync", fsync)
@@ -263,3 +264,39 @@ def test_shard_files_leave_the_page_cache_only_after_their_fsync(
         assert ("fsync", ino) in events[:first_drop], f"{shard_files.get(ino)} dropped unsynced"
     small = {p.stat().st_ino for p in tmp_path.rglob("*.json") if p.is_file()}
     assert not small & dropped
+
+
+def test_a_bulk_file_starts_writeback_as_it_goes_and_keeps_every_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every FLUSH_BEHIND_BYTES written, a bulk file hints DONTNEED over the window before and
+    the one just written (starting its writeback), never past what it wrote; the file is
+    still fsynced, dropped whole and published byte for byte."""
+    monkeypatch.setattr(fsutil, "FLUSH_BEHIND_BYTES", 1000)
+    hints: list[tuple[int, int, int]] = []
+    fsynced: list[int] = []
+    real_fadvise, real_fsync = os.posix_fadvise, os.fsync
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        real_fadvise(fd, offset, length, advice)
+        hints.append((offset, length, os.fstat(fd).st_size))
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        fsynced.append(len(hints))
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    monkeypatch.setattr(os, "fsync", fsync)
+    pieces = [os.urandom(n) for n in (300, 900, 50, 4000, 10, 2500)]
+    with fsutil.atomic_open(tmp_path / "shard.tar", bulk=True) as f:
+        for p in pieces:
+            f.write(memoryview(p))
+    assert (tmp_path / "shard.tar").read_bytes() == b"".join(pieces)
+    *ranges, whole = hints
+    # (start, length, file size then): each hint covers the previous window and the new one,
+    # ending at what was written; 300+900 bytes reach the 1000-byte window first.
+    assert ranges == [(0, 1200, 1200), (0, 5250, 5250), (1200, 6560, 7760)]
+    assert whole[:2] == (0, 0) and fsynced[0] == len(ranges)  # dropped whole after its fsync
+    with pytest.raises(ValueError, match="mode 'wb'"):
+        with fsutil.atomic_open(tmp_path / "x", "w", bulk=True):
+            pass
