@@ -59,8 +59,15 @@ def make_record(
     )
 
 
-def writer(path: Path, *, rank: int = 0, shard_records: int = 3, latent=torch.float32,
-           embed=torch.bfloat16, model=None):
+def writer(
+    path: Path,
+    *,
+    rank: int = 0,
+    shard_records: int = 3,
+    latent=torch.float32,
+    embed=torch.bfloat16,
+    model=None,
+):
     return open_writer(
         path,
         backend="zarr",
@@ -88,8 +95,12 @@ def assert_same(a: torch.Tensor | None, b: torch.Tensor | None, what: str = "") 
 
 
 def assert_same_record(got: Record, want: Record) -> None:
-    assert (got.key, got.prompt, got.seed, got.extra) == (want.key, want.prompt, want.seed,
-                                                          want.extra)
+    assert (got.key, got.prompt, got.seed, got.extra) == (
+        want.key,
+        want.prompt,
+        want.seed,
+        want.extra,
+    )
     assert got.features.keys() == want.features.keys()
     for name, t in want.tensors().items():
         assert_same(got.tensors().get(name), t, name)
@@ -131,8 +142,15 @@ def test_round_trip_bit_exact(
 
     with open_cache(tmp_path) as store:
         where = store.locate()
-        names = ["noise", "xt", "teacher_out", "timesteps", "final_latent", "feature.block_5",
-                 "prompt_embeds"]
+        names = [
+            "noise",
+            "xt",
+            "teacher_out",
+            "timesteps",
+            "final_latent",
+            "feature.block_5",
+            "prompt_embeds",
+        ]
         for r in records:
             entry, i = where[r.key]
             for step in (0, S - 1):
@@ -327,8 +345,7 @@ def test_stock_zarr_reads_the_cache(tmp_path: Path) -> None:
                 assert (nstart, nn) == (-1, -1)
             else:
                 nvals = g["negative_prompt_embeds/values"]
-                assert_same(as_torch(nvals, nvals[nstart : nstart + nn]),
-                            r.negative_prompt_embeds)
+                assert_same(as_torch(nvals, nvals[nstart : nstart + nn]), r.negative_prompt_embeds)
             seen += 1
     assert seen == 5
 
@@ -374,8 +391,15 @@ def test_verify_reports_flipped_byte(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- reads, every path
 
 
-ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-              torch.int32, torch.uint8]
+ALL_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+]
 
 
 def _all_dtype_record(i: int) -> Record:
@@ -383,8 +407,10 @@ def _all_dtype_record(i: int) -> Record:
     r = make_record(i, latent=torch.bfloat16)
     g = torch.Generator().manual_seed(7 + i)
     for dt in ALL_DTYPES:
-        raw = torch.randint(0, 255, (S, 2, 5), generator=g) if not dt.is_floating_point else (
-            torch.randn(S, 2, 5, generator=g) * 100
+        raw = (
+            torch.randint(0, 255, (S, 2, 5), generator=g)
+            if not dt.is_floating_point
+            else (torch.randn(S, 2, 5, generator=g) * 100)
         )
         r.features[str(dt).split(".")[1]] = raw.to(dt)
     r.features["flat"] = torch.randn(S, generator=g).to(torch.bfloat16)  # (S,): one chunk a row
@@ -401,8 +427,7 @@ def _sink_entries(path: Path, records: list[Record], per_shard: int, **kw) -> li
         for r in part:
             sink.add(r)
         entry = sink.end()
-        entry.update(name=f"r00000-{k:06d}", rank=0, records=len(part),
-                     keys=[r.key for r in part])
+        entry.update(name=f"r00000-{k:06d}", rank=0, records=len(part), keys=[r.key for r in part])
         entries.append(entry)
     return entries
 
@@ -508,15 +533,28 @@ def test_threads_read_bit_exact_with_a_tiny_index_cache(
     records = [make_record(i, latent=torch.bfloat16) for i in range(12)]
     entries = _sink_entries(tmp_path, records, 4, block_records=2, token_chunk=4, token_block=8)
     src = zb.ZarrSource(tmp_path, index_cache_bytes=400)
-    jobs = [(e, i, records[n * 4 + i], s) for n, e in enumerate(entries)
-            for i in range(e["records"]) for s in range(S)] * 4
+    jobs = [
+        (e, i, records[n * 4 + i], s)
+        for n, e in enumerate(entries)
+        for i in range(e["records"])
+        for s in range(S)
+    ] * 4
     errors: list[BaseException] = []
 
     def run(part: list) -> None:
         try:
             for e, i, r, s in part:
-                got = src.read_tensors(e, i, {"xt": s, "teacher_out": s, "prompt_embeds": None,
-                                              "noise": None, "timesteps": s})
+                got = src.read_tensors(
+                    e,
+                    i,
+                    {
+                        "xt": s,
+                        "teacher_out": s,
+                        "prompt_embeds": None,
+                        "noise": None,
+                        "timesteps": s,
+                    },
+                )
                 assert_same(got["xt"], r.xt[s].contiguous())
                 assert_same(got["teacher_out"], r.teacher_out[s].contiguous())
                 assert_same(got["prompt_embeds"], r.prompt_embeds)
@@ -731,8 +769,10 @@ def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None
     src.close()
 
 
-@pytest.mark.parametrize("array,name,step", [("prompt_embeds/values", "prompt_embeds", None),
-                                             ("timesteps", "timesteps", 2)])
+@pytest.mark.parametrize(
+    "array,name,step",
+    [("prompt_embeds/values", "prompt_embeds", None), ("timesteps", "timesteps", 2)],
+)
 def test_partly_wanted_chunks_are_checked_too(
     tmp_path: Path, array: str, name: str, step: int | None
 ) -> None:

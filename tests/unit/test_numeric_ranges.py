@@ -140,9 +140,13 @@ def test_sample_flags_get_the_same_ranges(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("argv", [["teacher", "make-tiny", "{}", "--seed", str(2**70)],
-                                  ["eval", "--cache", "{}", "--student", "{}", "--out", "{}/o",
-                                   "--steps", "5000"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["teacher", "make-tiny", "{}", "--seed", str(2**70)],
+        ["eval", "--cache", "{}", "--student", "{}", "--out", "{}/o", "--steps", "5000"],
+    ],
+)
 def test_other_numeric_flags_are_checked_before_any_work(
     argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

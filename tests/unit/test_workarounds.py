@@ -300,9 +300,7 @@ _ST_DTYPES += [torch.uint8, torch.bool, torch.float64, torch.int32, torch.int8]
 @given(
     specs=st.dictionaries(
         st.text("abAB_.-09", min_size=1, max_size=12),
-        st.tuples(
-            st.sampled_from(_ST_DTYPES), st.lists(st.integers(0, 4), min_size=0, max_size=4)
-        ),
+        st.tuples(st.sampled_from(_ST_DTYPES), st.lists(st.integers(0, 4), min_size=0, max_size=4)),
         min_size=1,
         max_size=6,
     ),

@@ -410,6 +410,7 @@ def _tensors(path: Path, name: str, state: CheckpointState) -> dict[str, torch.T
 def load_checkpoint(path: Path) -> Checkpoint:
     """Read and check every file of checkpoint folder `path` (see the module docstring)."""
     state, raw, opt_obj = check_state(path)
+
     def has(name: str) -> bool:
         return (path / name).is_file() if state.files is None else name in state.files
 
