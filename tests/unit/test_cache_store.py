@@ -11,6 +11,7 @@ import torch
 
 from wandistill import fsutil
 from wandistill.cache import CacheWriter, open_cache
+from wandistill.cache import manifest as mf
 from wandistill.cache.manifest import read_manifest
 from wandistill.cache.schema import field_specs
 from wandistill.errors import CacheMismatchError, UsageError
@@ -77,6 +78,39 @@ def test_reopening_a_cache_skips_records_it_already_holds(tmp_path: Path, backen
     assert len(keys) == len(set(keys)) == 9
     assert m.complete
     with open_cache(tmp_path) as store:
+        assert store.verify() == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_long_run_commits_into_bounded_journal_segments_and_resumes_in_the_last(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = 1200  # a few one-record entries per segment
+    monkeypatch.setattr(mf, "JOURNAL_SEGMENT_BYTES", limit)
+    write_cache(
+        tmp_path, range(9), backend=backend, shard_records=1, finalize=False, complete=False
+    )
+    segments = mf.journal_segments(tmp_path, backend)
+    assert len(segments) >= 3
+    assert [s.segment for s in segments] == list(range(len(segments)))
+    for s in segments:  # what one commit rewrites stays bounded
+        assert len(s.shards) == 1 or sum(len(mf.entry_json(e)) for e in s.shards) <= limit
+    names = [e["name"] for s in segments for e in s.shards]
+    assert names == [f"r00000-{i:06d}" for i in range(9)]
+    sealed = {p.name: p.read_bytes() for p in (tmp_path / "journal").iterdir()}
+    sealed.pop(segments[-1].name.rsplit("/", 1)[-1])
+
+    w = write_cache(
+        tmp_path, range(14), backend=backend, shard_records=1, finalize=False, complete=False
+    )
+    assert (w.records_written, w.records_skipped) == (5, 9)
+    for name, data in sealed.items():  # a resumed writer only touches its last segment
+        assert (tmp_path / "journal" / name).read_bytes() == data
+    m = mf.finalize(tmp_path, complete=True)
+    assert [e["name"] for e in m.shards] == [f"r00000-{i:06d}" for i in range(14)]
+    assert list((tmp_path / "journal").iterdir()) == []
+    with open_cache(tmp_path) as store:
+        assert sorted(r.seed for r in store.records()) == list(range(14))
         assert store.verify() == []
 
 

@@ -1,6 +1,6 @@
 """Typed schemas of every file a cache holds, declared once (pydantic, via `wandistill.validate`).
 
-`manifest.json`, `journal/rank-<r>.json`, the shard entries inside both (webdataset and zarr),
+`manifest.json`, `journal/rank-<r>[-<s>].json`, the shard entries inside both (webdataset and zarr),
 each record's `.json` member and safetensors header, and the zarr metadata (`zarr.json`) the zarr
 backend reads. Readers check the parsed JSON against these before using a value, so a bad file
 is one line naming the file, the field and the fix, never a traceback or a read elsewhere.

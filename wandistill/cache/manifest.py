@@ -3,7 +3,9 @@
 A cache directory holds `manifest.json` (header: format, teacher fingerprint, sampler settings,
 field specs; the merged shard list; the `complete` flag) and, while writers are running, one
 journal per writer rank under `journal/`. A writer publishes a shard by renaming it into place and
-then atomically rewriting its own journal, so concurrent ranks never contend for one file. The
+then atomically rewriting its own journal, so concurrent ranks never contend for one file. A
+rank's journal is a run of segments (`rank-<r>.json`, then `rank-<r>-<s>.json`): a commit
+rewrites only the last one, so what a commit writes stays bounded however long the run. The
 committed shards are the manifest's list plus every journal's; `finalize` folds the journals into
 the manifest. Nothing ever trusts a directory listing or an array shape.
 
@@ -31,7 +33,12 @@ from wandistill.storage import Storage, join, open_storage
 from wandistill.validate import GiB, check, parse_json, seal
 
 JOURNAL_DIR = "journal"
-_JOURNAL_NAME = re.compile(r"rank-(\d{5,7})\.json")
+_JOURNAL_NAME = re.compile(r"rank-(\d{5,7})(?:-(\d{6}))?\.json")
+JOURNAL_SEGMENT_BYTES = 256 << 10
+"""A commit rewrites its rank's last journal segment whole (one atomic put: object stores cannot
+append); once that segment holds this many bytes of entries, the next commit starts a new one.
+One file per rank made a run of n shards write O(n^2) journal bytes (4,000 one-record shards:
+2.75 GB, each commit slower than the last); segments keep it O(n)."""
 READABLE_VERSIONS = (1, 2, SCHEMA_VERSION)
 """Older schemas are still read; precompute refuses to add records to them."""
 HEADER_DIGEST = "header_sha256"
@@ -207,18 +214,30 @@ def create_manifest_exclusive(cache: str | Path, manifest: Manifest) -> bool:
     return open_storage(cache).create(MANIFEST_NAME, _dump(manifest.to_json()))
 
 
-def journal_path(cache: str | Path, rank: int) -> str:
-    return join(cache, JOURNAL_DIR, f"rank-{rank:05d}.json")
+def journal_path(cache: str | Path, rank: int, segment: int = 0) -> str:
+    return join(cache, _journal_rel(rank, segment))
 
 
-def _journal_rel(rank: int) -> str:
-    return f"{JOURNAL_DIR}/rank-{rank:05d}.json"
+def _journal_rel(rank: int, segment: int = 0) -> str:
+    """Segment 0 keeps the name of a one-file journal, so short runs look as they always did."""
+    tail = f"-{segment:06d}" if segment else ""
+    return f"{JOURNAL_DIR}/rank-{rank:05d}{tail}.json"
 
 
-def journal_files(cache: str | Path, backend: str) -> list[tuple[str, list[dict[str, Any]]]]:
-    """Each writer's journal (its name, shard entries), checked against the journal schema."""
+@dataclass(frozen=True, slots=True)
+class JournalSegment:
+    """One journal file: whose it is, its place in that rank's run, and its shard entries."""
+
+    rank: int
+    segment: int
+    name: str
+    shards: list[dict[str, Any]]
+
+
+def journal_segments(cache: str | Path, backend: str) -> list[JournalSegment]:
+    """Every journal segment, checked against the journal schema, by rank then segment."""
     st = open_storage(cache)
-    out: list[tuple[str, list[dict[str, Any]]]] = []
+    out: list[JournalSegment] = []
     for name in st.list(JOURNAL_DIR):
         if not (name.startswith("rank-") and name.endswith(".json")):
             continue
@@ -227,7 +246,9 @@ def journal_files(cache: str | Path, backend: str) -> list[tuple[str, list[dict[
         fix = "restore the journal, or re-run `wandistill precompute` into a fresh directory"
         m = _JOURNAL_NAME.fullmatch(name)
         if m is None:
-            raise CacheError(f"{where}: not a journal name (rank-<5 digits>.json)", fix=fix)
+            raise CacheError(
+                f"{where}: not a journal name (rank-<5 digits>[-<6 digits>].json)", fix=fix
+            )
         data = st.read(rel, max_bytes=MAX_MANIFEST_BYTES, what="journal", fix=fix, error=CacheError)
         obj = parse_json(data, f"{where} is corrupt", fix=fix, error=CacheError)
         journal = check(JOURNALS[backend], obj, f"{where} is corrupt", fix=fix, error=CacheError)
@@ -238,8 +259,13 @@ def journal_files(cache: str | Path, backend: str) -> list[tuple[str, list[dict[
                 f"({sorted(ranks)})",
                 fix=fix,
             )
-        out.append((st.name(rel), obj["shards"]))
-    return out
+        out.append(JournalSegment(journal.rank, int(m.group(2) or 0), st.name(rel), obj["shards"]))
+    return sorted(out, key=lambda j: (j.rank, j.segment))
+
+
+def journal_files(cache: str | Path, backend: str) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each journal file (its name, shard entries), in commit order within each rank."""
+    return [(j.name, j.shards) for j in journal_segments(cache, backend)]
 
 
 def read_journals(cache: str | Path, backend: str) -> list[dict[str, Any]]:
@@ -252,13 +278,15 @@ def entry_json(entry: dict[str, Any]) -> bytes:
     return json.dumps(entry, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def write_journal_chunks(cache: str | Path, rank: int, entries: list[bytes]) -> None:
+def write_journal_chunks(
+    cache: str | Path, rank: int, entries: list[bytes], *, segment: int = 0
+) -> None:
     """`write_journal` for entries already serialized by `entry_json`: the same JSON document,
     streamed, so a writer never re-serializes (or holds as objects) every entry it committed.
-    The journal is the commit: it appears whole (rename, or one completed object upload)."""
+    The journal segment is the commit: it appears whole (rename, or one completed upload)."""
     st = open_storage(cache)
     st.makedirs(JOURNAL_DIR)
-    with st.upload(_journal_rel(rank)) as f:
+    with st.upload(_journal_rel(rank, segment)) as f:
         f.write(b'{"rank": %d, "shards": [\n' % rank)
         for i, chunk in enumerate(entries):
             if i:

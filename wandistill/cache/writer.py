@@ -135,9 +135,12 @@ class CacheWriter:
         for s in committed:
             for k in s["keys"]:
                 self._keys.add(k, 0)
-        self._mine = [  # this rank's journal entries, serialized once (not as Python objects)
-            mf.entry_json(s) for s in mf.read_journals(self.path, backend) if s["rank"] == rank
-        ]
+        mine = [j for j in mf.journal_segments(self.path, backend) if j.rank == rank]
+        self._segment = mine[-1].segment if mine else 0
+        """This rank's last journal segment: each commit rewrites it (manifest.py)."""
+        self._mine = [mf.entry_json(s) for s in mine[-1].shards] if mine else []
+        """Its entries, serialized once (not held as Python objects)."""
+        self._mine_bytes = sum(map(len, self._mine))
         seqs = [
             int(m.group(2))
             for s in committed
@@ -221,12 +224,17 @@ class CacheWriter:
             keys=list(self._open),
         )
         mf.seal_entry(entry)  # lets `cache verify` spot a hand-edited entry
+        chunk = mf.entry_json(entry)
+        if self._mine and self._mine_bytes + len(chunk) > mf.JOURNAL_SEGMENT_BYTES:
+            self._segment, self._mine, self._mine_bytes = self._segment + 1, [], 0
         try:
-            chunk = mf.entry_json(entry)
-            mf.write_journal_chunks(self.path, self.rank, [*self._mine, chunk])
+            mf.write_journal_chunks(
+                self.path, self.rank, [*self._mine, chunk], segment=self._segment
+            )
         except OSError as e:  # the shard file is published but not committed: redone on resume
             raise _naming(e, self.path) from e
         self._mine.append(chunk)
+        self._mine_bytes += len(chunk)
         for k in self._open:
             self._keys.add(k, 0)
         self.records_written += len(self._open)
