@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -329,10 +330,10 @@ def load_committed(cache: str | Path, *, check_entries: bool = True) -> Manifest
     manifest = read_manifest(cache)
     manifest.shards, sources = _committed(cache, manifest)
     problems: list[tuple[str, str]] = []
-    names = [e["name"] for e in manifest.shards]
+    listed = Counter(e["name"] for e in manifest.shards)  # not list.count: O(n^2) in shards
     problems += [
         (manifest_name(cache), f"shard {n} is listed twice")
-        for n in sorted({n for n in names if names.count(n) > 1})
+        for n in sorted(n for n, times in listed.items() if times > 1)
     ]
     for where, entry in sources:
         if manifest.schema_version >= 2 and ENTRY_DIGEST not in entry:
