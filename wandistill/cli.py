@@ -1295,6 +1295,12 @@ def main(argv: list[str] | None = None) -> None:
                 1,
                 "free space or choose another output directory; re-run to resume",
             )
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            _fail(
+                f"{e.strerror or e}: {e.filename}" if e.filename else str(e),
+                1,
+                "raise the open-file limit (`ulimit -n 65536`) or lower data_threads",
+            )
         if e.errno in _PATH_ERRNOS:  # a path the user gave: unreadable, read-only, not a dir
             _fail(
                 f"{e.strerror or e}: {e.filename}" if e.filename else str(e),

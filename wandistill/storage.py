@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -55,6 +56,66 @@ so an unreachable endpoint would take a minute to report)."""
 
 class StorageError(UsageError):
     """An object store refused or could not be reached: names the URL and the fix."""
+
+
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
+"""OSErrors about the process or the machine, not the file being read: a reader re-raises them
+as they are, never as a corrupt record (which `--skip-corrupt` would drop)."""
+
+
+def is_transient(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS
+
+
+MAX_OPEN_FILES = 128
+"""Read descriptors a `LocalStorage` keeps open (least recently used closed first): a cache of
+100k shards must not need 100k descriptors (the usual limit is 1,024)."""
+
+
+class _Descriptors:
+    """Read-only descriptors by path, at most `limit` kept open, least recently used closed
+    first. A descriptor is leased for each read: one evicted while a thread still reads through
+    it is closed when that read ends, never under it (a reused descriptor number would read
+    another file)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: OrderedDict[Path, list[int]] = OrderedDict()
+        """path -> [fd, leases]."""
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def lease(self, path: Path) -> Iterator[int]:
+        with self._lock:
+            slot = self._open.get(path)
+            if slot is None:
+                slot = self._open[path] = [os.open(path, os.O_RDONLY), 0]
+            self._open.move_to_end(path)
+            slot[1] += 1
+            self._evict()
+        try:
+            yield slot[0]
+        finally:
+            with self._lock:
+                slot[1] -= 1
+                if slot[1] == 0 and self._open.get(path) is not slot:
+                    os.close(slot[0])  # evicted (or closed) while this read ran
+
+    def _evict(self) -> None:
+        while len(self._open) > self.limit:
+            _, slot = self._open.popitem(last=False)
+            if slot[1] == 0:
+                os.close(slot[0])  # else its last lease closes it
+
+    def close(self) -> None:
+        with self._lock:
+            slots, self._open = list(self._open.values()), OrderedDict()
+            for fd, leases in slots:
+                if leases == 0:
+                    os.close(fd)
+
+    def __len__(self) -> int:
+        return len(self._open)
 
 
 def is_url(location: str | Path) -> bool:
@@ -168,8 +229,7 @@ class LocalStorage(Storage):
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = str(root)
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._fds = _Descriptors(MAX_OPEN_FILES)
 
     def path(self, rel: str) -> Path:
         return self.root / rel if rel else self.root
@@ -230,38 +290,26 @@ class LocalStorage(Storage):
     def open_read(self, rel: str) -> IO[bytes]:
         return open(self.path(rel), "rb")  # noqa: SIM115 - the caller closes it
 
-    def fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(rel)
-                if fd is None:
-                    fd = os.open(self.path(rel), os.O_RDONLY)
-                    self._fds[rel] = fd
-        return fd
-
     def read_range(self, rel: str, offset: int, size: int) -> bytes:
-        return os.pread(self.fd(rel), size, offset)
+        with self._fds.lease(self.path(rel)) as fd:
+            return os.pread(fd, size, offset)
 
     def read_into(self, rel: str, requests: list[tuple[int, Any]]) -> list[int]:
         """`preadv` straight into each buffer: no intermediate bytes object, no copy."""
-        fd = self.fd(rel)
-        return [os.preadv(fd, [buf], off) for off, buf in requests]
+        with self._fds.lease(self.path(rel)) as fd:
+            return [os.preadv(fd, [buf], off) for off, buf in requests]
 
     def will_need(self, rel: str, spans: list[tuple[int, int]]) -> None:
         """`posix_fadvise(WILLNEED)` per range: the kernel starts reading them all at once, so
         a batch's reads from a cold disk overlap instead of waiting one after another."""
         if not hasattr(os, "posix_fadvise"):
             return
-        fd = self.fd(rel)
-        for off, size in spans:
-            os.posix_fadvise(fd, off, size, os.POSIX_FADV_WILLNEED)
+        with self._fds.lease(self.path(rel)) as fd:
+            for off, size in spans:
+                os.posix_fadvise(fd, off, size, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self._fds.close()
 
 
 class FsspecStorage(Storage):

@@ -334,3 +334,54 @@ def test_a_bulk_file_starts_writeback_as_it_goes_and_keeps_every_byte(
     with pytest.raises(ValueError, match="mode 'wb'"):
         with fsutil.atomic_open(tmp_path / "x", "w", bulk=True):
             pass
+
+
+def test_a_descriptor_evicted_while_a_read_holds_it_closes_when_that_read_ends(
+    tmp_path: Path,
+) -> None:
+    from wandistill.storage import _Descriptors
+
+    files = []
+    for i in range(3):
+        files.append(tmp_path / f"f{i}")
+        files[-1].write_bytes(str(i).encode())
+    fds = _Descriptors(limit=1)
+    with fds.lease(files[0]) as fd0:
+        with fds.lease(files[1]) as fd1:  # evicts f0, which this thread is reading
+            assert os.pread(fd0, 1, 0) == b"0" and os.pread(fd1, 1, 0) == b"1"
+        assert os.pread(fd0, 1, 0) == b"0"  # still open, still f0
+    with pytest.raises(OSError):
+        os.fstat(fd0)  # closed by its last lease
+    with fds.lease(files[2]) as fd2:  # evicts the idle f1 at once
+        assert os.pread(fd2, 1, 0) == b"2"
+        with pytest.raises(OSError):
+            os.fstat(fd1)
+    assert len(fds) == 1
+    fds.close()
+    with pytest.raises(OSError):
+        os.fstat(fd2)
+
+
+def test_verify_out_of_file_descriptors_is_one_line_with_the_fix_not_a_damaged_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import contextlib
+    import errno
+
+    from wandistill import storage
+    from wandistill.cli import main
+
+    write_cache(tmp_path, range(4), shard_records=2)
+
+    @contextlib.contextmanager
+    def emfile(self, path):  # noqa: ANN001, ANN202
+        raise OSError(errno.EMFILE, "Too many open files", str(path))
+        yield
+
+    monkeypatch.setattr(storage._Descriptors, "lease", emfile)
+    with pytest.raises(SystemExit) as info:
+        main(["cache", "verify", str(tmp_path)])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Too many open files" in err and "ulimit -n" in err and "Traceback" not in err
+    assert "corrupt" not in err

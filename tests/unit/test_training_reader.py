@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 import time
 from pathlib import Path
@@ -235,3 +237,35 @@ def test_a_sample_that_cannot_share_its_batchs_tensors_gets_a_problem_not_a_row(
     assert "6 tokens, more than max_sequence_length 5" in str(problems[3])
     assert out.tensors["prompt_embeds"].shape == (4, 5, 8) and out.lengths["prompt_embeds"][0] == 4
     assert not bool(out.tensors["prompt_embeds"][0, 4:].any())
+
+
+def test_an_epoch_over_more_shards_than_open_files_keeps_only_that_many_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import wandistill.storage as storage
+
+    monkeypatch.setattr(storage, "MAX_OPEN_FILES", 3)
+    write_cache(tmp_path, range(12), shard_records=1)  # 12 shard files
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    reader = TrainingReader(tmp_path, batch_size=4, num_threads=2, prefetch_batches=1)
+    seen = [s for b in _take(reader, 2 * reader.batches_per_epoch()) for s in b]
+    assert len(set(seen)) == len(seen) // 2 == 12 * 3  # every (record, step) once per epoch
+    assert fds() - before <= 3 + 2  # the cap, plus one per reader thread mid-read
+
+
+def test_running_out_of_file_descriptors_is_an_error_not_a_corrupt_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wandistill.storage import LocalStorage
+
+    write_cache(tmp_path, range(4), shard_records=2)
+
+    def emfile(self, rel, requests):  # noqa: ANN001, ANN202
+        raise OSError(errno.EMFILE, "Too many open files", str(tmp_path / rel))
+
+    monkeypatch.setattr(LocalStorage, "read_into", emfile)
+    reader = TrainingReader(tmp_path, batch_size=2, skip_corrupt=True)
+    with pytest.raises(OSError, match="Too many open files"):
+        _take(reader, 1)
+    assert reader.corrupt == []  # nothing was dropped as if it were damaged

@@ -44,6 +44,7 @@ from wandistill.cache.batch import BatchBuffers
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import is_holdout
 from wandistill.errors import CacheError, CorruptRecordError, UsageError
+from wandistill.storage import is_transient
 
 DEFAULT_FIELDS = ("prompt_embeds", "xt", "timesteps", "teacher_out")
 SyncFn = Callable[[list[str], bool], tuple[list[str], bool]]
@@ -427,7 +428,11 @@ class TrainingReader:
             return e
 
     def _failed(self, entry: dict[str, Any], row: int, e: BaseException) -> None:
-        """A sample that could not be read: refuse it, or with skip_corrupt record it."""
+        """A sample that could not be read: refuse it, or with skip_corrupt record it. An error
+        about the process, not the record (out of file descriptors or memory), is raised as it
+        is: skipping would drop good records."""
+        if is_transient(e):
+            raise e
         detail = e.detail if isinstance(e, CorruptRecordError) else str(e)
         detail = detail.removeprefix(f"shard {entry['name']} record {entry['keys'][row]}: ")
         msg = f"corrupt record {entry['keys'][row]} in shard {entry['name']}: {detail}"

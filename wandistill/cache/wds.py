@@ -54,7 +54,7 @@ from wandistill.cache.schema import (
     is_step_field,
 )
 from wandistill.errors import CacheError, CorruptRecordError
-from wandistill.storage import LocalStorage, Storage, open_storage
+from wandistill.storage import LocalStorage, Storage, is_transient, open_storage
 from wandistill.validate import MiB, check, inside, parse_json, rel_path_problem
 from wandistill.workarounds import safetensors_header
 
@@ -532,6 +532,8 @@ class WebDatasetSource:
         except CorruptRecordError:
             raise
         except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError) as e:
+            if is_transient(e):  # EMFILE and the like: about the process, not the record
+                raise
             raise CorruptRecordError(entry["name"], entry["keys"][i], _describe(e)) from None
 
     def read_tensors(
@@ -656,6 +658,8 @@ class WebDatasetSource:
         not about the data, e.g. a bug, as it is)."""
         if isinstance(e, CorruptRecordError) or not isinstance(e, _RECORD_ERRORS):
             return e
+        if is_transient(e):
+            return e
         return CorruptRecordError(entry["name"], entry["keys"][i], _describe(e))
 
     def _checked_record(self, entry: dict[str, Any], i: int) -> Record:
@@ -686,6 +690,8 @@ class WebDatasetSource:
         except CorruptRecordError:
             raise
         except Exception as e:  # safetensors raises its own error types on a bad blob
+            if is_transient(e):
+                raise
             raise CorruptRecordError(entry["name"], entry["keys"][i], _describe(e)) from None
 
     # ------------------------------------------------------------------ verify

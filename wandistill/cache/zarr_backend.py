@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import hashlib
 import os
@@ -122,6 +121,7 @@ from wandistill.storage import (
     LocalStorage,
     Storage,
     holder_identity,
+    is_transient,
     open_storage,
     storage_error,
 )
@@ -166,8 +166,6 @@ write time."""
 _WRITE_CONFIG_LOCK = threading.Lock()
 """zarr's config is process-global and `config.set` restores what it saw on entry, so two
 threads overlapping their `set` blocks would leave the write setting behind: one at a time."""
-_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN}
-"""OSErrors that say nothing about the record being read (re-raised as they are)."""
 
 
 class ZarrChunkError(CacheError, ValueError):
@@ -328,7 +326,7 @@ def _as_chunk_error(err: BaseException, files: list[str]) -> BaseException:
     says nothing about the data (bad index, EMFILE, a bug) as it is."""
     if isinstance(err, ZarrChunkError | IndexError | KeyError):
         return err
-    if isinstance(err, OSError) and err.errno in _TRANSIENT:
+    if is_transient(err):
         return err
     if not isinstance(err, OSError | ValueError):
         return err
