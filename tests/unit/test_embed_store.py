@@ -104,3 +104,22 @@ def test_the_name_index_holds_record_keys_compactly_and_finds_every_name() -> No
     assert f"{1:032x}" not in index and "not-a-key" not in index
     assert f"{0x100:032x}" not in index  # ends in a zero byte: no padding confusion
     assert len(index.names()) == 2 * len(keys) + 1
+
+
+def test_the_name_index_agrees_with_a_dict_over_many_merges_in_random_order() -> None:
+    import random
+
+    from wandistill.cache.keyindex import NameIndex
+
+    rng = random.Random(7)
+    index, model = NameIndex(), {}
+    names = [f"{rng.getrandbits(128):032x}" for _ in range(60_000)]
+    names += [f"{n}.negative" for n in names[:5_000]]
+    for pos in range(90_000):  # repeats too: the first position added wins
+        name = rng.choice(names)
+        index.add(name, pos)
+        model.setdefault(name, pos)
+        if pos % 20_000 == 0:  # lookups between merges see merged and pending names alike
+            assert all(index.get(n) == model.get(n) for n in rng.sample(names, 500))
+    assert all(index.get(n) == model.get(n) for n in names)
+    assert sorted(index.names()) == sorted(model) and len(index) == len(model)

@@ -147,7 +147,8 @@ class CacheWriter:
             if (m := _SHARD_RE.fullmatch(s["name"])) and int(m.group(1)) == rank
         ]
         self._seq = max(seqs, default=-1) + 1
-        self._open: list[str] = []
+        self._open: dict[str, None] = {}
+        """Keys of the open shard, in order (a dict: membership is checked for every record)."""
         self._begun = False
         """A shard is begun in the sink (its temp file exists), even if no record made it in."""
         self.records_written = 0
@@ -203,7 +204,7 @@ class CacheWriter:
             self.sink.add(record)
         except OSError as e:
             raise _naming(e, self.path) from e
-        self._open.append(record.key)
+        self._open[record.key] = None
         if len(self._open) >= self.shard_records:
             self.flush()
         return True
@@ -239,7 +240,7 @@ class CacheWriter:
             self._keys.add(k, 0)
         self.records_written += len(self._open)
         self.bytes_written += int(entry["bytes"])
-        self._open = []
+        self._open = {}
         self._begun = False
         self._seq += 1
 
@@ -247,7 +248,7 @@ class CacheWriter:
         """Drop the open shard: its records were never committed and will be redone on resume."""
         if self._begun:  # also a shard whose first record failed to go in (disk full)
             self.sink.abort()
-        self._open = []
+        self._open = {}
         self._begun = False
 
     def close(self, *, finalize: bool = False, complete: bool = False) -> None:
