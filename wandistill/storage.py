@@ -165,6 +165,11 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def size(self, rel: str) -> int | None: ...
 
+    def stamp(self, rel: str) -> Any:
+        """A value that changes whenever the file at `rel` is replaced, or None where the
+        store cannot say cheaply (then callers re-read it: always correct, never stale)."""
+        return None
+
     @abc.abstractmethod
     def list(self, rel: str) -> list[str]: ...
 
@@ -245,6 +250,14 @@ class LocalStorage(Storage):
             return self.path(rel).stat().st_size
         except FileNotFoundError:
             return None
+
+    def stamp(self, rel: str) -> Any:
+        """(inode, size, mtime): every `put` renames a new inode into place."""
+        try:
+            st = self.path(rel).stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def list(self, rel: str) -> list[str]:
         folder = self.path(rel)

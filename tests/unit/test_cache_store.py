@@ -14,7 +14,7 @@ from wandistill.cache import CacheWriter, open_cache
 from wandistill.cache import manifest as mf
 from wandistill.cache.manifest import read_manifest
 from wandistill.cache.schema import field_specs
-from wandistill.errors import CacheMismatchError, UsageError
+from wandistill.errors import CacheError, CacheMismatchError, UsageError
 
 from cachefixtures import SETTINGS, make_record, write_cache
 
@@ -385,3 +385,49 @@ def test_verify_out_of_file_descriptors_is_one_line_with_the_fix_not_a_damaged_r
     err = capsys.readouterr().err
     assert "Too many open files" in err and "ulimit -n" in err and "Traceback" not in err
     assert "corrupt" not in err
+
+
+def _segment_of(rel: str) -> int:
+    """journal/rank-00000.json -> 0, journal/rank-00000-000003.json -> 3."""
+    stem = rel.rsplit("/", 1)[-1].removesuffix(".json")
+    return int(stem.split("-")[2]) if stem.count("-") == 2 else 0
+
+
+def test_a_polling_reader_rereads_only_the_journal_files_that_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wandistill.cache.reader import CacheStore
+    from wandistill.storage import LocalStorage
+
+    monkeypatch.setattr(mf, "JOURNAL_SEGMENT_BYTES", 1200)  # a few shards per segment
+    write_cache(tmp_path, range(6), shard_records=1, finalize=False, complete=False)
+    store = CacheStore(tmp_path)
+    reads: list[str] = []
+    real = LocalStorage.read
+
+    def counting(self, rel, **kw):  # noqa: ANN001, ANN202
+        reads.append(rel)
+        return real(self, rel, **kw)
+
+    monkeypatch.setattr(LocalStorage, "read", counting)
+    assert store.refresh() == [] and reads == []  # nothing changed: nothing read
+    last = mf.journal_segments(tmp_path, "webdataset")[-1].segment
+    write_cache(tmp_path, range(9), shard_records=1, finalize=False, complete=False)
+    reads.clear()
+    new = store.refresh()
+    assert [e["name"] for e in new] == [f"r00000-{i:06d}" for i in (6, 7, 8)]
+    assert reads and all(_segment_of(r) >= last for r in reads)  # the changed ones only
+    assert last >= 1  # so a sealed segment (0) was skipped
+
+    journal = tmp_path / "journal" / "rank-00000.json"  # sealed: an edit is a new version
+    kept = journal.read_bytes()
+    data = json.loads(kept)
+    data["shards"][0]["records"] = 1  # the same value...
+    data["shards"][0]["bytes"] += 1  # ...and one that changes the entry
+    fsutil.atomic_write_json(journal, data)
+    with pytest.raises(CacheError, match="edited after the shard was committed"):
+        store.refresh()
+    fsutil.atomic_write_bytes(journal, kept)
+    mf.finalize(tmp_path, complete=True)  # journals folded into the manifest
+    assert store.refresh() == [] and store.complete
+    assert [e["name"] for e in store.entries] == [f"r00000-{i:06d}" for i in range(9)]

@@ -71,7 +71,9 @@ class CacheStore:
         self.storage = open_storage(path)
         self.check_entries = check_entries
         """False for `verify`: report edited shard entries (and what they break) as problems."""
-        self.manifest = mf.load_committed(self.path, check_entries=check_entries)
+        self._memo = mf.CommitMemo()
+        """Files already read: `refresh()` re-reads only what changed (manifest.py)."""
+        self.manifest = mf.load_committed(self.path, check_entries=check_entries, memo=self._memo)
         self.source = _make_source(self.manifest.backend, self.storage)
         self.codec = RecordCodec(self.manifest.fields)
         """Decodes stored dtypes (fp8 + scale, bf16, ...) back to the record's (encoding.py)."""
@@ -93,7 +95,9 @@ class CacheStore:
     def refresh(self) -> list[dict[str, Any]]:
         """Re-read the commit record; return the shard entries that are new since last time."""
         known = {e["name"] for e in self.manifest.shards}
-        self.manifest = mf.load_committed(self.path, check_entries=self.check_entries)
+        self.manifest = mf.load_committed(
+            self.path, check_entries=self.check_entries, memo=self._memo
+        )
         return [e for e in self.manifest.shards if e["name"] not in known]
 
     def locate(self) -> dict[str, tuple[dict[str, Any], int]]:
