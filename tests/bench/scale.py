@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Costs that must grow linearly (or not at all) with the size of a cache: n against 4n.
+
+    python tests/bench/scale.py --shards 1000 --work /tmp/scale
+
+Each leg runs at n and at 4n in the same run and prints the ratio: ~4 is linear, ~16 quadratic,
+~1 bounded. Synthetic caches: the entries of a real 8-record cache copied under new names and
+keys, so no records are written for the manifest legs.
+
+manifest     `load_committed` of a finalized cache of n four-record shards
+follow       a `CacheStore` polling a running cache whose journal gains 50 shards per poll:
+             total refresh time (n/50 polls: ~16 is linear per poll), and the last poll's
+keyindex     `NameIndex.add` of 100n record keys (the writer's and the embedding store's index)
+open files   file descriptors left open after reading one sample from each of n/4 shards
+
+Timed legs: best of --repeats (the heap's garbage collections make single runs noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for cachefixtures
+
+from wandistill.cache import manifest as mf  # noqa: E402
+from wandistill.cache.keyindex import NameIndex  # noqa: E402
+from wandistill.cache.reader import CacheStore  # noqa: E402
+
+from cachefixtures import write_cache  # noqa: E402
+
+
+def entries(base: Path, n: int) -> list[dict]:
+    """n sealed shard entries: copies of `base`'s, each with its own name and keys."""
+    real = mf.read_manifest(base).shards
+    out = []
+    for j in range(n):
+        e = copy.deepcopy(real[j % len(real)])
+        e.pop(mf.ENTRY_DIGEST, None)
+        e["name"] = f"r00000-{j:06d}"
+        e["keys"] = [f"{j:024x}{i:08x}" for i in range(len(e["keys"]))]
+        out.append(mf.seal_entry(e))
+    return out
+
+
+def cache_of(base: Path, path: Path, shards: list[dict]) -> Path:
+    shutil.copytree(base, path)
+    m = mf.read_manifest(path)
+    m.shards = shards
+    mf.write_manifest(path, m)
+    return path
+
+
+def manifest_leg(base: Path, work: Path, n: int) -> float:
+    path = cache_of(base, work / f"m{n}", entries(base, n))
+    t = time.perf_counter()
+    mf.load_committed(path)
+    t = time.perf_counter() - t
+    shutil.rmtree(path)
+    return t
+
+
+def follow_leg(base: Path, work: Path, n: int, per_poll: int = 50) -> tuple[float, float]:
+    path = cache_of(base, work / f"f{n}", [])
+    m = mf.read_manifest(path)
+    m.complete = False
+    mf.write_manifest(path, m)
+    chunks = [mf.entry_json(e) for e in entries(base, n)]
+    store, total, last, seg, start, size = None, 0.0, 0.0, 0, 0, 0
+    for upto in range(per_poll, n + 1, per_poll):
+        for k in range(upto - per_poll, upto):  # the writer's segments
+            if k > start and size + len(chunks[k]) > mf.JOURNAL_SEGMENT_BYTES:
+                seg, start, size = seg + 1, k, 0
+            size += len(chunks[k])
+        mf.write_journal_chunks(path, 0, chunks[start:upto], segment=seg)
+        t = time.perf_counter()
+        if store is None:
+            store = CacheStore(path)
+        else:
+            store.refresh()
+        last = time.perf_counter() - t
+        total += last
+    shutil.rmtree(path)
+    return total, last
+
+
+def keyindex_leg(n: int) -> float:
+    keys = [os.urandom(16).hex() for _ in range(n)]
+    index = NameIndex()
+    t = time.perf_counter()
+    for k in keys:
+        index.add(k, 0)
+    return time.perf_counter() - t
+
+
+def open_files_leg(work: Path, n: int) -> int:
+    path = work / f"o{n}"
+    write_cache(path, range(n), shard_records=1)
+    with CacheStore(path) as store:
+        before = len(os.listdir("/proc/self/fd"))
+        for e in store.entries:
+            store.read_sample(e, 0, 0, ["xt", "prompt_embeds"])
+        opened = len(os.listdir("/proc/self/fd")) - before
+    shutil.rmtree(path)
+    return opened
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shards", type=int, default=1000, help="n (the legs also run at 4n)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/wandistill-scale"))
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    shutil.rmtree(args.work, ignore_errors=True)
+    base = write_cache(args.work / "base", range(8), shard_records=4).path
+    n = args.shards
+    rows = []
+    for name, leg in (
+        ("manifest load s", lambda k: manifest_leg(Path(base), args.work, k)),
+        ("follow: all polls s", lambda k: follow_leg(Path(base), args.work, k)[0]),
+        ("follow: last poll s", lambda k: follow_leg(Path(base), args.work, k)[1]),
+        ("keyindex: 100n adds s", lambda k: keyindex_leg(100 * k)),
+        ("open files after n/4 shards", lambda k: open_files_leg(args.work, k // 4)),
+    ):
+        runs = 1 if name.startswith("open") else args.repeats
+        a, b = (min(leg(k) for _ in range(runs)) for k in (n, 4 * n))
+        rows.append((name, a, b))
+    shutil.rmtree(args.work, ignore_errors=True)
+    print(f"n = {n} shards; 4n = {4 * n}")
+    print(f"{'leg':30} {'n':>10} {'4n':>10} {'4n / n':>8}")
+    for name, a, b in rows:
+        ratio = f"{b / a:8.1f}" if a else "       -"
+        print(f"{name:30} {a:10.3f} {b:10.3f} {ratio}")
+    print("(~4: linear, ~16: quadratic, ~1: bounded)")
+
+
+if __name__ == "__main__":
+    main()
