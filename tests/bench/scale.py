@@ -13,7 +13,9 @@ follow       a `CacheStore` polling a running cache whose journal gains 50 shard
 keyindex     `NameIndex.add` of 100n record keys (the writer's and the embedding store's index)
 open files   file descriptors left open after reading one sample from each of n/4 shards
 
-Timed legs: best of --repeats (the heap's garbage collections make single runs noisy).
+Timed legs: best of --repeats (the heap's garbage collections make single runs noisy). The
+script also runs on a checkout from before the 2026-11-27 fixes (`git worktree add`), for the
+before/after table in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -72,12 +74,14 @@ def follow_leg(base: Path, work: Path, n: int, per_poll: int = 50) -> tuple[floa
     mf.write_manifest(path, m)
     chunks = [mf.entry_json(e) for e in entries(base, n)]
     store, total, last, seg, start, size = None, 0.0, 0.0, 0, 0, 0
+    limit = getattr(mf, "JOURNAL_SEGMENT_BYTES", None)  # None: before segments (2026-11-27)
     for upto in range(per_poll, n + 1, per_poll):
         for k in range(upto - per_poll, upto):  # the writer's segments
-            if k > start and size + len(chunks[k]) > mf.JOURNAL_SEGMENT_BYTES:
+            if limit and k > start and size + len(chunks[k]) > limit:
                 seg, start, size = seg + 1, k, 0
             size += len(chunks[k])
-        mf.write_journal_chunks(path, 0, chunks[start:upto], segment=seg)
+        kw = {"segment": seg} if limit else {}
+        mf.write_journal_chunks(path, 0, chunks[start:upto], **kw)
         t = time.perf_counter()
         if store is None:
             store = CacheStore(path)
