@@ -275,6 +275,16 @@ def main() -> None:
             for n in ("background", "synchronous", "cache_only")
         )
         print(f"  (medians vs null sink: {rel})")
+
+        def paired_median(name: str) -> float:
+            """Median over rounds of the leg / null sink of the same round: each round's legs
+            ran back to back, so the machine's drift between rounds cancels."""
+            pairs = zip(runs[name], runs["null_sink"], strict=True)
+            return statistics.median(a / b for a, b in pairs) - 1
+
+        legs3 = ("background", "synchronous", "cache_only")
+        paired = ", ".join(f"{n} {100 * paired_median(n):+.1f}%" for n in legs3)
+        print(f"  (paired: median over rounds of leg / null sink of the same round: {paired})")
         print(
             f"writer throughput vs per-record safetensors + fsync: {ratio:.2f}x "
             f"({nbytes / legs['cache_writer'] / 2**20:.0f} vs "
