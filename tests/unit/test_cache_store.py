@@ -98,7 +98,7 @@ def test_a_long_run_commits_into_bounded_journal_segments_and_resumes_in_the_las
     names = [e["name"] for s in segments for e in s.shards]
     assert names == [f"r00000-{i:06d}" for i in range(9)]
     sealed = {p.name: p.read_bytes() for p in (tmp_path / "journal").iterdir()}
-    sealed.pop(segments[-1].name.rsplit("/", 1)[-1])
+    sealed.pop(segments[-1].rel.removeprefix("journal/"))
 
     w = write_cache(
         tmp_path, range(14), backend=backend, shard_records=1, finalize=False, complete=False

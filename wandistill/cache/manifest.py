@@ -231,7 +231,10 @@ class JournalSegment:
 
     rank: int
     segment: int
+    rel: str
+    """Its path in the cache (`journal/rank-...json`)."""
     name: str
+    """Its path or URL, for messages."""
     shards: list[dict[str, Any]]
 
 
@@ -274,7 +277,8 @@ def _read_segment(st: Storage, name: str, backend: str) -> JournalSegment:
             f"({sorted(ranks)})",
             fix=fix,
         )
-    return JournalSegment(journal.rank, int(m.group(2) or 0), st.name(rel), obj["shards"])
+    segment = int(m.group(2) or 0)
+    return JournalSegment(journal.rank, segment, rel, st.name(rel), obj["shards"])
 
 
 def journal_files(cache: str | Path, backend: str) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -329,8 +333,7 @@ def _committed(
     mpath = manifest_name(cache)
     sources = [(mpath, MANIFEST_NAME, i, s) for i, s in enumerate(manifest.shards)]
     for j in journal_segments(cache, manifest.backend, memo):
-        rel = f"{JOURNAL_DIR}/{j.name.rsplit('/', 1)[-1]}"
-        sources += [(j.name, rel, i, s) for i, s in enumerate(j.shards) if s["name"] not in seen]
+        sources += [(j.name, j.rel, i, s) for i, s in enumerate(j.shards) if s["name"] not in seen]
     return [s[3] for s in sources], sources
 
 
