@@ -170,6 +170,10 @@ class Storage(abc.ABC):
         store cannot say cheaply (then callers re-read it: always correct, never stale)."""
         return None
 
+    def list_stamped(self, rel: str) -> list[tuple[str, Any]]:
+        """`list(rel)` with each file's `stamp` (one listing request on an object store)."""
+        return [(name, self.stamp(f"{rel}/{name}")) for name in self.list(rel)]
+
     @abc.abstractmethod
     def list(self, rel: str) -> list[str]: ...
 
@@ -325,6 +329,15 @@ class LocalStorage(Storage):
         self._fds.close()
 
 
+def _object_stamp(info: dict[str, Any]) -> Any:
+    """An object's version from its listing or HEAD entry (ETag on S3, md5Hash or generation on
+    GCS), or None where the backend gives none (then it is read every time)."""
+    for name in ("ETag", "etag", "md5Hash", "generation"):
+        if info.get(name):
+            return (info[name], info.get("size"))
+    return None
+
+
 class FsspecStorage(Storage):
     """An fsspec filesystem (S3, GCS, ...): whole-object PUTs, conditional create, ranged GETs."""
 
@@ -387,6 +400,23 @@ class FsspecStorage(Storage):
         except FileNotFoundError:
             return []
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
+
+    def stamp(self, rel: str) -> Any:
+        """The object's ETag (content-derived on S3; GCS's md5Hash) and size, asked afresh."""
+        key = self.key(rel)
+        self.fs.invalidate_cache(key)
+        try:
+            return _object_stamp(self._call(rel, self.fs.info, key))
+        except (OSError, StorageError):  # missing, or no bucket: the read says which, clearly
+            return None
+
+    def list_stamped(self, rel: str) -> list[tuple[str, Any]]:
+        try:
+            found = self._call(rel, self.fs.ls, self.key(rel), detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        named = [(i["name"].rstrip("/").rsplit("/", 1)[-1], _object_stamp(i)) for i in found]
+        return sorted(named, key=lambda pair: pair[0])
 
     def find(self, rel: str = "") -> list[str]:
         """Every object under `rel`, as names relative to the root."""

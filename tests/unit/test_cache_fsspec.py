@@ -319,3 +319,35 @@ def test_verify_names_a_missing_and_a_truncated_zarr_shard_object(
     assert e.value.code == 1
     assert "data.zarr/xt/c/0/0/0/0/0/0 is missing" in err, err
     assert "data.zarr/noise/c/0/0/0/0/0 sha256 mismatch" in err, err
+
+
+def test_a_polling_reader_on_s3_rereads_only_the_journal_objects_that_changed(
+    s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wandistill.cache import manifest as mf
+    from wandistill.cache.reader import CacheStore
+
+    monkeypatch.setattr(mf, "JOURNAL_SEGMENT_BYTES", 1200)  # a few shards per segment
+    url = _url("follow-memo")
+    write_cache(url, range(6), shard_records=1, finalize=False, complete=False)
+    store = CacheStore(url)
+    reads: list[str] = []
+    real = storage.FsspecStorage.read
+
+    def counting(self, rel, **kw):  # noqa: ANN001, ANN202
+        reads.append(rel)
+        return real(self, rel, **kw)
+
+    monkeypatch.setattr(storage.FsspecStorage, "read", counting)
+    assert store.refresh() == [] and reads == []  # ETags unchanged: nothing read
+    segments = mf.journal_segments(url, "webdataset")
+    assert len(segments) >= 2
+    write_cache(url, range(9), shard_records=1, finalize=False, complete=False)
+    reads.clear()
+    new = store.refresh()
+    assert [e["name"] for e in new] == [f"r00000-{i:06d}" for i in (6, 7, 8)]
+    sealed = {s.rel for s in segments[:-1]}
+    assert reads and not sealed & set(reads)  # sealed segments were not read again
+    mf.finalize(url, complete=True)
+    assert store.refresh() == [] and store.complete
+    assert [e["name"] for e in store.entries] == [f"r00000-{i:06d}" for i in range(9)]

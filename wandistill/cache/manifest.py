@@ -244,17 +244,20 @@ def journal_segments(
     """Every journal segment, checked against the journal schema, by rank then segment. With a
     `memo`, a segment unchanged since the memo last read it is not read again."""
     st = open_storage(cache)
-    out: list[JournalSegment] = []
-    names = [n for n in st.list(JOURNAL_DIR) if n.startswith("rank-") and n.endswith(".json")]
-    if memo is not None:
-        memo.keep({f"{JOURNAL_DIR}/{n}" for n in names} | {MANIFEST_NAME})
-    for name in names:
-        rel = f"{JOURNAL_DIR}/{name}"
-        if memo is None:
-            out.append(_read_segment(st, name, backend))
-        else:
-            read = lambda name=name: _read_segment(st, name, backend)  # noqa: E731
-            out.append(memo.load(st, rel, read).value)
+    if memo is None:
+        names = [n for n in st.list(JOURNAL_DIR) if n.startswith("rank-") and n.endswith(".json")]
+        out = [_read_segment(st, name, backend) for name in names]
+    else:
+        listed = [
+            (n, stamp)
+            for n, stamp in st.list_stamped(JOURNAL_DIR)
+            if n.startswith("rank-") and n.endswith(".json")
+        ]
+        memo.keep({f"{JOURNAL_DIR}/{n}" for n, _ in listed} | {MANIFEST_NAME})
+        out = [
+            memo.load(f"{JOURNAL_DIR}/{n}", stamp, lambda n=n: _read_segment(st, n, backend)).value
+            for n, stamp in listed
+        ]
     return sorted(out, key=lambda j: (j.rank, j.segment))
 
 
@@ -342,7 +345,8 @@ class CommitMemo:
     the version it read (`Storage.stamp`). A reader polling a growing cache (follow mode) then
     re-reads only what changed, each rank's last journal segment, instead of parsing and
     digest-checking every entry at every poll (O(n^2) over a run: 20x the time for 4x the
-    shards). Where the store has no cheap version (object stores today), every file is read."""
+    shards). Versions come from one listing of `journal/` (object stores: the ETags it returns)
+    and one stamp of the manifest; a file without one is read every time."""
 
     @dataclass(slots=True)
     class Loaded:
@@ -353,8 +357,9 @@ class CommitMemo:
     def __init__(self) -> None:
         self._files: dict[str, tuple[Any, CommitMemo.Loaded]] = {}
 
-    def load(self, st: Storage, rel: str, read: Any) -> CommitMemo.Loaded:
-        stamp = st.stamp(rel)  # before the read: a change during it shows at the next load
+    def load(self, rel: str, stamp: Any, read: Any) -> CommitMemo.Loaded:
+        """The file's content as `read()` gives it, reused while `stamp` (taken before the read:
+        a change during it shows at the next load) is what it was."""
         hit = self._files.get(rel)
         if stamp is not None and hit is not None and hit[0] == stamp:
             return hit[1]
@@ -393,7 +398,8 @@ def load_committed(
     """
     memo = memo or CommitMemo()
     st = open_storage(cache)
-    read = memo.load(st, MANIFEST_NAME, lambda: read_manifest(cache)).value
+    stamp = st.stamp(MANIFEST_NAME)
+    read = memo.load(MANIFEST_NAME, stamp, lambda: read_manifest(cache)).value
     manifest = replace(read, shards=list(read.shards))  # the memo's copy stays as read
     manifest.shards, sources = _committed(cache, manifest, memo)
     problems: list[tuple[str, str]] = []
