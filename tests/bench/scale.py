@@ -11,6 +11,8 @@ manifest     `load_committed` of a finalized cache of n four-record shards
 follow       a `CacheStore` polling a running cache whose journal gains 50 shards per poll:
              total refresh time (n/50 polls: ~16 is linear per poll), and the last poll's
 keyindex     `NameIndex.add` of 100n record keys (the writer's and the embedding store's index)
+epoch plan   bytes a TrainingReader holds per (record, step) sample for an epoch's order
+             (tracemalloc; the permutation tensor counted too)
 open files   file descriptors left open after reading one sample from each of n/4 shards
 
 Timed legs: best of --repeats (the heap's garbage collections make single runs noisy). The
@@ -114,6 +116,30 @@ def open_files_leg(work: Path, n: int) -> int:
     return opened
 
 
+def sample_space_leg(base: Path, work: Path, n: int) -> float:
+    """Bytes held per training sample by an epoch's plan: the sample space and its shuffled
+    order (`TrainingReader._space` and what `_epoch_plan` builds from it)."""
+    import tracemalloc
+
+    from wandistill.cache.training import TrainingReader
+
+    path = cache_of(base, work / f"s{n}", entries(base, n))
+    reader = TrainingReader(path, batch_size=4)
+    tracemalloc.start()
+    space = reader._space(reader.store.entries)
+    order = reader._permutation(len(space), "epoch", 0)
+    if hasattr(space, "shuffled"):
+        plan = space.shuffled(order)
+    else:  # before 2026-11-27: a list of (entry, row, slot) tuples and a shuffled copy
+        plan = [space[j] for j in order.tolist()]
+    held = tracemalloc.get_traced_memory()[0] + order.numel() * order.element_size()
+    tracemalloc.stop()
+    samples = len(space)
+    del space, plan
+    shutil.rmtree(path)
+    return held / samples
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shards", type=int, default=1000, help="n (the legs also run at 4n)")
@@ -129,9 +155,10 @@ def main() -> None:
         ("follow: all polls s", lambda k: follow_leg(Path(base), args.work, k)[0]),
         ("follow: last poll s", lambda k: follow_leg(Path(base), args.work, k)[1]),
         ("keyindex: 100n adds s", lambda k: keyindex_leg(100 * k)),
+        ("epoch plan: bytes per sample", lambda k: sample_space_leg(Path(base), args.work, k)),
         ("open files after n/4 shards", lambda k: open_files_leg(args.work, k // 4)),
     ):
-        runs = 1 if name.startswith("open") else args.repeats
+        runs = 1 if name.startswith(("open", "epoch")) else args.repeats
         a, b = (min(leg(k) for _ in range(runs)) for k in (n, 4 * n))
         rows.append((name, a, b))
     shutil.rmtree(args.work, ignore_errors=True)
