@@ -284,14 +284,9 @@ def _read_segment(st: Storage, name: str, backend: str) -> JournalSegment:
     return JournalSegment(journal.rank, segment, rel, st.name(rel), obj["shards"])
 
 
-def journal_files(cache: str | Path, backend: str) -> list[tuple[str, list[dict[str, Any]]]]:
-    """Each journal file (its name, shard entries), in commit order within each rank."""
-    return [(j.name, j.shards) for j in journal_segments(cache, backend)]
-
-
 def read_journals(cache: str | Path, backend: str) -> list[dict[str, Any]]:
     """Shard entries committed by writers since the last finalize, ordered by rank and sequence."""
-    return [e for _, entries in journal_files(cache, backend) for e in entries]
+    return [e for j in journal_segments(cache, backend) for e in j.shards]
 
 
 def entry_json(entry: dict[str, Any]) -> bytes:
@@ -322,9 +317,11 @@ def write_journal(cache: str | Path, rank: int, shards: list[dict[str, Any]]) ->
     st.put(_journal_rel(rank), _dump({"rank": rank, "shards": shards}))
 
 
-def committed_shards(cache: str | Path, manifest: Manifest) -> list[dict[str, Any]]:
+def committed_shards(
+    cache: str | Path, manifest: Manifest, memo: CommitMemo | None = None
+) -> list[dict[str, Any]]:
     """Every committed shard: the manifest's list, then journal entries not yet folded in."""
-    return _committed(cache, manifest)[0]
+    return _committed(cache, manifest, memo)[0]
 
 
 def _committed(

@@ -130,12 +130,13 @@ class CacheWriter:
         self._open_cache(header, shared or {})
         self.codec = RecordCodec(self.manifest.fields)
         """Converts each record to the stored dtypes the fields declare (encoding.py)."""
-        committed = mf.committed_shards(self.path, self.manifest)
+        journals = mf.CommitMemo()  # the journals are read once for both uses below
+        committed = mf.committed_shards(self.path, self.manifest, journals)
         self._keys = NameIndex()  # compact: memory must not grow with the prompt file
         for s in committed:
             for k in s["keys"]:
                 self._keys.add(k, 0)
-        mine = [j for j in mf.journal_segments(self.path, backend) if j.rank == rank]
+        mine = [j for j in mf.journal_segments(self.path, backend, journals) if j.rank == rank]
         self._segment = mine[-1].segment if mine else 0
         """This rank's last journal segment: each commit rewrites it (manifest.py)."""
         self._mine = [mf.entry_json(s) for s in mine[-1].shards] if mine else []
