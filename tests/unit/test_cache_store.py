@@ -431,3 +431,45 @@ def test_a_polling_reader_rereads_only_the_journal_files_that_changed(
     mf.finalize(tmp_path, complete=True)  # journals folded into the manifest
     assert store.refresh() == [] and store.complete
     assert [e["name"] for e in store.entries] == [f"r00000-{i:06d}" for i in range(9)]
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    "name,tensor",
+    [
+        ("xt", torch.randn(3, 4, 5).to(torch.bfloat16)),
+        ("teacher_out", torch.randn(4, 6).t()),  # not contiguous
+        ("xt", torch.randn(2, 3, requires_grad=True)),
+        ("xt", torch.zeros(0, 4)),
+        ("xt", torch.zeros(3, 0)),
+        ("timesteps", torch.tensor(7.5)),
+        ("noise", torch.randn(2, 2).to(torch.float16)[:, 1]),
+    ],
+)
+def test_tensor_checksums_match_the_bytes_of_every_step_row(
+    name: str, tensor: torch.Tensor
+) -> None:
+    """One conversion per tensor, rows sliced in numpy: the same crc32c per step row (and per
+    tensor) as the tensor's own bytes, whatever its layout, dtype or autograd state."""
+    from wandistill.cache.schema import is_step_field
+    from wandistill.cache.wds import crc32c, tensor_checksums
+
+    got = tensor_checksums({name: tensor})[name]
+    if is_step_field(name) and tensor.dim():
+        assert got == [crc32c(_bytes_of(tensor[s])) for s in range(tensor.shape[0])]
+    else:
+        assert got == crc32c(_bytes_of(tensor))
+
+
+def test_plain_keeps_a_plain_tensor_and_detaches_or_packs_the_rest() -> None:
+    from wandistill.cache.schema import plain
+
+    t = torch.randn(3, 4)
+    assert plain(t) is t
+    for odd in (t.t(), torch.randn(2, requires_grad=True)):
+        p = plain(odd)
+        assert p is not odd and p.is_contiguous() and not p.requires_grad
+        assert torch.equal(p, odd.detach())

@@ -836,6 +836,40 @@ def test_disk_full_mid_shard_keeps_committed_shards_and_resumes(
         assert store.verify() == []
 
 
+def test_a_failed_file_write_is_raised_after_every_other_file_of_the_shard_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard's arrays are written concurrently. When one file's write fails, `end()` raises
+    that error only once the other files' writes are over: nothing still writes into the cache
+    when the writer aborts."""
+    import asyncio
+    import errno
+    import time
+
+    from zarr.storage import LocalStore
+
+    real_set = LocalStore.set
+    finished: list[str] = []
+
+    async def flaky(self, key, value):
+        if "/c/" not in key:
+            return await real_set(self, key, value)
+        if key.startswith("noise/"):
+            raise OSError(errno.EIO, "Input/output error")
+        await asyncio.sleep(0.05)  # still in flight when the failure comes
+        await real_set(self, key, value)
+        finished.append(key)
+
+    zb.ZarrSink(tmp_path, block_records=2)
+    monkeypatch.setattr(LocalStore, "set", flaky)
+    with pytest.raises(OSError, match="Input/output error"):
+        _sink_entries(tmp_path, [make_record(0), make_record(1)], 2, block_records=2)
+    done = list(finished)
+    time.sleep(0.2)
+    assert done and finished == done
+    assert {k.split("/c/")[0] for k in done} >= {"xt", "teacher_out", "final_latent"}
+
+
 def test_a_shard_written_in_several_gathers_has_the_same_bytes_as_one_gather(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -52,6 +52,7 @@ from wandistill.cache.schema import (
     Record,
     canonical_json,
     is_step_field,
+    plain,
 )
 from wandistill.errors import CacheError, CorruptRecordError
 from wandistill.storage import LocalStorage, Storage, is_transient, open_storage
@@ -91,18 +92,25 @@ def crc32c(data: Any) -> int:
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a tensor as a uint8 numpy view (copied only if not contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    """The bytes of a tensor as a flat uint8 numpy view (copied only if not contiguous); two
+    torch calls for a plain tensor (see `schema.plain`), the rest in numpy."""
+    t = plain(t)
+    return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8).numpy().reshape(-1)
 
 
-def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, int | list[int]]:
-    """crc32c of each tensor's bytes; step fields get one per row of their leading step axis."""
+def tensor_checksums(
+    tensors: dict[str, torch.Tensor], raw: dict[str, np.ndarray] | None = None
+) -> dict[str, int | list[int]]:
+    """crc32c of each tensor's bytes; step fields get one per row of their leading step axis.
+    `raw`: the tensors' bytes (`_raw`) when the caller has them already."""
     out: dict[str, int | list[int]] = {}
     for name, t in tensors.items():
+        data = _raw(t) if raw is None else raw[name]
         if is_step_field(name) and t.dim() >= 1:
-            out[name] = [crc32c(_raw(t[s])) for s in range(t.shape[0])]
+            rows = int(t.shape[0])
+            out[name] = [crc32c(row) for row in data.reshape(rows, data.size // max(rows, 1))]
         else:
-            out[name] = crc32c(_raw(t))
+            out[name] = crc32c(data)
     return out
 
 
@@ -240,9 +248,10 @@ class WebDatasetSink:
         padding, `.json` members, safetensors headers) by the entry's `frame_sha256`."""
         meta = json.dumps(record.meta(), ensure_ascii=False).encode()
         tensors = record.tensors()
-        own = {"key": record.key, "crc32c": tensor_checksums(tensors)}
+        raw = {name: _raw(t) for name, t in tensors.items()}
+        own = {"key": record.key, "crc32c": tensor_checksums(tensors, raw)}
         head, order = safetensors_header(tensors, {META_KEY: canonical_json(own)})
-        parts = [(head, True)] + [(_raw(tensors[name]), False) for name in order]
+        parts = [(head, True)] + [(raw[name], False) for name in order]
         start = self.tar.tarstream.offset
         # Members in webdataset's order (sorted extensions): json, then safetensors.
         json_off = start + BLOCK
