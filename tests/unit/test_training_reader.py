@@ -138,6 +138,41 @@ def test_follow_mode_picks_up_a_shard_published_after_the_reader_started(tmp_pat
     assert len(reader.generations) == 2
 
 
+def test_follow_mode_keeps_only_the_generations_not_yet_trained_on(tmp_path: Path) -> None:
+    """One shard per generation (a sync that releases one name per poll): the batches are each
+    generation's own permutation, back to back, and a consumed generation is dropped from
+    memory, so a long follow run holds what is still ahead of it, not the whole run."""
+    from wandistill.cache.training import SampleSpace
+
+    write_cache(tmp_path, range(12), shard_records=2, finalize=False, complete=False)
+
+    def one_at_a_time(fresh: list[str], complete: bool) -> tuple[list[str], bool]:
+        return fresh[:1], len(fresh) <= 1
+
+    reader = TrainingReader(
+        tmp_path, batch_size=3, follow=True, poll_interval=0.0, sync=one_at_a_time
+    )
+    held, got = [], []
+    for b in reader:
+        got.extend(zip(b["key"], b["step_slot"].tolist(), strict=True))
+        held.append(reader.pool.held())
+    gens = reader.generations
+    assert len(gens) == 6 and len(got) == 36  # 12 records x 3 steps, batches of 3
+    assert max(held) <= 2 * 6  # at most the generation being read and the next one
+    ref = TrainingReader(tmp_path, batch_size=3, follow=True)  # the permutations it draws
+    store = CacheStore(tmp_path)
+    entries = {e["name"]: e for e in store.entries}
+    want = []
+    for k, names in enumerate(gens):
+        space: SampleSpace = ref._space([entries[n] for n in names])
+        order = ref._permutation(len(space), "follow", k)
+        for j in order.tolist():
+            entry, row, slot = space[j]
+            want.append((entry["keys"][row], slot))
+    store.close()
+    assert got == want
+
+
 def test_follow_mode_times_out_on_a_stalled_cache(tmp_path: Path) -> None:
     write_cache(tmp_path, range(1), shard_records=4, finalize=False, complete=False)
     reader = TrainingReader(

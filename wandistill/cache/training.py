@@ -87,6 +87,41 @@ class SampleSpace:
         return self.entries[int(self._entry[r])], int(self._row[r]), self.slots[s]
 
 
+class FollowPool:
+    """Follow mode's planned samples: each generation's shuffled `SampleSpace`, back to back,
+    indexed by position in the run. Generations wholly consumed are dropped (`drop_before`), so
+    memory stays at the generations not yet trained on, not every sample of the run (the list
+    of `Sample` tuples this replaces kept ~100 bytes a sample for the whole run)."""
+
+    def __init__(self) -> None:
+        self._spaces: deque[tuple[int, SampleSpace]] = deque()
+        self._end = 0
+
+    def __len__(self) -> int:
+        """Samples planned since the run started, dropped ones included."""
+        return self._end
+
+    def extend(self, space: SampleSpace) -> None:
+        if len(space):
+            self._spaces.append((self._end, space))
+            self._end += len(space)
+
+    def __getitem__(self, j: int) -> Sample:
+        for start, space in self._spaces:
+            if start <= j < start + len(space):
+                return space[j - start]
+        raise IndexError(f"sample {j} is not planned or was dropped")
+
+    def drop_before(self, j: int) -> None:
+        """Forget the generations whose samples all come before position j."""
+        while self._spaces and self._spaces[0][0] + len(self._spaces[0][1]) <= j:
+            self._spaces.popleft()
+
+    def held(self) -> int:
+        """Samples still held (for tests and the scale bench)."""
+        return sum(len(space) for _, space in self._spaces)
+
+
 def pad_to(embeds_BLD: torch.Tensor, length: int) -> torch.Tensor:
     """Zero-pad a batch padded to its own longest prompt up to `length` (e.g. on the GPU)."""
     extra = length - embeds_BLD.shape[1]
@@ -172,6 +207,8 @@ class TrainingReader:
         self.epoch = 0
         self.batches_done = 0
         self.generations: list[list[str]] = []
+        self.pool: FollowPool | None = None
+        """Follow mode's planned samples, once iteration started."""
 
     # ------------------------------------------------------------------ sample space
 
@@ -345,11 +382,12 @@ class TrainingReader:
     def _follow_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]] | None]:
         """Batches over generations of newly committed shards, until complete and exhausted."""
         by_name: dict[str, dict[str, Any]] = {}
-        pool: list[Sample] = []
+        self.pool = pool = FollowPool()
         emitted = 0
         resume_at = self.batches_done
         replay = [list(g) for g in self.generations]
         self.generations = []
+        seen: set[str] = set()
         idle_since = time.monotonic()
         complete = False
         while True:
@@ -364,20 +402,20 @@ class TrainingReader:
                 yield None  # about to poll: let the consumer drain what is planned first
                 self.store.refresh()
                 by_name.update({e["name"]: e for e in self.store.entries})
-                seen = {n for gen in self.generations for n in gen}
                 fresh = sorted(n for n in by_name if n not in seen)
                 names, complete = self.sync(fresh, self.store.complete)
             if names:
                 idle_since = time.monotonic()
                 gen_index = len(self.generations)
                 self.generations.append(list(names))
+                seen.update(names)
                 chunk = self._space([by_name[n] for n in names])
-                order = self._permutation(len(chunk), "follow", gen_index)
-                pool.extend(chunk[j] for j in order.tolist())
+                pool.extend(chunk.shuffled(self._permutation(len(chunk), "follow", gen_index)))
             while len(pool) - emitted * self.global_batch >= self.global_batch:
                 if emitted >= resume_at:
                     yield from self._step_items(pool, emitted, 0)
                 emitted += 1
+                pool.drop_before(emitted * self.global_batch)
             if replay or names:
                 continue
             if complete:
