@@ -130,3 +130,43 @@ def test_footprint_projects_bytes_per_field_to_wan_sizes(
     assert fp.projected["480p"]["xt"] == steps * latent + 4 * steps
     assert fp.projected["720p"]["noise"] == 16 * 21 * 90 * 160 * 4  # fp32, not a trajectory
     assert fp.projected["480p"]["prompt_embeds"] == round(fp.embed_len * 4096 * 2)
+
+
+def _fp8_reference(t: torch.Tensor, per_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition, spelled out in float32: scale = max |t| / FP8_MAX (per step), 1 for 0."""
+    x = t.float()
+    rows = per_step and x.dim() >= 1
+    n = x.shape[0] if rows else 1
+    amax = x.abs().reshape(n, -1).amax(dim=1) if x.numel() else torch.zeros(n)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = scale if rows else scale.reshape(())
+    view = scale.reshape(-1, *([1] * (x.dim() - 1))) if rows else scale
+    return (x / view).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_step", [True, False])
+def test_fp8_encode_is_bit_identical_to_its_float32_definition(
+    dtype: torch.dtype, per_step: bool
+) -> None:
+    torch.manual_seed(0)
+    mixed = torch.randn(3, 8) * 50
+    mixed[1] = 0
+    mixed[2, 3] = -6e4
+    cases = [
+        torch.randn(4, 5, 2, 3) * 100,
+        mixed,
+        -torch.rand(2, 5),
+        torch.zeros(0, 4),
+        torch.zeros(3, 0),
+        torch.tensor(3.5),
+        torch.tensor(0.0),
+        torch.randn(4, 6).t(),
+    ]
+    for t in cases:
+        t = t.to(dtype)
+        q, scale = fp8_encode(t, per_step=per_step)
+        want_q, want_scale = _fp8_reference(t, per_step)
+        assert q.shape == t.shape and scale.dtype == torch.float32
+        assert torch.equal(scale, want_scale)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))

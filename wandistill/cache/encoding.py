@@ -99,18 +99,23 @@ def compression_of(fields: list[dict[str, Any]]) -> tuple[str, int] | None:
 
 
 def fp8_encode(t: torch.Tensor, *, per_step: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 tensor, float32 scale): per leading-axis row when `per_step`, else one scalar."""
-    x = t.detach().float()
-    if per_step and x.dim() >= 1:
-        amax = x.abs().reshape(x.shape[0], -1).amax(dim=1) if x.numel() else x.new_zeros(x.shape[0])
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        view = scale.reshape(-1, *([1] * (x.dim() - 1)))
+    """(fp8 tensor, float32 scale): per leading-axis row when `per_step`, else one scalar.
+
+    The largest magnitude comes from one `aminmax` of `t` as it is (exact in any float dtype),
+    and `t / scale` promotes to float32 as it divides: no float32 copy of `t` and no `abs`
+    temporary before the division (the writer thread does this for every trajectory tensor)."""
+    x = t.detach()
+    rows = per_step and x.dim() >= 1
+    if x.numel() == 0:
+        amax = x.new_zeros(x.shape[0] if rows else (), dtype=torch.float32)
     else:
-        amax = x.abs().amax() if x.numel() else x.new_zeros(())
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        view = scale
-    q = (x / view).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale.to(torch.float32)
+        lo, hi = torch.aminmax(x.reshape(x.shape[0], -1), dim=1) if rows else torch.aminmax(x)
+        amax = torch.maximum(-lo.float(), hi.float())
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # `view` has x's rank: a 0-dim float32 divisor would leave a bf16 `x` in bf16.
+    view = scale.reshape(-1, *([1] * (x.dim() - 1))) if rows else scale.reshape([1] * x.dim())
+    q = (x / view).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def fp8_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
