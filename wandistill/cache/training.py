@@ -22,8 +22,9 @@ sorted by key, so it does not depend on how the cache was sharded or by how many
   so no byte is copied twice.
 
 Follow mode trains on a cache that is still being written: shards are taken in "generations" as
-they are committed, each generation shuffled on its own, and batches are emitted as soon as a
-whole global batch is available, until the manifest says complete and the data is exhausted.
+they are committed, each generation shuffled on its own (and dropped from memory once trained
+on: `FollowPool`), and batches are emitted as soon as a whole global batch is available, until
+the manifest says complete and the data is exhausted.
 Ranks agree on what they have seen through a `sync` collective supplied by the caller, so this
 module stays free of torch.distributed.
 """
