@@ -119,7 +119,7 @@ class FollowPool:
             self._spaces.popleft()
 
     def held(self) -> int:
-        """Samples still held (for tests and the scale bench)."""
+        """Samples still held (what the follow-mode test bounds)."""
         return sum(len(space) for _, space in self._spaces)
 
 
