@@ -244,15 +244,13 @@ def journal_segments(
     """Every journal segment, checked against the journal schema, by rank then segment. With a
     `memo`, a segment unchanged since the memo last read it is not read again."""
     st = open_storage(cache)
+    listed = (
+        [(n, None) for n in st.list(JOURNAL_DIR)] if memo is None else st.list_stamped(JOURNAL_DIR)
+    )
+    listed = [(n, s) for n, s in listed if n.startswith("rank-") and n.endswith(".json")]
     if memo is None:
-        names = [n for n in st.list(JOURNAL_DIR) if n.startswith("rank-") and n.endswith(".json")]
-        out = [_read_segment(st, name, backend) for name in names]
+        out = [_read_segment(st, name, backend) for name, _ in listed]
     else:
-        listed = [
-            (n, stamp)
-            for n, stamp in st.list_stamped(JOURNAL_DIR)
-            if n.startswith("rank-") and n.endswith(".json")
-        ]
         memo.keep({f"{JOURNAL_DIR}/{n}" for n, _ in listed} | {MANIFEST_NAME})
         out = [
             memo.load(f"{JOURNAL_DIR}/{n}", stamp, lambda n=n: _read_segment(st, n, backend)).value
