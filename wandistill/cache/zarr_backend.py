@@ -487,7 +487,10 @@ class _ReadStore(WrapperStore[Store]):
     shard file's index is read once; a missing or short chunk file is an error, not fill values.
 
     Committed shard files are never rewritten (every writer claims fresh whole zarr shards), so
-    a cached index never goes stale."""
+    a cached index never goes stale. The missing-file check stands in for a zarr option:
+    zarr-python <= 3.1.6 reads a missing chunk as fill values; upstream
+    https://github.com/zarr-developers/zarr-python/pull/3748 (merged 2026-04, in no release
+    yet) adds a config to raise `MissingChunkError` instead, which can replace it once released."""
 
     def __init__(self, store: Store, index_cache_bytes: int = INDEX_CACHE_BYTES) -> None:
         super().__init__(store)
