@@ -218,8 +218,8 @@ def main() -> None:
         "cache_only are for reference)",
     )
     args = p.parse_args()
-    legs4 = tuple(args.legs.split(","))
-    if not {"null_sink", "background"} <= set(legs4) or not set(legs4) <= set(WRITERS):
+    run_legs = tuple(args.legs.split(","))
+    if not {"null_sink", "background"} <= set(run_legs) or not set(run_legs) <= set(WRITERS):
         p.error(f"--legs: null_sink and background, plus any of {', '.join(WRITERS)}")
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="wandistill-bench-write-", dir=args.work))
@@ -235,8 +235,8 @@ def main() -> None:
         for r in range(args.repeats):  # interleaved, so load drifts hit every leg alike
             # Each round starts with another leg: a leg right after one that freed a cache's
             # worth of page cache touches memory the VM's host has taken back (see the docs).
-            k = r % len(legs4)
-            for name in legs4[k:] + legs4[:k]:
+            k = r % len(run_legs)
+            for name in run_legs[k:] + run_legs[:k]:
                 target = work / f"{name}-{r}"
                 if args.prefault:  # every leg on memory the VM's host backs (cache_io.prefault)
                     prefault(PREFAULT_BYTES)
@@ -292,21 +292,21 @@ def main() -> None:
             fixed = legs["cache_only"] / legs["null_sink"] - 1
             print(f"  (of which a cache's fixed cost, no record written: {fixed * 100:+.1f}%)")
         med = {name: statistics.median(ts) for name, ts in runs.items()}
-        legs3 = [n for n in legs4 if n != "null_sink"]
-        rel = ", ".join(f"{n} {100 * (med[n] / med['null_sink'] - 1):+.1f}%" for n in legs3)
+        compared = [n for n in run_legs if n != "null_sink"]
+        rel = ", ".join(f"{n} {100 * (med[n] / med['null_sink'] - 1):+.1f}%" for n in compared)
         print(f"  (medians vs null sink: {rel})")
 
-        def paired_median(name: str) -> float:
-            """Median over rounds of the leg / null sink of the same round: each round's legs
-            ran back to back, so the machine's drift between rounds cancels."""
-            pairs = zip(runs[name], runs["null_sink"], strict=True)
-            return statistics.median(a / b for a, b in pairs) - 1
+        def paired(name: str) -> list[float]:
+            """Each round's leg / null sink of the same round: a round's legs ran back to back,
+            so the machine's drift between rounds cancels."""
+            return [a / b for a, b in zip(runs[name], runs["null_sink"], strict=True)]
 
-        paired = ", ".join(f"{n} {100 * paired_median(n):+.1f}%" for n in legs3)
-        print(f"  (paired: median over rounds of leg / null sink of the same round: {paired})")
-        lo, hi = bootstrap_interval(
-            [a / b for a, b in zip(runs["background"], runs["null_sink"], strict=True)]
-        )
+        def paired_median(name: str) -> float:
+            return statistics.median(paired(name)) - 1
+
+        each = ", ".join(f"{n} {100 * paired_median(n):+.1f}%" for n in compared)
+        print(f"  (paired: median over rounds of leg / null sink of the same round: {each})")
+        lo, hi = bootstrap_interval(paired("background"))
         print(f"  (background, paired median's bootstrap 95% interval: {lo:+.1%} to {hi:+.1%})")
         ratio = legs["safetensors_fsync"] / legs["cache_writer"]
         print(
