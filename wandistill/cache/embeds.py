@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from wandistill.cache.keyindex import NameIndex
+from wandistill.cache.schema import tensor_bytes
 from wandistill.errors import CacheError
 from wandistill.fsutil import atomic_write_json, fsync_dir, temp_name
 
@@ -56,8 +57,7 @@ def own_negative_name(key: str) -> str:
 
 
 def _crc(t: torch.Tensor) -> int:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return int(google_crc32c.value(raw))
+    return int(google_crc32c.value(tensor_bytes(t)))
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from wandistill.validate import canonical_json
@@ -35,6 +36,13 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu" and not t.requires_grad and t.is_contiguous():
         return t
     return t.detach().contiguous().cpu()
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a tensor as a flat uint8 numpy view (copied only if not contiguous or not on
+    the CPU): what every checksum of tensor data (crc32c, per row or whole) is taken over."""
+    t = plain(t)
+    return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8).numpy().reshape(-1)
 
 
 @dataclass(frozen=True, slots=True)

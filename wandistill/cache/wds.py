@@ -52,7 +52,7 @@ from wandistill.cache.schema import (
     Record,
     canonical_json,
     is_step_field,
-    plain,
+    tensor_bytes,
 )
 from wandistill.errors import CacheError, CorruptRecordError
 from wandistill.storage import LocalStorage, Storage, is_transient, open_storage
@@ -91,21 +91,14 @@ def crc32c(data: Any) -> int:
     return int(google_crc32c.value(data))
 
 
-def _raw(t: torch.Tensor) -> np.ndarray:
-    """The bytes of a tensor as a flat uint8 numpy view (copied only if not contiguous); two
-    torch calls for a plain tensor (see `schema.plain`), the rest in numpy."""
-    t = plain(t)
-    return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8).numpy().reshape(-1)
-
-
 def tensor_checksums(
     tensors: dict[str, torch.Tensor], raw: dict[str, np.ndarray] | None = None
 ) -> dict[str, int | list[int]]:
     """crc32c of each tensor's bytes; step fields get one per row of their leading step axis.
-    `raw`: the tensors' bytes (`_raw`) when the caller has them already."""
+    `raw`: the tensors' bytes (`tensor_bytes`) when the caller has them already."""
     out: dict[str, int | list[int]] = {}
     for name, t in tensors.items():
-        data = _raw(t) if raw is None else raw[name]
+        data = tensor_bytes(t) if raw is None else raw[name]
         if is_step_field(name) and t.dim() >= 1:
             rows = int(t.shape[0])
             out[name] = [crc32c(row) for row in data.reshape(rows, data.size // max(rows, 1))]
@@ -248,7 +241,7 @@ class WebDatasetSink:
         padding, `.json` members, safetensors headers) by the entry's `frame_sha256`."""
         meta = json.dumps(record.meta(), ensure_ascii=False).encode()
         tensors = record.tensors()
-        raw = {name: _raw(t) for name, t in tensors.items()}
+        raw = {name: tensor_bytes(t) for name, t in tensors.items()}
         own = {"key": record.key, "crc32c": tensor_checksums(tensors, raw)}
         head, order = safetensors_header(tensors, {META_KEY: canonical_json(own)})
         parts = [(head, True)] + [(raw[name], False) for name in order]

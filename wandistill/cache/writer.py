@@ -20,7 +20,7 @@ from safetensors.torch import save as st_save
 from wandistill.cache import manifest as mf
 from wandistill.cache.encoding import ZARR_ONLY, RecordCodec, compression_of
 from wandistill.cache.keyindex import NameIndex
-from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name
+from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name, plain
 from wandistill.errors import CacheError, UsageError
 from wandistill.finite import refuse_nonfinite_record
 from wandistill.storage import Storage, describe, open_storage
@@ -78,7 +78,7 @@ def _make_sink(
 
 def shared_blob(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, Any]]:
     """Serialise cache-level tensors (negative embedding, schedule) and describe them."""
-    clean = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    clean = {k: plain(v) for k, v in tensors.items()}
     blob = st_save(clean)
     desc = {
         "file": SHARED_NAME,
