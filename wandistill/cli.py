@@ -786,7 +786,7 @@ def eval_cmd(
     The student at K steps vs the teacher's N-step result, beside the teacher itself at K steps
     and a step-imitating baseline: a table (R_K), JSON and a PNG grid."""
     from wandistill.eval.run import evaluate
-    from wandistill.placements import parse_device
+    from wandistill.placement.parse import parse_device
     from wandistill.student.folders import open_student, read_run
     from wandistill.teacher.folder import TeacherFolder
 
@@ -915,7 +915,7 @@ def sample_cmd(
     An exported student (--export), a run's student with its teacher's text encoder and VAE
     (--run + --teacher), or the teacher itself."""
     from wandistill.eval.sample import SampleOptions, sample
-    from wandistill.placements import parse_device
+    from wandistill.placement.parse import parse_device
     from wandistill.precompute.prompts import read_prompts
     from wandistill.student.folders import open_student
     from wandistill.teacher.folder import TeacherFolder
@@ -1184,15 +1184,11 @@ def plan_cmd(
     Per phase and device, on this machine or on one described with --gpus, --gpu-mem,
     --cpu-mem and --disk; nothing is loaded."""
     from wandistill.config import load_recipe
+    from wandistill.placement.estimate import SamplerSizes, dtype_from_name
+    from wandistill.placement.inventory import Inventory
+    from wandistill.placement.plan import make_plan, too_small
+    from wandistill.placement.render import render_plan
     from wandistill.teacher.folder import TeacherFolder
-    from wandistill.teacher.plan import (
-        Inventory,
-        SamplerSizes,
-        dtype_from_name,
-        make_plan,
-        render_plan,
-        too_small,
-    )
 
     if teacher and config:
         raise UsageError("--teacher and --config both given", fix="pass one of them")

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 
 from wandistill.bounds import SEED, TIMEOUT_S, checked, num
 from wandistill.errors import ConfigError, UsageError
-from wandistill.placements import GROUP_LEVELS, Cpu, Placement, parse_placement
+from wandistill.placement.parse import GROUP_LEVELS, parse_placement
+from wandistill.placement.strategies import Cpu, Placement
 from wandistill.validate import MiB, read_capped
 
 if typing.TYPE_CHECKING:
@@ -53,7 +54,7 @@ class TeacherConfig:
     placement: Placement = field(default_factory=Cpu)
     """cpu, cuda, cuda:N, gpu0, balanced, balanced_low_0, sequential, auto, a device-map .json,
     model-offload, group-offload or disk-offload. Written as text, parsed here once into its
-    typed strategy (`wandistill.placements`), with group_offload_level and max_memory folded
+    typed strategy (`wandistill.placement`), with group_offload_level and max_memory folded
     in; everything downstream takes the object."""
     dtype: str = "fp32"
     """Compute dtype of the teacher; layers Wan keeps in fp32 stay fp32."""

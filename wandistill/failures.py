@@ -8,7 +8,7 @@ out-of-memory rule, lost peers, and the test-only fault injection.
   `Stopped` (exit 128 + signal, "what is committed, how to resume").
 * `is_oom`: the one rule for "this error means out of memory" (CUDA, Python's MemoryError and
   the CPU allocator's RuntimeErrors); the advice that follows is the stage's own
-  (wandistill/teacher/oom.py for placements, wandistill/train/oom.py for training levers).
+  (wandistill/placement/oom.py for placements, wandistill/train/oom.py for training levers).
 * `is_collective_failure` / `collective_error` / `first_line`: a peer went away mid-collective,
   as one line instead of a gloo / nccl traceback.
 * `at()` / `injected_failure()`: test-only fault injection, see below.

@@ -58,7 +58,7 @@ COMPONENT_CLASSES: Mapping[str, tuple[str, str]] = {
     "vae": ("diffusers", "AutoencoderKLWan"),
 }
 """The components of a Wan teacher folder and the (library, class) that loads each. Here, not in
-teacher/, because recipe parsing (`wandistill.placements`) needs the names too."""
+teacher/, because recipe parsing (`wandistill.placement`) needs the names too."""
 FLOAT_CODES = frozenset({"F64", "F32", "F16", "BF16"})
 
 MAX_HEADER_BYTES = 100_000_000

@@ -91,12 +91,12 @@ def encode_only(cfg, mode: str) -> dict:  # noqa: ANN001 - a PrecomputeConfig
     import torch
 
     from wandistill.cache.embeds import EmbedStore
+    from wandistill.placement.load import resolve_placement
     from wandistill.precompute import encode_phase as ep
     from wandistill.precompute.encode_phase import EncodeJob, TextEncoder
     from wandistill.precompute.prompts import read_prompts
     from wandistill.precompute.run import _key, inspect_teacher, sampler_settings
     from wandistill.precompute.table import KeyTable, PromptTable
-    from wandistill.teacher.placement import resolve_placement
 
     teacher = inspect_teacher(cfg.teacher.path, None)
     prompts, _ = read_prompts(cfg.prompts, into=PromptTable())  # as precompute.run does

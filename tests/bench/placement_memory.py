@@ -70,7 +70,8 @@ class Peak(threading.Thread):
 
 
 def _placement(label: str, work: Path):  # noqa: ANN202
-    from wandistill.placements import GroupOffload, ModelOffload, parse_placement
+    from wandistill.placement.parse import parse_placement
+    from wandistill.placement.strategies import GroupOffload, ModelOffload
 
     if label == "device-map-cpu":
         path = work / "cpu-map.json"
@@ -87,7 +88,7 @@ def child(label: str, teacher: Path, work: Path) -> None:
     """One placement in this fresh process: load, one forward, report peaks as JSON."""
     import torch
 
-    from wandistill.teacher import placement as pl
+    from wandistill.placement import load as pl
     from wandistill.teacher.folder import TeacherFolder
 
     folder = TeacherFolder.open(teacher)
@@ -176,8 +177,10 @@ def plan_estimates(teacher: Path) -> dict[str, int]:
     """Plan's CPU need (minus the process allowance) for the denoise phase, per strategy."""
     import torch
 
-    from wandistill.placements import CPU_OVERHEAD
-    from wandistill.teacher.plan import Inventory, SamplerSizes, make_plan
+    from wandistill.placement.devices import CPU_OVERHEAD
+    from wandistill.placement.estimate import SamplerSizes
+    from wandistill.placement.inventory import Inventory
+    from wandistill.placement.plan import make_plan
 
     sizes = SamplerSizes(**SIZES, batch_size=1, max_sequence_length=512)
     plan = make_plan(

@@ -64,7 +64,7 @@ from transformers import AutoTokenizer, UMT5EncoderModel  # noqa: F401
 import wandistill.cli
 import wandistill.precompute.run, wandistill.train.loop  # noqa: F401
 import wandistill.teacher.encode, wandistill.teacher.folder  # noqa: F401
-import wandistill.teacher.placement, wandistill.cache.reader  # noqa: F401
+import wandistill.placement.load, wandistill.cache.reader  # noqa: F401
 
 reply = os.fdopen(int(sys.argv[1]), "w", buffering=1)
 

@@ -20,18 +20,19 @@ import pytest
 import torch
 
 from wandistill.errors import UsageError, WandistillError
-from wandistill.placements import (
+from wandistill.placement import load as pl
+from wandistill.placement.estimate import SamplerSizes
+from wandistill.placement.inventory import Inventory
+from wandistill.placement.oom import is_oom, oom_error, oom_guard
+from wandistill.placement.parse import parse_placement
+from wandistill.placement.strategies import (
     Balanced,
     Cpu,
     Cuda,
     DiskOffload,
     GroupOffload,
     ModelOffload,
-    parse_placement,
 )
-from wandistill.teacher import placement as pl
-from wandistill.teacher.oom import is_oom, oom_error, oom_guard
-from wandistill.teacher.plan import Inventory, SamplerSizes
 from wandistill.teacher.tiny import make_tiny_teacher
 
 CUDA_PLACEMENTS = [

@@ -17,8 +17,14 @@ from rich.console import Console
 
 from wandistill.config import load_recipe, to_dict
 from wandistill.errors import ConfigError, UsageError
-from wandistill.placements import (
-    CUDA_OVERHEAD,
+from wandistill.placement import load as pl
+from wandistill.placement.devices import CUDA_OVERHEAD, GiB, parse_size
+from wandistill.placement.estimate import SamplerSizes
+from wandistill.placement.inventory import Inventory
+from wandistill.placement.parse import parse_device, parse_placement
+from wandistill.placement.plan import make_plan
+from wandistill.placement.render import render_plan
+from wandistill.placement.strategies import (
     Auto,
     Balanced,
     Cpu,
@@ -26,13 +32,8 @@ from wandistill.placements import (
     DiskOffload,
     GroupOffload,
     ModelOffload,
-    parse_device,
-    parse_placement,
-    parse_size,
 )
-from wandistill.teacher import placement as pl
 from wandistill.teacher.folder import TeacherFolder
-from wandistill.teacher.plan import GiB, Inventory, SamplerSizes, make_plan, render_plan
 from wandistill.teacher.tiny import make_tiny_teacher
 
 from clirun import run_cli as _run
@@ -152,7 +153,7 @@ def test_the_placement_text_is_parsed_in_one_place() -> None:
         for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "parse_placement":
                 callers.add(f.relative_to(ROOT).as_posix())
-    assert callers <= {"wandistill/config.py", "wandistill/placements.py"}, callers
+    assert callers <= {"wandistill/config.py", "wandistill/placement/parse.py"}, callers
 
 
 def test_the_recipe_holds_typed_placements_with_their_options() -> None:

@@ -12,19 +12,13 @@ from rich.console import Console
 
 from wandistill.config import load_recipe
 from wandistill.errors import UsageError
-from wandistill.placements import parse_placement
-from wandistill.teacher.plan import (
-    CONFIG_NAMES,
-    GiB,
-    Inventory,
-    SamplerSizes,
-    activation_bytes,
-    config_folder,
-    fp32_kept,
-    make_plan,
-    read_meminfo,
-    render_plan,
-)
+from wandistill.placement.devices import GiB
+from wandistill.placement.estimate import SamplerSizes, activation_bytes, fp32_kept
+from wandistill.placement.inventory import Inventory, read_meminfo
+from wandistill.placement.parse import parse_placement
+from wandistill.placement.plan import make_plan
+from wandistill.placement.render import render_plan
+from wandistill.teacher.folder import CONFIG_NAMES, config_folder
 from wandistill.teacher.tiny import make_tiny_teacher
 
 from clirun import run_cli as _run
@@ -162,7 +156,7 @@ def test_published_configs_have_the_published_parameter_counts() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_header_sizes_equal_the_loaded_components_bytes(tiny: Path, dtype: torch.dtype) -> None:
-    from wandistill.teacher.placement import load_component
+    from wandistill.placement.load import load_component
 
     p = make_plan(tiny, dtype=dtype, sizes=SamplerSizes(32, 32, 1), inventory=MACHINES["cpu24"])
     for comp in p.components:

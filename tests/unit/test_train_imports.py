@@ -42,7 +42,12 @@ def _imports(path: Path) -> list[str]:
 #: Modules outside the rooms that the train / student rooms import (directly or through config).
 SHARED = [
     "config.py",
-    "placements.py",
+    "placement/devices.py",
+    "placement/strategies.py",
+    "placement/devicemap.py",
+    "placement/parse.py",
+    "placement/protocol.py",
+    "placement/__init__.py",
     "workarounds.py",
     "modelfolder.py",
     "dist.py",

@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from wandistill import workarounds
-from wandistill.teacher.plan import fp32_kept
+from wandistill.placement.estimate import fp32_kept
 from wandistill.teacher.tiny import make_tiny_teacher
 
 ROOT = Path(__file__).parents[2]

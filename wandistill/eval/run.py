@@ -40,7 +40,7 @@ from wandistill.errors import UsageError
 from wandistill.eval import grid as gridmod
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.fsutil import atomic_write_bytes, atomic_write_json
-from wandistill.placements import Auto, Cpu, Cuda, Placement
+from wandistill.placement.strategies import Auto, Cpu, Cuda, Placement
 from wandistill.student.folders import FinishedStudent
 from wandistill.student.sampler import sample_latents, student_pipeline
 from wandistill.student.schedule import build_scheduler
@@ -246,7 +246,7 @@ def evaluate(
 ) -> EvalResult:
     """Check every input (nothing written on a problem), claim OUT, sample, score, write.
 
-    `device` (`--device`, parsed by `placements.parse_device`): where the students, the
+    `device` (`--device`, parsed by `placement.parse.parse_device`): where the students, the
     teacher's experts and VAE run, through the placement objects precompute uses; default CPU.
     `warn`: where a warning goes once the inputs checked out, before sampling (default: a
     `warning:` line on stderr); it is also kept in the result and its table."""
@@ -406,8 +406,8 @@ def _teacher_leg(
     """The teacher in WanPipeline at K steps: the cache's scheduler, dtype and CFG."""
     from diffusers import WanPipeline
 
-    from wandistill.teacher import placement as pl
-    from wandistill.teacher.plan import dtype_from_name
+    from wandistill.placement import load as pl
+    from wandistill.placement.estimate import dtype_from_name
 
     dtype = dtype_from_name(str(settings.get("dtype", "fp32")))
     experts = {
@@ -601,8 +601,8 @@ def _device_placement(
 ) -> Placement:
     """`device` made concrete: auto is a GPU if the teacher's experts and VAE fit one at the
     cache's sizes (the first GPU if there is no teacher to plan), else the CPU."""
-    from wandistill.teacher import placement as pl
-    from wandistill.teacher.plan import SamplerSizes, dtype_from_name
+    from wandistill.placement import load as pl
+    from wandistill.placement.estimate import SamplerSizes, dtype_from_name
 
     if folder is not None:
         sizes = SamplerSizes(
@@ -634,7 +634,7 @@ def _decode(
     result: EvalResult,
 ) -> dict[str, np.ndarray]:
     """Every column through the teacher's VAE; image PSNR of each against teacher@N's frames."""
-    from wandistill.teacher import placement as pl
+    from wandistill.placement import load as pl
     from wandistill.teacher.decode import decode_latents
 
     vae = pl.load_component(teacher, "vae", dtype=torch.float32, placement=placement)

@@ -26,7 +26,7 @@ from PIL import Image
 
 from wandistill import outputs
 from wandistill.errors import UsageError
-from wandistill.placements import Cpu, Cuda, Placement
+from wandistill.placement.strategies import Cpu, Cuda, Placement
 from wandistill.student.folders import FinishedStudent, SamplerSizes
 from wandistill.teacher.decode import save_png
 from wandistill.teacher.folder import TeacherFolder
@@ -181,8 +181,8 @@ def _need_teacher(teacher: TeacherFolder | None, student: FinishedStudent | None
 def _placement(device: Placement | None, folder: TeacherFolder, call: dict[str, Any]) -> Placement:
     """`--device` made concrete for the pipeline at the call's sizes: Cuda or Cpu (auto: a GPU
     if the pipeline fits one)."""
-    from wandistill.teacher import placement as pl
-    from wandistill.teacher.plan import SamplerSizes as PlanSizes
+    from wandistill.placement import load as pl
+    from wandistill.placement.estimate import SamplerSizes as PlanSizes
 
     d = PlanSizes()
     sizes = PlanSizes(
@@ -249,7 +249,7 @@ def _teacher_pipeline(teacher: TeacherFolder, placement: Placement) -> Any:
 
 def _loader(teacher: TeacherFolder, placement: Placement) -> Any:
     """Components loaded like precompute loads them: safetensors only, fp32, with `placement`."""
-    from wandistill.teacher import placement as pl
+    from wandistill.placement import load as pl
 
     def load(name: str) -> torch.nn.Module:
         return pl.load_component(teacher, name, dtype=torch.float32, placement=placement)

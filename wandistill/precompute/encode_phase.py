@@ -53,7 +53,7 @@ class TextEncoder:
         self._loaded: tuple[Any, torch.nn.Module] | None = None
 
     def encode(self, texts: list[str]) -> Any:
-        from wandistill.teacher import placement as pl
+        from wandistill.placement import load as pl
         from wandistill.teacher.encode import encode_trimmed
 
         with self.interruptible():  # nothing is written while loading or encoding
@@ -73,7 +73,7 @@ class TextEncoder:
 
     def close(self) -> None:
         if self._loaded is not None:
-            from wandistill.teacher import placement as pl
+            from wandistill.placement import load as pl
 
             pl.unload(self._loaded[1])
             self._loaded = None

@@ -46,14 +46,14 @@ from wandistill.config import PrecomputeConfig, to_dict
 from wandistill.errors import UsageError, WandistillError
 from wandistill.failures import Stopped, StopRequested, StopSignals, first_line
 from wandistill.finite import NonFiniteError
-from wandistill.placements import Placement
+from wandistill.placement.estimate import SamplerSizes
+from wandistill.placement.strategies import Placement
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
 from wandistill.precompute.numerics import record_numerics
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.precompute.table import KeyTable, PromptTable
 from wandistill.progress import SUMMARY_WIDTH, Progress, human_bytes, plural, summary_lines
 from wandistill.teacher.folder import TeacherFolder
-from wandistill.teacher.plan import SamplerSizes
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -260,7 +260,7 @@ def _plan(
     quiet: bool,
 ) -> Work:
     """This rank's work: the cache header, which batches are still to do, the placement."""
-    from wandistill.teacher import placement as pl
+    from wandistill.placement import load as pl
 
     dtype = DTYPES[cfg.teacher.dtype]
     settings = sampler_settings(teacher, cfg)
@@ -493,7 +493,7 @@ class _Denoiser:
     def group(self, enc: Encoded, stop: StopSignals, batches: list[range]) -> list[list[Record]]:
         """Every step of every expert over a group of batches; their records, batch by batch.
         A signal inside drops the whole group: none of it was written yet."""
-        from wandistill.teacher import placement as pl
+        from wandistill.placement import load as pl
 
         states = None
         for expert in self.w.teacher.experts:
@@ -510,7 +510,7 @@ class _Denoiser:
         return [list(self.sampler.finish(st)) for st in states]
 
     def _load(self, expert: str) -> torch.nn.Module:
-        from wandistill.teacher import placement as pl
+        from wandistill.placement import load as pl
 
         model = self.resident.get(expert)
         if model is None:
@@ -520,7 +520,7 @@ class _Denoiser:
         return model
 
     def unload(self) -> None:
-        from wandistill.teacher import placement as pl
+        from wandistill.placement import load as pl
 
         for other in list(self.resident):
             pl.unload(self.resident.pop(other))
@@ -672,7 +672,7 @@ def _previews(
 ) -> None:
     """Decode the first `previews` prompts' final latents (whichever rank wrote them)."""
     from wandistill.cache.reader import CacheStore
-    from wandistill.teacher import placement as pl
+    from wandistill.placement import load as pl
     from wandistill.teacher.decode import decode_to_png
 
     out = Path(cfg.cache.path) / "previews"

@@ -1,7 +1,7 @@
 """Load one teacher component with a `Placement`, and unload it for the next phase.
 
 The strategies themselves (which library call puts a component where) are the typed objects of
-`wandistill.placements`; this module resolves them against a machine and a teacher once
+`wandistill.placement`; this module resolves them against a machine and a teacher once
 (`resolve_placement`: `auto` becomes the plan's choice, `cuda` the rank's GPU, device maps get
 the plan's max_memory) and supplies what every load needs:
 
@@ -35,16 +35,14 @@ import torch
 from wandistill import workarounds
 from wandistill.errors import UsageError, WandistillError
 from wandistill.modelfolder import load_pretrained
-from wandistill.placements import (
-    AccelerateMap,
-    Auto,
-    DeviceMapFile,
-    Placement,
-    component_class,
-)
+from wandistill.placement.devicemap import DeviceMapFile
+from wandistill.placement.estimate import SamplerSizes, fp32_kept
+from wandistill.placement.inventory import Inventory
+from wandistill.placement.oom import oom_guard
+from wandistill.placement.plan import make_plan
+from wandistill.placement.protocol import component_class
+from wandistill.placement.strategies import AccelerateMap, Auto, Placement
 from wandistill.teacher.folder import Component, TeacherFolder
-from wandistill.teacher.oom import oom_guard
-from wandistill.teacher.plan import Inventory, SamplerSizes, fp32_kept, make_plan
 
 __all__ = [
     "Placed",
@@ -176,7 +174,7 @@ def _planned(plan: Any, placement: Placement) -> Placement:
 
 @dataclass(slots=True)
 class _Loader:
-    """The services `Placement.load` uses (wandistill.placements.LoadContext)."""
+    """The services `Placement.load` uses (wandistill.placement.LoadContext)."""
 
     offload_root: Path | None
     folder: Path | None = None

@@ -19,8 +19,9 @@ import torch
 
 from wandistill.errors import WandistillError
 from wandistill.failures import is_oom
-from wandistill.placements import DiskOffload, GiB, GroupOffload, Placement
-from wandistill.teacher.plan import read_meminfo
+from wandistill.placement.devices import GiB
+from wandistill.placement.inventory import read_meminfo
+from wandistill.placement.strategies import DiskOffload, GroupOffload, Placement
 
 __all__ = ["is_oom", "memory_figures", "next_strategies", "oom_error", "oom_guard"]
 

@@ -1,190 +1,56 @@
 """Teacher placements as typed objects: `--placement` is parsed once, objects go everywhere.
 
-`parse_placement("group-offload", group_offload_level="leaf_level")` (done by the recipe loader,
-so the CLI flag, the TOML key and `--set` all land here) gives a `GroupOffload`; nothing
-downstream looks at the text again. Each strategy is one small class that answers:
+`parse_placement("group-offload", group_offload_level="leaf_level")` (`placement.parse`, done by
+the recipe loader, so the CLI flag, the TOML key and `--set` all land there) gives a
+`GroupOffload`; nothing downstream looks at the text again. Each strategy is one small class
+that answers:
 
 * `needs_cuda` / `check(gpus)`: can this machine run it (one-line `UsageError` if not);
-* `need(phase, ctx)`: memory per device for one precompute phase (`wandistill.teacher.plan`
+* `need(phase, ctx)`: memory per device for one precompute phase (`wandistill.placement.plan`
   builds `ctx` from a `TeacherFolder`, a dtype and the sampler sizes); `wandistill plan` and
   the loader use these same numbers: a device-map strategy resolved from a plan carries the
   exact `max_memory` the plan printed and passes it to the library;
 * `load(component, dtype, ctx)`: the library call that puts one component there
-  (`wandistill.teacher.placement.load_component` supplies `ctx` and checks the result);
+  (`wandistill.placement.load.load_component` supplies `ctx` and checks the result);
 * `next_to_try(...)`: what to suggest after running out of memory.
 
-This module sits outside `teacher/` because the recipe (`wandistill.config`) parses the
-placement and `train/` loads recipes but must never import `teacher/`; it imports nothing of
-`teacher/` and no diffusers at module level.
+The recipe (`wandistill.config`) parses placements and `train/` loads recipes but must never
+import `teacher/`: this module, `devices`, `protocol`, `devicemap` and `parse` import nothing
+of `teacher/` and no diffusers at module level. Device-map files (`ModuleMap`,
+`DeviceMapFile`) live in `placement.devicemap`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
-import json
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from wandistill import workarounds
 from wandistill.errors import UsageError
-from wandistill.modelfolder import COMPONENT_CLASSES
+from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, Caps, gpu_index
+from wandistill.placement.protocol import LoadContext, Loaded, Need, merge_bytes
 
 if TYPE_CHECKING:
     import torch
 
+    from wandistill.placement.plan import Phase, PlanContext
     from wandistill.teacher.folder import Component
-    from wandistill.teacher.plan import Phase, PlanContext
 
 __all__ = [
-    "CPU_OVERHEAD",
-    "CUDA_OVERHEAD",
-    "GROUP_LEVELS",
-    "NAMES",
+    "AccelerateMap",
     "Auto",
     "Balanced",
     "BalancedLow0",
     "Cpu",
     "Cuda",
-    "DeviceMapFile",
     "DiskOffload",
     "GroupOffload",
     "ModelOffload",
-    "ModuleMap",
-    "Need",
     "Placement",
     "Sequential",
-    "parse_device",
-    "parse_max_memory",
-    "parse_placement",
-    "parse_size",
 ]
-
-GiB = 1 << 30
-#: Allowance per GPU for the CUDA context, cuBLAS workspaces and caching-allocator slack.
-CUDA_OVERHEAD = 1 * GiB
-#: Allowance on the CPU for the Python process itself (torch, diffusers, transformers imported).
-CPU_OVERHEAD = 2 * GiB
-GROUP_LEVELS = ("block_level", "leaf_level")
-NAMES = (
-    "cpu",
-    "cuda",
-    "gpu0",
-    "balanced",
-    "balanced_low_0",
-    "sequential",
-    "auto",
-    "model-offload",
-    "group-offload",
-    "disk-offload",
-)
-Caps = tuple[tuple[int | str, int], ...]
-"""max_memory as hashable pairs: (GPU index or "cpu", bytes)."""
-
-
-# --------------------------------------------------------------------------- sizes
-
-
-def parse_size(value: Any, what: str) -> int:
-    """Bytes from "80GiB", "80 GiB", "80GB", "512MiB", "2TiB" or an int (what accelerate's
-    `convert_file_size_to_int` accepts, plus TiB/TB); anything else is one UsageError naming
-    `what` and the nearest valid spelling."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value > 0:
-            return value
-        raise UsageError(f"{what} {value} must be positive", fix=f"e.g. {what} 80GiB")
-    text = str(value).strip()
-    scaled = re.fullmatch(r"(.*?)\s*([tT])(i?)([bB])", text)
-    if scaled:  # accelerate stops at GB/GiB: express TB/TiB in GB/GiB for it
-        num, _, i, b = scaled.groups()
-        factor = 1024 if i else 1000
-        text = f"{_number(num, what, value) * factor}G{i}{b}"
-    from accelerate.utils import convert_file_size_to_int
-
-    try:
-        size = convert_file_size_to_int(text)
-    except (ValueError, OverflowError):
-        size = -1
-    if size <= 0:
-        raise UsageError(
-            f"{what} {value!r} is not a memory size", fix=f"write it like {_nearest_size(text)}"
-        )
-    return size
-
-
-def _number(num: str, what: str, value: Any) -> float:
-    try:
-        return float(num)
-    except ValueError:
-        raise UsageError(f"{what} {value!r} is not a memory size", fix="e.g. 2TiB") from None
-
-
-def _nearest_size(text: str) -> str:
-    """The accepted spelling closest to a refused size: keep the number, fix the unit."""
-    m = re.match(r"\s*-?(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)", text)
-    if not m:
-        return "80GiB (or 80GB, 512MiB, 2TiB)"
-    unit = (m.group(2) or "G").upper()
-    return f"{m.group(1)}{unit}iB"
-
-
-def parse_max_memory(caps: Mapping[Any, Any] | None, what: str = "max_memory") -> Caps:
-    """{"0": "70GiB", "cuda:1": "70GiB", "cpu": "200GiB"} -> ((0, n), (1, n), ("cpu", n))."""
-    out: list[tuple[int | str, int]] = []
-    for key, value in (caps or {}).items():
-        k = str(key).removeprefix("cuda:")
-        if k.isdigit():
-            device: int | str = int(k)
-        elif k == "cpu":
-            device = "cpu"
-        else:
-            raise UsageError(
-                f"{what} key {key!r} is not a device",
-                fix='use a GPU index ("0"), "cuda:N" or "cpu"',
-            )
-        out.append((device, parse_size(value, f"{what}.{key}")))
-    return tuple(sorted(out, key=lambda kv: (isinstance(kv[0], str), str(kv[0]))))
-
-
-# --------------------------------------------------------------------------- protocol
-
-
-@dataclass(frozen=True, slots=True)
-class Need:
-    """Memory one placement needs during one phase."""
-
-    devices: dict[str, int]
-    """"cuda:N" / "cpu" / "disk" -> bytes."""
-    note: str = ""
-    """Why it cannot work (non-empty: does not fit), e.g. modules spilled off the GPUs."""
-    max_memory: dict[str, dict[int | str, int]] = field(default_factory=dict)
-    """Device-map strategies: component -> the max_memory handed to accelerate."""
-
-
-class LoadContext(Protocol):
-    """What `Placement.load` gets from the loader (wandistill.teacher.placement)."""
-
-    def load_weights(
-        self, comp: Component, dtype: torch.dtype, **kwargs: Any
-    ) -> torch.nn.Module: ...
-
-    def offload_folder(self, name: str) -> Path: ...
-
-
-def component_class(comp: Component) -> type:
-    """The library class of a teacher component (diffusers / transformers, imported lazily)."""
-    import importlib
-
-    return getattr(importlib.import_module(comp.library), comp.class_name)
-
-
-def _merge(into: dict[str, int], need: Mapping[str, int]) -> None:
-    for device, n in need.items():
-        into[device] = into.get(device, 0) + n
 
 
 def _exec_gpu(device: str | None) -> str | None:
@@ -276,15 +142,6 @@ class Placement:
     def next_to_try(self, gpus: int) -> list[Placement]:
         """Placements to suggest after this one ran out of GPU memory, most promising first."""
         return [GroupOffload(), GroupOffload(level="leaf_level"), DiskOffload()]
-
-
-@dataclass(frozen=True, slots=True)
-class Loaded:
-    """A loaded component and what its placement attached."""
-
-    model: torch.nn.Module
-    hook: Any = None
-    """model-offload: accelerate's UserCpuOffloadHook (`park` calls its offload())."""
 
 
 def _weights(ctx: PlanContext, phase: Phase) -> int:
@@ -469,222 +326,6 @@ class BalancedLow0(AccelerateMap):
     low_zero: ClassVar[bool] = True
 
 
-@dataclass(frozen=True)
-class ModuleMap(Placement):
-    """An explicit accelerate device map for one component (a device-map file's entry)."""
-
-    modules: tuple[tuple[str, int | str], ...]
-    """(module name, device): GPU index, "cpu" or "disk"; "" is the root."""
-    name: ClassVar[str] = "device-map"
-    why: ClassVar[str] = "modules where the device-map file puts them"
-
-    @property
-    def mapping(self) -> dict[str, int | str]:
-        return dict(self.modules)
-
-    @property
-    def needs_cuda(self) -> bool:
-        return any(isinstance(d, int) for _, d in self.modules)
-
-    @property
-    def device(self) -> str:
-        gpus = sorted(d for _, d in self.modules if isinstance(d, int))
-        return f"cuda:{gpus[0]}" if gpus else "cpu"
-
-    def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        devices: dict[str, int] = {"cpu": CPU_OVERHEAD}
-        for name in phase.components:
-            sizes = ctx.module_sizes(name)
-            self._validate(name, ctx.module_names(name))
-            for module, device in self.modules:
-                key = f"cuda:{device}" if isinstance(device, int) else device
-                devices[key] = devices.get(key, 0) + sizes.get(module, 0)
-        overhead = CUDA_OVERHEAD if self.device != "cpu" else 0
-        devices[self.device] = devices.get(self.device, 0) + phase.activation_bytes + overhead
-        return Need(devices)
-
-    def _validate(self, component: str, names: set[str]) -> None:
-        """Every module named exists (one line naming the nearest); a map that misses weights
-        is refused by the library at load time (`workarounds.incomplete_device_map`)."""
-        for module, _ in self.modules:
-            if module not in names:
-                near = difflib.get_close_matches(module, sorted(names), n=1, cutoff=0.5)
-                hint = f"did you mean {near[0]!r}? " if near else ""
-                raise UsageError(
-                    f"device map for {component}: module {module!r} does not exist",
-                    fix=f"{hint}names are as infer_auto_device_map writes them ('' = the root)",
-                )
-
-    def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
-        extra: dict[str, Any] = {}
-        if "disk" in self.mapping.values():
-            extra["offload_folder"] = str(ctx.offload_folder(comp.name))
-            extra.update(workarounds.mixed_map_kwargs(component_class(comp)))
-        return Loaded(ctx.load_weights(comp, dtype, device_map=self.mapping, **extra))
-
-    def execution_device(self, model: torch.nn.Module | None = None) -> torch.device:
-        import torch
-
-        if model is None:
-            return torch.device(self.device)
-        from diffusers.utils.torch_utils import get_module_execution_device
-
-        return torch.device(get_module_execution_device(model))
-
-
-@dataclass(frozen=True)
-class DeviceMapFile(Placement):
-    """A JSON file with one entry per component: a device ("cuda:0", 1, "cpu", "disk"), an
-    accelerate strategy ("balanced", ...), or a module map ({"blocks.0": 0, ...}).
-
-    The file is read once, on first use (a training machine that loads the same recipe never
-    needs it)."""
-
-    path: Path
-    caps: Caps = ()
-    budgets: tuple[tuple[str, Caps], ...] | None = None
-    name: ClassVar[str] = "device-map file"
-    why: ClassVar[str] = "as the device-map file says"
-
-    def __str__(self) -> str:
-        return str(self.path)
-
-    @property
-    def entries(self) -> dict[str, Placement]:
-        return _read_device_map(self.path, self.caps)
-
-    @property
-    def needs_cuda(self) -> bool:
-        return any(p.needs_cuda for p in self.entries.values())
-
-    def check(self, gpus: int) -> None:
-        for component, entry in self.entries.items():
-            indices = _gpu_indices(entry)
-            if indices and max(indices) >= gpus:
-                raise UsageError(
-                    f"device map {str(self.path)!r} puts {component} on GPU {max(indices)} but "
-                    f"{gpus} GPU(s) are visible",
-                    fix=f'use GPU {gpus - 1} at most, or map it to "cpu" or "disk"'
-                    if gpus
-                    else 'map it to "cpu" or "disk", or run where that GPU exists',
-                )
-
-    def with_budgets(self, budgets: Mapping[str, Mapping[int | str, int]]) -> Placement:
-        packed = tuple((c, tuple(b.items())) for c, b in sorted(budgets.items()))
-        return dataclasses.replace(self, budgets=packed)
-
-    @property
-    def resolved(self) -> bool:
-        spread = any(isinstance(p, AccelerateMap) for p in self.entries.values())
-        return self.budgets is not None or not spread
-
-    def for_component(self, name: str, class_name: str) -> Placement:
-        entries = self.entries
-        if name not in entries:
-            raise UsageError(
-                f"device map {str(self.path)!r} has no entry for {name!r}",
-                fix=f'add e.g. "{name}": "cuda:0" (or "cpu", or a module map)',
-            )
-        entry = entries[name]
-        if self.budgets is not None:
-            entry = entry.with_budgets(dict((c, dict(b)) for c, b in self.budgets))
-        return entry.for_component(name, class_name)
-
-    def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        devices: dict[str, int] = {}
-        notes: list[str] = []
-        budgets: dict[str, dict[int | str, int]] = {}
-        for name in phase.components:
-            sub = dataclasses.replace(phase, components=(name,))
-            need = self.for_component(name, ctx.comps[name].class_name).need(sub, ctx)
-            _merge(devices, need.devices)
-            notes += [need.note] if need.note else []
-            budgets.update(need.max_memory)
-        return Need(devices, "; ".join(notes), budgets)
-
-
-def _gpu_indices(entry: Placement) -> list[int]:
-    if isinstance(entry, Cuda):
-        return [entry.index or 0]
-    if isinstance(entry, ModuleMap):
-        return [d for _, d in entry.modules if isinstance(d, int)]
-    return []
-
-
-def _device_entry(value: Any, where: str, path: Path) -> int | str:
-    """A device-map value as accelerate wants it: GPU index int, "cpu" or "disk"."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str) and value.startswith("cuda:") and value[5:].isdigit():
-        return int(value[5:])
-    if value == "cuda":
-        return 0
-    if value in ("cpu", "disk"):
-        return value
-    raise UsageError(
-        f"device map {str(path)!r}: {where} = {value!r} is not a device",
-        fix='use a GPU index (0), "cuda:N", "cpu" or "disk"',
-    )
-
-
-def _entry(name: str, value: Any, path: Path, caps: Caps) -> Placement:
-    """One component's entry as a placement."""
-    spread = {"balanced": Balanced, "balanced_low_0": BalancedLow0, "sequential": Sequential}
-    if isinstance(value, str) and value in spread:
-        return spread[value](caps=caps)
-    if isinstance(value, dict):
-        modules = tuple(
-            (m, _device_entry(v, f"{name}.{m or '<root>'}", path)) for m, v in value.items()
-        )
-        devices = {d for _, d in modules}
-        if (len(devices) > 1 or "disk" in devices) and workarounds.never_split(_class_name(name)):
-            raise UsageError(
-                f"device map {str(path)!r} splits or disk-offloads the vae",
-                fix='map "vae" to one GPU or "cpu": its causal cache does not survive '
-                "accelerate's per-module hooks",
-            )
-        return ModuleMap(modules)
-    device = _device_entry(value, name, path)
-    if device == "disk":
-        if workarounds.never_split(_class_name(name)):
-            raise UsageError(
-                f"device map {str(path)!r} disk-offloads the vae",
-                fix='map "vae" to one GPU or "cpu": its causal cache does not survive '
-                "accelerate's per-module hooks",
-            )
-        return DiskOffload()
-    return Cpu() if device == "cpu" else Cuda(int(device))
-
-
-def _class_name(component: str) -> str:
-    return COMPONENT_CLASSES.get(component, ("", ""))[1]
-
-
-@functools.lru_cache(maxsize=16)
-def _read_device_map(path: Path, caps: Caps) -> dict[str, Placement]:
-    """Read and check a per-component device-map file (once per path)."""
-    if not path.is_file():
-        raise UsageError(f"device map {str(path)!r} does not exist", fix="pass an existing .json")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"device map {str(path)!r} is not valid JSON: {e}") from None
-    if not isinstance(data, dict) or not data:
-        raise UsageError(
-            f"device map {str(path)!r} must be a JSON object keyed by component",
-            fix='e.g. {"text_encoder": "cuda:0", "transformer": {"": 0}, "vae": "cpu"}',
-        )
-    for name in data:
-        if name not in COMPONENT_CLASSES:
-            close = difflib.get_close_matches(name, list(COMPONENT_CLASSES), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise UsageError(
-                f"device map {str(path)!r}: unknown component {name!r}",
-                fix=f"{hint}keys are {', '.join(COMPONENT_CLASSES)}",
-            )
-    return {name: _entry(name, value, path, caps) for name, value in data.items()}
-
-
 # --------------------------------------------------------------------------- offloading
 
 
@@ -720,7 +361,8 @@ class _Offload(Placement):
     def _whole(self) -> Placement:
         """Where a component that must not be split runs: whole on the execution device."""
         gpu = _exec_gpu(self.device)
-        return Cuda(int(gpu.split(":")[1])) if gpu else Cpu()
+        index = gpu_index(gpu) if gpu else None
+        return Cpu() if index is None else Cuda(index)
 
 
 @dataclass(frozen=True)
@@ -731,7 +373,9 @@ class ModelOffload(_Offload):
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
         biggest = max(ctx.comps[c].weight_bytes for c in phase.components)
         devices = {"cpu": CPU_OVERHEAD + _weights(ctx, phase)}
-        _merge(devices, {self.device or ctx.gpu: biggest + phase.activation_bytes + CUDA_OVERHEAD})
+        merge_bytes(
+            devices, {self.device or ctx.gpu: biggest + phase.activation_bytes + CUDA_OVERHEAD}
+        )
         return Need(devices)
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
@@ -780,7 +424,9 @@ class GroupOffload(_Offload):
             else:
                 on_gpu = max(on_gpu, c.resident_bytes + inflight * c.largest_group_bytes)
         devices = {"cpu": CPU_OVERHEAD + _weights(ctx, phase)}
-        _merge(devices, {self.device or ctx.gpu: on_gpu + phase.activation_bytes + CUDA_OVERHEAD})
+        merge_bytes(
+            devices, {self.device or ctx.gpu: on_gpu + phase.activation_bytes + CUDA_OVERHEAD}
+        )
         return Need(devices)
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
@@ -830,7 +476,7 @@ class DiskOffload(_Offload):
         on = self.device or (ctx.gpu if ctx.inventory.has_cuda else "cpu")
         extra = CUDA_OVERHEAD if on != "cpu" else 0
         devices = {"cpu": CPU_OVERHEAD}
-        _merge(devices, {on: leaf + phase.activation_bytes + extra})
+        merge_bytes(devices, {on: leaf + phase.activation_bytes + extra})
         # transformers indexes the original safetensors instead of writing .dat copies
         devices["disk"] = sum(
             ctx.comps[c].weight_bytes for c in phase.components if c != "text_encoder"
@@ -854,7 +500,7 @@ class DiskOffload(_Offload):
 
 @dataclass(frozen=True)
 class Auto(Placement):
-    """The plan's choice: the fastest strategy that fits every phase (see teacher/plan.py)."""
+    """The plan's choice: the fastest strategy that fits every phase (see placement/plan.py)."""
 
     level: str = "block_level"
     caps: Caps = ()
@@ -885,65 +531,3 @@ class Auto(Placement):
 
 
 # --------------------------------------------------------------------------- parsing
-
-
-def parse_placement(
-    text: str | Placement,
-    *,
-    group_offload_level: str = "block_level",
-    max_memory: Mapping[Any, Any] | Caps | None = None,
-) -> Placement:
-    """A --placement value (name, cuda:N, or a device-map .json) as its typed strategy, with the
-    recipe's group_offload_level and max_memory folded into the strategies that use them."""
-    if group_offload_level not in GROUP_LEVELS:
-        raise UsageError(
-            f"group_offload_level={group_offload_level!r} must be one of {GROUP_LEVELS}",
-            fix="--set precompute.teacher.group_offload_level=block_level",
-        )
-    caps = max_memory if isinstance(max_memory, tuple) else parse_max_memory(max_memory)
-    if isinstance(text, Placement):
-        text = text.to_recipe()
-    if text.endswith(".json"):
-        return DeviceMapFile(Path(text), caps=caps)
-    if text.startswith("cuda:"):
-        index = text.removeprefix("cuda:")
-        if not index.isdigit():
-            raise UsageError(
-                f"placement {text!r}: {index!r} is not a GPU index", fix="use cuda:0, cuda:1, ..."
-            )
-        return Cuda(int(index))
-    table: dict[str, Placement] = {
-        "cpu": Cpu(),
-        "cuda": Cuda(),
-        "gpu0": Cuda(0, alias="gpu0"),
-        "balanced": Balanced(caps),
-        "balanced_low_0": BalancedLow0(caps),
-        "sequential": Sequential(caps),
-        "auto": Auto(level=group_offload_level, caps=caps),
-        "model-offload": ModelOffload(),
-        "group-offload": GroupOffload(level=group_offload_level),
-        "disk-offload": DiskOffload(),
-    }
-    if text not in table:
-        close = difflib.get_close_matches(text, NAMES, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise UsageError(
-            f"placement={text!r} must be one of {', '.join(NAMES)}, cuda:N or a device-map "
-            ".json file",
-            fix=f"{hint}pass one of those",
-        )
-    return table[text]
-
-
-def parse_device(text: str) -> Placement:
-    """eval / sample `--device`: auto (a GPU if one is visible, else the CPU), cpu, cuda,
-    cuda:N, parsed into the same placement objects the teacher uses."""
-    if text == "auto":
-        return Auto()
-    if text == "cpu" or text == "cuda" or text.startswith("cuda:"):
-        return parse_placement(text)
-    close = difflib.get_close_matches(text, ["auto", "cpu", "cuda", "cuda:0"], n=1)
-    hint = f"did you mean {close[0]}? " if close else ""
-    raise UsageError(
-        f"--device {text!r} is not a device", fix=f"{hint}use auto, cpu, cuda or cuda:N"
-    )
