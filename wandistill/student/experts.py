@@ -32,8 +32,6 @@ boundary_timestep: current_model = self.transformer`) and the recording sampler'
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -43,6 +41,7 @@ from pydantic import ConfigDict, Field
 from torch import nn
 
 from wandistill.errors import UsageError
+from wandistill.fsutil import atomic_write_json
 from wandistill.validate import Schema, load_json_file
 
 if TYPE_CHECKING:
@@ -167,21 +166,14 @@ def pipeline_parts(student: nn.Module) -> dict[str, Any]:
 
 
 def write_marker(folder: Path, boundary_ratio: float, num_train_timesteps: int) -> None:
+    """experts.json: what makes <folder> a per-expert student (read back as ExpertsMarker)."""
     data = {
         "format": "wandistill-experts",
         "experts": list(EXPERTS),
         "boundary_ratio": boundary_ratio,
         "num_train_timesteps": num_train_timesteps,
     }
-    with open(folder / MARKER, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def is_pair_folder(folder: Path) -> bool:
-    """A per-expert weights folder: transformer/ and transformer_2/ beside experts.json."""
-    return (folder / MARKER).is_file() or all((folder / n).is_dir() for n in EXPERTS)
+    atomic_write_json(folder / MARKER, data)
 
 
 # --------------------------------------------------------------------------- the cache side
@@ -206,16 +198,6 @@ class ExpertSplit:
     boundary_timestep: float
     high: tuple[int, ...]
     low: tuple[int, ...]
-
-    def describe(self, timesteps: tuple[float, ...]) -> str:
-        def ts(steps: tuple[int, ...]) -> str:
-            return ", ".join(f"{timesteps[i]:.0f}" for i in steps)
-
-        return (
-            f"per-expert: boundary t = {self.boundary_timestep:g} (boundary_ratio "
-            f"{self.boundary_ratio:g}); transformer samples t = [{ts(self.high)}], "
-            f"transformer_2 t = [{ts(self.low)}]"
-        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -411,11 +393,3 @@ class ExpertsMarker(Schema):
 def read_marker(folder: Path, fix: str) -> ExpertsMarker:
     marker, _ = load_json_file(folder / MARKER, ExpertsMarker, what="experts file", fix=fix)
     return marker
-
-
-def load_pair(folder: Path, load: Any, fix: str) -> ExpertPair:
-    """An ExpertPair from a per-expert weights folder; `load(subfolder)` reads one expert."""
-    marker = read_marker(folder, fix)
-    return ExpertPair(
-        load(folder / HIGH), load(folder / LOW), marker.boundary_ratio, marker.num_train_timesteps
-    )

@@ -541,6 +541,14 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
         console.print(line, soft_wrap=True)
     for line in summary_lines(f"train: {t.plan.objectives.describe()[0]}".split(" ")):
         console.print(line, soft_wrap=True)
+    split = experts_record(t)
+    if split is not None:
+        high, low = (split[f"{n}_steps"] for n in experts.EXPERTS)
+        console.print(
+            f"train: per-expert students split at t = {split['boundary_timestep']:g}: K-step "
+            f"steps {high} -> transformer, {low} -> transformer_2",
+            soft_wrap=True,
+        )
     if not store.complete and not follow:
         console.print(
             "[yellow]train: the cache is not complete; training on the records committed so "
