@@ -182,3 +182,10 @@ def test_a_resume_that_changes_experts_names_both_settings() -> None:
 def test_experts_must_be_one_or_per_expert() -> None:
     with pytest.raises(ConfigError, match="student.experts='both' must be 'one' or 'per-expert'"):
         _train('student.experts="both"')
+
+
+def test_a_cache_recording_only_one_experts_points_is_refused() -> None:
+    sched = UniPCMultistepScheduler(**SCHEDULER_CONFIG)
+    high_only = TeacherSchedule.from_scheduler(sched, 4, [0, 1], boundary_ratio=BOUNDARY_RATIO)
+    (problem,) = _problems(high_only)  # step imitation: every recorded step
+    assert "train at no recorded point of transformer_2" in problem
