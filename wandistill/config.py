@@ -288,9 +288,17 @@ class StudentConfig:
     i.e. step imitation with the teacher's own scheduler. A K-step student samples with a
     first-order flow scheduler whose K steps land on the teacher's schedule (see docs/export.md);
     the trajectory objective trains it at exactly those K recorded steps."""
+    experts: str = "one"
+    """Wan 2.2 A14B: "one" student replaces both experts; "per-expert" trains a high-noise
+    (`transformer`) and a low-noise (`transformer_2`) student, each on the recorded points of
+    its side of boundary_ratio, exported with both and the boundary (docs/training.md)."""
 
     def __post_init__(self) -> None:
         _problems(
+            (
+                self.experts in ("one", "per-expert"),
+                f"student.experts={self.experts!r} must be 'one' or 'per-expert'",
+            ),
             (
                 self.attention_head_dim is None or self.attention_head_dim % 2 == 0,
                 f"student.attention_head_dim={self.attention_head_dim} must be even "

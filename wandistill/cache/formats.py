@@ -211,6 +211,10 @@ class DimsBlock(OpenSchema):
     latent_shape: Annotated[list[Pos], Field(min_length=4, max_length=4)] | None = None
     num_recorded_steps: Annotated[int, Field(ge=0, le=10_000)] | None = None
     teacher_dtype: Dtype | None = None
+    recorded_experts: (
+        Annotated[list[Literal["transformer", "transformer_2"]], Field(max_length=10_000)] | None
+    ) = None
+    """Wan 2.2: the expert that produced each recorded slot (absent in one-expert caches)."""
 
 
 class SharedTensor(Schema):

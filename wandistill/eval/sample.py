@@ -5,8 +5,8 @@
   guidance 1.0: the user's own code.
 - `--run RUN` / `--student RUN/student` + `--teacher T`: the same pipeline built in memory, which is
   what `wandistill export` would write: the teacher's tokenizer, text encoder and VAE (checked to be
-  the ones the run's cache was made with), the student for every step (no second expert, no
-  boundary) and its K-step scheduler.
+  the ones the run's cache was made with), the student for every step (per-expert students:
+  both, switched at their boundary_ratio) and its K-step scheduler.
 - only `--teacher T`: the teacher's own pipeline with CFG, for comparison.
 
 Defaults come from what is being sampled: a student samples with its K and the height, width,
@@ -27,6 +27,7 @@ from PIL import Image
 from wandistill import outputs
 from wandistill.errors import UsageError
 from wandistill.placement.strategies import Cpu, Cuda, Placement
+from wandistill.student.experts import pipeline_parts
 from wandistill.student.folders import FinishedStudent, SamplerSizes
 from wandistill.teacher.decode import save_png
 from wandistill.teacher.folder import TeacherFolder
@@ -222,10 +223,8 @@ def _run_pipeline(student: FinishedStudent, teacher: TeacherFolder, placement: P
         text_encoder=load("text_encoder"),
         vae=load("vae"),
         scheduler=student.schedule.make_scheduler(),
-        transformer=student.load().to(placement.execution_device()),
-        transformer_2=None,
-        boundary_ratio=None,
         expand_timesteps=teacher.expand_timesteps,
+        **pipeline_parts(student.load().to(placement.execution_device())),
     )
 
 

@@ -391,14 +391,15 @@ def _encode(w: Work, stop: StopSignals) -> Encoded:
 def _open_writer(w: Work, negative: torch.Tensor) -> BackgroundWriter:
     """Create (or reopen) the cache: manifest and shared tensors, before any record. Records
     are written by a thread (two batches in flight at most) while the next batch denoises."""
-    timesteps, sigmas = RecordingSampler(w.teacher.scheduler, _spec(w)).schedule()
+    sampler = RecordingSampler(w.teacher.scheduler, _spec(w))
+    timesteps, sigmas = sampler.schedule()
     writer = CacheWriter(
         w.cache,
         backend=w.cfg.cache.backend,
         teacher=w.header.teacher,
         settings=w.settings,
         fields=w.header.fields,
-        dims=_dims(w.teacher, w.shape, w.settings),
+        dims=_dims(w.teacher, w.shape, w.settings) | _recorded_experts(sampler, timesteps),
         numerics=w.header.numerics,
         shared={"negative_prompt_embeds": negative, "timesteps": timesteps, "sigmas": sigmas},
         rank=w.info.rank,
@@ -660,6 +661,15 @@ def _dims(teacher: Teacher, shape: tuple[int, ...], settings: dict[str, Any]) ->
         "num_recorded_steps": len(settings["record_steps"]),
         "teacher_dtype": dtype_name(DTYPES[settings["dtype"]]),
     }
+
+
+def _recorded_experts(sampler: RecordingSampler, timesteps: torch.Tensor) -> dict[str, Any]:
+    """Wan 2.2: which expert produces each recorded slot (`dims.recorded_experts`, read by
+    per-expert training), by the very rule the sampler switches experts with."""
+    if sampler.spec.boundary_timestep is None:
+        return {}
+    steps = sampler.spec.record_steps
+    return {"recorded_experts": [sampler.expert_for(timesteps[s]) for s in steps]}
 
 
 def _previews(

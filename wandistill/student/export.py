@@ -3,6 +3,8 @@
     OUT/
       model_index.json          WanPipeline; transformer_2 = [null, null], no boundary_ratio
       transformer/              the student (or its EMA), config.json + safetensors, copied
+      (per-expert students: transformer/ is the high-noise one, transformer_2/ the low-noise
+      one, and model_index.json holds the run's boundary_ratio: docs/export.md)
       scheduler/                the student's K-step scheduler (see schedule.py)
       tokenizer/ text_encoder/ vae/   the teacher's, symlinked (absolute) or, with --copy, copied
       wandistill_export.json    K, the run, the teacher, the schedule, the sampler sizes
@@ -95,7 +97,7 @@ def export(
 
 def refuse_non_finite(run: FinishedStudent) -> None:
     """A student whose weights hold NaN or inf samples garbage: refuse it by name."""
-    bad = _non_finite(sorted(run.weights.glob("*.safetensors")))
+    bad = _non_finite(sorted(run.weights.rglob("*.safetensors")))
     if bad:
         raise UsageError(
             f"{run.label}: the {run.weights.name} weights hold NaN or inf "
@@ -143,10 +145,11 @@ def check_teacher(folder: TeacherFolder, run: FinishedStudent) -> TeacherFolder:
 
 
 def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: bool) -> None:
-    (tmp / "transformer").mkdir()
-    for f in sorted(run.weights.iterdir()):
-        if f.is_file():
-            shutil.copyfile(f, tmp / "transformer" / f.name)  # copyfile: umask, not 0600
+    for name, folder in run.expert_folders.items():
+        (tmp / name).mkdir()
+        for f in sorted(folder.iterdir()):
+            if f.is_file():
+                shutil.copyfile(f, tmp / name / f.name)  # copyfile: umask, not 0600
     scheduler = _scheduler(run.schedule, teacher)
     scheduler.save_pretrained(tmp / "scheduler")
     for name in LINKED:
@@ -155,7 +158,8 @@ def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: boo
             shutil.copytree(source, tmp / name, copy_function=shutil.copyfile)
         else:
             os.symlink(source, tmp / name, target_is_directory=True)
-    atomic_write_json(tmp / INDEX, _model_index(teacher, type(scheduler).__name__))
+    index = _model_index(teacher, type(scheduler).__name__, run.boundary_ratio)
+    atomic_write_json(tmp / INDEX, index)
     sizes = run.sizes.model_dump() if run.sizes is not None else None
     atomic_write_json(
         tmp / MARKER,
@@ -170,6 +174,7 @@ def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: boo
             "components": "copied" if copy else "symlinked",
             "student_schedule": run.schedule.to_json(),
             "sampler": sizes,
+            "boundary_ratio": run.boundary_ratio,
         },
     )
 
@@ -182,22 +187,29 @@ def _scheduler(schedule: StudentSchedule, teacher: TeacherFolder) -> Any:
     return build_scheduler(dict(teacher.raw_scheduler_config or {}))
 
 
-def _model_index(teacher: TeacherFolder, scheduler_class: str) -> dict[str, Any]:
-    """WanPipeline with the student for every step: no transformer_2, no boundary_ratio."""
+def _model_index(
+    teacher: TeacherFolder, scheduler_class: str, boundary_ratio: float | None
+) -> dict[str, Any]:
+    """WanPipeline with the student for every step (no transformer_2, no boundary_ratio), or
+    with both per-expert students and the boundary WanPipeline switches them at."""
     import diffusers
 
     t = teacher.index
-    return {
+    wan = ["diffusers", "WanTransformer3DModel"]
+    index = {
         "_class_name": "WanPipeline",
         "_diffusers_version": diffusers.__version__,
         "scheduler": ["diffusers", scheduler_class],
         "text_encoder": list(t.text_encoder),
         "tokenizer": list(t.tokenizer),
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": [None, None],
+        "transformer": wan,
+        "transformer_2": [None, None] if boundary_ratio is None else wan,
         "vae": list(t.vae),
         "expand_timesteps": t.expand_timesteps,
     }
+    if boundary_ratio is not None:
+        index["boundary_ratio"] = boundary_ratio
+    return index
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 from torch import nn
 
 from wandistill.errors import UsageError
+from wandistill.student import experts
 from wandistill.student.schedule import StudentSchedule
 from wandistill.validate import Schema, load_json_file
 
@@ -39,7 +40,8 @@ PIPELINE_PIECES = (
     "text_encoder",
     "vae",
 )
-"""What an export folder holds besides its marker (WanPipeline's components, no transformer_2)."""
+"""What an export folder holds besides its marker (WanPipeline's components; per-expert students
+add transformer_2)."""
 WEIGHTS = ("student_ema", "student")
 _RESUME_FIX = "re-run the last `wandistill train ... --resume` to rewrite it"
 _EXPORT_FIX = "re-run `wandistill export` into that folder to rewrite it"
@@ -132,6 +134,9 @@ class ExportMarker(_Strict):
     components: Literal["copied", "symlinked"]
     student_schedule: ScheduleFile
     sampler: SamplerSizes | None = None
+    boundary_ratio: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None
+    """Per-expert students: transformer/ samples t >= boundary_ratio * num_train_timesteps,
+    transformer_2/ the rest. None: one student for every step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,24 +156,43 @@ class FinishedStudent:
     """How messages name it: `--run '/x/run'`."""
     flag: str = "--run"
     """The flag that named it (for the output-overlap check)."""
+    boundary_ratio: float | None = None
+    """Per-expert students (`weights` holds transformer/ and transformer_2/); None: one."""
+
+    @property
+    def expert_folders(self) -> dict[str, Path]:
+        """WanPipeline component name -> its WanTransformer3DModel folder."""
+        if self.boundary_ratio is None:
+            return {experts.HIGH: self.weights}
+        return {name: self.weights / name for name in experts.EXPERTS}
 
     @property
     def num_inference_steps(self) -> int:
         return self.schedule.num_inference_steps
 
     def load(self) -> nn.Module:
-        """The student as a WanTransformer3DModel (fp32, eval mode, no grad)."""
+        """The student as a WanTransformer3DModel, or an `experts.ExpertPair` of two for a
+        per-expert student (fp32, eval mode, no grad)."""
+        models = {name: self._load(folder) for name, folder in self.expert_folders.items()}
+        if self.boundary_ratio is None:
+            return models[experts.HIGH]
+        steps = int((self.schedule.scheduler or {}).get("num_train_timesteps", 1000))
+        pair = experts.ExpertPair(
+            models[experts.HIGH], models[experts.LOW], self.boundary_ratio, steps
+        )
+        return pair.eval().requires_grad_(False)
+
+    def _load(self, folder: Path) -> nn.Module:
         from diffusers import WanTransformer3DModel
 
         from wandistill.modelfolder import load_pretrained
 
         try:
-            model = load_pretrained(WanTransformer3DModel, self.weights)
+            model = load_pretrained(WanTransformer3DModel, folder)
         except (OSError, ValueError, KeyError, TypeError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UsageError(
-                f"{self.label}: {str(self.weights)!r} does not load as a WanTransformer3DModel "
-                f"({first})",
+                f"{self.label}: {str(folder)!r} does not load as a WanTransformer3DModel ({first})",
                 fix="pass a folder written by `wandistill train` or `wandistill export`",
             ) from None
         return model.eval().requires_grad_(False)
@@ -208,7 +232,7 @@ def read_run(run: str | Path, *, ema: bool = True, flag: str = "--run") -> Finis
             fix="pass the --out folder of a finished `wandistill train`, or finish it with "
             "--resume",
         )
-    _check_weights(weights, f"{label}: {name}/", "re-run `wandistill train ... --resume`")
+    ratio = _check_student(weights, f"{label}: {name}/", "re-run `wandistill train ... --resume`")
     sampling = _read(run / SAMPLING, SamplingFile, "run file", _RESUME_FIX)
     return FinishedStudent(
         kind="run",
@@ -219,6 +243,7 @@ def read_run(run: str | Path, *, ema: bool = True, flag: str = "--run") -> Finis
         sampling=sampling,
         label=label,
         flag=flag,
+        boundary_ratio=ratio,
     )
 
 
@@ -226,7 +251,7 @@ def read_student(weights: str | Path, *, flag: str = "--student") -> FinishedStu
     """A run's student/ or student_ema/ folder: its schedule comes from the run's sampling.json."""
     weights = Path(weights)
     label = f"{flag} {str(weights)!r}"
-    _check_weights(
+    ratio = _check_student(
         weights, label, "pass <run>/student_ema or <run>/student of a finished `wandistill train`"
     )
     if not (weights.parent / SAMPLING).is_file():
@@ -245,6 +270,7 @@ def read_student(weights: str | Path, *, flag: str = "--student") -> FinishedStu
         sampling=run.sampling,
         label=label,
         flag=flag,
+        boundary_ratio=ratio,
     )
 
 
@@ -260,16 +286,19 @@ def read_export(folder: str | Path, *, flag: str = "--export") -> FinishedStuden
     missing = [p for p in PIPELINE_PIECES if not (folder / p).exists()]
     if missing:
         raise UsageError(f"{label} is incomplete: {', '.join(missing)} missing", fix=fix)
-    _check_weights(folder / "transformer", f"{label}: transformer/", fix)
     marker = _read(folder / EXPORT_MARKER, ExportMarker, "export file", _EXPORT_FIX)
+    names = experts.EXPERTS if marker.boundary_ratio is not None else (experts.HIGH,)
+    for name in names:
+        _check_weights(folder / name, f"{label}: {name}/", fix)
     return FinishedStudent(
         kind="export",
         path=folder,
-        weights=folder / "transformer",
+        weights=folder if marker.boundary_ratio is not None else folder / "transformer",
         schedule=marker.student_schedule.schedule(),
         sizes=marker.sampler,
         label=label,
         flag=flag,
+        boundary_ratio=marker.boundary_ratio,
     )
 
 
@@ -280,6 +309,16 @@ def _read(path: Path, model: type[Any], what: str, fix: str) -> Any:
 
 def _has_weights(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _check_student(folder: Path, label: str, fix: str) -> float | None:
+    """A run's weights folder: one student (None), or a per-expert pair (its boundary_ratio)."""
+    if not (folder / experts.MARKER).is_file():
+        _check_weights(folder, label, fix)
+        return None
+    for name in experts.EXPERTS:
+        _check_weights(folder / name, f"{label}{name}/", fix)
+    return experts.read_marker(folder, fix).boundary_ratio
 
 
 def _check_weights(folder: Path, label: str, fix: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from wandistill.student.experts import pipeline_parts
 from wandistill.student.schedule import StudentSchedule
 
 VAE_SPATIAL = 8
@@ -25,18 +26,18 @@ VAE_TEMPORAL = 4
 def student_pipeline(
     student: nn.Module, schedule: StudentSchedule, *, expand_timesteps: bool = False
 ) -> Any:
-    """A WanPipeline of the student alone: one expert for every step, no text encoder or VAE."""
+    """A WanPipeline of the student alone, no text encoder or VAE: one student for every step,
+    or a per-expert pair as transformer / transformer_2 / boundary_ratio (what export writes, so
+    WanPipeline's own boundary rule routes the steps)."""
     from diffusers import WanPipeline
 
     pipe = WanPipeline(
         tokenizer=None,
         text_encoder=None,
         vae=None,
-        transformer=student,
         scheduler=schedule.make_scheduler(),
-        transformer_2=None,
-        boundary_ratio=None,
         expand_timesteps=expand_timesteps,
+        **pipeline_parts(student),
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -32,9 +32,12 @@ def _save_folder(model: nn.Module, final: Path) -> None:
     tmp = make_temp_dir(final.parent, final.name)
     try:
         model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        for f in sorted(tmp.rglob("*")):  # per-expert students: transformer/, transformer_2/
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            else:
+                fsync_dir(f)
         fsync_dir(tmp)
         if final.exists():  # park the old result, swap, then delete it
             old = make_temp_dir(final.parent, f"{final.name}.old")  # a temp name: see outputs

@@ -57,6 +57,7 @@ from wandistill.plots import LOSS_PNG, plot_loss
 from wandistill.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
 from wandistill.storage import describe as location
 from wandistill.storage import open_storage
+from wandistill.student import experts
 from wandistill.student.config import (
     check_against_cache,
     describe,
@@ -64,7 +65,6 @@ from wandistill.student.config import (
     width,
 )
 from wandistill.student.export import LINKED
-from wandistill.student.init import init_from_teacher
 from wandistill.student.losses import (
     SigmaTable,
     consistency_target,
@@ -72,7 +72,7 @@ from wandistill.student.losses import (
     flow_x0,
     reflow_input,
 )
-from wandistill.student.model import DistillModule, build_student
+from wandistill.student.model import DistillModule
 from wandistill.student.schedule import ObjectivePlan, TeacherSchedule, plan_objectives
 from wandistill.train import checkpoint as ckpt_io
 from wandistill.train.ema import EMA, TargetNetwork
@@ -267,6 +267,9 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
         objectives = objective_plan(cfg, manifest)
     except UsageError as e:
         problems.append(e.message + (f" ({e.fix})" if e.fix else ""))
+    problems += experts.check(
+        cfg.student, cfg.loss, manifest.settings, manifest.dims, objectives, cfg.cache
+    )
     fields = list(DEFAULT_FIELDS)
     if cfg.loss.x0_terms:
         fields.append("final_latent")
@@ -285,12 +288,14 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     out = Path(cfg.out)
     latest = ckpt_io.resolve_latest(out / "checkpoints")
     if resume and latest is not None:
-        ckpt_io.check_state(latest)  # a bad checkpoint fails here, before anything is built
+        _, saved, _ = ckpt_io.check_state(latest)  # a bad one fails here, before any build
+        problems.append(experts.resume_problem(cfg.student, saved.get("meta", {}), latest))
     if not resume and latest is not None:
         problems.append(
             f"--out {cfg.out!r} holds checkpoints of an earlier run; pass --resume to continue "
             "it, or choose a new --out"
         )
+    problems = [p for p in problems if p]
     if problems or objectives is None:
         raise UsageError("; ".join(problems))
     teacher_width = width(tconf) if tconf else width(student_config)
@@ -320,9 +325,7 @@ def setup(
     skip_corrupt: bool,
 ) -> Trainer:
     plan.out.mkdir(parents=True, exist_ok=True)
-    student = build_student(plan.student_config, seed=cfg.seed)
-    if cfg.student.init_from_teacher.path:
-        init_from_teacher(student, cfg.student.init_from_teacher)
+    student = experts.build(cfg.student, plan.student_config, plan.manifest.settings, seed=cfg.seed)
     if cfg.gradient_checkpointing:
         student.enable_gradient_checkpointing()
     target = None
@@ -362,6 +365,7 @@ def setup(
         "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
         "student_schedule": plan.objectives.student.to_json(),
+        "experts": cfg.student.experts,
     }
     start = 0
     if resume:
@@ -496,7 +500,16 @@ def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
         },
         "cache": str(t.plan.cache),
         "sampler": _sampler_sizes(m.settings),
+        "experts": experts_record(t),
     }
+
+
+def experts_record(t: Trainer) -> dict[str, Any] | None:
+    """sampling.json's per-expert record: the split of the K steps (None: one student)."""
+    if t.cfg.student.experts != experts.PER_EXPERT:
+        return None
+    o = t.plan.objectives
+    return experts.split_for(o, t.plan.manifest.dims, t.cfg.student.num_inference_steps).to_json()
 
 
 def _sampler_sizes(settings: dict[str, Any]) -> dict[str, Any] | None:
@@ -528,6 +541,14 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
         console.print(line, soft_wrap=True)
     for line in summary_lines(f"train: {t.plan.objectives.describe()[0]}".split(" ")):
         console.print(line, soft_wrap=True)
+    split = experts_record(t)
+    if split is not None:
+        high, low = (split[f"{n}_steps"] for n in experts.EXPERTS)
+        console.print(
+            f"train: per-expert students split at t = {split['boundary_timestep']:g}: K-step "
+            f"steps {high} -> transformer, {low} -> transformer_2",
+            soft_wrap=True,
+        )
     if not store.complete and not follow:
         console.print(
             "[yellow]train: the cache is not complete; training on the records committed so "

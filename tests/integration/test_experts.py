@@ -1,0 +1,261 @@
+"""One student per Wan 2.2 expert, end to end: tiny Wan 2.2 teacher -> precompute -> train
+`student.experts = "per-expert"` (K = 2: one step per expert) -> export -> stock
+`WanPipeline.from_pretrained(EXPORT)` equals the project's sampler; eval and sample route the
+same way; the bad inputs (Wan 2.1 cache, K too small, a resume that changes experts) write
+nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from wandistill.train.metrics import read_metrics
+
+from cachefixtures import write_cache
+from clirun import run_cli
+
+pytestmark = pytest.mark.slow
+
+K = 2
+MSL = 32
+PROMPTS = ["a cat on a mat", "a dog in the park", "a red car", "the sea at night"]
+TRAIN = [
+    "steps=8",
+    "batch_size=4",
+    "log_every=2",
+    "checkpoint_every=8",
+    "data_threads=1",
+    'device="cpu"',
+    "tensorboard=false",
+    "optim.warmup_steps=0",
+    f"student.num_inference_steps={K}",
+    'student.experts="per-expert"',
+    "loss.output=0.0",
+    "loss.final_latent=0.0",
+    "loss.trajectory=1.0",
+    "loss.consistency=0.5",
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group() -> Iterator[None]:
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Wan 2.2 teacher, a cache of it (4 steps, all recorded) and a per-expert run."""
+    from wandistill.config import load_recipe
+    from wandistill.precompute import run as precompute
+    from wandistill.teacher.tiny import make_tiny_teacher
+    from wandistill.train import run as train
+
+    root = tmp_path_factory.mktemp("experts")
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    teacher = make_tiny_teacher(root / "wan22", wan22=True)
+    sets = [
+        f'teacher.path="{teacher}"',
+        f'prompts="{prompts}"',
+        f'cache.path="{root / "cache"}"',
+        "sampler.num_inference_steps=4",
+        "sampler.height=32",
+        "sampler.width=32",
+        "sampler.batch_size=4",
+        "cache.holdout_fraction=0.0",
+        "previews=0",
+    ]
+    tiny = Path("pipelines/tiny.toml")
+    precompute(load_recipe(tiny, sets, stage="precompute").precompute, quiet=True)
+    init = [f'student.init_from_teacher.path="{teacher}"', "student.ffn_dim=32"]
+    where = [f'cache="{root / "cache"}"', f'out="{root / "run"}"']
+    train(load_recipe(tiny, [*TRAIN, *init, *where], stage="train").train)
+    return {"root": root, "teacher": teacher, "cache": root / "cache", "run": root / "run"}
+
+
+def _snapshot(path: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_the_cache_says_which_expert_made_each_point_and_the_run_splits_k_at_the_boundary(
+    world: dict[str, Path],
+) -> None:
+    manifest = json.loads((world["cache"] / "manifest.json").read_text())
+    assert manifest["dims"]["recorded_experts"] == ["transformer"] * 2 + ["transformer_2"] * 2
+    sampling = json.loads((world["run"] / "sampling.json").read_text())
+    assert sampling["experts"] == {
+        "boundary_ratio": 0.875,
+        "boundary_timestep": 875.0,
+        "transformer_steps": [0],
+        "transformer_2_steps": [1],
+    }
+    ck = world["run"] / "checkpoints" / "checkpoint-8" / "student.safetensors"
+    with safe_open(ck, framework="pt") as f:
+        prefixes = {k.split(".", 1)[0] for k in f.keys()}  # noqa: SIM118
+    assert prefixes == {"transformer", "transformer_2"}
+    rows = [r for r in read_metrics(world["run"]) if "loss" in r]
+    assert rows and all(r["loss_trajectory"] > 0 for r in rows)
+
+
+def test_each_expert_starts_from_its_own_teacher_expert(world: dict[str, Path]) -> None:
+    from wandistill.config import load_recipe
+    from wandistill.student import experts
+
+    cfg = load_recipe(
+        Path("pipelines/tiny.toml"),
+        [*TRAIN, f'student.init_from_teacher.path="{world["teacher"]}"', "student.ffn_dim=32"],
+        stage="train",
+    ).train
+    config = json.loads((world["run"] / "student" / "transformer" / "config.json").read_text())
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    settings = json.loads((world["cache"] / "manifest.json").read_text())["settings"]
+    pair = experts.build(cfg.student, config, settings, seed=0)
+    for name in experts.EXPERTS:
+        path = world["teacher"] / name / "diffusion_pytorch_model.safetensors"
+        with safe_open(path, framework="pt") as f:
+            theirs = f.get_tensor("patch_embedding.weight")
+        mine = getattr(pair, name).state_dict()["patch_embedding.weight"]
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_stock_wan_pipeline_of_the_export_equals_the_projects_sampler_and_uses_both_experts(
+    tmp_path: Path, world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diffusers import WanPipeline
+
+    from wandistill.cache import open_cache
+    from wandistill.cache.schema import pad_embeds
+    from wandistill.student.folders import read_run
+    from wandistill.student.sampler import sample_latents, student_pipeline
+
+    out = tmp_path / "export"
+    code, _, err = run_cli(
+        capsys, "export", "--run", world["run"], "--teacher", world["teacher"], "--out", out
+    )
+    assert code == 0, err
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["transformer_2"] == ["diffusers", "WanTransformer3DModel"]
+    assert index["boundary_ratio"] == 0.875
+    pipe = WanPipeline.from_pretrained(out)
+    pipe.set_progress_bar_config(disable=True)
+    student = read_run(world["run"])
+    ours = student_pipeline(student.load(), student.schedule)
+    high_only = student_pipeline(student.load().transformer, student.schedule)
+    with open_cache(world["cache"]) as store:
+        records = list(store.records())[:2]
+    for rec in records:
+        theirs = pipe(
+            rec.prompt,
+            num_inference_steps=K,
+            guidance_scale=1.0,
+            latents=rec.noise[None],
+            height=32,
+            width=32,
+            num_frames=1,
+            max_sequence_length=MSL,
+            output_type="latent",
+        ).frames
+        embeds = pad_embeds(rec.prompt_embeds, MSL)[None]
+        mine = sample_latents(ours, rec.noise[None], embeds, K)
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=1e-5)
+        one = sample_latents(high_only, rec.noise[None], embeds, K)
+        assert (one - mine).abs().max() > 1e-3  # the low-noise expert took the second step
+
+
+def test_sample_from_the_run_equals_sample_from_its_export_and_eval_runs(
+    tmp_path: Path, world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    export = tmp_path / "export"
+    run_cli(capsys, "export", "--run", world["run"], "--teacher", world["teacher"], "--out", export)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat on a mat\n")
+    pngs = {}
+    for name, flags in (
+        ("run", ["--run", world["run"], "--teacher", world["teacher"]]),
+        ("export", ["--export", export]),
+    ):
+        code, _, err = run_cli(
+            capsys, "sample", "--prompts", prompts, "--out", tmp_path / f"png_{name}", *flags
+        )
+        assert code == 0, err
+        pngs[name] = (tmp_path / f"png_{name}" / "0000.png").read_bytes()
+    assert pngs["run"] == pngs["export"]
+    code, _, err = run_cli(
+        capsys, "eval", "--run", world["run"], "--cache", world["cache"], "--split", "all",
+        "--out", tmp_path / "eval",
+    )  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "eval" / "eval.json").is_file()
+
+
+def _train_cli(
+    capsys: pytest.CaptureFixture[str], cache: Path, out: Path, *sets: str, base: list[str] = TRAIN
+) -> tuple[int, str]:
+    flags = [f for s in [*base, *sets] for f in ("--set", f"train.{s}")]
+    code, _, err = run_cli(
+        capsys, "train", "pipelines/tiny.toml", "--cache", cache, "--out", out, *flags
+    )
+    return code, err
+
+
+def _one_error(err: str) -> str:
+    assert "Traceback" not in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    return line
+
+
+def test_a_k_too_small_for_two_experts_is_refused_naming_the_smallest_k_writing_nothing(
+    tmp_path: Path, world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    code, err = _train_cli(capsys, world["cache"], out, "student.num_inference_steps=1")
+    assert code == 2
+    assert "leaving transformer_2 without a step" in _one_error(err)
+    assert "train.student.num_inference_steps = 2" in err
+    assert not out.exists()
+
+
+def test_per_expert_on_a_wan21_cache_is_refused_writing_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = tmp_path / "wan21"
+    write_cache(cache, range(4))  # a one-expert teacher's cache: no boundary_ratio
+    out = tmp_path / "run"
+    step_imitation = [s for s in TRAIN if not s.startswith("student.num_inference_steps")]
+    code, err = _train_cli(capsys, cache, out, base=step_imitation)
+    assert code == 2
+    assert "needs a cache of a Wan 2.2 A14B teacher" in _one_error(err)
+    assert "train.student.experts = 'one'" in err
+    assert not out.exists()
+
+
+def test_a_resume_that_changes_experts_is_refused_leaving_the_run_as_it_was(
+    world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _snapshot(world["run"])
+    code, err = _train_cli(
+        capsys, world["cache"], world["run"], 'student.experts="one"', "steps=12"
+    )  # fmt: skip
+    assert code == 2  # without --resume: the run folder's checkpoints are refused anyway
+    code, _, err = run_cli(
+        capsys, "train", "pipelines/tiny.toml", "--cache", world["cache"], "--out",
+        world["run"], "--resume", "--steps", "12",
+        *[f for s in TRAIN for f in ("--set", f"train.{s}")],
+        "--set", 'train.student.experts="one"',
+    )  # fmt: skip
+    assert code == 2
+    line = _one_error(err)
+    assert "train.student.experts = 'per-expert'" in line and "'one'" in line
+    assert _snapshot(world["run"]) == before
