@@ -14,6 +14,7 @@ import pytest
 
 from wandistill.cache import open_cache
 from wandistill.cache.manifest import read_manifest
+from wandistill.cache.merge import MergeConfig, merge
 from wandistill.cache.schema import tensor_bytes
 from wandistill.config import load_recipe
 from wandistill.errors import UsageError
@@ -115,6 +116,8 @@ def test_three_parts_one_killed_and_rerun_are_one_jobs_cache_record_for_record(
     assert union.keys() == whole.keys()
     for key, tensors in whole.items():
         assert union[key] == tensors, key  # every tensor's bytes, every field
+    merged = merge(MergeConfig(inputs=tuple(sorted(map(str, out.glob("part-*")))), out=root / "m"))
+    assert merged.records == len(PROMPTS) and records_by_key(root / "m") == whole
     ref = read_manifest(root / "one")
     for i in range(3):
         m = read_manifest(out / f"part-{i:05d}-of-00003")
