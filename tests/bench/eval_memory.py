@@ -8,7 +8,7 @@ demo's do, only fewer steps of it. A 2-step training run gives the student. Then
 runs `evaluate` and reports its peak RSS (ru_maxrss) and seconds. `--repo` adds the same
 measurement with another checkout's wandistill (the baseline: the eval before streaming).
 
-    python tests/bench/eval_memory.py --repo /work/main     # new (this checkout) and baseline
+    python tests/bench/eval_memory.py --repo /tmp/eval-base   # this checkout and a baseline one
 """
 
 from __future__ import annotations
