@@ -153,7 +153,7 @@ def test_parts_that_do_not_belong_with_the_others_are_refused_writing_nothing(
     other = tmp_path / "other.txt"
     other.write_text("\n".join(reversed(PROMPTS)) + "\n")
     message = _refused(world, out, Part(0, 3), prompts=other)
-    assert "prompt file" in message and "sha256" in message
+    assert "prompt file" in message and "(sha256)" in message
 
     with pytest.raises(UsageError, match="out of range"):
         Part(3, 3)

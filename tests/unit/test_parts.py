@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
+from wandistill.cache.manifest import Manifest
 from wandistill.errors import UsageError
-from wandistill.precompute.parts import Part, parse, resolve
+from wandistill.precompute.parts import PARTS_NAME, Part, check_and_record, parse, resolve
+from wandistill.storage import open_storage
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 7])
@@ -71,3 +76,53 @@ def test_a_bad_part_is_one_line_naming_it_with_the_fix(
 def test_part_folders_sort_in_part_order() -> None:
     names = [parse(f"{i}/12").dirname for i in range(12)]
     assert names == sorted(names) and names[3] == "part-00003-of-00012"
+
+
+def _header(guidance: float = 5.0) -> Manifest:
+    return Manifest(
+        backend="webdataset",
+        teacher={"fingerprint": "f" * 64, "path": "/models/a"},
+        settings={"guidance_scale": guidance, "num_inference_steps": 8},
+        fields=[{"name": "noise", "dtype": "float32", "shape": "C,F,H,W"}],
+        numerics={"batch_size": 8},
+    )
+
+
+@pytest.fixture(params=["local", "s3"])
+def parts_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "local":
+        yield str(tmp_path / "parts")
+        return
+    from s3server import BUCKET, s3_server
+
+    with s3_server():
+        yield f"s3://{BUCKET}/parts"
+
+
+def test_the_first_part_records_the_set_and_later_parts_are_checked_against_it(
+    parts_root: str,
+) -> None:
+    check_and_record(parts_root, Part(0, 3), _header(), "a" * 64, "p.txt")
+    assert open_storage(parts_root).exists(PARTS_NAME)
+    # a part on another node: same file contents under another path, the teacher elsewhere
+    moved = _header()
+    moved.teacher = {**moved.teacher, "path": "/elsewhere"}
+    check_and_record(parts_root, Part(2, 3), moved, "a" * 64, "/node7/p.txt")
+    refusals = {
+        "N = 3, not 4": (Part(1, 4), _header(), "a" * 64),
+        "prompt file 'p.txt' differs": (Part(1, 3), _header(), "b" * 64),
+        "settings.guidance_scale: theirs 5.0, this 3.0": (Part(1, 3), _header(3.0), "a" * 64),
+    }
+    for words, (part, header, sha) in refusals.items():
+        with pytest.raises(UsageError) as e:
+            check_and_record(parts_root, part, header, sha, "p.txt")
+        assert words in e.value.message and "\n" not in e.value.message, e.value.message
+        assert PARTS_NAME in e.value.message and e.value.fix
+
+
+def test_a_set_without_any_record_yet_is_taken_over_by_a_fixed_run(tmp_path: Path) -> None:
+    root = str(tmp_path / "parts")
+    check_and_record(root, Part(0, 3), _header(), "a" * 64, "p.txt")
+    check_and_record(root, Part(0, 3), _header(3.0), "a" * 64, "p.txt")  # nothing written yet
+    with pytest.raises(UsageError, match="guidance_scale: theirs 3.0, this 5.0"):
+        check_and_record(root, Part(1, 3), _header(), "a" * 64, "p.txt")  # still: it now binds

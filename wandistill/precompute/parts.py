@@ -15,7 +15,9 @@ file, a killed part is resumed by re-running only it, and a finished part is a c
 every part must share: N, the prompt file's sha256 and the cache header (teacher, sampler
 settings, numerics, fields). The first part to start writes it (an exclusive create); every
 later part, and every retry, is checked against it before anything is written, so a part of
-another N, another prompt file or other settings is refused in one line.
+another N, another prompt file or other settings is refused in one line. (Only the part that
+wrote it may replace it, and only while no part has committed a record: a first run that failed
+on a setting, re-run fixed.)
 
 Why not one cache that all parts write into (each part a writer rank of its own): a cache's
 `finalize` folds every journal into the manifest and deletes them, which is only safe once every
@@ -162,20 +164,20 @@ def check_and_record(
         )
     mine = identity(part, header, prompts_sha256, prompts)
     known = _read_identity(st, root)
-    if known is None or (_differs(known, mine) and not _any_records(root)):
+    if known is None or (_differs(known, mine) and _may_take_over(root, part, known)):
         st.makedirs("")
         if known is None and st.create(PARTS_NAME, _dump(mine)):
             return
-        if known is not None:  # no part committed a record yet: a fixed run takes it over
+        if known is not None:  # its own first part, fixed, before any record: takes it over
             st.put(PARTS_NAME, _dump(mine))
             return
         known = _read_identity(st, root)  # another part created it first: check against it
     problem = _differs(known, mine) if known is not None else None
     if problem:
         raise UsageError(
-            f"{label}: {problem} than the parts already there ({join(root, PARTS_NAME)})",
-            fix="run every part with the same recipe, teacher and prompt file, or give this run "
-            "another --out",
+            f"{label}: {problem} ({join(root, PARTS_NAME)})",
+            fix="run every part with the same N, recipe, teacher and prompt file, or give this "
+            "run another --out",
         )
 
 
@@ -184,6 +186,7 @@ def identity(part: Part, header: mf.Manifest, prompts_sha256: str, prompts: str)
     return {
         "format": PARTS_FORMAT,
         "parts": part.count,
+        "first_part": part.index,  # the part that wrote it (`_may_take_over`)
         "prompts_sha256": prompts_sha256,
         "prompts": prompts,
         "header": {  # what `check_compatible` compares (the teacher's path may differ by node)
@@ -197,20 +200,20 @@ def identity(part: Part, header: mf.Manifest, prompts_sha256: str, prompts: str)
 
 
 def _differs(known: dict[str, Any], mine: dict[str, Any]) -> str | None:
-    """What differs, in a few words naming the values, or None."""
+    """What differs from the parts already there, in a few words naming the values, or None."""
     if known.get("parts") != mine["parts"]:
-        return f"{mine['parts']} parts differs from their {known.get('parts')}"
+        return f"the parts already there are of N = {known.get('parts')}, not {mine['parts']}"
     if known.get("prompts_sha256") != mine["prompts_sha256"]:
         return (
-            f"prompt file {mine['prompts']!r} has other contents than their "
-            f"{known.get('prompts')!r} (sha256 differs)"
+            f"prompt file {mine['prompts']!r} differs from the one the parts already there "
+            f"read, {known.get('prompts')!r} (sha256)"
         )
     diffs = mf.mismatches(known.get("header") or {}, mine["header"])
     if diffs:
         shown = "; ".join(d.replace("cache has", "theirs").replace("this run has", "this")
                           for d in diffs[:3])  # fmt: skip
         more = f" and {len(diffs) - 3} more" if len(diffs) > 3 else ""
-        return f"other settings ({shown}{more})"
+        return f"other settings than the parts already there ({shown}{more})"
     return None
 
 
@@ -223,6 +226,13 @@ def _read_identity(st: Any, root: str) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or obj.get("format") != PARTS_FORMAT:
         raise CacheError(f"{join(root, PARTS_NAME)} is not a wandistill parts record", fix=fix)
     return obj
+
+
+def _may_take_over(root: str, part: Part, known: dict[str, Any]) -> bool:
+    """A run of the part that wrote parts.json may replace it while no part has committed a
+    record (its first run failed on a setting and is re-run fixed). Any other part is checked
+    against it: two parts starting at once with different settings cannot both go on."""
+    return known.get("first_part") == part.index and not _any_records(root)
 
 
 def _any_records(root: str) -> bool:
