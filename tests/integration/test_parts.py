@@ -155,8 +155,11 @@ def test_parts_that_do_not_belong_with_the_others_are_refused_writing_nothing(
     message = _refused(world, out, Part(0, 3), prompts=other)
     assert "prompt file" in message and "(sha256)" in message
 
-    with pytest.raises(UsageError, match="out of range"):
-        Part(3, 3)
+    inside = out / "part-00002-of-00003"  # parts inside a cache: refused before parts.json
+    before = tree(out)
+    message = _refused(world, inside, Part(0, 3))
+    assert "inside" in message and "cache" in message
+    assert tree(out) == before
 
 
 def test_a_part_index_out_of_range_is_one_line_and_a_nonzero_exit(

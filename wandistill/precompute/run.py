@@ -205,7 +205,7 @@ def run(
         )
         try:
             w = _plan(
-                cfg, teacher, prompts, info, null_sink=null_sink, quiet=quiet, part=(part, root)
+                cfg, teacher, prompts, info, null_sink=null_sink, quiet=quiet, part=part, root=root
             )
             return _run(w, report, stop, owned, t0)
         except StopRequested:  # before any record: nothing to flush (embeddings commit themselves)
@@ -279,7 +279,8 @@ def _plan(
     *,
     null_sink: bool,
     quiet: bool,
-    part: tuple[Part | None, str] = (None, ""),
+    part: Part | None = None,
+    root: str = "",
 ) -> Work:
     """This rank's work: the cache header, which batches are still to do, the placement."""
     from wandistill.teacher import placement as pl
@@ -288,9 +289,8 @@ def _plan(
     settings = sampler_settings(teacher, cfg)
     header = _header(cfg, teacher, info, settings)
     cache = storage.describe(cfg.cache.path)
-    part, root = part  # (the part, the shared --out folder its cache is in)
-    if part is not None and not null_sink:  # before anything of the part is written
-        parts.check_and_record(root, part, header, prompt_sha256(cfg.prompts), cfg.prompts)
+    if part is not None and not null_sink:  # before anything of the part is read or written
+        _check_part(cfg, teacher, header, part, root)
     if storage.is_url(cache) and cfg.previews > 0:
         raise UsageError(
             f"precompute.previews = {cfg.previews}: previews are PNG files written next to a "
@@ -331,6 +331,18 @@ def _plan(
         part=part,
         present=sum(k in done for k in keys),
     )
+
+
+def _check_part(
+    cfg: PrecomputeConfig, teacher: Teacher, header: mf.Manifest, part: Part, root: str
+) -> None:
+    """The part's cache folder passes the claim's checks, and the part belongs with the parts
+    already in `root` (`root` is the shared --out; parts.py); only then is `root/parts.json`
+    written, if this is the first part."""
+    cache = storage.describe(cfg.cache.path)
+    if not storage.is_url(cache):  # (a URL is checked by the claim itself)
+        outputs.check(cache, "cache", inputs={"--teacher": teacher.path, "--prompts": cfg.prompts})
+    parts.check_and_record(root, part, header, prompt_sha256(cfg.prompts), cfg.prompts)
 
 
 def _header(
