@@ -485,6 +485,17 @@ def precompute_cmd(
             show_default=_recipe_key("teacher.dtype", "fp32"),
         ),
     ] = None,
+    part: Annotated[
+        str | None,
+        typer.Option(
+            help="I/N: compute only part I (0-based) of N disjoint slices of the prompt list "
+            "(batches I, I+N, ...) into OUT/part-IIIII-of-NNNNN, a cache of its own; re-run a "
+            "part to resume it. Default: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of "
+            "SLURM_ARRAY_TASK_COUNT when set; --part wins over them; --part all: the whole "
+            "list (see docs/distributed.md).",
+            show_default="the whole list",
+        ),
+    ] = None,
     overrides: SetOpt = None,
     dry_run: DryRunOpt = False,
 ) -> None:
@@ -505,6 +516,9 @@ def precompute_cmd(
     ]
     full = load_recipe(recipe, sets, stage="precompute")
     cfg = full.precompute
+    from wandistill.precompute import parts
+
+    job_part = parts.resolve(part, os.environ)
     if dry_run:
         out.print_json(json.dumps(to_dict(cfg)))
         _show_recording(full)
@@ -512,7 +526,7 @@ def precompute_cmd(
     from wandistill.precompute import run
     from wandistill.precompute.run import REPORT_NAME
 
-    s = run(cfg)
+    s = run(cfg, part=job_part)
     from wandistill.storage import open_storage
 
     cache = open_storage(s.cache)

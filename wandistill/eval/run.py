@@ -18,6 +18,10 @@ teacher@N): below 1 the student does in K steps better than the teacher does in 
 column also reports its forwards per sample (CFG doubles the teacher's) and wall time per sample
 (the batched pipeline call divided by the batch, after one untimed warm-up call per column).
 
+Streams: records are read `batch_size` at a time, every column samples the batch, every figure
+goes into a running sum, and the batch is dropped (`Stream`, `_run`); only the grid's first rows
+and the per-record figures are kept, so memory does not grow with the held-out records.
+
 Writes eval.md (the table), eval.json (every figure, per record too) and grid.png (see `grid.py`).
 Deterministic: no randomness is drawn; the figures repeat exactly, the wall times do not.
 """
@@ -25,7 +29,7 @@ Deterministic: no randomness is drawn; the figures repeat exactly, the wall time
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,36 +263,43 @@ def evaluate(
         shared = store.read_shared()
         if teacher is not None:
             _check_teacher(teacher, store.manifest.teacher, cache)
-        records = held_out(store, split, max_records)
-        notes = [n for n in [few_records(store, split, len(records), max_records)] if n]
-    for who in (student, baseline):
-        if who is not None:
-            _check_source(who, store.manifest.teacher, cache)
-    placement = _device_placement(device or Cpu(), teacher, settings)
-    where = placement.execution_device()
-    model = student.load().to(where)
-    _check_fit(model, dims, cache, student.label)
-    legs = [_student_leg(f"student@{k}", "student", model, student, k)]
-    if baseline is not None:
-        legs += _baseline_legs(baseline, k, dims, cache, where)
-    if teacher is not None:
-        legs.insert(0, _teacher_leg(teacher, settings, k, placement))
-    inputs = {"--cache": cache, "--teacher": teacher.path if teacher else None}
-    inputs |= {student.flag: student.path, "--baseline": baseline.path if baseline else None}
-    batches = _batches(records, settings, shared, batch_size)
-    for note in notes:  # once every input checked out: a refused eval shows only its error
-        (warn or _stderr_warning)(note)
-    with outputs.claim(out_dir, "eval", inputs=inputs) as out:
-        loss = _step_loss(model, batches, where)
-        result, finals = _run(legs, batches, settings, loss)
-        result.warnings = notes
-        vae = (teacher, placement) if decode and teacher is not None else None
-        _write(result, finals, records, out.path, vae, grid_records)
-        return result
+        located = held_out(store, split, max_records)
+        notes = [n for n in [few_records(store, split, len(located), max_records)] if n]
+        for who in (student, baseline):
+            if who is not None:
+                _check_source(who, store.manifest.teacher, cache)
+        placement = _device_placement(device or Cpu(), teacher, settings)
+        where = placement.execution_device()
+        model = student.load().to(where)
+        _check_fit(model, dims, cache, student.label)
+        legs = [_student_leg(f"student@{k}", "student", model, student, k)]
+        if baseline is not None:
+            legs += _baseline_legs(baseline, k, dims, cache, where)
+        if teacher is not None:
+            legs.insert(0, _teacher_leg(teacher, settings, k, placement))
+        inputs = {"--cache": cache, "--teacher": teacher.path if teacher else None}
+        inputs |= {student.flag: student.path, "--baseline": baseline.path if baseline else None}
+        for note in notes:  # once every input checked out: a refused eval shows only its error
+            (warn or _stderr_warning)(note)
+        with outputs.claim(out_dir, "eval", inputs=inputs) as out:
+            vae = (teacher, placement) if decode and teacher is not None else None
+            stream = Stream(
+                legs=legs,
+                batches=_batches(store, located, settings, shared, batch_size),
+                model=model,
+                device=where,
+                grid=_Grid(grid_records),
+                decoder=_decoder(*vae) if vae is not None else None,
+            )
+            result = _run(stream, settings)
+            result.warnings = notes
+            _write(result, stream.grid, out.path)
+            return result
 
 
-def held_out(store: CacheStore, split: str, limit: int | None) -> list[Record]:
-    """The records to evaluate, by key (deterministic): held out, or all of a separate cache."""
+def held_out(store: CacheStore, split: str, limit: int | None) -> list[tuple[dict[str, Any], int]]:
+    """Where the records to evaluate are, by key (deterministic): held out, or all of a
+    separate cache. Located, not read: eval reads them a batch at a time (`_batches`)."""
     frac = float(store.manifest.settings.get("holdout_fraction", 0.0))
     located = sorted(store.locate().items())
     if split == "holdout":
@@ -303,7 +314,7 @@ def held_out(store: CacheStore, split: str, limit: int | None) -> list[Record]:
         located = located[:limit]
     if not located:
         raise UsageError(f"cache {str(store.path)!r} has no records in split {split!r}")
-    return [store.read_record(*v) for _, v in located]
+    return [v for _, v in located]
 
 
 def few_records(store: CacheStore, split: str, count: int, limit: int | None) -> str | None:
@@ -448,9 +459,14 @@ def _teacher_leg(
 
 
 def _batches(
-    records: list[Record], settings: dict[str, Any], shared: dict[str, torch.Tensor], size: int
-) -> list[Batch]:
-    """Records in batches, embeddings zero-padded as the pipeline pads them; the negative is the
+    store: CacheStore,
+    located: list[tuple[dict[str, Any], int]],
+    settings: dict[str, Any],
+    shared: dict[str, torch.Tensor],
+    size: int,
+) -> Iterator[Batch]:
+    """The records, read `size` at a time (one batch of records in memory, whatever the
+    split's size), embeddings zero-padded as the pipeline pads them; the negative is the
     record's own or the cache's shared one."""
     msl = int(settings["max_sequence_length"])
     default = shared.get("negative_prompt_embeds")
@@ -460,18 +476,14 @@ def _batches(
         neg = own if own is not None else default
         return pad_embeds(neg if neg is not None else r.prompt_embeds[:0], msl)
 
-    out = []
-    for i in range(0, len(records), size):
-        chunk = records[i : i + size]
-        out.append(
-            Batch(
-                records=chunk,
-                noise=torch.stack([r.noise for r in chunk]).float(),
-                embeds=torch.stack([pad_embeds(r.prompt_embeds, msl) for r in chunk]),
-                negative=torch.stack([negative(r) for r in chunk]),
-            )
+    for i in range(0, len(located), size):
+        chunk = [store.read_record(*where) for where in located[i : i + size]]
+        yield Batch(
+            records=chunk,
+            noise=torch.stack([r.noise for r in chunk]).float(),
+            embeds=torch.stack([pad_embeds(r.prompt_embeds, msl) for r in chunk]),
+            negative=torch.stack([negative(r) for r in chunk]),
         )
-    return out
 
 
 def _first(batch: Batch) -> Batch:
@@ -481,51 +493,120 @@ def _first(batch: Batch) -> Batch:
 # --------------------------------------------------------------------------- run
 
 
-def _sample_all(legs: list[Leg], batches: list[Batch]) -> dict[str, torch.Tensor]:
-    """Every leg over every batch: column name -> final latents; fills in the wall times."""
-    count = sum(len(b.records) for b in batches)
-    finals: dict[str, torch.Tensor] = {}
-    for leg in legs:
-        leg.sample(_first(batches[0]), 1)  # warm-up: lazy inits stay out of the timing
-        outs, seconds = [], 0.0
-        for b in batches:
-            t0 = time.perf_counter()
-            outs.append(leg.sample(b, leg.column.steps))
-            seconds += time.perf_counter() - t0
-        finals[leg.column.name] = torch.cat(outs)
-        leg.column.seconds_per_sample = seconds / count
-    return finals
+Decoder = Callable[[dict[str, torch.Tensor]], dict[str, np.ndarray]]
+"""Final latents per column -> uint8 frames per column (the teacher's VAE, --decode)."""
 
 
-def _run(
-    legs: list[Leg], batches: list[Batch], settings: dict[str, Any], step_loss: float
-) -> tuple[EvalResult, dict[str, torch.Tensor]]:
-    """Sample, then score every column against the cached final latents."""
-    records = [r for b in batches for r in b.records]
+@dataclass(slots=True)
+class _Grid:
+    """The grid's rows: the first `rows` records' cells, kept as the batches go by (the rest of
+    the finals are dropped with their batch)."""
+
+    rows: int
+    prompts: list[str] = field(default_factory=list)
+    cells: list[list[np.ndarray]] = field(default_factory=list)
+    decoded: bool = False
+
+    def add(
+        self,
+        batch: Batch,
+        names: list[str],
+        finals: dict[str, torch.Tensor],
+        frames: dict[str, np.ndarray] | None,
+    ) -> None:
+        take = min(self.rows - len(self.prompts), len(batch.records))
+        ref = finals[names[1]]
+        for i in range(take):
+            self.prompts.append(batch.records[i].prompt)
+            if frames is not None:
+                self.cells.append([gridmod.frames_cell(frames[c][i]) for c in names])
+            else:
+                self.cells.append([gridmod.latent_cell(finals[c][i], ref[i]) for c in names])
+        self.decoded = frames is not None
+
+
+@dataclass(slots=True)
+class _Sums:
+    """Running sums of one column's per-record figures: the means need nothing else."""
+
+    mse: float = 0.0
+    psnr: float = 0.0
+    image_psnr: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class Stream:
+    """One pass over the records: every leg samples each batch, every figure is summed, then
+    the batch is dropped. Memory holds one batch (all its recorded steps) and every column's
+    finals for it, whatever the number of records."""
+
+    legs: list[Leg]
+    batches: Iterator[Batch]
+    model: torch.nn.Module
+    device: torch.device
+    grid: _Grid
+    decoder: Decoder | None = None
+
+
+def _run(stream: Stream, settings: dict[str, Any]) -> EvalResult:
+    """Sample, then score every column against the cached final latents, batch by batch."""
     n = int(settings["num_inference_steps"])
     g = float(settings.get("guidance_scale", 1.0))
-    ref = torch.stack([r.final_latent for r in records]).float()
-    finals = {
-        "noise": torch.cat([b.noise for b in batches]),
-        f"teacher@{n}": ref,
-        **_sample_all(legs, batches),
-    }
     columns = [
         Column("noise", "noise", 0, 0, None),
         Column(f"teacher@{n}", "reference", n, n * (2 if g > 1 else 1), None),
-        *(leg.column for leg in legs),
+        *(leg.column for leg in stream.legs),
     ]
-    per_record: list[dict[str, Any]] = [
-        {"key": r.key, "prompt": r.prompt, "latent_mse": {}} for r in records
-    ]
+    names = [c.name for c in columns]
+    sums = {c: _Sums() for c in names}
+    per_record: list[dict[str, Any]] = []
+    loss = 0.0
+    for i, b in enumerate(stream.batches):
+        if i == 0:
+            for leg in stream.legs:  # warm-up: lazy inits stay out of the timing
+                leg.sample(_first(b), 1)
+        loss += _step_loss_sum(stream.model, b, stream.device)
+        finals = _sample_batch(stream.legs, b, names[1], sums)
+        rows = [{"key": r.key, "prompt": r.prompt, "latent_mse": {}} for r in b.records]
+        ref = finals[names[1]]
+        for c in names:
+            for row, a, r in zip(rows, finals[c], ref, strict=True):
+                row["latent_mse"][c] = mse(a, r)
+                sums[c].mse += row["latent_mse"][c]
+                sums[c].psnr += min(psnr(a, r), PSNR_CAP)
+        frames = stream.decoder(finals) if stream.decoder is not None else None
+        if frames is not None:
+            for c in names:
+                sums[c].image_psnr += sum(
+                    min(image_psnr(a, r), PSNR_CAP)
+                    for a, r in zip(frames[c], frames[names[1]], strict=True)
+                )
+        stream.grid.add(b, names, finals, frames)
+        per_record += rows
+    count = len(per_record)
     for c in columns:
-        pairs = list(zip(finals[c.name], ref, strict=True))
-        errs = [mse(a, b) for a, b in pairs]
-        c.latent_mse = float(np.mean(errs))
-        c.latent_psnr = float(np.mean([min(psnr(a, b), PSNR_CAP) for a, b in pairs]))
-        for row, e in zip(per_record, errs, strict=True):
-            row["latent_mse"][c.name] = e
-    return _summary(columns, len(records), n, step_loss, per_record), finals
+        c.latent_mse, c.latent_psnr = sums[c.name].mse / count, sums[c.name].psnr / count
+        if c.seconds_per_sample is not None:
+            c.seconds_per_sample = sums[c.name].seconds / count
+        if stream.decoder is not None:
+            c.image_psnr = sums[c.name].image_psnr / count
+    return _summary(columns, count, n, loss / count, per_record)
+
+
+def _sample_batch(
+    legs: list[Leg], batch: Batch, reference: str, sums: dict[str, _Sums]
+) -> dict[str, torch.Tensor]:
+    """Every column's final latents for one batch; each leg's wall time added to its sums."""
+    finals = {
+        "noise": batch.noise,
+        reference: torch.stack([r.final_latent for r in batch.records]).float(),
+    }
+    for leg in legs:
+        t0 = time.perf_counter()
+        finals[leg.column.name] = leg.sample(batch, leg.column.steps)
+        sums[leg.column.name].seconds += time.perf_counter() - t0
+    return finals
 
 
 def _summary(
@@ -551,46 +632,31 @@ def _summary(
 
 
 @torch.no_grad()
-def _step_loss(model: torch.nn.Module, batches: list[Batch], device: torch.device) -> float:
-    """The student's output vs the teacher's guided output at every recorded (x_t, t)."""
+def _step_loss_sum(model: torch.nn.Module, batch: Batch, device: torch.device) -> float:
+    """The sum over a batch's records of the student's output vs the teacher's guided output
+    at every recorded (x_t, t) (the mean over records is the step-loss diagnostic)."""
     dtype = next(model.parameters()).dtype
-    losses = []
-    for b in batches:
-        for rec, emb in zip(b.records, b.embeds, strict=True):
-            s = rec.xt.shape[0]
-            pred = model(
-                hidden_states=rec.xt.to(device=device, dtype=dtype),
-                timestep=rec.timesteps.to(device),
-                encoder_hidden_states=emb.expand(s, -1, -1).to(device, dtype),
-                return_dict=False,
-            )[0].cpu()
-            losses.append(mse(pred, rec.teacher_out))
-    return float(np.mean(losses))
+    total = 0.0
+    for rec, emb in zip(batch.records, batch.embeds, strict=True):
+        s = rec.xt.shape[0]
+        pred = model(
+            hidden_states=rec.xt.to(device=device, dtype=dtype),
+            timestep=rec.timesteps.to(device),
+            encoder_hidden_states=emb.expand(s, -1, -1).to(device, dtype),
+            return_dict=False,
+        )[0].cpu()
+        total += mse(pred, rec.teacher_out)
+    return total
 
 
 # --------------------------------------------------------------------------- write
 
 
-def _write(
-    result: EvalResult,
-    finals: dict[str, torch.Tensor],
-    records: list[Record],
-    out: Path,
-    vae: tuple[TeacherFolder, Placement] | None,
-    grid_records: int,
-) -> None:
+def _write(result: EvalResult, grid: _Grid, out: Path) -> None:
     """grid.png (latents, or VAE-decoded frames with --decode), eval.json, eval.md."""
     names = [c.name for c in result.columns]
-    rows = min(grid_records, len(records))
-    if vae is not None:
-        frames = _decode(*vae, finals, names, result)
-        cells = [[gridmod.frames_cell(frames[c][i]) for c in names] for i in range(rows)]
-        result.view = "decoded"
-    else:
-        ref = finals[names[1]]
-        cells = [[gridmod.latent_cell(finals[c][i], ref[i]) for c in names] for i in range(rows)]
-    prompts = [r.prompt for r in records[:rows]]
-    gridmod.write_grid(out / "grid.png", names, prompts, cells)
+    result.view = "decoded" if grid.decoded else "latents"
+    gridmod.write_grid(out / "grid.png", names, grid.prompts, grid.cells)
     result.grid = str(out / "grid.png")
     atomic_write_json(out / "eval.json", result.to_json())
     atomic_write_bytes(out / "eval.md", (result.table() + "\n").encode())
@@ -626,21 +692,15 @@ def _device_placement(
     return pl.resolve_placement(device, folder={}, dtype=torch.float32)
 
 
-def _decode(
-    teacher: TeacherFolder,
-    placement: Placement,
-    finals: dict[str, torch.Tensor],
-    names: list[str],
-    result: EvalResult,
-) -> dict[str, np.ndarray]:
-    """Every column through the teacher's VAE; image PSNR of each against teacher@N's frames."""
+def _decoder(teacher: TeacherFolder, placement: Placement) -> Decoder:
+    """The teacher's VAE, loaded once: each batch's columns decoded to frames (image PSNR of
+    each against teacher@N's frames is summed by `_run`)."""
     from wandistill.placement import load as pl
     from wandistill.teacher.decode import decode_latents
 
     vae = pl.load_component(teacher, "vae", dtype=torch.float32, placement=placement)
-    frames = {c: decode_latents(vae, finals[c]) for c in names}
-    ref = frames[names[1]]
-    for c in result.columns:
-        scores = [min(image_psnr(a, b), PSNR_CAP) for a, b in zip(frames[c.name], ref, strict=True)]
-        c.image_psnr = float(np.mean(scores))
-    return frames
+
+    def decode(finals: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        return {c: decode_latents(vae, latents) for c, latents in finals.items()}
+
+    return decode

@@ -23,6 +23,7 @@ does this for its own shards; the manifest is then never marked complete.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -48,8 +49,10 @@ from wandistill.failures import Stopped, StopRequested, StopSignals, first_line
 from wandistill.finite import NonFiniteError
 from wandistill.placement.estimate import SamplerSizes
 from wandistill.placement.strategies import Placement
+from wandistill.precompute import parts
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
 from wandistill.precompute.numerics import record_numerics
+from wandistill.precompute.parts import Part
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.precompute.table import KeyTable, PromptTable
 from wandistill.progress import SUMMARY_WIDTH, Progress, human_bytes, plural, summary_lines
@@ -174,9 +177,23 @@ def _stopped(signum: int | None, records: int, info: dist.DistInfo | None) -> St
     return Stopped(signum or signal.SIGTERM, progress, info, "re-run the same command to resume")
 
 
-def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) -> Summary:
-    """Run precompute as this process's rank; rank 0 finalizes the manifest at the end."""
+def run(
+    cfg: PrecomputeConfig,
+    *,
+    null_sink: bool = False,
+    quiet: bool = False,
+    part: Part | None = None,
+) -> Summary:
+    """Run precompute as this process's rank; rank 0 finalizes the manifest at the end.
+
+    `part` (`--part I/N`, `parts.resolve`): only that slice of the prompt list, into a cache of
+    its own under `cache.path` (wandistill/precompute/parts.py)."""
     t0 = time.perf_counter()
+    root = storage.describe(cfg.cache.path)
+    if part is not None:
+        cfg = dataclasses.replace(
+            cfg, cache=dataclasses.replace(cfg.cache, path=parts.part_cache(root, part))
+        )
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
     recorded_steps(teacher, cfg)  # a K off the teacher's schedule fails before any work
     prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed, into=PromptTable())
@@ -187,7 +204,9 @@ def run(cfg: PrecomputeConfig, *, null_sink: bool = False, quiet: bool = False) 
             config=run_identity(cfg),
         )
         try:
-            w = _plan(cfg, teacher, prompts, info, null_sink=null_sink, quiet=quiet)
+            w = _plan(
+                cfg, teacher, prompts, info, null_sink=null_sink, quiet=quiet, part=part, root=root
+            )
             return _run(w, report, stop, owned, t0)
         except StopRequested:  # before any record: nothing to flush (embeddings commit themselves)
             raise _stopped(stop.signum, 0, info) from None
@@ -232,6 +251,8 @@ class Work:
     load_kw: dict[str, Any]
     null_sink: bool
     quiet: bool
+    part: Part | None = None
+    """This job's part of the prompt list (None: all of it)."""
     present: int = 0
     """Records of this prompt file committed when this rank planned (the summary takes the
     least over ranks: a rank that planned late may see another's first shards of this run)."""
@@ -258,6 +279,8 @@ def _plan(
     *,
     null_sink: bool,
     quiet: bool,
+    part: Part | None = None,
+    root: str = "",
 ) -> Work:
     """This rank's work: the cache header, which batches are still to do, the placement."""
     from wandistill.placement import load as pl
@@ -266,6 +289,8 @@ def _plan(
     settings = sampler_settings(teacher, cfg)
     header = _header(cfg, teacher, info, settings)
     cache = storage.describe(cfg.cache.path)
+    if part is not None and not null_sink:  # before anything of the part is read or written
+        _check_part(cfg, teacher, header, part, root)
     if storage.is_url(cache) and cfg.previews > 0:
         raise UsageError(
             f"precompute.previews = {cfg.previews}: previews are PNG files written next to a "
@@ -276,6 +301,8 @@ def _plan(
     keys = KeyTable(_key(p, settings) for p in prompts)
     bs = cfg.sampler.batch_size
     batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
+    if part is not None:
+        batches = part.take(batches)  # this part's batches; its ranks share them as below
     mine = batches[info.rank :: info.world_size]
     placement = pl.resolve_placement(
         cfg.teacher.placement,
@@ -301,8 +328,21 @@ def _plan(
         load_kw=load_kw,
         null_sink=null_sink,
         quiet=quiet,
+        part=part,
         present=sum(k in done for k in keys),
     )
+
+
+def _check_part(
+    cfg: PrecomputeConfig, teacher: Teacher, header: mf.Manifest, part: Part, root: str
+) -> None:
+    """The part's cache folder passes the claim's checks, and the part belongs with the parts
+    already in `root` (`root` is the shared --out; parts.py); only then is `root/parts.json`
+    written, if this is the first part."""
+    cache = storage.describe(cfg.cache.path)
+    if not storage.is_url(cache):  # (a URL is checked by the claim itself)
+        outputs.check(cache, "cache", inputs={"--teacher": teacher.path, "--prompts": cfg.prompts})
+    parts.check_and_record(root, part, header, prompt_sha256(cfg.prompts), cfg.prompts)
 
 
 def _header(
@@ -553,13 +593,21 @@ def _finalise(w: Work, enc: Encoded, report: PromptReport, stop: StopSignals, t0
         records_skipped=sum(v["skipped"] for v in views),
         bytes_written=sum(v["bytes"] for v in views),
         seconds=time.perf_counter() - t0,
-        prompts=len(w.prompts),
+        prompts=_prompts_in(w),
         prompts_encoded=sum(v["encoded"] for v in views),
         records_present=min(v["present"] for v in views),
         prompts_truncated=sum(k in cut for k in w.keys),
         ranks=info.world_size,
         is_main=info.is_main,
     )
+
+
+def _prompts_in(w: Work) -> int:
+    """The prompts this job owns: the whole file, or its part's batches."""
+    if w.part is None:
+        return len(w.prompts)
+    n, bs = len(w.prompts), w.cfg.sampler.batch_size
+    return sum(min(bs, n - b * bs) for b in w.part.take(range(-(-n // bs))))
 
 
 def _rank_counts(w: Work, enc: Encoded) -> dict[str, Any]:
@@ -604,11 +652,16 @@ def _earlier_truncations(store: storage.Storage) -> list[str]:
 def run_identity(cfg: PrecomputeConfig) -> dict[str, Any]:
     """What every rank must agree on: the resolved config and the prompt file's bytes (a
     same-named but different file on another node would split the work inconsistently)."""
+    return {"precompute": to_dict(cfg), "prompt_file_sha256": prompt_sha256(cfg.prompts)}
+
+
+def prompt_sha256(path: str) -> str:
+    """The prompt file's sha256 (what ranks, and parts, must agree on)."""
     sha = hashlib.sha256()
-    with contextlib.suppress(OSError), open(cfg.prompts, "rb") as f:
+    with contextlib.suppress(OSError), open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             sha.update(chunk)
-    return {"precompute": to_dict(cfg), "prompt_file_sha256": sha.hexdigest()}
+    return sha.hexdigest()
 
 
 def _barrier(info: dist.DistInfo, stop: StopSignals, records: int) -> None:
