@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from wandistill.cache.manifest import (
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import SHARED_NAME
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
-from wandistill.config import TrainConfig, to_dict
+from wandistill.config import TeacherInitConfig, TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
 from wandistill.failures import (
     Stopped,
@@ -57,6 +58,7 @@ from wandistill.plots import LOSS_PNG, plot_loss
 from wandistill.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
 from wandistill.storage import describe as location
 from wandistill.storage import open_storage
+from wandistill.student import lora
 from wandistill.student.config import (
     check_against_cache,
     describe,
@@ -261,6 +263,8 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     tconf = manifest.teacher.get("transformer_config") or {}
     student_config = resolve_student_config(cfg.student, tconf, manifest.dims)
     problems = check_against_cache(student_config, manifest.dims, cfg.cache)
+    if cfg.student.lora.enabled:
+        problems += lora.plan_problems(cfg.student, student_config, tconf)
     cached = {f["name"] for f in manifest.fields}
     objectives = None
     try:
@@ -285,7 +289,16 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     out = Path(cfg.out)
     latest = ckpt_io.resolve_latest(out / "checkpoints")
     if resume and latest is not None:
-        ckpt_io.check_state(latest)  # a bad checkpoint fails here, before anything is built
+        # a bad checkpoint fails here, before anything is built
+        _, state, _ = ckpt_io.check_state(latest)
+        changed = lora.resume_problem(state["meta"].get("lora"), lora_record(cfg))
+        if changed:
+            raise UsageError(
+                f"--resume: checkpoint {str(latest)!r} cannot continue under this recipe: "
+                f"{changed}",
+                fix="resume with the [train.student.lora] it was trained with, or choose a new "
+                "--out",
+            )
     if not resume and latest is not None:
         problems.append(
             f"--out {cfg.out!r} holds checkpoints of an earlier run; pass --resume to continue "
@@ -322,7 +335,9 @@ def setup(
     plan.out.mkdir(parents=True, exist_ok=True)
     student = build_student(plan.student_config, seed=cfg.seed)
     if cfg.student.init_from_teacher.path:
-        init_from_teacher(student, cfg.student.init_from_teacher)
+        init_from_teacher(student, lora_base(cfg, plan.student_config))
+    if cfg.student.lora.enabled:  # before any wrapper (DDP here, FSDP2's fully_shard) sees it
+        lora.add_lora(student, cfg.student.lora)
     if cfg.gradient_checkpointing:
         student.enable_gradient_checkpointing()
     target = None
@@ -362,6 +377,7 @@ def setup(
         "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
         "student_schedule": plan.objectives.student.to_json(),
+        "lora": lora_record(cfg),
     }
     start = 0
     if resume:
@@ -429,7 +445,7 @@ def restore(
         return 0
     ck = ckpt_io.load_checkpoint(root / name)
     parts = {
-        "student.safetensors": model.student.state_dict(),
+        "student.safetensors": lora.trainable_state_dict(model.student),
         "ema.safetensors": ema.state_dict(),
         "projections.safetensors": model.projection_state(),
     }
@@ -447,7 +463,7 @@ def restore(
             f"checkpoint {str(root / name)!r} was trained on a cache of another teacher",
             fix="resume with the same --cache, or choose a new --out",
         )
-    model.student.load_state_dict(ck.student)
+    lora.load_trainable_state_dict(model.student, ck.student)
     model.projections.load_state_dict(
         {k.removeprefix("projections."): v for k, v in ck.projections.items()}
     )
@@ -496,7 +512,35 @@ def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
         },
         "cache": str(t.plan.cache),
         "sampler": _sampler_sizes(m.settings),
+        "lora": _lora_sampling(t),
     }
+
+
+def lora_record(cfg: TrainConfig) -> dict[str, Any] | None:
+    """The run's LoRA as checkpoints and sampling.json record it (None: a full student)."""
+    if not cfg.student.lora.enabled:
+        return None
+    init = cfg.student.init_from_teacher
+    return lora.record(cfg.student.lora, init.component, init.path)
+
+
+def lora_base(cfg: TrainConfig, student_config: dict[str, Any]) -> TeacherInitConfig:
+    """What `init_from_teacher` copies: as the recipe says; a LoRA student's base is every
+    teacher block."""
+    init = cfg.student.init_from_teacher
+    if not cfg.student.lora.enabled:
+        return init
+    return dataclasses.replace(init, blocks=list(range(int(student_config["num_layers"]))))
+
+
+def _lora_sampling(t: Trainer) -> dict[str, Any] | None:
+    """sampling.json's `lora`: the adapter's config and its base, with the digests of the
+    cache teacher's base component (export checks the --teacher it applies the LoRA to)."""
+    rec = lora_record(t.cfg)
+    if rec is None:
+        return None
+    components = t.plan.manifest.teacher.get("components") or {}
+    return {**rec, "base_files": components.get(rec["component"])}
 
 
 def _sampler_sizes(settings: dict[str, Any]) -> dict[str, Any] | None:
@@ -520,6 +564,7 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
     phrases = [
         f"train: student {describe(t.plan.student_config)},",
         f"{n_params / 1e6:.2f}M params;",
+        *([f"{lora.describe(t.model.student)};"] if lora.is_lora(t.model.student) else []),
         f"{info.world_size} rank(s) on {info.device.type} x batch {cfg.batch_size} x accum "
         f"{cfg.grad_accum} = {global_batch} samples/step;",
         f"cache {t.plan.cache} ({len(store)} records, {state})",
@@ -748,7 +793,8 @@ def set_rng(states: dict[str, torch.Tensor], info: dist.DistInfo) -> None:
 
 
 def save(t: Trainer, step: int) -> None:
-    weights = {"student": t.model.parameters(), "student_ema": t.ema.shadow}
+    trained = [p for _, p in lora.trainable_parameters(t.model)]
+    weights = {"student": trained, "student_ema": t.ema.shadow}
     check_weights(t.info, step, weights)  # never a checkpoint (or final student) of NaN weights
     rng = rng_states(t.info)  # a collective: every rank takes part
     if not t.info.is_main:
@@ -757,7 +803,7 @@ def save(t: Trainer, step: int) -> None:
         t.plan.out / "checkpoints",
         ckpt_io.Checkpoint(
             step=step,
-            student=t.model.student.state_dict(),
+            student=lora.trainable_state_dict(t.model.student),
             ema=t.ema.state_dict(),
             projections=t.model.projection_state(),
             target=t.target.state_dict() if t.target is not None else {},

@@ -1,0 +1,196 @@
+"""A LoRA student end to end: precompute -> train (LoRA on the tiny teacher's transformer, K = 2)
+-> export -> stock `WanPipeline.from_pretrained(TEACHER).load_lora_weights(EXPORT)` samples what
+the project's own sampler samples; `--merge-lora` gives a pipeline that samples the same."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from clirun import run_cli as _cli
+
+pytestmark = pytest.mark.slow
+
+K = 2
+PROMPTS = ["a cat on a mat", "a dog in the park", "a red car", "the sea at night"]
+MSL = 32
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group() -> Iterator[None]:
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Wan 2.1 teacher, its cache (4 steps, all recorded), a LoRA run on it."""
+    from wandistill.config import load_recipe
+    from wandistill.precompute import run as precompute
+    from wandistill.teacher.tiny import make_tiny_teacher
+    from wandistill.train import run as train
+
+    root = tmp_path_factory.mktemp("lora")
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    teacher = make_tiny_teacher(root / "teacher")
+    cache, out = root / "cache", root / "run"
+    recipe = Path("pipelines/tiny.toml")
+    sets = [
+        f'teacher.path="{teacher}"',
+        f'prompts="{prompts}"',
+        f'cache.path="{cache}"',
+        "sampler.num_inference_steps=4",
+        "sampler.height=32",
+        "sampler.width=32",
+        "sampler.batch_size=4",
+        "cache.holdout_fraction=0.0",
+        "previews=0",
+    ]
+    precompute(load_recipe(recipe, sets, stage="precompute").precompute, quiet=True)
+    sets = [
+        f'cache="{cache}"',
+        f'out="{out}"',
+        "steps=8",
+        "batch_size=4",
+        "log_every=4",
+        "checkpoint_every=8",
+        "data_threads=1",
+        'device="cpu"',
+        "tensorboard=false",
+        "optim.warmup_steps=0",
+        "optim.lr=1e-2",
+        "optim.ema_decay=0.5",
+        f"student.num_inference_steps={K}",
+        "student.num_layers=2",  # the teacher's sizes: a LoRA student is the teacher + adapters
+        "student.ffn_dim=32",
+        f'student.init_from_teacher.path="{teacher}"',
+        "student.lora.rank=4",
+        "student.lora.alpha=8",
+        "loss.output=0.0",
+        "loss.final_latent=0.0",
+        "loss.trajectory=1.0",
+        "loss.consistency=0.5",
+    ]
+    train(load_recipe(recipe, sets, stage="train").train)
+    return {"root": root, "teacher": teacher, "cache": cache, "run": out}
+
+
+def _export(capsys, world: dict[str, Path], out: Path, *flags: str) -> str:
+    code, stdout, err = _cli(
+        capsys,
+        "export",
+        "--run",
+        str(world["run"]),
+        "--teacher",
+        str(world["teacher"]),
+        "--out",
+        str(out),
+        *flags,
+    )
+    assert code == 0, err
+    return stdout
+
+
+def _records(world: dict[str, Path]) -> list:
+    from wandistill.cache import open_cache
+
+    with open_cache(world["cache"]) as store:
+        return list(store.records())[:2]
+
+
+def _stock(pipe, rec) -> torch.Tensor:
+    return pipe(
+        rec.prompt,
+        num_inference_steps=K,
+        guidance_scale=1.0,
+        latents=rec.noise[None],
+        height=32,
+        width=32,
+        num_frames=1,
+        max_sequence_length=MSL,
+        output_type="latent",
+    ).frames
+
+
+def _ours(world: dict[str, Path], rec) -> torch.Tensor:
+    """The project's sampler: the run's student (base + adapter) in `student_pipeline`."""
+    from wandistill.cache.schema import pad_embeds
+    from wandistill.student.folders import read_run
+    from wandistill.student.sampler import sample_latents, student_pipeline
+
+    finished = read_run(world["run"])
+    pipe = student_pipeline(finished.load(), finished.schedule)
+    return sample_latents(pipe, rec.noise[None], pad_embeds(rec.prompt_embeds, MSL)[None], K)
+
+
+def test_the_lora_file_in_stock_wan_pipeline_equals_the_projects_sampler(
+    tmp_path: Path, world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import diffusers
+    from diffusers import WanPipeline
+
+    out = tmp_path / "lora"
+    said = _export(capsys, world, out)
+    assert "load_lora_weights" in said and f"num_inference_steps={K}" in said
+    marker = json.loads((out / "wandistill_export.json").read_text())
+    assert marker["format"] == "wandistill-lora" and marker["lora"]["rank"] == 4
+    assert {p.name for p in out.iterdir()} >= {"pytorch_lora_weights.safetensors", "scheduler"}
+    assert not (out / "model_index.json").exists()
+
+    pipe = WanPipeline.from_pretrained(world["teacher"])
+    pipe.set_progress_bar_config(disable=True)
+    scheduler_class = getattr(diffusers, marker["scheduler_class"])
+    pipe.scheduler = scheduler_class.from_pretrained(out, subfolder="scheduler")
+    records = _records(world)
+    plain = [_stock(pipe, rec) for rec in records]  # the teacher at K steps, no LoRA
+    pipe.load_lora_weights(out)
+    for rec, base in zip(records, plain, strict=True):
+        theirs = _stock(pipe, rec)
+        mine = _ours(world, rec)
+        # Same weights, adapter and scheduler; the prompt went through the text encoder here
+        # and came from the cache there (bit-identical on CPU, float32 rounding at most).
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=1e-5)
+        assert (theirs - base).abs().max() > 1e-3  # the adapter changed what the teacher does
+
+
+def test_merge_lora_exports_a_pipeline_that_samples_like_the_lora(
+    tmp_path: Path, world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diffusers import WanPipeline
+
+    out = tmp_path / "merged"
+    _export(capsys, world, out, "--merge-lora")
+    pipe = WanPipeline.from_pretrained(out)
+    pipe.set_progress_bar_config(disable=True)
+    names = [n for n, _ in pipe.transformer.named_parameters()]
+    assert not any("lora" in n for n in names)  # a plain transformer, adapter merged in
+    for rec in _records(world):
+        # merged W + s*BA vs the unmerged x W + s*(x A) B: float32 reordering only
+        torch.testing.assert_close(_stock(pipe, rec), _ours(world, rec), rtol=1e-4, atol=1e-4)
+
+
+def test_a_lora_export_refuses_a_teacher_with_another_transformer_writing_nothing(
+    tmp_path: Path, world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other"
+    shutil.copytree(world["teacher"], other)  # the same encoder and VAE, another transformer
+    weights = other / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    tensors["proj_out.bias"] = tensors["proj_out.bias"] + 1.0
+    save_file(tensors, weights, metadata={"format": "pt"})
+    out = tmp_path / "x"
+    code, _, err = _cli(
+        capsys, "export", "--run", str(world["run"]), "--teacher", str(other), "--out", str(out)
+    )
+    assert code != 0 and "its transformer is not the one the LoRA" in err
+    assert "Traceback" not in err and not out.exists()
