@@ -1086,7 +1086,7 @@ def export_cmd(
     merge_lora: Annotated[
         bool,
         typer.Option(
-            "--merge-lora",
+            "--merge-lora/--no-merge-lora",
             help="A LoRA run: write the WanPipeline with the adapter merged into the teacher's "
             "transformer, instead of the LoRA file for the teacher folder (default: the file).",
         ),

@@ -194,3 +194,76 @@ def test_a_lora_export_refuses_a_teacher_with_another_transformer_writing_nothin
     )
     assert code != 0 and "its transformer is not the one the LoRA" in err
     assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.dist
+def test_two_ddp_ranks_train_the_same_adapter_as_one_rank_with_twice_the_accumulation(
+    tmp_path: Path, world: dict[str, Path]
+) -> None:
+    """Under DDP only the adapters are DDP's parameters (the frozen base has no gradient to
+    reduce): 2 gloo ranks x batch 2 equal 1 rank x batch 2 x accumulation 2."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from wandistill.config import load_recipe
+    from wandistill.train import run
+
+    sets = [
+        "steps=3",
+        "batch_size=2",
+        "checkpoint_every=3",
+        "data_threads=1",
+        'device="cpu"',
+        "tensorboard=false",
+        "optim.lr=1e-2",
+        "student.num_layers=2",
+        "student.ffn_dim=32",
+        f'student.init_from_teacher.path="{world["teacher"]}"',
+        "student.lora.rank=2",
+        "student.lora.dropout=0.0",
+        f'cache="{world["cache"]}"',
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "wandistill",
+        "train",
+        "pipelines/tiny.toml",
+        "--out",
+        str(tmp_path / "ddp"),
+        *[a for s in sets for a in ("--set", s)],
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WANDISTILL_FAIL_AT", None)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=Path(__file__).parents[2],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"torchrun hung:\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-3000:]
+    one = [*sets, f'out="{tmp_path / "one"}"', "grad_accum=2"]
+    run(load_recipe(Path("pipelines/tiny.toml"), one, stage="train").train)
+    for name in ("student", "student_ema"):
+        a = load_file(tmp_path / "ddp" / name / "pytorch_lora_weights.safetensors")
+        b = load_file(tmp_path / "one" / name / "pytorch_lora_weights.safetensors")
+        assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
