@@ -1103,13 +1103,9 @@ def export_cmd(
     _out_dir(out_dir)
     r = export(run, TeacherFolder.open(teacher), out_dir, ema=ema, copy=copy, merge_lora=merge_lora)
     if r.lora:
+        usage = "\n".join(f"  {line}" for line in r.usage.splitlines())
         out.print(
-            f"exported the LoRA {r.weights} to {r.out}; use it as\n"
-            f"  pipe = WanPipeline.from_pretrained({str(teacher)!r})\n"
-            f"  pipe.load_lora_weights({str(r.out)!r})\n"
-            f"  pipe.scheduler = diffusers.{r.scheduler}.from_pretrained({str(r.out)!r}, "
-            "subfolder='scheduler')\n"
-            f"  pipe(prompt, num_inference_steps={r.num_inference_steps}, guidance_scale=1.0)",
+            f"exported the LoRA {r.weights} to {r.out}; use it as\n{usage}",
             highlight=False,
             soft_wrap=True,
         )

@@ -28,17 +28,30 @@ def _no_process_group() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny Wan 2.1 teacher, its cache (4 steps, all recorded), a LoRA run on it."""
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """The tiny Wan 2.1 and Wan 2.2 teachers, a cache of each (4 steps, all recorded), a LoRA
+    run on each (on the Wan 2.2 teacher's high-noise expert, the student running every step)."""
+    root = tmp_path_factory.mktemp("lora")
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    return {
+        layout: _world(root / layout, prompts, wan22=layout == "wan22")
+        for layout in ("wan21", "wan22")
+    }
+
+
+@pytest.fixture
+def world(worlds: dict[str, dict[str, Path]]) -> dict[str, Path]:
+    return worlds["wan21"]
+
+
+def _world(root: Path, prompts: Path, *, wan22: bool) -> dict[str, Path]:
     from wandistill.config import load_recipe
     from wandistill.precompute import run as precompute
     from wandistill.teacher.tiny import make_tiny_teacher
     from wandistill.train import run as train
 
-    root = tmp_path_factory.mktemp("lora")
-    prompts = root / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    teacher = make_tiny_teacher(root / "teacher")
+    teacher = make_tiny_teacher(root / "teacher", wan22=wan22)
     cache, out = root / "cache", root / "run"
     recipe = Path("pipelines/tiny.toml")
     sets = [
@@ -129,12 +142,17 @@ def _ours(world: dict[str, Path], rec) -> torch.Tensor:
     return sample_latents(pipe, rec.noise[None], pad_embeds(rec.prompt_embeds, MSL)[None], K)
 
 
+@pytest.mark.parametrize("layout", ["wan21", "wan22"])
 def test_the_lora_file_in_stock_wan_pipeline_equals_the_projects_sampler(
-    tmp_path: Path, world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    worlds: dict[str, dict[str, Path]],
+    layout: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     import diffusers
     from diffusers import WanPipeline
 
+    world = worlds[layout]
     out = tmp_path / "lora"
     said = _export(capsys, world, out)
     assert "load_lora_weights" in said and f"num_inference_steps={K}" in said
@@ -143,7 +161,12 @@ def test_the_lora_file_in_stock_wan_pipeline_equals_the_projects_sampler(
     assert {p.name for p in out.iterdir()} >= {"pytorch_lora_weights.safetensors", "scheduler"}
     assert not (out / "model_index.json").exists()
 
-    pipe = WanPipeline.from_pretrained(world["teacher"])
+    # Wan 2.2: the student runs every step, so the second expert and the boundary go (the
+    # export's usage lines say so).
+    wan22 = {"transformer_2": None, "boundary_ratio": None} if layout == "wan22" else {}
+    assert marker["wan22_teacher"] == (layout == "wan22")
+    assert ("transformer_2=None, boundary_ratio=None" in marker["usage"]) == bool(wan22)
+    pipe = WanPipeline.from_pretrained(world["teacher"], **wan22)
     pipe.set_progress_bar_config(disable=True)
     scheduler_class = getattr(diffusers, marker["scheduler_class"])
     pipe.scheduler = scheduler_class.from_pretrained(out, subfolder="scheduler")

@@ -83,6 +83,8 @@ class ExportResult:
     scheduler: str = ""
     """The K-step scheduler's diffusers class (what a LoRA export's user loads OUT/scheduler
     with)."""
+    usage: str = ""
+    """A LoRA export: the stock diffusers lines that sample it (also in the marker)."""
 
 
 def export(
@@ -111,9 +113,9 @@ def export(
         tmp = make_temp_dir(claimed.path, "export")
         try:
             if lora_file:
-                scheduler = _build_lora(tmp, finished, teacher)
+                scheduler, usage = _build_lora(tmp, finished, teacher)
             else:
-                scheduler = _build(tmp, finished, teacher, copy=copy)
+                scheduler, usage = _build(tmp, finished, teacher, copy=copy), ""
             _fsync_tree(tmp)
             _install(tmp, claimed.path, last=LORA_FILE if lora_file else INDEX)
         finally:
@@ -125,6 +127,7 @@ def export(
         finished.weights,
         lora=lora_file,
         scheduler=scheduler,
+        usage=usage,
     )
 
 
@@ -200,13 +203,41 @@ def check_lora_base(folder: TeacherFolder, run: FinishedStudent) -> None:
 # --------------------------------------------------------------------------- build
 
 
-def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder) -> str:
+def lora_usage(teacher: Path, out: Path, run: FinishedStudent, scheduler: str, wan22: bool) -> str:
+    """Stock diffusers code that samples a LoRA export as the project's sampler does: the
+    teacher's pipeline with the adapter loaded and the K-step scheduler. A Wan 2.2 teacher's
+    pipeline is loaded without its second expert and boundary (the student runs every step),
+    with the adapted expert as `transformer`."""
+    assert run.lora is not None
+    kw = ""
+    if run.lora.component != "transformer":
+        kw += (
+            f", transformer=WanTransformer3DModel.from_pretrained({str(teacher)!r}, "
+            f"subfolder={run.lora.component!r})"
+        )
+    if wan22:
+        kw += ", transformer_2=None, boundary_ratio=None"
+    return "\n".join(
+        [
+            f"pipe = WanPipeline.from_pretrained({str(teacher)!r}{kw})",
+            f"pipe.load_lora_weights({str(out)!r})",
+            f"pipe.scheduler = diffusers.{scheduler}.from_pretrained({str(out)!r}, "
+            "subfolder='scheduler')",
+            f"pipe(prompt, num_inference_steps={run.num_inference_steps}, guidance_scale=1.0)",
+        ]
+    )
+
+
+def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder) -> tuple[str, str]:
     """The adapter file as train wrote it, the K-step scheduler, the marker; returns the
-    scheduler's class name."""
+    scheduler's class name and the usage lines."""
     shutil.copyfile(run.weights / LORA_FILE, tmp / LORA_FILE)
     scheduler = _scheduler(run.schedule, teacher)
     scheduler.save_pretrained(tmp / "scheduler")
     assert run.lora is not None
+    wan22 = bool(teacher.index.present("transformer_2"))
+    out = tmp.parent.resolve()  # the claimed OUT the entries move into
+    usage = lora_usage(teacher.path.resolve(), out, run, type(scheduler).__name__, wan22)
     sizes = run.sizes.model_dump() if run.sizes is not None else None
     atomic_write_json(
         tmp / MARKER,
@@ -220,11 +251,13 @@ def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder) -> str:
             "teacher": str(teacher.path.resolve()),
             "lora": run.lora.model_dump(),
             "scheduler_class": type(scheduler).__name__,
+            "wan22_teacher": wan22,
+            "usage": usage,
             "student_schedule": run.schedule.to_json(),
             "sampler": sizes,
         },
     )
-    return type(scheduler).__name__
+    return type(scheduler).__name__, usage
 
 
 def _merged_transformer(run: FinishedStudent, teacher: TeacherFolder, folder: Path) -> None:
