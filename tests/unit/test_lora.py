@@ -132,6 +132,13 @@ def test_the_lora_file_is_diffusers_format_and_loads_back_exactly(tmp_path: Path
                 p.normal_()
     path = lora.save_lora_folder(a, tmp_path)
     assert path.name == "pytorch_lora_weights.safetensors"
+    # what a sharded run passes (its gathered adapter) writes the same file
+    gathered = lora.full_trainable_state_dict(a)
+    assert list(gathered) == lora.trainable_names(a)
+    again = lora.save_lora_folder(a, tmp_path / "again", gathered)
+    first, second = load_file(path), load_file(again)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
     keys = set(load_file(path))
     assert "transformer.blocks.0.attn2.to_v.lora_B.weight" in keys
     assert all(k.startswith("transformer.") and ".default." not in k for k in keys)

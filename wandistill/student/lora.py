@@ -102,6 +102,24 @@ def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def trainable_names(model: nn.Module) -> list[str]:
+    """The keys of `trainable_state_dict` of a LoRA student (a full student: every parameter),
+    in parameter order: what a sharded checkpoint (torch.distributed.checkpoint) filters
+    `get_model_state_dict` to."""
+    return [n for n, _ in trainable_parameters(model)]
+
+
+def full_trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`trainable_state_dict` with sharded tensors (FSDP2's DTensors) gathered whole, on the
+    CPU: the adapter alone is gathered, never the frozen base. Under FSDP2 every rank must call
+    it (`full_tensor()` is an all-gather); without sharding it is a CPU copy."""
+    out = {}
+    for name, t in trainable_state_dict(model).items():
+        whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out[name] = whole.detach().cpu()
+    return out
+
+
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of what the optimizer, EMA and finiteness checks cover."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -124,12 +142,16 @@ def load_trainable_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) 
         p.copy_(state[name])
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def adapter_state_dict(
+    model: nn.Module, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The adapter as peft saves it: module names without the adapter name
-    (`blocks.0.attn1.to_q.lora_A.weight`), CPU contiguous tensors."""
+    (`blocks.0.attn1.to_q.lora_A.weight`), CPU contiguous tensors. `state`: the adapter's
+    tensors under `trainable_state_dict` names when the model's own are sharded (pass
+    `full_trainable_state_dict(model)`); None: the model's."""
     from peft.utils import get_peft_model_state_dict
 
-    sd = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    sd = get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER)
     return {k: v.detach().cpu().contiguous() for k, v in sd.items()}
 
 
@@ -139,14 +161,17 @@ def adapter_metadata(model: nn.Module) -> dict[str, Any]:
     return model.peft_config[ADAPTER].to_dict()  # type: ignore[index,union-attr,operator]
 
 
-def save_lora_folder(model: nn.Module, folder: Path) -> Path:
+def save_lora_folder(
+    model: nn.Module, folder: Path, state: dict[str, torch.Tensor] | None = None
+) -> Path:
     """`folder/pytorch_lora_weights.safetensors` in diffusers' Wan LoRA format (what
-    `WanPipeline.save_lora_weights` writes from `get_peft_model_state_dict`)."""
+    `WanPipeline.save_lora_weights` writes from `get_peft_model_state_dict`). `state`: see
+    `adapter_state_dict` (a sharded model's gathered adapter)."""
     from diffusers import WanPipeline
 
     WanPipeline.save_lora_weights(
         folder,
-        transformer_lora_layers=adapter_state_dict(model),
+        transformer_lora_layers=adapter_state_dict(model, state),
         transformer_lora_adapter_metadata=adapter_metadata(model),
         weight_name=LORA_FILE,
         safe_serialization=True,
