@@ -91,7 +91,7 @@ def _world(root: Path, prompts: Path, *, wan22: bool) -> dict[str, Path]:
         "loss.consistency=0.5",
     ]
     train(load_recipe(recipe, sets, stage="train").train)
-    return {"root": root, "teacher": teacher, "cache": cache, "run": out}
+    return {"root": root, "teacher": teacher, "cache": cache, "run": out, "prompts": prompts}
 
 
 def _export(capsys, world: dict[str, Path], out: Path, *flags: str) -> str:
@@ -290,3 +290,19 @@ def test_two_ddp_ranks_train_the_same_adapter_as_one_rank_with_twice_the_accumul
         assert a.keys() == b.keys() and any("lora_B" in k for k in a)
         for key in a:
             torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_sample_runs_a_lora_run_and_refuses_a_lora_export_in_one_line(
+    tmp_path: Path, world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = world["prompts"]
+    common = ["--prompts", str(prompts), "--limit", "1", "--seed", "7"]
+    args = ["sample", "--run", str(world["run"]), "--teacher", str(world["teacher"])]
+    code, _, err = _cli(capsys, *args, "--out", str(tmp_path / "png"), *common)
+    assert code == 0, err
+    assert (tmp_path / "png" / "0000.png").is_file()  # the base + adapter, through --run
+    _export(capsys, world, tmp_path / "lora")
+    args = ["sample", "--export", str(tmp_path / "lora"), "--out", str(tmp_path / "x")]
+    code, _, err = _cli(capsys, *args, *common)
+    assert code == 2 and "is a LoRA export" in err and "--merge-lora" in err
+    assert "Traceback" not in err and not (tmp_path / "x").exists()
