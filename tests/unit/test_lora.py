@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from wandistill.config import StudentLoraConfig, TrainConfig, load_recipe
-from wandistill.errors import ConfigError, UsageError
+from wandistill.errors import ConfigError, UsageError, WandistillError
 from wandistill.student import lora
 from wandistill.teacher.tiny import TRANSFORMER_CONFIG
 from wandistill.train import run
@@ -227,19 +227,27 @@ def test_a_lora_run_trains_checkpoints_and_averages_only_the_adapter(
     assert state["meta"]["lora"]["rank"] == 4
 
 
-def test_resume_with_another_lora_rank_is_refused_before_anything_is_written(
-    tmp_path: Path, base: Path
+def test_a_killed_lora_run_resumes_exactly_and_refuses_another_rank_writing_nothing(
+    tmp_path: Path, base: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     write_cache(tmp_path / "c", range(4))
-    run(_cfg(tmp_path / "c", tmp_path / "run", base, "steps=2"))
-    before = _snapshot(tmp_path / "run")
+    run(_cfg(tmp_path / "c", tmp_path / "whole", base))
+    monkeypatch.setenv("WANDISTILL_FAIL_AT", "0:3")  # dies after step 3; last checkpoint: 2
+    with pytest.raises(WandistillError, match="injected failure"):
+        run(_cfg(tmp_path / "c", tmp_path / "cut", base))
+    monkeypatch.delenv("WANDISTILL_FAIL_AT")
+    before = _snapshot(tmp_path / "cut")
     for change in (["student.lora.rank=8"], ["student.lora.rank=0"]):
         with pytest.raises(UsageError, match="LoRA rank 4.*recipe asks for") as e:
-            run(_cfg(tmp_path / "c", tmp_path / "run", base, "steps=4", *change), resume=True)
+            run(_cfg(tmp_path / "c", tmp_path / "cut", base, *change), resume=True)
         assert "\n" not in e.value.message
-    assert _snapshot(tmp_path / "run") == before
-    r = run(_cfg(tmp_path / "c", tmp_path / "run", base, "steps=4"), resume=True)
+    assert _snapshot(tmp_path / "cut") == before
+    r = run(_cfg(tmp_path / "c", tmp_path / "cut", base), resume=True)
     assert r.start_step == 2 and r.steps == 4
+    for name in ("student", "student_ema"):  # bit-exact (the header's key order is not)
+        a = load_file(tmp_path / "whole" / name / "pytorch_lora_weights.safetensors")
+        b = load_file(tmp_path / "cut" / name / "pytorch_lora_weights.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_bad_lora_recipes_are_refused_before_anything_is_written(
