@@ -22,6 +22,7 @@ adapter parameters as ordinary parameters and the frozen base as parameters with
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from wandistill.config import StudentConfig, StudentLoraConfig
+from wandistill.config import StudentConfig, StudentLoraConfig, TeacherInitConfig
 from wandistill.errors import UsageError
 
 ADAPTER = "default"
@@ -214,6 +215,33 @@ def describe(model: nn.Module) -> str:
         f"LoRA rank {cfg.r} (alpha {cfg.lora_alpha:g}) on {layers} linears: "
         f"{n_own / 1e6:.3f}M trainable of {n_all / 1e6:.2f}M ({100 * n_own / max(n_all, 1):.2f}%)"
     )
+
+
+def run_record(student: StudentConfig) -> dict[str, Any] | None:
+    """The run's LoRA as run.json and checkpoints' meta record it (None: a full student)."""
+    if not student.lora.enabled:
+        return None
+    init = student.init_from_teacher
+    return record(student.lora, init.component, init.path)
+
+
+def sampling_entry(student: StudentConfig, components: dict[str, Any]) -> dict[str, Any] | None:
+    """sampling.json's `lora`: `run_record` plus the digests of the cache teacher's base
+    component (`components`: the manifest's teacher components), which export checks its
+    --teacher against."""
+    rec = run_record(student)
+    if rec is None:
+        return None
+    return {**rec, "base_files": components.get(rec["component"])}
+
+
+def base_init(student: StudentConfig, student_config: dict[str, Any]) -> TeacherInitConfig:
+    """What `init_from_teacher` copies: as the recipe says; a LoRA student's base is every
+    teacher block."""
+    init = student.init_from_teacher
+    if not student.lora.enabled:
+        return init
+    return dataclasses.replace(init, blocks=list(range(int(student_config["num_layers"]))))
 
 
 def record(cfg: StudentLoraConfig, component: str, base: str | None) -> dict[str, Any]:

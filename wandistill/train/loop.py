@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from wandistill.cache.manifest import (
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import SHARED_NAME
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
-from wandistill.config import TeacherInitConfig, TrainConfig, to_dict
+from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
 from wandistill.failures import (
     Stopped,
@@ -291,7 +290,7 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     if resume and latest is not None:
         # a bad checkpoint fails here, before anything is built
         _, state, _ = ckpt_io.check_state(latest)
-        changed = lora.resume_problem(state["meta"].get("lora"), lora_record(cfg))
+        changed = lora.resume_problem(state["meta"].get("lora"), lora.run_record(cfg.student))
         if changed:
             raise UsageError(
                 f"--resume: checkpoint {str(latest)!r} cannot continue under this recipe: "
@@ -335,7 +334,7 @@ def setup(
     plan.out.mkdir(parents=True, exist_ok=True)
     student = build_student(plan.student_config, seed=cfg.seed)
     if cfg.student.init_from_teacher.path:
-        init_from_teacher(student, lora_base(cfg, plan.student_config))
+        init_from_teacher(student, lora.base_init(cfg.student, plan.student_config))
     if cfg.student.lora.enabled:  # before any wrapper (DDP here, FSDP2's fully_shard) sees it
         lora.add_lora(student, cfg.student.lora)
     if cfg.gradient_checkpointing:
@@ -377,7 +376,7 @@ def setup(
         "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
         "student_schedule": plan.objectives.student.to_json(),
-        "lora": lora_record(cfg),
+        "lora": lora.run_record(cfg.student),
     }
     start = 0
     if resume:
@@ -512,35 +511,8 @@ def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
         },
         "cache": str(t.plan.cache),
         "sampler": _sampler_sizes(m.settings),
-        "lora": _lora_sampling(t),
+        "lora": lora.sampling_entry(t.cfg.student, m.teacher.get("components") or {}),
     }
-
-
-def lora_record(cfg: TrainConfig) -> dict[str, Any] | None:
-    """The run's LoRA as checkpoints and sampling.json record it (None: a full student)."""
-    if not cfg.student.lora.enabled:
-        return None
-    init = cfg.student.init_from_teacher
-    return lora.record(cfg.student.lora, init.component, init.path)
-
-
-def lora_base(cfg: TrainConfig, student_config: dict[str, Any]) -> TeacherInitConfig:
-    """What `init_from_teacher` copies: as the recipe says; a LoRA student's base is every
-    teacher block."""
-    init = cfg.student.init_from_teacher
-    if not cfg.student.lora.enabled:
-        return init
-    return dataclasses.replace(init, blocks=list(range(int(student_config["num_layers"]))))
-
-
-def _lora_sampling(t: Trainer) -> dict[str, Any] | None:
-    """sampling.json's `lora`: the adapter's config and its base, with the digests of the
-    cache teacher's base component (export checks the --teacher it applies the LoRA to)."""
-    rec = lora_record(t.cfg)
-    if rec is None:
-        return None
-    components = t.plan.manifest.teacher.get("components") or {}
-    return {**rec, "base_files": components.get(rec["component"])}
 
 
 def _sampler_sizes(settings: dict[str, Any]) -> dict[str, Any] | None:
