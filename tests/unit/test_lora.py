@@ -222,7 +222,7 @@ def test_a_lora_run_trains_checkpoints_and_averages_only_the_adapter(
     import json
 
     sampling = json.loads((tmp_path / "run" / "sampling.json").read_text())
-    assert sampling["lora"]["rank"] == 4 and sampling["lora"]["base"] == str(base)
+    assert sampling["lora"]["rank"] == 4 and sampling["lora"]["base"] == str(base.resolve())
     state = json.loads((ck / "state.json").read_text())
     assert state["meta"]["lora"]["rank"] == 4
 

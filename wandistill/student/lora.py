@@ -232,7 +232,8 @@ def sampling_entry(student: StudentConfig, components: dict[str, Any]) -> dict[s
     rec = run_record(student)
     if rec is None:
         return None
-    return {**rec, "base_files": components.get(rec["component"])}
+    base = str(Path(rec["base"]).resolve())  # sample / eval --run load it from any directory
+    return {**rec, "base": base, "base_files": components.get(rec["component"])}
 
 
 def base_init(student: StudentConfig, student_config: dict[str, Any]) -> TeacherInitConfig:
