@@ -246,7 +246,7 @@ def base_init(student: StudentConfig, student_config: dict[str, Any]) -> Teacher
 
 
 def record(cfg: StudentLoraConfig, component: str, base: str | None) -> dict[str, Any]:
-    """What run.json, checkpoints' meta and sampling.json say about the LoRA (None-free JSON)."""
+    """What run.json, checkpoints' meta and sampling.json say about the LoRA (JSON)."""
     return {
         "rank": cfg.rank,
         "alpha": cfg.scale_alpha,
@@ -312,7 +312,8 @@ def plan_problems(
 
 def resume_problem(saved: dict[str, Any] | None, want: dict[str, Any] | None) -> str | None:
     """Why a checkpoint's LoRA (its meta's `lora`, None: a full student) cannot resume under
-    the recipe's, or None. Rank, alpha and targets shape the adapter; a changed base too."""
+    the recipe's, or None. Rank, alpha and targets shape the adapter; the component is its
+    base."""
     keys = ("rank", "alpha", "target_modules", "component")
 
     def text(rec: dict[str, Any] | None) -> str:
