@@ -1097,15 +1097,33 @@ def export_cmd(
             "symlink them (no extra disk; the teacher folder must stay).",
         ),
     ] = False,
+    merge_lora: Annotated[
+        bool,
+        typer.Option(
+            "--merge-lora/--no-merge-lora",
+            help="A LoRA run: write the WanPipeline with the adapter merged into the teacher's "
+            "transformer, instead of the LoRA file for the teacher folder (default: the file).",
+        ),
+    ] = False,
 ) -> None:
     """Write a WanPipeline folder that stock diffusers loads and runs in K steps.
 
-    The student, its K-step scheduler, the teacher's tokenizer, text encoder and VAE."""
+    The student, its K-step scheduler, the teacher's tokenizer, text encoder and VAE. A LoRA
+    run writes its LoRA file for the teacher folder (and the K-step scheduler) unless
+    --merge-lora."""
     from wandistill.student.export import export
     from wandistill.teacher.folder import TeacherFolder
 
     _out_dir(out_dir)
-    r = export(run, TeacherFolder.open(teacher), out_dir, ema=ema, copy=copy)
+    r = export(run, TeacherFolder.open(teacher), out_dir, ema=ema, copy=copy, merge_lora=merge_lora)
+    if r.lora:
+        usage = "\n".join(f"  {line}" for line in r.usage.splitlines())
+        out.print(
+            f"exported the LoRA {r.weights} to {r.out}; use it as\n{usage}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
     how = "linked" if r.linked else "copied"
     out.print(
         f"exported {r.weights} to {r.out} (tokenizer, text encoder, VAE {how}); use it as\n"

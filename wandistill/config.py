@@ -268,6 +268,49 @@ class TeacherInitConfig:
         )
 
 
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+"""The linears of every Wan block: self- and cross-attention q/k/v/out and the FFN pair (what
+DiffSynth's Wan LoRAs target as q,k,v,o,ffn.0,ffn.2; diffusers names them as here)."""
+
+
+@dataclass(kw_only=True, slots=True)
+@checked("student.lora")
+class StudentLoraConfig:
+    rank: int = num(0, ge=0, le=4096)
+    """LoRA rank r. 0: no LoRA, a full student. > 0: the student is the teacher's transformer
+    (student.init_from_teacher.path, all blocks) frozen, plus peft LoRA adapters of rank r on
+    target_modules; only the adapters are trained, checkpointed and kept in EMA."""
+    alpha: float | None = num(None, gt=0, le=1e6)
+    """LoRA alpha (the update is scaled by alpha / rank). None: alpha = rank (scale 1)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Module names (or name suffixes at a dot, peft's rule) of the nn.Linear layers that get an
+    adapter, e.g. "to_q" (every block's attn1 and attn2) or "blocks.0.attn1.to_q"."""
+    dropout: float = num(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training (peft lora_dropout)."""
+
+    def __post_init__(self) -> None:
+        _problems(
+            (
+                self.rank == 0 or bool(self.target_modules),
+                "student.lora.target_modules is empty; name the linears to adapt, e.g. "
+                f"{list(LORA_TARGETS)}",
+            ),
+            (
+                all(isinstance(t, str) and t.strip() for t in self.target_modules),
+                "student.lora.target_modules holds an empty name",
+            ),
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale_alpha(self) -> float:
+        """alpha as peft receives it (rank when unset)."""
+        return float(self.rank) if self.alpha is None else float(self.alpha)
+
+
 @dataclass(kw_only=True, slots=True)
 @checked("student")
 class StudentConfig:
@@ -292,6 +335,9 @@ class StudentConfig:
     """Wan 2.2 A14B: "one" student replaces both experts; "per-expert" trains a high-noise
     (`transformer`) and a low-noise (`transformer_2`) student, each on the recorded points of
     its side of boundary_ratio, exported with both and the boundary (docs/training.md)."""
+    lora: StudentLoraConfig = field(default_factory=StudentLoraConfig)
+    """`[train.student.lora]`: rank > 0 trains peft LoRA adapters on the teacher's transformer
+    instead of a full student (see docs/training.md, LoRA students)."""
 
     def __post_init__(self) -> None:
         _problems(
@@ -312,6 +358,11 @@ class StudentConfig:
                 self.num_layers is None or len(self.init_from_teacher.blocks) <= self.num_layers,
                 f"student.init_from_teacher.blocks lists {len(self.init_from_teacher.blocks)} "
                 f"blocks but the student has num_layers={self.num_layers}",
+            ),
+            (
+                not self.lora.enabled or bool(self.init_from_teacher.path),
+                "student.lora.rank > 0 needs the base it adapts: set "
+                "student.init_from_teacher.path to the teacher folder",
             ),
         )
 

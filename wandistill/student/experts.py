@@ -238,6 +238,12 @@ def check(
             "teacher"
         ]
     problems = _init_problems(student.init_from_teacher)
+    if student.lora.enabled:
+        problems.append(
+            "train.student.lora (rank > 0) is not supported with train.student.experts = "
+            "'per-expert' yet; set train.student.lora.rank = 0 (full per-expert students) or "
+            "experts = 'one' (one LoRA on one expert's base)"
+        )
     if loss.feature > 0:
         problems.append(
             "loss.feature is not supported with train.student.experts = 'per-expert' (each "
@@ -367,9 +373,11 @@ def build(
     from wandistill.student.model import build_student
 
     if student.experts != PER_EXPERT:
+        from wandistill.student import lora
+
         model = build_student(config, seed=seed)
         if student.init_from_teacher.path:
-            init_from_teacher(model, student.init_from_teacher)
+            init_from_teacher(model, lora.base_init(student, config))
         return model
     made = []
     for name in EXPERTS:

@@ -18,6 +18,19 @@ Everything the export needs besides the teacher's text encoder and VAE comes fro
 the digests of the teacher components the cache was made with; the teacher passed here must have
 the same tokenizer, text encoder and VAE.
 
+A LoRA run (`[train.student.lora]`) exports, by default, its adapter for the teacher folder:
+
+    OUT/
+      pytorch_lora_weights.safetensors   diffusers' Wan LoRA format (`transformer.` keys + config)
+      scheduler/                         the student's K-step scheduler
+      wandistill_export.json             format "wandistill-lora", K, the run, the teacher
+
+used as `pipe = WanPipeline.from_pretrained(TEACHER); pipe.load_lora_weights(OUT);
+pipe.scheduler = <class>.from_pretrained(OUT, subfolder="scheduler")`, then K steps at guidance
+1.0. `--merge-lora` instead writes the pipeline above with the adapter merged into the teacher's
+transformer (fuse_lora + unload_lora). Either way the --teacher's base component must be the
+very one the run's cache was made with (its file digests).
+
 OUT is claimed like every output folder (`wandistill.outputs.claim(out, "export")`: new, empty or
 an earlier export; one writer). The new pipeline is built in a temp folder inside OUT (which the
 claim clears if a writer died), every file fsynced, then moved entry by entry into place with
@@ -40,6 +53,7 @@ from wandistill import __version__, outputs
 from wandistill.errors import UsageError
 from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir
 from wandistill.student.folders import EXPORT_MARKER, SAMPLING, FinishedStudent, read_run
+from wandistill.student.lora import LORA_FILE
 from wandistill.student.schedule import StudentSchedule, build_scheduler
 
 MARKER = EXPORT_MARKER
@@ -66,6 +80,13 @@ class ExportResult:
     num_inference_steps: int
     linked: bool
     weights: Path
+    lora: bool = False
+    """OUT holds a LoRA file for the teacher folder, not a pipeline."""
+    scheduler: str = ""
+    """The K-step scheduler's diffusers class (what a LoRA export's user loads OUT/scheduler
+    with)."""
+    usage: str = ""
+    """A LoRA export: the stock diffusers lines that sample it (also in the marker)."""
 
 
 def export(
@@ -75,21 +96,41 @@ def export(
     *,
     ema: bool = True,
     copy: bool = False,
+    merge_lora: bool = False,
 ) -> ExportResult:
     """Check run, teacher and OUT (nothing is written on any problem), then build and install."""
     finished = read_run(Path(run), ema=ema)
     refuse_non_finite(finished)
     check_teacher(teacher, finished)
+    if merge_lora and finished.lora is None:
+        raise UsageError(
+            f"--merge-lora: {finished.label} is a full student, it has no LoRA to merge",
+            fix="leave --merge-lora out",
+        )
+    if finished.lora is not None:
+        check_lora_base(teacher, finished)
+    lora_file = finished.lora is not None and not merge_lora
     inputs = {"--run": run, "--teacher": teacher.path}
     with outputs.claim(out, "export", inputs=inputs) as claimed:
         tmp = make_temp_dir(claimed.path, "export")
         try:
-            _build(tmp, finished, teacher, copy=copy)
+            if lora_file:
+                scheduler, usage = _build_lora(tmp, finished, teacher)
+            else:
+                scheduler, usage = _build(tmp, finished, teacher, copy=copy), ""
             _fsync_tree(tmp)
-            _install(tmp, claimed.path)
+            _install(tmp, claimed.path, last=LORA_FILE if lora_file else INDEX)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return ExportResult(Path(out), finished.num_inference_steps, not copy, finished.weights)
+    return ExportResult(
+        Path(out),
+        finished.num_inference_steps,
+        not copy,
+        finished.weights,
+        lora=lora_file,
+        scheduler=scheduler,
+        usage=usage,
+    )
 
 
 # --------------------------------------------------------------------------- checks
@@ -141,15 +182,104 @@ def check_teacher(folder: TeacherFolder, run: FinishedStudent) -> TeacherFolder:
     return folder
 
 
+def check_lora_base(folder: TeacherFolder, run: FinishedStudent) -> None:
+    """The --teacher's base component (transformer, or transformer_2 for a Wan 2.2 expert) is
+    the one the run's cache was made with: the LoRA only means something on that base."""
+    assert run.lora is not None
+    name = run.lora.component
+    mine = folder.fingerprint["components"].get(name)
+    if mine is None:
+        raise UsageError(
+            f"--teacher {str(folder.path)!r} has no {name}/ for the LoRA of {run.label}",
+            fix="pass the teacher folder the run was distilled from",
+        )
+    if run.lora.base_files is not None and mine != run.lora.base_files:
+        raise UsageError(
+            f"--teacher {str(folder.path)!r}: its {name} is not the one the LoRA of "
+            f"{run.label} was trained on",
+            fix="pass the teacher the run was distilled from "
+            f"({run.sampling.teacher.path if run.sampling else '?'})",
+        )
+
+
 # --------------------------------------------------------------------------- build
 
 
-def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: bool) -> None:
-    for name, folder in run.expert_folders.items():
-        (tmp / name).mkdir()
-        for f in sorted(folder.iterdir()):
-            if f.is_file():
-                shutil.copyfile(f, tmp / name / f.name)  # copyfile: umask, not 0600
+def lora_usage(teacher: Path, out: Path, run: FinishedStudent, scheduler: str, wan22: bool) -> str:
+    """Stock diffusers code that samples a LoRA export as the project's sampler does: the
+    teacher's pipeline with the adapter loaded and the K-step scheduler. A Wan 2.2 teacher's
+    pipeline is loaded without its second expert and boundary (the student runs every step),
+    with the adapted expert as `transformer`."""
+    assert run.lora is not None
+    kw = ""
+    if run.lora.component != "transformer":
+        kw += (
+            f", transformer=WanTransformer3DModel.from_pretrained({str(teacher)!r}, "
+            f"subfolder={run.lora.component!r})"
+        )
+    if wan22:
+        kw += ", transformer_2=None, boundary_ratio=None"
+    return "\n".join(
+        [
+            f"pipe = WanPipeline.from_pretrained({str(teacher)!r}{kw})",
+            f"pipe.load_lora_weights({str(out)!r})",
+            f"pipe.scheduler = diffusers.{scheduler}.from_pretrained({str(out)!r}, "
+            "subfolder='scheduler')",
+            f"pipe(prompt, num_inference_steps={run.num_inference_steps}, guidance_scale=1.0)",
+        ]
+    )
+
+
+def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder) -> tuple[str, str]:
+    """The adapter file as train wrote it, the K-step scheduler, the marker; returns the
+    scheduler's class name and the usage lines."""
+    shutil.copyfile(run.weights / LORA_FILE, tmp / LORA_FILE)
+    scheduler = _scheduler(run.schedule, teacher)
+    scheduler.save_pretrained(tmp / "scheduler")
+    assert run.lora is not None
+    wan22 = bool(teacher.index.present("transformer_2"))
+    out = tmp.parent.resolve()  # the claimed OUT the entries move into
+    usage = lora_usage(teacher.path.resolve(), out, run, type(scheduler).__name__, wan22)
+    sizes = run.sizes.model_dump() if run.sizes is not None else None
+    atomic_write_json(
+        tmp / MARKER,
+        {
+            "format": "wandistill-lora",
+            "wandistill_version": __version__,
+            "num_inference_steps": run.num_inference_steps,
+            "guidance_scale": 1.0,
+            "run": str(run.path.resolve()),
+            "weights": run.weights.name,
+            "teacher": str(teacher.path.resolve()),
+            "lora": run.lora.model_dump(),
+            "scheduler_class": type(scheduler).__name__,
+            "wan22_teacher": wan22,
+            "usage": usage,
+            "student_schedule": run.schedule.to_json(),
+            "sampler": sizes,
+        },
+    )
+    return type(scheduler).__name__, usage
+
+
+def _merged_transformer(run: FinishedStudent, teacher: TeacherFolder, folder: Path) -> None:
+    """The teacher's base with the adapter merged in (peft's merge, through diffusers'
+    fuse_lora), the adapter layers removed: a plain WanTransformer3DModel folder."""
+    model = run.load(teacher.path)
+    model.fuse_lora()  # type: ignore[operator]
+    model.unload_lora()  # type: ignore[operator]
+    model.save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
+
+
+def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: bool) -> str:
+    if run.lora is not None:
+        _merged_transformer(run, teacher, tmp / "transformer")
+    else:
+        for name, folder in run.expert_folders.items():
+            (tmp / name).mkdir()
+            for f in sorted(folder.iterdir()):
+                if f.is_file():
+                    shutil.copyfile(f, tmp / name / f.name)  # copyfile: umask, not 0600
     scheduler = _scheduler(run.schedule, teacher)
     scheduler.save_pretrained(tmp / "scheduler")
     for name in LINKED:
@@ -177,6 +307,7 @@ def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: boo
             "boundary_ratio": run.boundary_ratio,
         },
     )
+    return type(scheduler).__name__
 
 
 def _scheduler(schedule: StudentSchedule, teacher: TeacherFolder) -> Any:
@@ -226,23 +357,25 @@ def _fsync_tree(folder: Path) -> None:
     fsync_dir(folder)
 
 
-def _install(tmp: Path, out: Path) -> None:
-    """Move the built entries into OUT, model_index.json last. What an earlier export left
-    (the claim made sure OUT holds nothing else of anyone's) is parked in a temp folder, which
-    the claim of a later run removes if this process dies before it does."""
+def _install(tmp: Path, out: Path, *, last: str = INDEX) -> None:
+    """Move the built entries into OUT, `last` (model_index.json, or a LoRA export's LoRA
+    file) last. What an earlier export left (the claim made sure OUT holds nothing else of
+    anyone's) is parked in a temp folder, which the claim of a later run removes if this
+    process dies before it does."""
     old = make_temp_dir(out, "export.old")
     try:
         _park(out / INDEX, old)  # from here until the end, OUT is no loadable pipeline
+        _park(out / LORA_FILE, old)  # nor a loadable LoRA
         fsync_dir(out)
         keep = outputs.BOOKKEEPING | {tmp.name, old.name}
         for entry in sorted(out.iterdir()):
             if entry.name not in keep:
                 _park(entry, old)
         for entry in sorted(tmp.iterdir()):
-            if entry.name != INDEX:
+            if entry.name != last:
                 os.replace(entry, out / entry.name)
         fsync_dir(out)
-        os.replace(tmp / INDEX, out / INDEX)
+        os.replace(tmp / last, out / last)
         fsync_dir(out)
     finally:
         shutil.rmtree(old, ignore_errors=True)

@@ -8,6 +8,10 @@ A student reaches eval, sample and export in one of three forms, and each has it
 - an export (`--export DIR`): the WanPipeline folder `wandistill export` writes, with its
   `wandistill_export.json`.
 
+A LoRA run's weights folders hold only `pytorch_lora_weights.safetensors` (diffusers' LoRA
+format); its sampling.json's `lora` (`LoraRecord`) names the adapter's config and its base, the
+teacher's transformer, which `FinishedStudent.load` reads and adapts.
+
 `sampling.json` and `wandistill_export.json` are parsed through `wandistill.validate` into the
 pydantic models below: a damaged file is one line naming the file and the field, never a
 KeyError. Whatever form it came in, a student carries its K-step schedule
@@ -101,6 +105,26 @@ class TeacherRef(_Strict):
     """tokenizer / text_encoder / vae -> {file: digest} (the cache fingerprint's)."""
 
 
+class LoraRecord(_Strict):
+    """sampling.json's `lora` (`wandistill.student.lora.record`): the adapter and its base."""
+
+    rank: PositiveInt
+    alpha: float
+    target_modules: list[str] = Field(min_length=1)
+    dropout: float = 0.0
+    component: str = "transformer"
+    """The teacher folder's component the adapter applies to (transformer / transformer_2)."""
+    base: str | None = None
+    """student.init_from_teacher.path of the run: the teacher folder (or its component)."""
+    base_files: dict[str, str] | None = None
+    """{file: digest} of the cache teacher's `component` (export checks its --teacher)."""
+
+    def base_folder(self, teacher: Path | None = None) -> Path:
+        """The base transformer folder: `teacher`'s component when given, else the run's."""
+        root = teacher if teacher is not None else Path(self.base or "")
+        return root / self.component if (root / self.component).is_dir() else root
+
+
 class SamplingFile(_Strict):
     """`RUN/sampling.json` (written by `wandistill.train.loop.sampling_record`)."""
 
@@ -114,6 +138,8 @@ class SamplingFile(_Strict):
     cache: str | None = None
     sampler: SamplerSizes | None = None
     """Absent in runs of earlier versions: the cache's manifest has the same values."""
+    lora: LoraRecord | None = None
+    """A LoRA student's adapter and base; None: a full student."""
 
     @model_validator(mode="after")
     def _one_k(self) -> SamplingFile:
@@ -165,15 +191,19 @@ class FinishedStudent:
         if self.boundary_ratio is None:
             return {experts.HIGH: self.weights}
         return {name: self.weights / name for name in experts.EXPERTS}
+    lora: LoraRecord | None = None
+    """A LoRA student: `weights` holds the adapter, its base is the teacher's transformer."""
 
     @property
     def num_inference_steps(self) -> int:
         return self.schedule.num_inference_steps
 
-    def load(self) -> nn.Module:
+    def load(self, base: Path | None = None) -> nn.Module:
         """The student as a WanTransformer3DModel, or an `experts.ExpertPair` of two for a
-        per-expert student (fp32, eval mode, no grad)."""
-        models = {name: self._load(folder) for name, folder in self.expert_folders.items()}
+        per-expert student (fp32, eval mode, no grad). A LoRA student is its base (`base`, a
+        teacher folder, else the run's) with the adapter loaded, unmerged: the computation
+        `WanPipeline.load_lora_weights` sets up."""
+        models = {name: self._load(folder, base) for name, folder in self.expert_folders.items()}
         if self.boundary_ratio is None:
             return models[experts.HIGH]
         steps = int((self.schedule.scheduler or {}).get("num_train_timesteps", 1000))
@@ -182,19 +212,27 @@ class FinishedStudent:
         )
         return pair.eval().requires_grad_(False)
 
-    def _load(self, folder: Path) -> nn.Module:
+    def _load(self, folder: Path, base: Path | None) -> nn.Module:
         from diffusers import WanTransformer3DModel
 
         from wandistill.modelfolder import load_pretrained
 
+        path = folder if self.lora is None else self.lora.base_folder(base)
         try:
-            model = load_pretrained(WanTransformer3DModel, folder)
+            model = load_pretrained(WanTransformer3DModel, path)
         except (OSError, ValueError, KeyError, TypeError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UsageError(
-                f"{self.label}: {str(folder)!r} does not load as a WanTransformer3DModel ({first})",
-                fix="pass a folder written by `wandistill train` or `wandistill export`",
+                f"{self.label}: {str(path)!r} does not load as a WanTransformer3DModel ({first})",
+                fix="pass a folder written by `wandistill train` or `wandistill export`"
+                if self.lora is None
+                else "the LoRA's base (the teacher's transformer) must be where the run found it",
             ) from None
+        if self.lora is not None:
+            from wandistill.student import lora
+
+            lora.add_lora(model, lora.config_from_record(self.lora.model_dump()))
+            lora.load_lora_file(model, self.weights / lora.LORA_FILE)
         return model.eval().requires_grad_(False)
 
     def check_steps(self, steps: int | None, flag: str = "--steps") -> int:
@@ -232,8 +270,13 @@ def read_run(run: str | Path, *, ema: bool = True, flag: str = "--run") -> Finis
             fix="pass the --out folder of a finished `wandistill train`, or finish it with "
             "--resume",
         )
-    ratio = _check_student(weights, f"{label}: {name}/", "re-run `wandistill train ... --resume`")
     sampling = _read(run / SAMPLING, SamplingFile, "run file", _RESUME_FIX)
+    ratio = _check_student(
+        weights,
+        f"{label}: {name}/",
+        "re-run `wandistill train ... --resume`",
+        lora=sampling.lora is not None,
+    )
     return FinishedStudent(
         kind="run",
         path=run,
@@ -244,6 +287,7 @@ def read_run(run: str | Path, *, ema: bool = True, flag: str = "--run") -> Finis
         label=label,
         flag=flag,
         boundary_ratio=ratio,
+        lora=sampling.lora,
     )
 
 
@@ -252,7 +296,10 @@ def read_student(weights: str | Path, *, flag: str = "--student") -> FinishedStu
     weights = Path(weights)
     label = f"{flag} {str(weights)!r}"
     ratio = _check_student(
-        weights, label, "pass <run>/student_ema or <run>/student of a finished `wandistill train`"
+        weights,
+        label,
+        "pass <run>/student_ema or <run>/student of a finished `wandistill train`",
+        lora=_is_lora_folder(weights),
     )
     if not (weights.parent / SAMPLING).is_file():
         raise UsageError(
@@ -271,6 +318,7 @@ def read_student(weights: str | Path, *, flag: str = "--student") -> FinishedStu
         label=label,
         flag=flag,
         boundary_ratio=ratio,
+        lora=run.lora,
     )
 
 
@@ -283,6 +331,12 @@ def read_export(folder: str | Path, *, flag: str = "--export") -> FinishedStuden
         raise UsageError(f"{label} does not exist", fix=fix)
     if not (folder / EXPORT_MARKER).is_file():
         raise UsageError(f"{label} is not a wandistill export (no {EXPORT_MARKER})", fix=fix)
+    if _is_lora_folder(folder):
+        raise UsageError(
+            f"{label} is a LoRA export (a LoRA file for the teacher, not a pipeline)",
+            fix="pass the run it came from (--run RUN with --teacher), or export it with "
+            "--merge-lora",
+        )
     missing = [p for p in PIPELINE_PIECES if not (folder / p).exists()]
     if missing:
         raise UsageError(f"{label} is incomplete: {', '.join(missing)} missing", fix=fix)
@@ -311,26 +365,40 @@ def _has_weights(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
-def _check_student(folder: Path, label: str, fix: str) -> float | None:
+def _check_student(folder: Path, label: str, fix: str, *, lora: bool = False) -> float | None:
     """A run's weights folder: one student (None), or a per-expert pair (its boundary_ratio)."""
     if not (folder / experts.MARKER).is_file():
-        _check_weights(folder, label, fix)
+        _check_weights(folder, label, fix, lora=lora)
         return None
     for name in experts.EXPERTS:
         _check_weights(folder / name, f"{label}{name}/", fix)
     return experts.read_marker(folder, fix).boundary_ratio
 
 
-def _check_weights(folder: Path, label: str, fix: str) -> None:
+def _is_lora_folder(folder: Path) -> bool:
+    from wandistill.student.lora import LORA_FILE
+
+    return (folder / LORA_FILE).is_file() and not (folder / "config.json").exists()
+
+
+def _check_weights(folder: Path, label: str, fix: str, *, lora: bool = False) -> None:
     """The one check of a student weights folder: present, no custom code, no pickle-only
     weights (named with the conversion), config.json + safetensors, config.json typed and of a
-    sane size (before diffusers reads it)."""
+    sane size (before diffusers reads it); a LoRA student's: its LoRA file."""
     from wandistill.modelfolder import refuse_custom_code, require_safetensors
     from wandistill.student.config import check_saved_config
 
     if not folder.is_dir():
         raise UsageError(f"{label} does not exist", fix=fix)
     refuse_custom_code(folder, "student")
+    if lora:
+        from wandistill.modelfolder import read_safetensors
+        from wandistill.student.lora import LORA_FILE
+
+        if not (folder / LORA_FILE).is_file():
+            raise UsageError(f"{label} holds no {LORA_FILE} (a LoRA run's adapter)", fix=fix)
+        read_safetensors(folder / LORA_FILE, what="student LoRA file")  # a valid header
+        return
     require_safetensors(folder, "student")
     if not _has_weights(folder):
         raise UsageError(f"{label} is not a student folder (config.json + safetensors)", fix=fix)

@@ -8,17 +8,24 @@ import torch
 from torch import nn
 
 
+def _trained(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters the optimizer trains: all of a full student, a LoRA student's adapters
+    (the frozen base never changes, so it needs no average)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 class EMA:
-    """`shadow = decay * shadow + (1 - decay) * weights`, after every optimizer step."""
+    """`shadow = decay * shadow + (1 - decay) * weights`, after every optimizer step, over the
+    trained parameters (`wandistill.student.lora.trainable_parameters`)."""
 
     def __init__(self, model: nn.Module, decay: float) -> None:
         self.decay = decay
-        self.names = [n for n, p in model.named_parameters()]
-        self.shadow = [p.detach().float().clone() for p in model.parameters()]
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.shadow = [p.detach().float().clone() for p in _trained(model)]
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        current = [p.detach().float() for p in model.parameters()]
+        current = [p.detach().float() for p in _trained(model)]
         torch._foreach_lerp_(self.shadow, current, 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -35,7 +42,7 @@ class EMA:
     @torch.no_grad()
     def copy_to(self, model: nn.Module) -> None:
         """Write the averaged weights into `model` (a copy of the student)."""
-        for p, t in zip(model.parameters(), self.shadow, strict=True):
+        for p, t in zip(_trained(model), self.shadow, strict=True):
             p.copy_(t)
 
 
@@ -47,19 +54,24 @@ class TargetNetwork:
 
     def __init__(self, student: nn.Module, decay: float) -> None:
         self.decay = decay
+        self.names = {n for n, p in student.named_parameters() if p.requires_grad}
+        """What moves: every parameter of a full student, the adapters of a LoRA student."""
         self.module = copy.deepcopy(student).requires_grad_(False).eval()
+
+    def _mine(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if n in self.names]
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        mine = list(self.module.parameters())
-        torch._foreach_lerp_(mine, [p.detach() for p in model.parameters()], 1.0 - self.decay)
+        mine = [p for _, p in self._mine()]
+        torch._foreach_lerp_(mine, [p.detach() for p in _trained(model)], 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.module.named_parameters())
+        return dict(self._mine())
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name, p in self.module.named_parameters():
+        for name, p in self._mine():
             if name not in state:
                 raise KeyError(f"consistency target state lacks {name}")
             p.copy_(state[name])

@@ -7,6 +7,10 @@
 written under a temp name and swapped into place. `<out>/sampling.json` is written last: K, the
 student's scheduler and the teacher it came from, all that `wandistill export` needs besides the
 weights; its presence marks a finished run.
+
+A LoRA student's folders hold its adapter only, `pytorch_lora_weights.safetensors` in diffusers'
+LoRA format (`wandistill.student.lora.save_lora_folder`); its base is the teacher's transformer
+that sampling.json's `lora` names.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 
 from wandistill.dist import DistInfo, barrier
 from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir, publish
+from wandistill.student import lora
 from wandistill.train.ema import EMA
 
 STUDENT = "student"
@@ -31,7 +36,10 @@ SAMPLING = "sampling.json"
 def _save_folder(model: nn.Module, final: Path) -> None:
     tmp = make_temp_dir(final.parent, final.name)
     try:
-        model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
+        if lora.is_lora(model):  # the adapter alone, as a diffusers LoRA file
+            lora.save_lora_folder(model, tmp)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
         for f in sorted(tmp.rglob("*")):  # per-expert students: transformer/, transformer_2/
             if f.is_file():
                 with open(f, "rb") as fh:

@@ -57,7 +57,7 @@ from wandistill.plots import LOSS_PNG, plot_loss
 from wandistill.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
 from wandistill.storage import describe as location
 from wandistill.storage import open_storage
-from wandistill.student import experts
+from wandistill.student import experts, lora
 from wandistill.student.config import (
     check_against_cache,
     describe,
@@ -261,6 +261,8 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     tconf = manifest.teacher.get("transformer_config") or {}
     student_config = resolve_student_config(cfg.student, tconf, manifest.dims)
     problems = check_against_cache(student_config, manifest.dims, cfg.cache)
+    if cfg.student.lora.enabled:
+        problems += lora.plan_problems(cfg.student, student_config, tconf)
     cached = {f["name"] for f in manifest.fields}
     objectives = None
     try:
@@ -290,6 +292,16 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     if resume and latest is not None:
         _, saved, _ = ckpt_io.check_state(latest)  # a bad one fails here, before any build
         problems.append(experts.resume_problem(cfg.student, saved.get("meta", {}), latest))
+        changed = lora.resume_problem(
+            saved.get("meta", {}).get("lora"), lora.run_record(cfg.student)
+        )
+        if changed:
+            raise UsageError(
+                f"--resume: checkpoint {str(latest)!r} cannot continue under this recipe: "
+                f"{changed}",
+                fix="resume with the [train.student.lora] it was trained with, or choose a new "
+                "--out",
+            )
     if not resume and latest is not None:
         problems.append(
             f"--out {cfg.out!r} holds checkpoints of an earlier run; pass --resume to continue "
@@ -326,6 +338,8 @@ def setup(
 ) -> Trainer:
     plan.out.mkdir(parents=True, exist_ok=True)
     student = experts.build(cfg.student, plan.student_config, plan.manifest.settings, seed=cfg.seed)
+    if cfg.student.lora.enabled:  # before any wrapper (DDP here, FSDP2's fully_shard) sees it
+        lora.add_lora(student, cfg.student.lora)
     if cfg.gradient_checkpointing:
         student.enable_gradient_checkpointing()
     target = None
@@ -366,6 +380,7 @@ def setup(
         "grad_accum": cfg.grad_accum,
         "student_schedule": plan.objectives.student.to_json(),
         "experts": cfg.student.experts,
+        "lora": lora.run_record(cfg.student),
     }
     start = 0
     if resume:
@@ -433,7 +448,7 @@ def restore(
         return 0
     ck = ckpt_io.load_checkpoint(root / name)
     parts = {
-        "student.safetensors": model.student.state_dict(),
+        "student.safetensors": lora.trainable_state_dict(model.student),
         "ema.safetensors": ema.state_dict(),
         "projections.safetensors": model.projection_state(),
     }
@@ -451,7 +466,7 @@ def restore(
             f"checkpoint {str(root / name)!r} was trained on a cache of another teacher",
             fix="resume with the same --cache, or choose a new --out",
         )
-    model.student.load_state_dict(ck.student)
+    lora.load_trainable_state_dict(model.student, ck.student)
     model.projections.load_state_dict(
         {k.removeprefix("projections."): v for k, v in ck.projections.items()}
     )
@@ -501,6 +516,7 @@ def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
         "cache": str(t.plan.cache),
         "sampler": _sampler_sizes(m.settings),
         "experts": experts_record(t),
+        "lora": lora.sampling_entry(t.cfg.student, m.teacher.get("components") or {}),
     }
 
 
@@ -533,6 +549,7 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
     phrases = [
         f"train: student {describe(t.plan.student_config)},",
         f"{n_params / 1e6:.2f}M params;",
+        *([f"{lora.describe(t.model.student)};"] if lora.is_lora(t.model.student) else []),
         f"{info.world_size} rank(s) on {info.device.type} x batch {cfg.batch_size} x accum "
         f"{cfg.grad_accum} = {global_batch} samples/step;",
         f"cache {t.plan.cache} ({len(store)} records, {state})",
@@ -769,7 +786,8 @@ def set_rng(states: dict[str, torch.Tensor], info: dist.DistInfo) -> None:
 
 
 def save(t: Trainer, step: int) -> None:
-    weights = {"student": t.model.parameters(), "student_ema": t.ema.shadow}
+    trained = [p for _, p in lora.trainable_parameters(t.model)]
+    weights = {"student": trained, "student_ema": t.ema.shadow}
     check_weights(t.info, step, weights)  # never a checkpoint (or final student) of NaN weights
     rng = rng_states(t.info)  # a collective: every rank takes part
     if not t.info.is_main:
@@ -778,7 +796,7 @@ def save(t: Trainer, step: int) -> None:
         t.plan.out / "checkpoints",
         ckpt_io.Checkpoint(
             step=step,
-            student=t.model.student.state_dict(),
+            student=lora.trainable_state_dict(t.model.student),
             ema=t.ema.state_dict(),
             projections=t.model.projection_state(),
             target=t.target.state_dict() if t.target is not None else {},
