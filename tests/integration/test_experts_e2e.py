@@ -330,6 +330,12 @@ def test_per_expert_lora_files_in_the_stock_teacher_pipeline_equal_the_projects_
     marker = json.loads((out / "wandistill_export.json").read_text())
     assert marker["format"] == "wandistill-lora" and marker["boundary_ratio"] == 0.875
     assert not (out / "model_index.json").exists()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    args = ["sample", "--export", out, "--prompts", prompts, "--out", tmp_path / "png"]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and "is a LoRA export" in _one_error(err)  # no pipeline: --run or merge
+    assert not (tmp_path / "png").exists()
 
     pipe = WanPipeline.from_pretrained(world["teacher"])  # both experts, its boundary_ratio
     pipe.set_progress_bar_config(disable=True)
