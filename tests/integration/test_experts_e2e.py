@@ -2,7 +2,9 @@
 `student.experts = "per-expert"` (K = 2: one step per expert) -> export -> stock
 `WanPipeline.from_pretrained(EXPORT)` equals the project's sampler; eval and sample route the
 same way; the bad inputs (Wan 2.1 cache, K too small, a resume that changes experts) write
-nothing."""
+nothing. Per-expert LoRA students (one adapter per expert) on the same cache: their two LoRA
+files in the stock teacher pipeline (`load_lora_weights`, the second with
+`load_into_transformer_2=True`) equal the project's sampler."""
 
 from __future__ import annotations
 
@@ -259,3 +261,166 @@ def test_a_resume_that_changes_experts_is_refused_leaving_the_run_as_it_was(
     line = _one_error(err)
     assert "train.student.experts = 'per-expert'" in line and "'one'" in line
     assert _snapshot(world["run"]) == before
+
+
+# --------------------------------------------------------------------------- per-expert LoRA
+
+LORA = ["student.num_layers=2", "student.lora.rank=4", "student.lora.alpha=8", "optim.lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(world: dict[str, Path]) -> Path:
+    """A per-expert LoRA run on the world's cache: each expert's adapter on its teacher expert."""
+    from wandistill.config import load_recipe
+    from wandistill.train import run as train
+
+    out = world["root"] / "lora_run"
+    sets = [
+        *TRAIN,
+        *LORA,
+        "optim.ema_decay=0.5",
+        f'student.init_from_teacher.path="{world["teacher"]}"',
+        "student.ffn_dim=32",
+        f'cache="{world["cache"]}"',
+        f'out="{out}"',
+    ]
+    train(load_recipe(Path("pipelines/tiny.toml"), sets, stage="train").train)
+    return out
+
+
+def _stock(pipe, rec) -> torch.Tensor:
+    return pipe(
+        rec.prompt,
+        num_inference_steps=K,
+        guidance_scale=1.0,
+        latents=rec.noise[None],
+        height=32,
+        width=32,
+        num_frames=1,
+        max_sequence_length=MSL,
+        output_type="latent",
+    ).frames
+
+
+def test_per_expert_lora_files_in_the_stock_teacher_pipeline_equal_the_projects_sampler(
+    tmp_path: Path, world: dict[str, Path], lora_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import diffusers
+    from diffusers import WanPipeline
+
+    from wandistill.cache import open_cache
+    from wandistill.cache.schema import pad_embeds
+    from wandistill.student.folders import read_run
+    from wandistill.student.sampler import sample_latents, student_pipeline
+
+    for name in ("student", "student_ema"):  # one LoRA file per expert, and the boundary
+        files = sorted(str(p.relative_to(lora_run / name)) for p in (lora_run / name).rglob("*"))
+        assert files == [
+            "experts.json",
+            "transformer",
+            "transformer/pytorch_lora_weights.safetensors",
+            "transformer_2",
+            "transformer_2/pytorch_lora_weights.safetensors",
+        ]
+    out = tmp_path / "lora"
+    args = ["export", "--run", lora_run, "--teacher", world["teacher"], "--out", out]
+    code, said, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert "load_into_transformer_2=True" in said
+    marker = json.loads((out / "wandistill_export.json").read_text())
+    assert marker["format"] == "wandistill-lora" and marker["boundary_ratio"] == 0.875
+    assert not (out / "model_index.json").exists()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat\n")
+    args = ["sample", "--export", out, "--prompts", prompts, "--out", tmp_path / "png"]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and "is a LoRA export" in _one_error(err)  # no pipeline: --run or merge
+    assert not (tmp_path / "png").exists()
+
+    pipe = WanPipeline.from_pretrained(world["teacher"])  # both experts, its boundary_ratio
+    pipe.set_progress_bar_config(disable=True)
+    scheduler_class = getattr(diffusers, marker["scheduler_class"])
+    pipe.scheduler = scheduler_class.from_pretrained(out, subfolder="scheduler")
+    with open_cache(world["cache"]) as store:
+        records = list(store.records())[:2]
+    plain = [_stock(pipe, rec) for rec in records]  # the teacher's experts at K steps
+    pipe.load_lora_weights(out / "transformer")
+    high_only = [_stock(pipe, rec) for rec in records]
+    pipe.load_lora_weights(out / "transformer_2", load_into_transformer_2=True)
+    student = read_run(lora_run)
+    ours = student_pipeline(student.load(), student.schedule)
+    for rec, base, one in zip(records, plain, high_only, strict=True):
+        theirs = _stock(pipe, rec)
+        embeds = pad_embeds(rec.prompt_embeds, MSL)[None]
+        mine = sample_latents(ours, rec.noise[None], embeds, K)
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=1e-5)
+        assert (one - base).abs().max() > 1e-3  # the high-noise adapter changed step 0
+        assert (theirs - one).abs().max() > 1e-3  # and the low-noise one step 1
+
+    merged = tmp_path / "merged"
+    args = ["export", "--run", lora_run, "--teacher", world["teacher"], "--out", merged]
+    code, _, err = run_cli(capsys, *args, "--merge-lora")
+    assert code == 0, err
+    index = json.loads((merged / "model_index.json").read_text())
+    assert index["boundary_ratio"] == 0.875
+    assert index["transformer_2"] == ["diffusers", "WanTransformer3DModel"]
+    pipe = WanPipeline.from_pretrained(merged)
+    pipe.set_progress_bar_config(disable=True)
+    for name in ("transformer", "transformer_2"):
+        assert not any("lora" in n for n, _ in getattr(pipe, name).named_parameters())
+    for rec in records:
+        embeds = pad_embeds(rec.prompt_embeds, MSL)[None]
+        mine = sample_latents(ours, rec.noise[None], embeds, K)
+        torch.testing.assert_close(_stock(pipe, rec), mine, rtol=1e-4, atol=1e-4)
+
+
+def test_a_per_expert_lora_run_samples_and_evals_from_its_run_folder(
+    tmp_path: Path, world: dict[str, Path], lora_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a cat on a mat\n")
+    code, _, err = run_cli(
+        capsys, "sample", "--run", lora_run, "--teacher", world["teacher"], "--prompts", prompts,
+        "--out", tmp_path / "png",
+    )  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "png" / "0000.png").is_file()
+    code, _, err = run_cli(
+        capsys, "eval", "--run", lora_run, "--cache", world["cache"], "--split", "all",
+        "--out", tmp_path / "eval",
+    )  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "eval" / "eval.json").is_file()
+
+
+def test_per_expert_lora_bad_inputs_are_one_line_writing_nothing(
+    tmp_path: Path, world: dict[str, Path], lora_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    before = _snapshot(lora_run)
+    base = [*TRAIN, *LORA, f'student.init_from_teacher.path="{world["teacher"]}"']
+    for change, said in (
+        ("student.lora.rank=8", "the recipe asks for LoRA rank 8"),
+        ("student.lora.rank=0", "the recipe asks for a full student"),
+    ):
+        code, _, err = run_cli(
+            capsys, "train", "pipelines/tiny.toml", "--cache", world["cache"], "--out", lora_run,
+            "--resume", "--steps", "12", "--set", "train.student.ffn_dim=32",
+            *[f for s in [*base, change] for f in ("--set", f"train.{s}")],
+        )  # fmt: skip
+        assert code == 2 and said in _one_error(err)
+    assert _snapshot(lora_run) == before
+
+    other = tmp_path / "teacher"  # the same weights, another boundary_ratio
+    shutil.copytree(world["teacher"], other)
+    index = json.loads((other / "model_index.json").read_text())
+    (other / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.5}))
+    out = tmp_path / "x"
+    code, _, err = run_cli(
+        capsys, "export", "--run", lora_run, "--teacher", other, "--out", out
+    )  # fmt: skip
+    assert code == 2
+    line = _one_error(err)
+    assert "boundary_ratio 0.5" in line and "split at 0.875" in line
+    assert not out.exists()

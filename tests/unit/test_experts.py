@@ -189,3 +189,10 @@ def test_a_cache_recording_only_one_experts_points_is_refused() -> None:
     high_only = TeacherSchedule.from_scheduler(sched, 4, [0, 1], boundary_ratio=BOUNDARY_RATIO)
     (problem,) = _problems(high_only)  # step imitation: every recorded step
     assert "train at no recorded point of transformer_2" in problem
+
+
+def test_per_expert_lora_students_pass_the_checks_with_a_two_expert_base(tmp_path: Path) -> None:
+    for name in experts.EXPERTS:
+        (tmp_path / name).mkdir()
+    init = f'student.init_from_teacher.path="{tmp_path}"'
+    assert _problems(_teacher(), "student.num_inference_steps=2", init, "student.lora.rank=4") == []

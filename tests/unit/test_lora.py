@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from wandistill.config import StudentLoraConfig, TrainConfig, load_recipe
 from wandistill.errors import ConfigError, UsageError, WandistillError
-from wandistill.student import lora
+from wandistill.student import experts, lora
 from wandistill.teacher.tiny import TRANSFORMER_CONFIG
 from wandistill.train import run
 
@@ -264,3 +264,115 @@ def test_bad_lora_recipes_are_refused_before_anything_is_written(
         with pytest.raises(UsageError, match=message.replace("(", r"\(")):
             run(_cfg(tmp_path / "c", out, base, *sets))
         assert not out.exists()
+
+
+# --------------------------------------------------------------------------- per-expert
+
+
+def _pair_teacher(root: Path) -> Path:
+    """A folder with two different tiny experts, transformer/ and transformer_2/ (the bases)."""
+    for seed, name in ((5, "transformer"), (6, "transformer_2")):
+        _tiny(seed=seed).save_pretrained(root / name)
+    return root
+
+
+def _lora_pair(teacher: Path, cfg: StudentLoraConfig) -> torch.nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    from wandistill.student.experts import ExpertPair
+    from wandistill.teacher.tiny import BOUNDARY_RATIO
+
+    bases = [WanTransformer3DModel.from_pretrained(teacher / n) for n in experts.EXPERTS]
+    pair = ExpertPair(*bases, BOUNDARY_RATIO, 1000)
+    lora.add_lora(pair, cfg)
+    return pair
+
+
+def test_a_per_expert_pair_gets_one_adapter_per_expert_each_on_its_own_base(
+    tmp_path: Path,
+) -> None:
+    pair = _lora_pair(_pair_teacher(tmp_path), StudentLoraConfig(rank=2))
+    own = lora.trainable_names(pair)
+    assert lora.is_lora(pair)
+    per = {n: [k for k in own if k.startswith(f"{n}.")] for n in experts.EXPERTS}
+    assert len(per["transformer"]) == len(per["transformer_2"]) == len(own) // 2
+    assert all(".lora_" in k for k in own)  # the bases stay frozen
+    bases = [getattr(pair, n).patch_embedding.weight for n in experts.EXPERTS]
+    assert not torch.equal(*bases)  # each expert kept its own teacher expert
+    assert "x 2 experts" in lora.describe(pair)
+
+
+def test_a_per_expert_lora_run_folder_round_trips_through_finished_student_load(
+    tmp_path: Path,
+) -> None:
+    """student/ holds one diffusers LoRA file per expert plus experts.json; `read_run(RUN).load()`
+    rebuilds each expert as its base + its adapter, and samples as the trained pair did."""
+    import json
+    import shutil
+
+    from diffusers import UniPCMultistepScheduler
+
+    from wandistill.student.experts import ExpertPair
+    from wandistill.student.folders import read_run, read_student
+    from wandistill.student.sampler import sample_latents, student_pipeline
+    from wandistill.student.schedule import TeacherSchedule, plan_objectives
+    from wandistill.teacher.tiny import BOUNDARY_RATIO, SCHEDULER_CONFIG
+
+    teacher = _pair_teacher(tmp_path / "teacher")
+    cfg = StudentLoraConfig(rank=4, alpha=2, target_modules=["to_q", "to_v", "ffn.net.2"])
+    pair = _lora_pair(teacher, cfg)
+    with torch.no_grad():
+        for p in pair.parameters():
+            if p.requires_grad:
+                p.normal_(std=0.1)
+    run_dir = tmp_path / "run"
+    lora.save_lora_folder(pair, run_dir / "student")
+    files = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
+    assert files == [
+        "student/experts.json",
+        "student/transformer/pytorch_lora_weights.safetensors",
+        "student/transformer_2/pytorch_lora_weights.safetensors",
+    ]
+    for name in experts.EXPERTS:  # each file in the one-transformer format, its expert's adapter
+        saved = load_file(run_dir / "student" / name / "pytorch_lora_weights.safetensors")
+        mine = lora.adapter_state_dict(getattr(pair, name))
+        assert saved.keys() == {f"transformer.{k}" for k in mine}
+        assert all(torch.equal(saved[f"transformer.{k}"], v) for k, v in mine.items())
+    # what a sharded run passes (the gathered adapter, pair names) writes the same files
+    lora.save_lora_folder(pair, tmp_path / "again", lora.full_trainable_state_dict(pair))
+    for name in experts.EXPERTS:
+        a = load_file(run_dir / "student" / name / "pytorch_lora_weights.safetensors")
+        b = load_file(tmp_path / "again" / name / "pytorch_lora_weights.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    sched = UniPCMultistepScheduler(**SCHEDULER_CONFIG)
+    plan = plan_objectives(
+        load_recipe(None, [], stage="train").train.loss,
+        2,
+        TeacherSchedule.from_scheduler(sched, 4, boundary_ratio=BOUNDARY_RATIO),
+    )
+    entry = {**lora.record(cfg, "transformer", str(teacher)), "expert_base_files": None}
+    sampling = {
+        "format": "wandistill-student",
+        "num_inference_steps": 2,
+        "guidance_scale": 1.0,
+        "student_schedule": plan.student.to_json(),
+        "train_steps": 1,
+        "lora": entry,
+    }
+    (run_dir / "sampling.json").write_text(json.dumps(sampling))
+    shutil.copytree(run_dir / "student", run_dir / "student_ema")  # read_student reads the run
+    finished = read_run(run_dir, ema=False)
+    assert finished.boundary_ratio == BOUNDARY_RATIO and finished.lora is not None
+    assert read_student(run_dir / "student").boundary_ratio == BOUNDARY_RATIO
+    loaded = finished.load()
+    assert isinstance(loaded, ExpertPair)
+    for name in experts.EXPERTS:
+        want = lora.adapter_state_dict(getattr(pair, name))
+        got = lora.adapter_state_dict(getattr(loaded, name))  # loaded frozen: no requires_grad
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    noise = torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    embeds = torch.randn(1, 8, TRANSFORMER_CONFIG["text_dim"])
+    mine = sample_latents(student_pipeline(pair.eval(), plan.student), noise, embeds, 2)
+    theirs = sample_latents(student_pipeline(loaded, plan.student), noise, embeds, 2)
+    torch.testing.assert_close(theirs, mine, rtol=0, atol=0)

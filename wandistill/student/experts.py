@@ -26,8 +26,11 @@ boundary_timestep: current_model = self.transformer`) and the recording sampler'
   `WanPipeline.from_pretrained(export)` applies the rule above, and so does the project's
   sampler (`student.sampler.student_pipeline` passes the pair's parts to the same WanPipeline).
 - **LoRA / FSDP.** `transformers(student)` lists the `WanTransformer3DModel`s of a student (one,
-  or the two experts): give each its own adapter (`add_lora(expert, cfg)` per entry) and shard
-  each one's blocks.
+  or the two experts): `lora.add_lora(pair, cfg)` gives each its own adapter on its own base (the
+  teacher's transformer / transformer_2, every block), the run's weights folders hold one LoRA
+  file per expert, and export writes the two files stock `WanPipeline.load_lora_weights` applies
+  to the teacher folder (the second with `load_into_transformer_2=True`). FSDP shards each one's
+  blocks.
 """
 
 from __future__ import annotations
@@ -238,12 +241,6 @@ def check(
             "teacher"
         ]
     problems = _init_problems(student.init_from_teacher)
-    if student.lora.enabled:
-        problems.append(
-            "train.student.lora (rank > 0) is not supported with train.student.experts = "
-            "'per-expert' yet; set train.student.lora.rank = 0 (full per-expert students) or "
-            "experts = 'one' (one LoRA on one expert's base)"
-        )
     if loss.feature > 0:
         problems.append(
             "loss.feature is not supported with train.student.experts = 'per-expert' (each "
@@ -368,22 +365,23 @@ def build(
     seed: int,
 ) -> nn.Module:
     """The student `train` optimises: one WanTransformer3DModel, or an ExpertPair whose experts
-    start from the teacher's transformer / transformer_2 (same seed for their random init)."""
+    start from the teacher's transformer / transformer_2 (same seed for their random init; a
+    LoRA student's: every block of its expert, the base its adapter goes on)."""
+    from wandistill.student import lora
     from wandistill.student.init import init_from_teacher
     from wandistill.student.model import build_student
 
+    init = lora.base_init(student, config)
     if student.experts != PER_EXPERT:
-        from wandistill.student import lora
-
         model = build_student(config, seed=seed)
-        if student.init_from_teacher.path:
-            init_from_teacher(model, lora.base_init(student, config))
+        if init.path:
+            init_from_teacher(model, init)
         return model
     made = []
     for name in EXPERTS:
         model = build_student(config, seed=seed)
-        if student.init_from_teacher.path:
-            init_from_teacher(model, replace(student.init_from_teacher, component=name))
+        if init.path:
+            init_from_teacher(model, replace(init, component=name))
         made.append(model)
     steps = int((settings.get("scheduler_config") or {}).get("num_train_timesteps", 1000))
     return ExpertPair(made[0], made[1], float(settings["boundary_ratio"]), steps)

@@ -31,6 +31,14 @@ pipe.scheduler = <class>.from_pretrained(OUT, subfolder="scheduler")`, then K st
 transformer (fuse_lora + unload_lora). Either way the --teacher's base component must be the
 very one the run's cache was made with (its file digests).
 
+A per-expert LoRA run (one adapter per Wan 2.2 expert) exports two LoRA files for the Wan 2.2
+teacher folder, `OUT/transformer/` and `OUT/transformer_2/` (each a `pytorch_lora_weights.
+safetensors` in the same format), used as `pipe.load_lora_weights(OUT/transformer)` and
+`pipe.load_lora_weights(OUT/transformer_2, load_into_transformer_2=True)`: the teacher's own
+pipeline then switches experts at its boundary_ratio, which must be the one the run split at
+(checked). `--merge-lora` writes the per-expert pipeline (transformer, transformer_2,
+boundary_ratio) with each adapter merged into its expert.
+
 OUT is claimed like every output folder (`wandistill.outputs.claim(out, "export")`: new, empty or
 an earlier export; one writer). The new pipeline is built in a temp folder inside OUT (which the
 claim clears if a writer died), every file fsynced, then moved entry by entry into place with
@@ -52,6 +60,7 @@ from safetensors import safe_open
 from wandistill import __version__, outputs
 from wandistill.errors import UsageError
 from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir
+from wandistill.student import experts
 from wandistill.student.folders import EXPORT_MARKER, SAMPLING, FinishedStudent, read_run
 from wandistill.student.lora import LORA_FILE
 from wandistill.student.schedule import StudentSchedule, build_scheduler
@@ -110,6 +119,11 @@ def export(
     if finished.lora is not None:
         check_lora_base(teacher, finished)
     lora_file = finished.lora is not None and not merge_lora
+    if lora_file:
+        check_lora_boundary(teacher, finished)
+    last = INDEX
+    if lora_file:
+        last = experts.LOW if finished.boundary_ratio is not None else LORA_FILE
     inputs = {"--run": run, "--teacher": teacher.path}
     with outputs.claim(out, "export", inputs=inputs) as claimed:
         tmp = make_temp_dir(claimed.path, "export")
@@ -119,7 +133,7 @@ def export(
             else:
                 scheduler, usage = _build(tmp, finished, teacher, copy=copy), ""
             _fsync_tree(tmp)
-            _install(tmp, claimed.path, last=LORA_FILE if lora_file else INDEX)
+            _install(tmp, claimed.path, last=last)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return ExportResult(
@@ -183,22 +197,38 @@ def check_teacher(folder: TeacherFolder, run: FinishedStudent) -> TeacherFolder:
 
 
 def check_lora_base(folder: TeacherFolder, run: FinishedStudent) -> None:
-    """The --teacher's base component (transformer, or transformer_2 for a Wan 2.2 expert) is
-    the one the run's cache was made with: the LoRA only means something on that base."""
+    """The --teacher's base component (transformer, or transformer_2 for a Wan 2.2 expert; a
+    per-expert run: both) is the one the run's cache was made with: a LoRA only means something
+    on its base."""
     assert run.lora is not None
-    name = run.lora.component
-    mine = folder.fingerprint["components"].get(name)
-    if mine is None:
+    for name, recorded in run.lora.bases(run.boundary_ratio is not None).items():
+        mine = folder.fingerprint["components"].get(name)
+        if mine is None:
+            raise UsageError(
+                f"--teacher {str(folder.path)!r} has no {name}/ for the LoRA of {run.label}",
+                fix="pass the teacher folder the run was distilled from",
+            )
+        if recorded is not None and mine != recorded:
+            raise UsageError(
+                f"--teacher {str(folder.path)!r}: its {name} is not the one the LoRA of "
+                f"{run.label} was trained on",
+                fix="pass the teacher the run was distilled from "
+                f"({run.sampling.teacher.path if run.sampling else '?'})",
+            )
+
+
+def check_lora_boundary(folder: TeacherFolder, run: FinishedStudent) -> None:
+    """Per-expert LoRA files run inside the teacher's own pipeline, which switches experts at
+    the teacher's boundary_ratio: it must be the one the run split its K steps at."""
+    if run.boundary_ratio is None:
+        return
+    theirs = folder.index.boundary_ratio if folder.index.present(experts.LOW) else None
+    if theirs is None or abs(float(theirs) - run.boundary_ratio) > 1e-9:
         raise UsageError(
-            f"--teacher {str(folder.path)!r} has no {name}/ for the LoRA of {run.label}",
-            fix="pass the teacher folder the run was distilled from",
-        )
-    if run.lora.base_files is not None and mine != run.lora.base_files:
-        raise UsageError(
-            f"--teacher {str(folder.path)!r}: its {name} is not the one the LoRA of "
-            f"{run.label} was trained on",
-            fix="pass the teacher the run was distilled from "
-            f"({run.sampling.teacher.path if run.sampling else '?'})",
+            f"--teacher {str(folder.path)!r} switches experts at boundary_ratio {theirs}, but the "
+            f"per-expert LoRAs of {run.label} were trained split at {run.boundary_ratio:g}",
+            fix="pass the Wan 2.2 teacher the run was distilled from, or export with "
+            "--merge-lora (a pipeline that carries the run's boundary_ratio)",
         )
 
 
@@ -209,8 +239,20 @@ def lora_usage(teacher: Path, out: Path, run: FinishedStudent, scheduler: str, w
     """Stock diffusers code that samples a LoRA export as the project's sampler does: the
     teacher's pipeline with the adapter loaded and the K-step scheduler. A Wan 2.2 teacher's
     pipeline is loaded without its second expert and boundary (the student runs every step),
-    with the adapted expert as `transformer`."""
+    with the adapted expert as `transformer`; per-expert LoRAs go one into each expert of the
+    teacher's own pipeline."""
     assert run.lora is not None
+    if run.boundary_ratio is not None:
+        return "\n".join(
+            [
+                f"pipe = WanPipeline.from_pretrained({str(teacher)!r})",
+                f"pipe.load_lora_weights({str(out / experts.HIGH)!r})",
+                f"pipe.load_lora_weights({str(out / experts.LOW)!r}, load_into_transformer_2=True)",
+                f"pipe.scheduler = diffusers.{scheduler}.from_pretrained({str(out)!r}, "
+                "subfolder='scheduler')",
+                f"pipe(prompt, num_inference_steps={run.num_inference_steps}, guidance_scale=1.0)",
+            ]
+        )
     kw = ""
     if run.lora.component != "transformer":
         kw += (
@@ -231,9 +273,14 @@ def lora_usage(teacher: Path, out: Path, run: FinishedStudent, scheduler: str, w
 
 
 def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder) -> tuple[str, str]:
-    """The adapter file as train wrote it, the K-step scheduler, the marker; returns the
-    scheduler's class name and the usage lines."""
-    shutil.copyfile(run.weights / LORA_FILE, tmp / LORA_FILE)
+    """The adapter file as train wrote it (per expert: `transformer/`, `transformer_2/`), the
+    K-step scheduler, the marker; returns the scheduler's class name and the usage lines."""
+    if run.boundary_ratio is None:
+        shutil.copyfile(run.weights / LORA_FILE, tmp / LORA_FILE)
+    else:
+        for name, folder in run.expert_folders.items():
+            (tmp / name).mkdir()
+            shutil.copyfile(folder / LORA_FILE, tmp / name / LORA_FILE)
     scheduler = _scheduler(run.schedule, teacher)
     scheduler.save_pretrained(tmp / "scheduler")
     assert run.lora is not None
@@ -257,23 +304,28 @@ def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder) -> tupl
             "usage": usage,
             "student_schedule": run.schedule.to_json(),
             "sampler": sizes,
+            "boundary_ratio": run.boundary_ratio,
         },
     )
     return type(scheduler).__name__, usage
 
 
-def _merged_transformer(run: FinishedStudent, teacher: TeacherFolder, folder: Path) -> None:
+def _merged_transformers(run: FinishedStudent, teacher: TeacherFolder, tmp: Path) -> None:
     """The teacher's base with the adapter merged in (peft's merge, through diffusers'
-    fuse_lora), the adapter layers removed: a plain WanTransformer3DModel folder."""
+    fuse_lora), the adapter layers removed: a plain WanTransformer3DModel folder, `transformer/`
+    (per-expert: and `transformer_2/`, each expert's own adapter merged into it)."""
     model = run.load(teacher.path)
-    model.fuse_lora()  # type: ignore[operator]
-    model.unload_lora()  # type: ignore[operator]
-    model.save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
+    for name, expert in experts.pipeline_parts(model).items():
+        if not isinstance(expert, torch.nn.Module):
+            continue  # boundary_ratio, or no transformer_2
+        expert.fuse_lora()  # type: ignore[operator]
+        expert.unload_lora()  # type: ignore[operator]
+        expert.save_pretrained(tmp / name, safe_serialization=True)  # type: ignore[operator]
 
 
 def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: bool) -> str:
     if run.lora is not None:
-        _merged_transformer(run, teacher, tmp / "transformer")
+        _merged_transformers(run, teacher, tmp)
     else:
         for name, folder in run.expert_folders.items():
             (tmp / name).mkdir()
@@ -366,6 +418,7 @@ def _install(tmp: Path, out: Path, *, last: str = INDEX) -> None:
     try:
         _park(out / INDEX, old)  # from here until the end, OUT is no loadable pipeline
         _park(out / LORA_FILE, old)  # nor a loadable LoRA
+        _park(out / last, old)  # nor the (per-expert) entry whose presence says complete
         fsync_dir(out)
         keep = outputs.BOOKKEEPING | {tmp.name, old.name}
         for entry in sorted(out.iterdir()):

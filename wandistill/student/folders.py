@@ -10,7 +10,9 @@ A student reaches eval, sample and export in one of three forms, and each has it
 
 A LoRA run's weights folders hold only `pytorch_lora_weights.safetensors` (diffusers' LoRA
 format); its sampling.json's `lora` (`LoraRecord`) names the adapter's config and its base, the
-teacher's transformer, which `FinishedStudent.load` reads and adapts.
+teacher's transformer, which `FinishedStudent.load` reads and adapts. A per-expert LoRA run's
+hold one such file in `transformer/` and one in `transformer_2/` (plus `experts.json`), each
+expert's adapter on its own teacher expert.
 
 `sampling.json` and `wandistill_export.json` are parsed through `wandistill.validate` into the
 pydantic models below: a damaged file is one line naming the file and the field, never a
@@ -118,11 +120,22 @@ class LoraRecord(_Strict):
     """student.init_from_teacher.path of the run: the teacher folder (or its component)."""
     base_files: dict[str, str] | None = None
     """{file: digest} of the cache teacher's `component` (export checks its --teacher)."""
+    expert_base_files: dict[str, dict[str, str] | None] | None = None
+    """Per-expert students: transformer / transformer_2 -> {file: digest} of each expert's base
+    (each adapter applies to its own expert)."""
 
-    def base_folder(self, teacher: Path | None = None) -> Path:
-        """The base transformer folder: `teacher`'s component when given, else the run's."""
+    def bases(self, per_expert: bool) -> dict[str, dict[str, str] | None]:
+        """The teacher components the adapters apply to -> their recorded digests."""
+        if per_expert:
+            return dict(self.expert_base_files or dict.fromkeys(experts.EXPERTS))
+        return {self.component: self.base_files}
+
+    def base_folder(self, teacher: Path | None = None, component: str | None = None) -> Path:
+        """The base transformer folder: `teacher`'s component when given, else the run's
+        (`component`: a per-expert student's expert; default: the recorded one)."""
+        name = component or self.component
         root = teacher if teacher is not None else Path(self.base or "")
-        return root / self.component if (root / self.component).is_dir() else root
+        return root / name if (root / name).is_dir() else root
 
 
 class SamplingFile(_Strict):
@@ -185,14 +198,15 @@ class FinishedStudent:
     boundary_ratio: float | None = None
     """Per-expert students (`weights` holds transformer/ and transformer_2/); None: one."""
 
+    lora: LoraRecord | None = None
+    """A LoRA student: `weights` holds the adapter, its base is the teacher's transformer."""
+
     @property
     def expert_folders(self) -> dict[str, Path]:
-        """WanPipeline component name -> its WanTransformer3DModel folder."""
+        """WanPipeline component name -> its WanTransformer3DModel (or LoRA) folder."""
         if self.boundary_ratio is None:
             return {experts.HIGH: self.weights}
         return {name: self.weights / name for name in experts.EXPERTS}
-    lora: LoraRecord | None = None
-    """A LoRA student: `weights` holds the adapter, its base is the teacher's transformer."""
 
     @property
     def num_inference_steps(self) -> int:
@@ -203,7 +217,9 @@ class FinishedStudent:
         per-expert student (fp32, eval mode, no grad). A LoRA student is its base (`base`, a
         teacher folder, else the run's) with the adapter loaded, unmerged: the computation
         `WanPipeline.load_lora_weights` sets up."""
-        models = {name: self._load(folder, base) for name, folder in self.expert_folders.items()}
+        models = {
+            name: self._load(folder, base, name) for name, folder in self.expert_folders.items()
+        }
         if self.boundary_ratio is None:
             return models[experts.HIGH]
         steps = int((self.schedule.scheduler or {}).get("num_train_timesteps", 1000))
@@ -212,12 +228,14 @@ class FinishedStudent:
         )
         return pair.eval().requires_grad_(False)
 
-    def _load(self, folder: Path, base: Path | None) -> nn.Module:
+    def _load(self, folder: Path, base: Path | None, name: str) -> nn.Module:
         from diffusers import WanTransformer3DModel
 
         from wandistill.modelfolder import load_pretrained
 
-        path = folder if self.lora is None else self.lora.base_folder(base)
+        path = folder
+        if self.lora is not None:  # one student: its recorded component; a pair: each its own
+            path = self.lora.base_folder(base, name if self.boundary_ratio is not None else None)
         try:
             model = load_pretrained(WanTransformer3DModel, path)
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -232,7 +250,7 @@ class FinishedStudent:
             from wandistill.student import lora
 
             lora.add_lora(model, lora.config_from_record(self.lora.model_dump()))
-            lora.load_lora_file(model, self.weights / lora.LORA_FILE)
+            lora.load_lora_file(model, folder / lora.LORA_FILE)
         return model.eval().requires_grad_(False)
 
     def check_steps(self, steps: int | None, flag: str = "--steps") -> int:
@@ -371,14 +389,19 @@ def _check_student(folder: Path, label: str, fix: str, *, lora: bool = False) ->
         _check_weights(folder, label, fix, lora=lora)
         return None
     for name in experts.EXPERTS:
-        _check_weights(folder / name, f"{label}{name}/", fix)
+        _check_weights(folder / name, f"{label}{name}/", fix, lora=lora)
     return experts.read_marker(folder, fix).boundary_ratio
 
 
 def _is_lora_folder(folder: Path) -> bool:
+    """A LoRA student's weights or export: the LoRA file and no model config, in `folder` or,
+    per expert, in its `transformer/`."""
     from wandistill.student.lora import LORA_FILE
 
-    return (folder / LORA_FILE).is_file() and not (folder / "config.json").exists()
+    return any(
+        (f / LORA_FILE).is_file() and not (f / "config.json").exists()
+        for f in (folder, folder / experts.HIGH)
+    )
 
 
 def _check_weights(folder: Path, label: str, fix: str, *, lora: bool = False) -> None:

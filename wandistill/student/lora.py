@@ -18,6 +18,12 @@ ask "which tensors are the student's own":
 
 `add_lora` must run before any wrapping (DDP, FSDP2's `fully_shard`): wrappers then see the
 adapter parameters as ordinary parameters and the frozen base as parameters without gradients.
+
+Per-expert students (`experts.ExpertPair`): every function here takes the pair too. Each expert
+gets its own adapter on its own base (`experts.transformers`), its trainable names are
+`transformer.*` / `transformer_2.*`, and `save_lora_folder` writes one LoRA file per expert
+(`transformer/`, `transformer_2/`, plus `experts.json`), each in the one-transformer format, so
+stock diffusers loads the second with `load_lora_weights(..., load_into_transformer_2=True)`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch import nn
 
 from wandistill.config import StudentConfig, StudentLoraConfig, TeacherInitConfig
 from wandistill.errors import UsageError
+from wandistill.student import experts
 
 ADAPTER = "default"
 """peft's adapter name (what diffusers' add_adapter uses when none is given)."""
@@ -42,8 +49,9 @@ PREFIX = "transformer."
 
 
 def is_lora(model: nn.Module) -> bool:
-    """True once `add_lora` (or diffusers' add_adapter) has put an adapter on `model`."""
-    return bool(getattr(model, "_hf_peft_config_loaded", False))
+    """True once `add_lora` (or diffusers' add_adapter) has put an adapter on `model` (a pair:
+    on its experts)."""
+    return any(getattr(m, "_hf_peft_config_loaded", False) for m in experts.transformers(model))
 
 
 def lora_config(cfg: StudentLoraConfig) -> Any:
@@ -86,11 +94,13 @@ def check_targets(model: nn.Module, targets: list[str]) -> None:
 
 def add_lora(model: nn.Module, cfg: StudentLoraConfig) -> int:
     """Freeze `model` and inject LoRA adapters (diffusers' add_adapter, i.e. peft's
-    inject_adapter_in_model); returns the number of trainable parameters. Call before DDP /
-    FSDP2 wrap the model."""
-    check_targets(model, list(cfg.target_modules))
+    inject_adapter_in_model), one per transformer (a per-expert pair: each expert its own, on
+    its own base); returns the number of trainable parameters. Call before DDP / FSDP2 wrap the
+    model."""
     model.requires_grad_(False)
-    model.add_adapter(lora_config(cfg), adapter_name=ADAPTER)  # type: ignore[operator]
+    for transformer in experts.transformers(model):
+        check_targets(transformer, list(cfg.target_modules))
+        transformer.add_adapter(lora_config(cfg), adapter_name=ADAPTER)  # type: ignore[operator]
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable, "peft injected no adapter"
     return sum(p.numel() for p in trainable)
@@ -146,7 +156,7 @@ def load_trainable_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) 
 def adapter_state_dict(
     model: nn.Module, state: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The adapter as peft saves it: module names without the adapter name
+    """The adapter of one transformer as peft saves it: module names without the adapter name
     (`blocks.0.attn1.to_q.lora_A.weight`), CPU contiguous tensors. `state`: the adapter's
     tensors under `trainable_state_dict` names when the model's own are sharded (pass
     `full_trainable_state_dict(model)`); None: the model's."""
@@ -166,8 +176,25 @@ def save_lora_folder(
     model: nn.Module, folder: Path, state: dict[str, torch.Tensor] | None = None
 ) -> Path:
     """`folder/pytorch_lora_weights.safetensors` in diffusers' Wan LoRA format (what
-    `WanPipeline.save_lora_weights` writes from `get_peft_model_state_dict`). `state`: see
-    `adapter_state_dict` (a sharded model's gathered adapter)."""
+    `WanPipeline.save_lora_weights` writes from `get_peft_model_state_dict`); returns it.
+    A per-expert pair: `folder/transformer/` and `folder/transformer_2/` each with its expert's
+    file (the same format: stock diffusers loads the second into transformer_2) and
+    `folder/experts.json`; returns `folder`. `state`: see `adapter_state_dict` (a sharded
+    model's gathered adapter, under the pair's `transformer.*` / `transformer_2.*` names)."""
+    if not isinstance(model, experts.ExpertPair):
+        return _save_lora_file(model, folder, state)
+    for name in experts.EXPERTS:
+        mine = None
+        if state is not None:
+            prefix = f"{name}."
+            mine = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        _save_lora_file(getattr(model, name), folder / name, mine)
+    experts.write_marker(folder, model.boundary_ratio, model.num_train_timesteps)
+    return folder
+
+
+def _save_lora_file(model: nn.Module, folder: Path, state: dict[str, torch.Tensor] | None) -> Path:
     from diffusers import WanPipeline
 
     WanPipeline.save_lora_weights(
@@ -206,13 +233,17 @@ def load_lora_file(model: nn.Module, path: Path) -> None:
 
 
 def describe(model: nn.Module) -> str:
-    """`LoRA rank 8 on 12 linears: 0.05M trainable of 14.2M (0.35%)` for the run's banner."""
-    cfg = model.peft_config[ADAPTER]  # type: ignore[index,union-attr,operator]
+    """`LoRA rank 8 on 12 linears: 0.05M trainable of 14.2M (0.35%)` for the run's banner (a
+    per-expert pair: `on 12 linears x 2 experts`, the counts of both)."""
+    first = experts.transformers(model)[0]
+    cfg = first.peft_config[ADAPTER]  # type: ignore[index,union-attr,operator]
     n_all = sum(p.numel() for p in model.parameters())
     n_own = sum(p.numel() for _, p in trainable_parameters(model))
-    layers = sum(1 for n, _ in model.named_modules() if n.endswith(f"lora_A.{ADAPTER}"))
+    layers = sum(1 for n, _ in first.named_modules() if n.endswith(f"lora_A.{ADAPTER}"))
+    many = len(experts.transformers(model))
+    each = f" x {many} experts" if many > 1 else ""
     return (
-        f"LoRA rank {cfg.r} (alpha {cfg.lora_alpha:g}) on {layers} linears: "
+        f"LoRA rank {cfg.r} (alpha {cfg.lora_alpha:g}) on {layers} linears{each}: "
         f"{n_own / 1e6:.3f}M trainable of {n_all / 1e6:.2f}M ({100 * n_own / max(n_all, 1):.2f}%)"
     )
 
@@ -228,12 +259,15 @@ def run_record(student: StudentConfig) -> dict[str, Any] | None:
 def sampling_entry(student: StudentConfig, components: dict[str, Any]) -> dict[str, Any] | None:
     """sampling.json's `lora`: `run_record` plus the digests of the cache teacher's base
     component (`components`: the manifest's teacher components), which export checks its
-    --teacher against."""
+    --teacher against; per-expert students: each expert's (`expert_base_files`)."""
     rec = run_record(student)
     if rec is None:
         return None
     base = str(Path(rec["base"]).resolve())  # sample / eval --run load it from any directory
-    return {**rec, "base": base, "base_files": components.get(rec["component"])}
+    entry = {**rec, "base": base, "base_files": components.get(rec["component"])}
+    if student.experts == experts.PER_EXPERT:
+        entry["expert_base_files"] = {name: components.get(name) for name in experts.EXPERTS}
+    return entry
 
 
 def base_init(student: StudentConfig, student_config: dict[str, Any]) -> TeacherInitConfig:

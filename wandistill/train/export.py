@@ -10,7 +10,8 @@ weights; its presence marks a finished run.
 
 A LoRA student's folders hold its adapter only, `pytorch_lora_weights.safetensors` in diffusers'
 LoRA format (`wandistill.student.lora.save_lora_folder`); its base is the teacher's transformer
-that sampling.json's `lora` names.
+that sampling.json's `lora` names. Per-expert students' folders hold `transformer/`,
+`transformer_2/` (each a model folder, or each one LoRA file) and `experts.json`.
 """
 
 from __future__ import annotations
