@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Every figure only a GPU can give, from one command (issue 30).
 
-    python tests/bench/gpu.py --out DIR            # on a GPU box: <= 8 minutes on one H100
-    python tests/bench/gpu.py --out DIR --smoke    # the same code paths at toy sizes, on a CPU
+    python tests/bench/gpu.py --out DIR [--work SCRATCH]   # a GPU box: <= 8 minutes, one H100
+    python tests/bench/gpu.py --out DIR --smoke            # the same code paths, toy sizes, CPU
 
 No network, no downloads: the teacher is built here, with random weights, from the shipped
 configs (wandistill/teacher/configs/wan2.1-1.3b: the 1.42B-parameter transformer and the
@@ -13,7 +13,8 @@ Sections, each in its own child process with its own time budget (a section that
 on this device, or whose budget is spent, says so in a `skipped:` line; a section killed at its
 budget keeps the rows it finished):
 
-  setup       build the teacher (kept under DIR/work, reused by a rerun with the same DIR)
+  setup       the machine and versions; build the teacher (kept in SCRATCH, default DIR/work,
+              and reused by a rerun with the same SCRATCH)
   placements  precompute at 480x832 (few frames and steps) under each placement: records/s,
               peak GPU and host memory beside `wandistill plan`'s estimate, max difference of
               the outputs from the first placement's
@@ -23,14 +24,16 @@ budget keeps the rows it finished):
               pinned vs pageable host-to-device copies
   oom         a forced CUDA out-of-memory (the CLI at load, a forward in-process): the
               project's one-line message with its figures and the next placement
-  train       `wandistill train` under torchrun on a cache made here: fp32, bf16 autocast +
+  train       `wandistill train` (one process; torchrun for FSDP2) on the cache the first
+              placement made on this device: fp32, bf16 autocast +
               activation checkpointing, FSDP2 and LoRA where the installed config has
               train.parallel / train.student.lora.rank: steps/s, data-wait share, peak memory,
               and the train plan where `train --dry-run` prints one
   storage     tests/bench/cache_io.py (81-frame records, cold reads) and
               tests/bench/precompute_write.py (the background writer), bounded
 
-DIR/results.json and DIR/results.md are rewritten after every row.
+DIR/results.json and DIR/results.md are rewritten after every row; each section also records
+its wall and CPU seconds (its subprocesses included).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import io
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -183,6 +187,9 @@ class Section:
 
     def save(self) -> None:
         self.data["seconds"] = round(time.time() - self.t0, 2)
+        who = (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        cpu = sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, who))
+        self.data["cpu_s"] = round(cpu, 1)  # with its finished subprocesses
         self.report.update(**{self.name: self.data})
 
     def row(self, **values: Any) -> None:
@@ -228,11 +235,9 @@ class Ctx:
 
     mode: Mode
     out: Path
+    work: Path
+    """Scratch: the teacher (14 GB on a GPU box), caches, offload folders, bench data."""
     cuda: bool
-
-    @property
-    def work(self) -> Path:
-        return self.out / "work"
 
     @property
     def teacher(self) -> Path:
@@ -331,6 +336,7 @@ def build_teacher(ctx: Ctx) -> Path:
 
 
 def setup(sec: Section, ctx: Ctx) -> None:
+    sec.report.update({"environment": environment()})  # here: the parent never imports torch
     ctx.work.mkdir(parents=True, exist_ok=True)
     lines = [f"prompt {i}: a cat and a dog walking in a park" for i in range(ctx.mode.prompts)]
     ctx.prompts.write_text("\n".join(lines) + "\n")
@@ -812,7 +818,7 @@ def train_legs(ctx: Ctx) -> list[tuple[str, tuple[str, ...], str | None]]:
     fsdp = 'train.parallel="fsdp"'
     lora = "train.student.lora.rank=16"
     return [
-        ("fp32", ('train.mixed_precision="no"',), None),
+        ("fp32", ('train.mixed_precision="no"',), None),  # one process: no DDP wrapper
         ("bf16 autocast + checkpointing", bf16, None),
         ("FSDP2, bf16 + checkpointing", (*bf16, fsdp), accepted(fsdp)),
         (
@@ -890,8 +896,9 @@ def train(sec: Section, ctx: Ctx) -> None:
         sets = [a for o in (*common, *overrides) for a in ("--set", o)]
         args = ["train", "--cache", str(cache), "--out", str(out), "--steps", str(m.train_steps)]
         plan = train_dry_run([*args, *sets])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc_per_node=1", "-m", "wandistill", *args, *sets]
+        cmd = [sys.executable, "-m", "wandistill", *args, *sets]
+        if any("fsdp" in o for o in overrides):  # FSDP2 wants a process group: torchrun's
+            cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
         t0 = time.perf_counter()
         done = _run(cmd, max(5.0, sec.left()))
         if done.returncode is None:
@@ -1009,7 +1016,8 @@ def child(args: argparse.Namespace) -> None:
     """One section in this process (started by `parent`), up to its deadline."""
     import torch
 
-    ctx = Ctx(smoke_mode() if args.smoke else GPU_MODE, args.out, torch.cuda.is_available())
+    mode = smoke_mode() if args.smoke else GPU_MODE
+    ctx = Ctx(mode, args.out, args.work, torch.cuda.is_available())
     name = args.child
     sec = Section(name, Report(args.out, "GPU bench"), args.budget_s, args.deadline)
     sec.save()
@@ -1027,7 +1035,6 @@ def parent(args: argparse.Namespace) -> int:
     report.update(
         {"command": cmd, "mode": "smoke" if args.smoke else "gpu", "budget_s": args.budget}
     )
-    report.update({"environment": environment()})
     start = time.time()
     slack = SMOKE_SLACK if args.smoke else 1.0
     for name in ("setup", *args.sections):
@@ -1057,7 +1064,8 @@ def run_child(args: argparse.Namespace, name: str, budget: float) -> int | None:
     """The section's child, its output passed through; killed (with its session) at budget."""
     import signal
 
-    cmd = [sys.executable, __file__, "--out", str(args.out), "--child", name]
+    cmd = [sys.executable, __file__, "--out", str(args.out), "--work", str(args.work)]
+    cmd += ["--child", name]
     cmd += ["--budget-s", f"{budget:.1f}", "--deadline", f"{time.time() + budget:.3f}"]
     cmd += ["--smoke"] if args.smoke else []
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -1073,6 +1081,12 @@ def run_child(args: argparse.Namespace, name: str, budget: float) -> int | None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="results and scratch folder")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="scratch folder, kept for a rerun (default OUT/work; ~25 GB on a GPU box)",
+    )
     p.add_argument("--smoke", action="store_true", help="toy sizes: the CI check, on a CPU")
     p.add_argument(
         "--budget",
@@ -1094,6 +1108,7 @@ def main() -> int:
     if unknown:
         p.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
     args.out = args.out.absolute()
+    args.work = (args.work or args.out / "work").absolute()
     if args.child:
         child(args)
         return 0

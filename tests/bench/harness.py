@@ -228,6 +228,8 @@ class Report:
             lines += [f"## {name}", "", f"status: **{s.get('status', '?')}**"]
             if s.get("seconds") is not None:
                 lines[-1] += f", {s['seconds']:.1f} s of a {s.get('budget_s', '?')} s budget"
+                if s.get("cpu_s") is not None:
+                    lines[-1] += f" ({s['cpu_s']:.1f} CPU s)"
             lines.append("")
             lines += [f"- {note}" for note in s.get("notes", [])]
             lines += [f"- skipped: {why}" for why in s.get("skipped", [])]
