@@ -53,7 +53,8 @@ def _rows(data: dict[str, Any], section: str, key: str) -> dict[str, dict[str, A
 def test_smoke_run_writes_every_section_with_figures_or_the_reason_it_skipped(
     tmp_path: Path,
 ) -> None:
-    data, md = _bench(tmp_path, timeout=1500)
+    # --budget 300 is 1200 s in smoke mode (x4): the run ends by itself before the timeout
+    data, md = _bench(tmp_path, "--budget", "300", timeout=1500)
     assert data["mode"] == "smoke" and data["environment"]["gpus"] == []
     for name in SECTIONS:
         section = data["sections"][name]
