@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))  # harness, precompute: benches beside this one
@@ -427,21 +428,53 @@ def write_device_map(ctx: Ctx) -> Path:
     return path
 
 
+def placement_api() -> SimpleNamespace:
+    """The package's placement functions, wherever this checkout keeps them: the
+    `wandistill.placement` package, or (before it) `wandistill.placements` + `teacher/`."""
+    try:
+        from wandistill.placement import devices, estimate, inventory, load, plan, strategies
+
+        return SimpleNamespace(
+            CPU_OVERHEAD=devices.CPU_OVERHEAD,
+            Auto=strategies.Auto,
+            Cpu=strategies.Cpu,
+            Cuda=strategies.Cuda,
+            Inventory=inventory.Inventory,
+            SamplerSizes=estimate.SamplerSizes,
+            make_plan=plan.make_plan,
+            load=load,
+        )
+    except ImportError:
+        from wandistill import placements
+        from wandistill.teacher import placement as load
+        from wandistill.teacher import plan
+
+        return SimpleNamespace(
+            CPU_OVERHEAD=placements.CPU_OVERHEAD,
+            Auto=placements.Auto,
+            Cpu=placements.Cpu,
+            Cuda=placements.Cuda,
+            Inventory=plan.Inventory,
+            SamplerSizes=plan.SamplerSizes,
+            make_plan=plan.make_plan,
+            load=load,
+        )
+
+
 def plan_estimate(ctx: Ctx, cfg: Any) -> tuple[str, dict[str, int]]:
     """The strategy `wandistill plan` would use for this config and its peak bytes per device."""
-    from wandistill.placements import Auto
     from wandistill.precompute.run import DTYPES
-    from wandistill.teacher.plan import Inventory, SamplerSizes, make_plan
 
+    api = placement_api()
     placement = cfg.teacher.placement
-    plan = make_plan(
+    plan = api.make_plan(
         ctx.teacher,
         dtype=DTYPES[cfg.teacher.dtype],
-        sizes=SamplerSizes.from_config(cfg),
-        inventory=Inventory.detect(ctx.work),
+        sizes=api.SamplerSizes.from_config(cfg),
+        inventory=api.Inventory.detect(ctx.work),
         placement=placement,
     )
-    which = plan.auto.strategy if isinstance(placement, Auto) else placement
+    which = plan.auto.strategy if isinstance(placement, api.Auto) else placement
     s = plan.strategy(which)
     return s.strategy, dict(s.peak)
 
@@ -484,8 +517,7 @@ def measured_precompute(ctx: Ctx, cfg: Any) -> tuple[Any, float, Peak, dict[str,
 
 
 def placements(sec: Section, ctx: Ctx) -> None:
-    from wandistill.placements import CPU_OVERHEAD
-
+    overhead = placement_api().CPU_OVERHEAD
     write_device_map(ctx)
     ref: tuple[str, dict[str, Any]] | None = None
     sec.note(
@@ -516,7 +548,7 @@ def placements(sec: Section, ctx: Ctx) -> None:
         if ref is None:
             ref = (label, record)
         gpu_plan = sum(v for k, v in plan.items() if k.startswith("cuda")) or None
-        host_plan = plan["cpu"] - CPU_OVERHEAD if "cpu" in plan else None
+        host_plan = plan["cpu"] - overhead if "cpu" in plan else None
         gpu_used = peak.peak.get("gpu_used")
         host = peak.above()
         sec.row(
@@ -610,15 +642,14 @@ def transformer_inputs(ctx: Ctx, batch: int, frames: int) -> dict[str, Any]:
 def load_transformer(ctx: Ctx) -> Any:
     import torch
 
-    from wandistill.placements import Cpu, Cuda
-    from wandistill.teacher import placement as pl
+    api = placement_api()
     from wandistill.teacher.folder import TeacherFolder
 
-    return pl.load_component(
+    return api.load.load_component(
         TeacherFolder.open(ctx.teacher),
         "transformer",
         dtype=torch.bfloat16,
-        placement=Cuda(0) if ctx.cuda else Cpu(),
+        placement=api.Cuda(0) if ctx.cuda else api.Cpu(),
         offload_dir=ctx.work / "offload",
     )
 
@@ -789,7 +820,8 @@ def oom_forward(sec: Section, ctx: Ctx) -> None:
     import torch
 
     from wandistill.errors import WandistillError
-    from wandistill.teacher import placement as pl
+
+    pl = placement_api().load
 
     model = load_transformer(ctx)
     inputs = transformer_inputs(ctx, 1, ctx.mode.oom_frames)
@@ -816,32 +848,30 @@ def oom(sec: Section, ctx: Ctx) -> None:
 # --------------------------------------------------------------------------------- train
 
 
-def accepted(key_value: str) -> str | None:
-    """None if the installed config takes `train.KEY=VALUE`; else the config's own message."""
+def accepted(overrides: tuple[str, ...]) -> str | None:
+    """None if the installed config takes these `train.KEY=VALUE`s together (a key another
+    branch adds, with what it needs beside it); else the config's own message."""
     from wandistill.config import load_recipe
     from wandistill.errors import WandistillError
 
     try:
-        load_recipe(None, [key_value], stage="train")
+        load_recipe(None, list(overrides), stage="train")
     except WandistillError as e:
         return e.message
     return None
 
 
-def train_legs(ctx: Ctx) -> list[tuple[str, tuple[str, ...], str | None]]:
-    """(label, --set overrides, why it cannot run or None)."""
+def train_legs(ctx: Ctx) -> list[tuple[str, tuple[str, ...]]]:
+    """(label, --set overrides). A full student gets the mode's student sizes; a LoRA student
+    is the teacher's whole transformer (frozen) plus adapters, so it gets none."""
     bf16 = ('train.mixed_precision="bf16"', "train.gradient_checkpointing=true")
-    fsdp = 'train.parallel="fsdp"'
-    lora = "train.student.lora.rank=16"
+    full = ctx.mode.student
+    lora = ("train.student.lora.rank=16", f'train.student.init_from_teacher.path="{ctx.teacher}"')
     return [
-        ("fp32", ('train.mixed_precision="no"',), None),  # one process: no DDP wrapper
-        ("bf16 autocast + checkpointing", bf16, None),
-        ("FSDP2, bf16 + checkpointing", (*bf16, fsdp), accepted(fsdp)),
-        (
-            "LoRA rank 16 on the teacher, bf16",
-            (*bf16, lora, f'train.student.init_from_teacher.path="{ctx.teacher}"'),
-            accepted(lora),
-        ),
+        ("fp32", ('train.mixed_precision="no"', *full)),  # one process: no DDP wrapper
+        ("bf16 autocast + checkpointing", (*bf16, *full)),
+        ("FSDP2, bf16 + checkpointing", (*bf16, *full, 'train.parallel="fsdp"')),
+        ("LoRA rank 16 on the teacher, bf16", (*bf16, *lora)),
     ]
 
 
@@ -899,9 +929,9 @@ def train(sec: Section, ctx: Ctx) -> None:
         f"train.log_every={m.log_every}",
         f"train.checkpoint_every={m.train_steps}",
         "train.tensorboard=false",
-        *m.student,
     ]
-    for label, overrides, why in train_legs(ctx):
+    for label, overrides in train_legs(ctx):
+        why = accepted(overrides)
         if why is not None:
             sec.skip(f"{label}: the installed config does not take it ({why})")
             continue
