@@ -25,11 +25,23 @@ from pathlib import Path
 import torch
 
 
-def naive(teacher: Path, prompts: list[str], args: argparse.Namespace, out: Path) -> float:
+def naive(
+    teacher: Path,
+    prompts: list[str],
+    args: argparse.Namespace,
+    out: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    num_frames: int = 1,
+    max_sequence_length: int = 32,
+) -> float:
+    """The baseline: one `WanPipeline` call per prompt, every step's latents kept, one
+    `torch.save` per sample; `tests/bench/gpu.py` runs it in bf16 on a GPU at 480p sizes."""
     from diffusers import WanPipeline
 
     t0 = time.perf_counter()
-    pipe = WanPipeline.from_pretrained(teacher, torch_dtype=torch.float32)
+    pipe = WanPipeline.from_pretrained(teacher, torch_dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
     out.mkdir(parents=True, exist_ok=True)
     for i, prompt in enumerate(prompts):
@@ -44,10 +56,10 @@ def naive(teacher: Path, prompts: list[str], args: argparse.Namespace, out: Path
             negative_prompt="",
             height=args.height,
             width=args.width,
-            num_frames=1,
+            num_frames=num_frames,
             num_inference_steps=args.steps,
             guidance_scale=5.0,
-            max_sequence_length=32,
+            max_sequence_length=max_sequence_length,
             generator=torch.Generator().manual_seed(i),
             output_type="latent",
             callback_on_step_end=grab,
@@ -59,8 +71,15 @@ def naive(teacher: Path, prompts: list[str], args: argparse.Namespace, out: Path
 
 
 def ours(
-    teacher: Path, prompt_file: Path, args: argparse.Namespace, cache: Path, null_sink: bool
+    teacher: Path,
+    prompt_file: Path,
+    args: argparse.Namespace,
+    cache: Path,
+    null_sink: bool,
+    extra: tuple[str, ...] = (),
 ) -> float:
+    """`wandistill.precompute.run` on the same prompts; `extra` overrides come last (gpu.py
+    sets the device, dtype and sizes there)."""
     from wandistill.config import load_recipe
     from wandistill.precompute import run
 
@@ -77,6 +96,7 @@ def ours(
             "sampler.num_frames=1",
             "sampler.max_sequence_length=32",
             "cache.shard_records=64",
+            *extra,
         ],
         stage="precompute",
     ).precompute

@@ -1,0 +1,48 @@
+"""tests/bench/harness.py: the pieces benches share (results on disk, memory peaks, ratios)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from harness import Peak, Report, bootstrap_interval, markdown_table, paired_ratios  # noqa: E402
+
+
+def test_report_keeps_sections_written_by_another_writer_and_renders_skip_lines(
+    tmp_path: Path,
+) -> None:
+    Report(tmp_path).update({"command": "bench --out x"}, a={"status": "done", "rows": [{"x": 1}]})
+    Report(tmp_path).update(b={"status": "skipped", "skipped": ["needs CUDA (none visible)"]})
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["command"] == "bench --out x"
+    assert data["sections"]["a"]["rows"] == [{"x": 1}]
+    assert data["sections"]["b"]["status"] == "skipped"
+    md = (tmp_path / "results.md").read_text()
+    assert "## a" in md and "| x |" in md and "| 1 |" in md
+    assert "## b" in md and "- skipped: needs CUDA (none visible)" in md
+    assert not list(tmp_path.glob(".*tmp*"))  # the atomic writes left no temp file
+
+
+def test_markdown_table_takes_the_union_of_the_rows_keys() -> None:
+    lines = markdown_table([{"leg": "a", "s": 1.23456}, {"leg": "b", "error": "x|y"}])
+    assert lines[0] == "| leg | s | error |"
+    assert lines[2] == "| a | 1.235 | - |"
+    assert lines[3] == "| b | - | x\\|y |"
+
+
+def test_peak_sees_memory_held_when_the_block_ends() -> None:
+    with Peak() as peak:
+        held = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, every page touched
+    assert peak.above()["RssAnon"] >= 48 << 20
+    assert held[-1] == 1
+
+
+def test_paired_ratios_and_their_interval() -> None:
+    assert paired_ratios([2.0, 3.0], [1.0, 2.0]) == [2.0, 1.5]
+    assert bootstrap_interval([1.1, 1.1, 1.1]) == (1.1, 1.1)
+    lo, hi = bootstrap_interval([1.0, 1.1, 1.2, 1.3])
+    assert 1.0 <= lo <= hi <= 1.3
