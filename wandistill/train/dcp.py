@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from wandistill import dist
 from wandistill.dist import DistInfo
+from wandistill.failures import at
 from wandistill.fsutil import fsync_dir
 from wandistill.train import checkpoint as ckpt_io
 from wandistill.validate import MiB
@@ -115,6 +116,7 @@ def save_checkpoint(
         f"{SHARDS}/{f.name}": _file_sum(f)
         for f in (tmp / SHARDS).glob(f"shard-{info.rank + 1:05d}-*")
     }
+    at("train", "shard", step, info.rank)  # test-only: a kill between shard and publish
     views = dist.all_gather_json(info, mine)  # every rank has written (and fsynced) its shard
     if not info.is_main:
         return
