@@ -581,7 +581,8 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
     for line in summary_lines(phrases):  # short lines: readable at 80 columns and in logs
         console.print(line, soft_wrap=True)
     if cfg.parallel == "fsdp":
-        console.print(parallel.describe(cfg, info), soft_wrap=True)
+        for line in summary_lines(parallel.describe(cfg, info)):
+            console.print(line, soft_wrap=True)
     for line in summary_lines(f"train: {t.plan.objectives.describe()[0]}".split(" ")):
         console.print(line, soft_wrap=True)
     if not store.complete and not follow:

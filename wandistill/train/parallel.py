@@ -67,7 +67,11 @@ def _one_rank_group(info: DistInfo) -> None:
 def blocks(module: nn.Module) -> list[nn.Module]:
     """The transformer blocks FSDP shards one by one: the classes `_no_split_modules` names."""
     names = set(getattr(module, "_no_split_modules", None) or [])
-    return [m for m in module.modules() if type(m).__name__ in names and m is not module]
+    return [
+        m
+        for m in module.modules()
+        if m is not module and any(c.__name__ in names for c in type(m).__mro__)
+    ]
 
 
 def shard(
@@ -146,18 +150,22 @@ def unwrapped_class(module: nn.Module) -> type[nn.Module]:
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
-def describe(cfg: TrainConfig, info: DistInfo) -> str:
-    """The announce line for fsdp: the shard count, and on one process that nothing is split."""
+def describe(cfg: TrainConfig, info: DistInfo) -> list[str]:
+    """The announce phrases for fsdp: the shard count, and on one process that nothing is
+    split."""
     n = info.world_size
-    how = (
-        f"param_dtype {cfg.fsdp.param_dtype}, cpu_offload {'on' if cfg.fsdp.cpu_offload else 'off'}"
-    )
+    offload = "on" if cfg.fsdp.cpu_offload else "off"
+    how = f"(param_dtype {cfg.fsdp.param_dtype}, cpu_offload {offload})"
     if n == 1:
-        return (
-            f"train: fsdp on 1 process: 1 shard, the student is not split ({how}); launch "
-            "`torchrun --nproc_per_node=N` to shard it N ways"
-        )
-    return (
-        f"train: fsdp: student, gradients, optimizer state and EMA in {n} shards, 1/{n} per "
-        f"rank ({how})"
-    )
+        return [
+            "train: fsdp on 1 process: 1 shard,",
+            f"the student is not split {how};",
+            "launch `torchrun --nproc_per_node=N`",
+            "to shard it N ways",
+        ]
+    return [
+        "train: fsdp: student, gradients,",
+        "optimizer state and EMA",
+        f"in {n} shards, 1/{n} per rank",
+        how,
+    ]
