@@ -98,7 +98,15 @@ def shard(
     for root, student in [(model, model.student), *((m, m) for m in extra)]:
         for block in blocks(student):
             fully_shard(block, mesh=mesh, mp_policy=block_mp, offload_policy=offload)
-        fully_shard(root, mesh=mesh, mp_policy=root_mp, offload_policy=offload)
+        # A root keeps its weights gathered from forward to backward; a module that only runs
+        # forwards (the target) must reshard after each, or its update would meet whole tensors.
+        fully_shard(
+            root,
+            mesh=mesh,
+            mp_policy=root_mp,
+            offload_policy=offload,
+            reshard_after_forward=root is not model,
+        )
     return info.world_size
 
 
