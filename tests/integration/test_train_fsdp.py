@@ -54,12 +54,13 @@ def zygote() -> Iterator[Zygote]:
 
 
 def argv(cache: Path, out: Path, ranks: int, *extra: str) -> list[str]:
-    """The same run on 1 or 2 ranks: 4 samples per step either way (2 ranks x batch 2, or one
-    process x batch 2 x accumulation 2); 18 samples, so 8 steps cross an epoch boundary."""
+    """The same run on 1 or 2 ranks: 4 samples per step either way (2 ranks x batch 1 x
+    accumulation 2, or one process x batch 1 x accumulation 4), so FSDP's skipped gradient sync
+    on micro-steps is in play; 18 samples, so 8 steps cross an epoch boundary."""
     return [
         "train",
         *("--cache", str(cache), "--out", str(out), "--steps", str(STEPS)),
-        *("--set", "batch_size=2", "--set", f"grad_accum={3 - ranks}"),
+        *("--set", "batch_size=1", "--set", f"grad_accum={4 // ranks}"),
         *("--set", f"checkpoint_every={EVERY}", "--set", "keep_checkpoints=2"),
         *("--set", "log_every=1", "--set", "loss.final_latent=0.5"),
         *("--set", "optim.warmup_steps=2", "--set", "optim.lr=1e-3"),
@@ -150,7 +151,8 @@ def test_resume_a_2_rank_checkpoint_on_1_process_and_back(
     zygote: Zygote, refs: dict[str, Path], tmp_path: Path
 ) -> None:
     """2 -> 1: killed (every rank) right after checkpoint 4, resumed on one process. 1 -> 2:
-    one process killed after checkpoint 4, resumed on 2 ranks. Both continue the same run."""
+    one process killed after checkpoint 4, resumed on 2 ranks, this time with CPU offload and
+    activation checkpointing (neither changes the numbers in fp32). Both continue the run."""
     down, up = tmp_path / "down", tmp_path / "up"
     kill = {"WANDISTILL_TEST_KILL_AT": f"train:saved:{EVERY}:*"}
     codes = run(
@@ -166,16 +168,15 @@ def test_resume_a_2_rank_checkpoint_on_1_process_and_back(
     assert codes == [0], logs(tmp_path / "d1.log")
     assert_same_run(down, refs["fsdp2"], "2 ranks -> resume on 1 process")
 
-    codes = run(
-        zygote, argv(refs["cache"], up, 1, "--parallel", "fsdp"), tmp_path / "u.log", 1, **kill
-    )
+    lean = ("--parallel", "fsdp", "--set", "fsdp.cpu_offload=true")
+    lean += ("--set", "gradient_checkpointing=true")
+    codes = run(zygote, argv(refs["cache"], up, 1, *lean), tmp_path / "u.log", 1, **kill)
     assert codes == [-signal.SIGKILL], logs(tmp_path / "u.log")
     said = logs(tmp_path / "u.log")
     assert "fsdp on 1 process: 1 shard" in said, said  # bad input: runs, and says so
+    assert "cpu_offload on" in said
     assert latest_step(up) == EVERY
-    codes = run(
-        zygote, argv(refs["cache"], up, 2, "--parallel", "fsdp", "--resume"), tmp_path / "u2.log", 2
-    )
+    codes = run(zygote, argv(refs["cache"], up, 2, *lean, "--resume"), tmp_path / "u2.log", 2)
     assert codes == [0, 0], logs(tmp_path / "u2.log", 2)
     assert_same_run(up, refs["fsdp2"], "1 process -> resume on 2 ranks")
     assert_same_run(up, refs["one"], "1 process -> 2 ranks vs the 1-process baseline")
