@@ -152,16 +152,18 @@ def test_one_process_fsdp_with_every_option_resumes_a_sharded_checkpoint_exactly
     assert losses[0] == losses[1] and len(losses[0]) == 8
 
 
-def test_a_changed_shard_is_refused_naming_the_file(tmp_path: Path) -> None:
+def test_a_changed_or_stray_shard_is_refused_naming_the_file(tmp_path: Path) -> None:
     write_cache(tmp_path / "c", range(4))
     run(_cfg(tmp_path / "c", tmp_path / "run", "steps=4"))
-    shard = (
-        tmp_path
-        / "run/checkpoints/checkpoint-4/shards/shard-00001-model-00001-of-00001.safetensors"
-    )
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    shards = tmp_path / "run/checkpoints/checkpoint-4/shards"
+    shard = shards / "shard-00001-model-00001-of-00001.safetensors"
+    good = shard.read_bytes()
+    stray = shards / "shard-00002-model-00001-of-00001.safetensors"
+    stray.write_bytes(good)  # a file no rank of this checkpoint wrote would be read as a shard
+    with pytest.raises(WandistillError, match=r"holds 2 files, state.json lists 1.*shard-00002"):
+        run(_cfg(tmp_path / "c", tmp_path / "run", "steps=6"), resume=True)
+    stray.unlink()
+    shard.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
     with pytest.raises(WandistillError, match=r"shard-00001.*fails its crc32c check"):
         run(_cfg(tmp_path / "c", tmp_path / "run", "steps=6"), resume=True)
 

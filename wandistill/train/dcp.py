@@ -134,22 +134,17 @@ def save_checkpoint(
     ckpt_io.seal_and_publish(root, tmp, step, state, sums, keep=keep)
 
 
-def is_sharded_checkpoint(raw_state: dict[str, Any]) -> bool:
-    return raw_state.get("meta", {}).get("parallel") == "fsdp"
-
-
 def load_checkpoint(
     path: Path,
     parts: dict[str, dict[str, torch.Tensor]],
     optimizer: torch.optim.Optimizer,
+    info: DistInfo,
 ) -> dict[str, torch.Tensor]:
     """Load a sharded checkpoint into the live `parts` (their tensors, DTensors of this run's
     layout, are filled in place) and `optimizer`, on any number of ranks; return the RNG
-    states. Every file is checked against state.json's sizes and crc32c first."""
+    states. Every shard is checked against state.json's size and crc32c first (a collective)."""
     state, _, opt_obj = ckpt_io.check_state(path)
-    for name in sorted(state.files or {}):
-        if name.startswith(f"{SHARDS}/"):
-            ckpt_io.check_file(path, name, state)
+    check_shards(path, state, info)
     reader = HuggingFaceStorageReader(str(path / SHARDS))
     saved = reader.read_metadata().state_dict_metadata
     target = flat_tensors(parts, {})
@@ -162,6 +157,30 @@ def load_checkpoint(
     }
     optimizer.load_state_dict(ckpt_io.unflatten_optimizer(by_index, opt_obj))
     return ckpt_io.read_tensors(path, "rng.safetensors", state)
+
+
+def check_shards(path: Path, state: ckpt_io.CheckpointState, info: DistInfo) -> None:
+    """The shards are exactly those state.json lists, each with its size and crc32c. The ranks
+    split the reading (each shard is read once by the job, not once per rank) and agree: every
+    rank raises the same error, none goes on to load."""
+    listed = sorted(n for n in (state.files or {}) if n.startswith(f"{SHARDS}/"))
+    present = sorted(f"{SHARDS}/{f.name}" for f in (path / SHARDS).iterdir())
+    if present != listed:
+        extra = sorted(set(present) - set(listed)) or sorted(set(listed) - set(present))
+        raise ckpt_io.CheckpointError(
+            f"sharded checkpoint {str(path / SHARDS)!r} holds {len(present)} files, state.json "
+            f"lists {len(listed)} (e.g. {extra[0]!r})",
+            fix=ckpt_io.FIX,
+        )
+    problems = []
+    for name in listed[info.rank :: info.world_size]:
+        try:
+            ckpt_io.check_file(path, name, state)
+        except ckpt_io.CheckpointError as e:
+            problems.append(e.message)
+    seen = [p for view in dist.all_gather_json(info, problems) for p in view]
+    if seen:
+        raise ckpt_io.CheckpointError(seen[0], fix=ckpt_io.FIX)
 
 
 def _check_fits(path: Path, saved: dict[str, Any], live: dict[str, torch.Tensor]) -> None:

@@ -491,7 +491,7 @@ def restore_sharded(
     """`restore` for a sharded (FSDP) checkpoint, on any number of ranks (train/dcp.py)."""
     state, raw, _ = ckpt_io.check_state(path)
     check_same_run(raw.get("meta", {}), meta, path)
-    rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer)
+    rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer, info)
     ckpt_io.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
     scheduler.load_state_dict(raw["scheduler"])
     reader.load_state_dict(raw["reader"])
