@@ -162,7 +162,10 @@ def run(
     plan = validate(cfg, resume=resume)
     flags = {"resume": resume, "follow": follow, "skip_corrupt": skip_corrupt}
     info = dist.init(
-        cfg.device, timeout_s=cfg.dist_timeout, config={"train": to_dict(cfg), "flags": flags}
+        cfg.device,
+        timeout_s=cfg.dist_timeout,
+        config={"train": to_dict(cfg), "flags": flags},
+        cpu_backend=cfg.parallel == "fsdp" and cfg.fsdp.cpu_offload,
     )
     started = time.perf_counter()
     trainer: Trainer | None = None

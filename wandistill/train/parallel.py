@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from wandistill.config import TrainConfig
-from wandistill.dist import DistInfo
+from wandistill.dist import DistInfo, cuda_and_cpu
 from wandistill.workarounds import ddp_no_buffer_sync
 
 
@@ -54,11 +54,13 @@ def wrap_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
     )
 
 
-def _one_rank_group(info: DistInfo) -> None:
+def _one_rank_group(info: DistInfo, cpu_backend: bool) -> None:
     """fully_shard needs a process group; one process gets its own 1-rank group (no peers)."""
     if torch_dist.is_initialized():
         return
-    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    backend = "gloo"
+    if info.device.type == "cuda":
+        backend = cuda_and_cpu("nccl") if cpu_backend else "nccl"
     torch_dist.init_process_group(
         backend, store=torch_dist.HashStore(), rank=0, world_size=1, device_id=None
     )
@@ -82,7 +84,7 @@ def shard(
     Returns the shard count (the world size)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    _one_rank_group(info)
+    _one_rank_group(info, cpu_backend=cfg.fsdp.cpu_offload)
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
