@@ -337,12 +337,17 @@ def setup(
     target = None
     if cfg.loss.consistency > 0:  # copied before DistillModule hooks the student's blocks
         target = TargetNetwork(student, cfg.loss.consistency_target_decay)
-        target.module.to(info.device)
     feature_map = cfg.loss.feature_map if cfg.loss.feature > 0 else {}
     model = DistillModule(student, feature_map, width(plan.student_config), plan.teacher_width)
-    model.to(info.device).train()
+    model.train()
+    modules = [model] + ([target.module] if target is not None else [])
     if cfg.parallel == "fsdp":  # before the optimizer and EMA: they hold the sharded weights
-        parallel.shard(model, cfg, info, extra=[target.module] if target is not None else [])
+        # fully_shard moves each block to the device as it shards it: no rank's device ever
+        # holds the whole student
+        parallel.shard(model, cfg, info, extra=modules[1:])
+    else:
+        for m in modules:
+            m.to(info.device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     ema = EMA(model.student, cfg.optim.ema_decay)
