@@ -587,13 +587,21 @@ def train_cmd(
             "use it to finish a run on a damaged cache, then `cache verify` it.",
         ),
     ] = False,
+    parallel: Annotated[
+        str | None,
+        typer.Option(
+            help="ddp (each rank holds the whole student) or fsdp (FSDP2: the student, its "
+            "gradients, optimizer state and EMA sharded over the ranks; sharded checkpoints).",
+            show_default=_recipe_key("parallel"),
+        ),
+    ] = None,
     overrides: SetOpt = None,
     dry_run: DryRunOpt = False,
 ) -> None:
     """Distil the cached teacher into a small student (alone or under torchrun)."""
     from wandistill.config import load_recipe, to_dict
 
-    flags = {"cache": cache, "out": out_dir, "steps": steps}
+    flags = {"cache": cache, "out": out_dir, "steps": steps, "parallel": parallel}
     sets = [
         *(overrides or []),
         *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),

@@ -466,6 +466,30 @@ class LossConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class FsdpConfig:
+    """`[train.fsdp]`: how `train.parallel = "fsdp"` shards the student (torch FSDP2)."""
+
+    param_dtype: str = "fp32"
+    """fp32 or bf16: the dtype of the gathered parameters in forward/backward (FSDP2's
+    MixedPrecisionPolicy); the sharded weights, the gradient reduce, the optimizer state and the
+    EMA stay fp32."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, their gradients and the optimizer state in host memory
+    (FSDP2's CPUOffloadPolicy); the optimizer step runs on the CPU."""
+
+    def __post_init__(self) -> None:
+        _problems(
+            (
+                self.param_dtype in ("fp32", "bf16"),
+                f"train.fsdp.param_dtype={self.param_dtype!r} must be 'fp32' or 'bf16'",
+            ),
+        )
+
+
+PARALLEL = ("ddp", "fsdp")
+
+
+@dataclass(kw_only=True, slots=True)
 @checked("train")
 class TrainConfig:
     cache: str = ""
@@ -486,6 +510,9 @@ class TrainConfig:
     """no or bf16 (autocast; weights, optimizer state and EMA stay fp32)."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block in backward: less activation memory, ~30% slower."""
+    parallel: str = "ddp"
+    """ddp (every rank holds the whole student) or fsdp (FSDP2: each transformer block, then
+    the root, sharded over the ranks; sharded checkpoints). See [train.fsdp]."""
     checkpoint_every: int = num(50, ge=1, le=10**9)
     """Write checkpoints/checkpoint-<step>/ every this many steps (and at the last step)."""
     keep_checkpoints: int = num(2, ge=1, le=10_000)
@@ -507,9 +534,14 @@ class TrainConfig:
     student: StudentConfig = field(default_factory=StudentConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
 
     def __post_init__(self) -> None:
         _problems(
+            (
+                self.parallel in PARALLEL,
+                f"train.parallel={self.parallel!r} must be 'ddp' or 'fsdp'",
+            ),
             (
                 self.device in ("auto", "cpu", "cuda"),
                 f"train.device={self.device!r} must be auto, cpu or cuda",

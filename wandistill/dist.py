@@ -100,13 +100,16 @@ def init(
     *,
     timeout_s: float | None = None,
     config: dict[str, Any] | None = None,
+    cpu_backend: bool = False,
 ) -> DistInfo:
     """Join the torchrun job if there is one; pick this rank's device.
 
     `device`: "auto" (cuda:LOCAL_RANK when CUDA is available, else cpu), "cpu" or "cuda".
     The backend follows the device: nccl for CUDA, gloo for CPU. `timeout_s` (None: see
     `resolve_timeout`) bounds joining and every collective. `config`: the resolved configuration
-    (JSON-able); every rank must run the same one (`check_same_config`).
+    (JSON-able); every rank must run the same one (`check_same_config`). `cpu_backend`: on
+    CUDA, also gloo for collectives on CPU tensors (FSDP2 with CPU offload reduces the gradient
+    norm and gathers the student from host memory), as torchtitan does for CPU offload.
     """
     timeout = resolve_timeout(timeout_s)
     world = _env_int("WORLD_SIZE", 1)
@@ -135,7 +138,7 @@ def init(
             failures.at("dist", "init", 0, rank)  # test-only: a rank that never arrives
             store = _join(rank, world, timeout)
             dist.init_process_group(
-                backend=backend,
+                backend=cuda_and_cpu(backend) if cpu_backend and want_cuda else backend,
                 store=dist.PrefixStore("default_pg", store),
                 rank=rank,
                 world_size=world,
@@ -146,6 +149,12 @@ def init(
     if config is not None:
         check_same_config(info, config)
     return info
+
+
+def cuda_and_cpu(backend: str) -> str:
+    """A process group backend spec for CUDA tensors through `backend` and CPU tensors through
+    gloo."""
+    return f"cuda:{backend},cpu:gloo"
 
 
 def _join(rank: int, world: int, timeout: float) -> Any:

@@ -25,6 +25,8 @@ Points (the stages call `at()` there, nowhere else):
                            n=0: right after the writer opened the cache, before any record
     train:step:<n>         right after optimizer step n, before its metrics row and checkpoint
     train:saved:<n>        right after the checkpoint of step n was published (every rank)
+    train:shard:<n>        right after this rank wrote its shard of sharded (fsdp) checkpoint n,
+                           before rank 0 publishes it
     train:loss:<n>         the loss of step n, right after the forward (with the `nan` action)
     precompute:encoded:<n> after this process handed its n-th prompt embedding to the embedding
                            store (it may still sit in the open, uncommitted embedding shard)

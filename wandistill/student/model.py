@@ -81,7 +81,11 @@ class DistillModule(nn.Module):
             )
         finally:
             self._capturing = False
-        feats = {t: self.projections[_key(t)](self._taken[s]) for t, s in self.feature_map.items()}
+        # fp32 taps: under FSDP bf16 parameters a block's output is bf16 when the hook sees it
+        feats = {
+            t: self.projections[_key(t)](self._taken[s].float())
+            for t, s in self.feature_map.items()
+        }
         self._taken = {}
         return pred, feats
 

@@ -108,15 +108,19 @@ class FileSum(Schema):
     crc32c: Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
 
 
-FileName = Literal[
-    "student.safetensors",
-    "ema.safetensors",
-    "projections.safetensors",
-    "optimizer.safetensors",
-    "optimizer.json",
-    "rng.safetensors",
-    "target.safetensors",
-]
+FileName = (
+    Literal[
+        "student.safetensors",
+        "ema.safetensors",
+        "projections.safetensors",
+        "optimizer.safetensors",
+        "optimizer.json",
+        "rng.safetensors",
+        "target.safetensors",
+    ]
+    | Annotated[str, Field(pattern=r"^shards/shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")]
+)
+"""A replicated (DDP) checkpoint's files, or one rank's shard of a sharded (FSDP) one."""
 
 
 class CheckpointState(Schema):
@@ -237,11 +241,7 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(root: Path, ckpt: Checkpoint, *, keep: int) -> Path:
     """Write `ckpt` as checkpoint-<step>/ under `root`, point `latest` at it, prune to `keep`."""
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f".{PREFIX}*.tmp"):  # left by a crash mid-save
-        shutil.rmtree(stale, ignore_errors=True)
-    name = f"{PREFIX}{ckpt.step}"
-    tmp = make_temp_dir(root, name)
+    tmp = start_checkpoint(root, ckpt.step)
     sums: dict[str, dict[str, int]] = {}
     try:
         _write(tmp / "student.safetensors", save(_contiguous(ckpt.student)), sums)
@@ -254,7 +254,35 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, *, keep: int) -> Path:
         _write(tmp / "optimizer.safetensors", save(opt_tensors), sums)
         _write(tmp / OPTIMIZER_JSON, json.dumps(opt_rest).encode(), sums)
         _write(tmp / "rng.safetensors", save(_contiguous(ckpt.rng)), sums)
-        state = {k: v for k, v in ckpt.state.items() if k not in ("files", "sha256")}
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return seal_and_publish(root, tmp, ckpt.step, ckpt.state, sums, keep=keep)
+
+
+def start_checkpoint(root: Path, step: int) -> Path:
+    """A fresh hidden temp folder for checkpoint `step` (stale ones from a crash removed)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f".{PREFIX}*.tmp"):  # left by a crash mid-save
+        shutil.rmtree(stale, ignore_errors=True)
+    return make_temp_dir(root, f"{PREFIX}{step}")
+
+
+def seal_and_publish(
+    root: Path,
+    tmp: Path,
+    step: int,
+    state: dict[str, Any],
+    sums: dict[str, dict[str, int]],
+    *,
+    keep: int,
+) -> Path:
+    """Write state.json (listing `sums`, the other files' sizes and crc32c, and its own sha256)
+    into the finished temp folder `tmp`, rename it to checkpoint-<step>/, point `latest` at it
+    and prune to `keep`. Until the rename nothing of it is ever read."""
+    name = f"{PREFIX}{step}"
+    try:
+        state = {k: v for k, v in state.items() if k not in ("files", "sha256")}
         state["files"] = sums
         state["sha256"] = seal(state)
         _write(tmp / STATE, (json.dumps(state, indent=1) + "\n").encode())
@@ -509,3 +537,11 @@ def check_restorable(
                 f"bytes, a CPU RNG state is {cpu}",
                 fix=FIX,
             )
+
+
+# Public names for the sharded (FSDP) checkpoints of train/dcp.py, which share this folder
+# contract: the same state.json seal, file sums, error type and RNG file.
+CheckpointError = _Error
+write_file = _write
+check_file = _check_file
+read_tensors = _tensors

@@ -28,6 +28,7 @@ from wandistill.dist import DistInfo, barrier
 from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir, publish
 from wandistill.student import lora
 from wandistill.train.ema import EMA
+from wandistill.train.parallel import gather_to_main, is_sharded, unwrapped_class
 
 STUDENT = "student"
 STUDENT_EMA = "student_ema"
@@ -68,6 +69,12 @@ def export_pretrained(
     for the second save: training is over, and no second copy of the model is needed), then
     sampling.json."""
     paths = (out / STUDENT, out / STUDENT_EMA)
+    if is_sharded(student):
+        _export_sharded(student, ema, paths, info)
+        if info.is_main:
+            atomic_write_json(out / SAMPLING, sampling)
+        barrier(info)
+        return paths
     if info.is_main:
         (out / SAMPLING).unlink(missing_ok=True)  # not finished until both folders are new
         _save_folder(student, paths[0])
@@ -76,3 +83,22 @@ def export_pretrained(
         atomic_write_json(out / SAMPLING, sampling)
     barrier(info)
     return paths
+
+
+def _export_sharded(student: nn.Module, ema: EMA, paths: tuple[Path, Path], info: DistInfo) -> None:
+    """FSDP: gather the student, then its EMA, to rank 0 (on the CPU, one tensor at a time; no
+    other rank ever holds the whole model) and save each as a plain diffusers model built on
+    the meta device around the gathered tensors (no second copy)."""
+    if info.is_main:
+        (paths[0].parent / SAMPLING).unlink(missing_ok=True)
+        with torch.device("meta"):
+            plain = unwrapped_class(student).from_config(student.config)  # type: ignore[attr-defined]
+    for named, path in (
+        (student.state_dict().items(), paths[0]),
+        (ema.state_dict().items(), paths[1]),
+    ):
+        whole = gather_to_main(named, info)
+        if info.is_main:
+            plain.load_state_dict(whole, strict=True, assign=True)
+            _save_folder(plain, path)
+        del whole

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from rich.console import Console
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from wandistill import dist, outputs
 from wandistill.cache.manifest import (
@@ -75,12 +74,13 @@ from wandistill.student.losses import (
 from wandistill.student.model import DistillModule
 from wandistill.student.schedule import ObjectivePlan, TeacherSchedule, plan_objectives
 from wandistill.train import checkpoint as ckpt_io
+from wandistill.train import dcp as sharded
+from wandistill.train import parallel
 from wandistill.train.ema import EMA, TargetNetwork
 from wandistill.train.export import export_pretrained
 from wandistill.train.metrics import MetricsLog, peak_memory, truncate_after
 from wandistill.train.oom import oom_error
 from wandistill.train.optim import build_optimizer, build_scheduler
-from wandistill.workarounds import ddp_no_buffer_sync
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -162,7 +162,10 @@ def run(
     plan = validate(cfg, resume=resume)
     flags = {"resume": resume, "follow": follow, "skip_corrupt": skip_corrupt}
     info = dist.init(
-        cfg.device, timeout_s=cfg.dist_timeout, config={"train": to_dict(cfg), "flags": flags}
+        cfg.device,
+        timeout_s=cfg.dist_timeout,
+        config={"train": to_dict(cfg), "flags": flags},
+        cpu_backend=cfg.parallel == "fsdp" and cfg.fsdp.cpu_offload,
     )
     started = time.perf_counter()
     trainer: Trainer | None = None
@@ -197,7 +200,7 @@ def run(
             # Drop DDP before the process group: a Reducer destroyed later, with the GIL held,
             # can deadlock against gloo's worker threads (seen with torch 2.13 at exit).
             trainer.ddp = trainer.model
-        if ok or info.backend == "gloo":  # nccl error path: exit at once, never wait on peers
+        if ok or info.backend != "nccl":  # nccl error path: exit at once, never wait on peers
             dist.cleanup()
     return TrainResult(
         out=plan.out,
@@ -291,10 +294,16 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     latest = ckpt_io.resolve_latest(out / "checkpoints")
     if resume and latest is not None:
         _, saved, _ = ckpt_io.check_state(latest)  # a bad one fails here, before any build
-        problems.append(experts.resume_problem(cfg.student, saved.get("meta", {}), latest))
-        changed = lora.resume_problem(
-            saved.get("meta", {}).get("lora"), lora.run_record(cfg.student)
-        )
+        meta = saved.get("meta", {})
+        problems.append(experts.resume_problem(cfg.student, meta, latest))
+        parallel_was = meta.get("parallel", "ddp")
+        if parallel_was != cfg.parallel:
+            problems.append(
+                f"--resume: {str(latest)!r} was written with train.parallel={parallel_was!r}, this "
+                f"run has {cfg.parallel!r}; resume with --parallel {parallel_was}, or choose a new "
+                "--out"
+            )
+        changed = lora.resume_problem(meta.get("lora"), lora.run_record(cfg.student))
         if changed:
             raise UsageError(
                 f"--resume: checkpoint {str(latest)!r} cannot continue under this recipe: "
@@ -345,10 +354,17 @@ def setup(
     target = None
     if cfg.loss.consistency > 0:  # copied before DistillModule hooks the student's blocks
         target = TargetNetwork(student, cfg.loss.consistency_target_decay)
-        target.module.to(info.device)
     feature_map = cfg.loss.feature_map if cfg.loss.feature > 0 else {}
     model = DistillModule(student, feature_map, width(plan.student_config), plan.teacher_width)
-    model.to(info.device).train()
+    model.train()
+    modules = [model] + ([target.module] if target is not None else [])
+    if cfg.parallel == "fsdp":  # before the optimizer and EMA: they hold the sharded weights
+        # fully_shard moves each block to the device as it shards it: no rank's device ever
+        # holds the whole student
+        parallel.shard(model, cfg, info, extra=modules[1:])
+    else:
+        for m in modules:
+            m.to(info.device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     ema = EMA(model.student, cfg.optim.ema_decay)
@@ -381,6 +397,7 @@ def setup(
         "student_schedule": plan.objectives.student.to_json(),
         "experts": cfg.student.experts,
         "lora": lora.run_record(cfg.student),
+        "parallel": cfg.parallel,
     }
     start = 0
     if resume:
@@ -402,12 +419,8 @@ def setup(
         masks=objective_masks(cfg, plan.objectives, info.device),
         target=target,
     )
-    if info.distributed:  # after restore: DDP broadcasts rank 0's (restored) weights
-        trainer.ddp = DistributedDataParallel(
-            model,
-            device_ids=[info.device.index] if info.device.type == "cuda" else None,
-            **ddp_no_buffer_sync(),  # the only buffers are RoPE tables, equal on every rank
-        )
+    if cfg.parallel == "ddp":  # after restore: DDP broadcasts rank 0's (restored) weights
+        trainer.ddp = parallel.wrap_ddp(model, info)
     trainer.metrics = MetricsLog(plan.out, enabled=info.is_main, tensorboard=cfg.tensorboard)
     if info.is_main:
         write_run_settings(
@@ -446,6 +459,10 @@ def restore(
             truncate_after(plan.out, 0)  # rows of a run killed before its first checkpoint
             console.print(f"train: no checkpoint in {root}, starting at step 0")
         return 0
+    if meta["parallel"] == "fsdp":
+        return restore_sharded(
+            root / name, info, meta, model, ema, optimizer, scheduler, reader, target
+        )
     ck = ckpt_io.load_checkpoint(root / name)
     parts = {
         "student.safetensors": lora.trainable_state_dict(model.student),
@@ -455,17 +472,7 @@ def restore(
     if target is not None and ck.target:
         parts["target.safetensors"] = target.state_dict()
     ckpt_io.check_restorable(ck, root / name, parts, optimizer, scheduler)
-    saved = ck.state.get("meta", {})
-    if saved.get("student_config") != meta["student_config"]:
-        raise UsageError(
-            f"checkpoint {str(root / name)!r} holds a student with another config",
-            fix="resume with the recipe it was trained with, or choose a new --out",
-        )
-    if saved.get("teacher_fingerprint") != meta["teacher_fingerprint"]:
-        raise UsageError(
-            f"checkpoint {str(root / name)!r} was trained on a cache of another teacher",
-            fix="resume with the same --cache, or choose a new --out",
-        )
+    check_same_run(ck.state.get("meta", {}), meta, root / name)
     lora.load_trainable_state_dict(model.student, ck.student)
     model.projections.load_state_dict(
         {k.removeprefix("projections."): v for k, v in ck.projections.items()}
@@ -481,6 +488,61 @@ def restore(
         truncate_after(plan.out, ck.step)
         console.print(f"train: resumed from {root / name} at step {ck.step}")
     return ck.step
+
+
+def check_same_run(saved: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
+    """The checkpoint's student and teacher are this run's."""
+    if saved.get("student_config") != meta["student_config"]:
+        raise UsageError(
+            f"checkpoint {str(path)!r} holds a student with another config",
+            fix="resume with the recipe it was trained with, or choose a new --out",
+        )
+    if saved.get("teacher_fingerprint") != meta["teacher_fingerprint"]:
+        raise UsageError(
+            f"checkpoint {str(path)!r} was trained on a cache of another teacher",
+            fix="resume with the same --cache, or choose a new --out",
+        )
+
+
+def restore_sharded(
+    path: Path,
+    info: dist.DistInfo,
+    meta: dict[str, Any],
+    model: DistillModule,
+    ema: EMA,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    reader: TrainingReader,
+    target: TargetNetwork | None,
+) -> int:
+    """`restore` for a sharded (FSDP) checkpoint, on any number of ranks (train/dcp.py)."""
+    state, raw, _ = ckpt_io.check_state(path)
+    check_same_run(raw.get("meta", {}), meta, path)
+    rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer, info)
+    ckpt_io.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
+    scheduler.load_state_dict(raw["scheduler"])
+    reader.load_state_dict(raw["reader"])
+    set_rng(rng, info)
+    if info.is_main:
+        truncate_after(path.parent.parent, state.step)
+        console.print(f"train: resumed from {path} at step {state.step}")
+    return state.step
+
+
+def checkpoint_parts(
+    model: DistillModule, ema: EMA, target: TargetNetwork | None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """What a sharded checkpoint holds besides the optimizer, by prefix (live tensors)."""
+    parts = {
+        "student": lora.trainable_state_dict(model.student),
+        "ema": ema.state_dict(),
+        "projections": {
+            k.removeprefix("projections."): v for k, v in model.projection_state().items()
+        },
+    }
+    if target is not None:
+        parts["target"] = target.state_dict()
+    return parts
 
 
 def objective_masks(
@@ -556,6 +618,9 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
     ]
     for line in summary_lines(phrases):  # short lines: readable at 80 columns and in logs
         console.print(line, soft_wrap=True)
+    if cfg.parallel == "fsdp":
+        for line in summary_lines(parallel.describe(cfg, info)):
+            console.print(line, soft_wrap=True)
     for line in summary_lines(f"train: {t.plan.objectives.describe()[0]}".split(" ")):
         console.print(line, soft_wrap=True)
     split = experts_record(t)
@@ -608,7 +673,7 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
                     break
                 last = micro == cfg.grad_accum - 1
                 no_sync = info.distributed and not last
-                with t.ddp.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
+                with parallel.no_sync(t.ddp) if no_sync else contextlib.nullcontext():
                     losses, counts = forward(t, batch)
                     if at("train", "loss", step + 1, info.rank):  # test-only NaN
                         losses = {k: v * float("nan") for k, v in losses.items()}
@@ -622,8 +687,10 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
                     console.print(f"train: the cache is complete and exhausted at step {step}")
                 break
             lr = t.optimizer.param_groups[0]["lr"]
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                t.model.parameters(), cfg.optim.grad_clip or float("inf")
+            grad_norm = parallel.full(  # FSDP: a DTensor, the same on every rank
+                torch.nn.utils.clip_grad_norm_(
+                    t.model.parameters(), cfg.optim.grad_clip or float("inf")
+                )
             )
             check_step(info, step + 1, terms, grad_norm, saved)  # every rank, before the update
             t.optimizer.step()
@@ -786,10 +853,24 @@ def set_rng(states: dict[str, torch.Tensor], info: dist.DistInfo) -> None:
 
 
 def save(t: Trainer, step: int) -> None:
-    trained = [p for _, p in lora.trainable_parameters(t.model)]
-    weights = {"student": trained, "student_ema": t.ema.shadow}
+    weights = {
+        "student": [parallel.local(p) for _, p in lora.trainable_parameters(t.model)],
+        "student_ema": [parallel.local(s) for s in t.ema.shadow],
+    }
     check_weights(t.info, step, weights)  # never a checkpoint (or final student) of NaN weights
     rng = rng_states(t.info)  # a collective: every rank takes part
+    if t.cfg.parallel == "fsdp":  # every rank writes its shard
+        state = {
+            "step": step,
+            "scheduler": t.scheduler.state_dict(),
+            "reader": t.reader.state_dict(),
+            "meta": {**t.meta, "shards": t.info.world_size},
+        }
+        parts = checkpoint_parts(t.model, t.ema, t.target)
+        root = t.plan.out / "checkpoints"
+        keep = t.cfg.keep_checkpoints
+        sharded.save_checkpoint(root, step, parts, t.optimizer, rng, state, t.info, keep=keep)
+        return
     if not t.info.is_main:
         return
     ckpt_io.save_checkpoint(

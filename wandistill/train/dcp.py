@@ -1,0 +1,225 @@
+"""Sharded checkpoints (`train.parallel = "fsdp"`) through torch.distributed.checkpoint (DCP).
+
+Layout of a sharded `checkpoint-<step>/` (the same folder rules as train/checkpoint.py: built in
+a hidden temp folder, renamed into place once complete, `latest` rewritten after that):
+
+    shards/shard-<r+1>-model-00001-of-00001.safetensors
+                         rank r's shard of every tensor: student.*, ema.*, projections.*,
+                         target.*, optimizer.state.<param index>.<name>; the safetensors
+                         metadata (DCP_SHARDING_INFO, JSON) gives each shard's offsets
+    optimizer.json       the optimizer state that is not a tensor (as for DDP checkpoints)
+    rng.safetensors      every rank's RNG states
+    state.json           step, scheduler, reader, meta (parallel = "fsdp", shards = N), and the
+                         size and crc32c of every file above, sealed by its sha256
+
+The tensors go through DCP's `HuggingFaceStorageWriter` / `HuggingFaceStorageReader`
+(safetensors + JSON): DCP's default FileSystemReader reads a pickled `.metadata` file, which this
+project never parses. Both run with `no_dist=True`: each rank plans and writes its own shard, and
+on load reads the chunks it needs from every shard by their offsets, so DCP itself runs no
+collective (its planning collectives pickle Python objects) and a checkpoint of N ranks loads on
+M ranks (resharding). The ranks agree through `wandistill.dist` (JSON in tensors): rank 0 picks
+the temp folder, every rank writes its shard and reports its file's size and crc32c, and rank 0
+seals state.json and publishes only when all have written. A kill -9 anywhere before that
+leaves a temp folder that is never read and the previous checkpoint in force.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import torch
+import torch.distributed.checkpoint as torch_dcp
+from safetensors.torch import save
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.tensor import DTensor
+
+from wandistill import dist
+from wandistill.dist import DistInfo
+from wandistill.failures import at
+from wandistill.fsutil import fsync_dir
+from wandistill.train import checkpoint as ckpt_io
+from wandistill.validate import MiB
+
+SHARDS = "shards"
+OPT_PREFIX = "optimizer.state."
+
+
+class _ShardWriter(HuggingFaceStorageWriter):
+    """Writes this rank's shard as shard-<rank + 1>-...; under no_dist every rank is DCP's
+    coordinator of a 1-rank plan, so the shard index comes from the real rank."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        super().__init__(str(path), save_distributed=True)
+        self._shard_rank = rank  # not `rank`: set_up_storage_writer sets that to DCP's own
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        data = {"shard_index": self._shard_rank + 1}
+        return [dataclasses.replace(p, storage_data=data) for p in plans]
+
+
+def _quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """DCP warns that no_dist saves 'in a single process': that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        return fn(*args, **kwargs)
+
+
+def flat_tensors(
+    parts: dict[str, dict[str, torch.Tensor]], optimizer_state: dict[int, dict[str, Any]]
+) -> dict[str, torch.Tensor]:
+    """One flat name -> tensor dict of everything sharded: `<part>.<name>` and the optimizer's
+    tensors as `optimizer.state.<param index>.<name>` (the numbering of DDP checkpoints)."""
+    out = {f"{p}.{k}": v.detach() for p, named in parts.items() for k, v in named.items()}
+    for idx, entry in optimizer_state.items():
+        for name, value in entry.items():
+            if torch.is_tensor(value):
+                out[f"{OPT_PREFIX}{idx}.{name}"] = value.detach()
+    return out
+
+
+def _file_sum(path: Path) -> dict[str, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(16 * MiB):
+            crc, size = google_crc32c.extend(crc, chunk), size + len(chunk)
+    return {"bytes": size, "crc32c": crc}
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    parts: dict[str, dict[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    rng: dict[str, torch.Tensor],
+    state: dict[str, Any],
+    info: DistInfo,
+    *,
+    keep: int,
+) -> None:
+    """Every rank writes its shard of `parts` and the optimizer state; rank 0 publishes the
+    checkpoint once every rank has written (a collective: every rank calls it)."""
+    tmp = ckpt_io.start_checkpoint(root, step) if info.is_main else None
+    tmp = root / dist.broadcast_json(info, tmp.name if tmp is not None else None)
+    opt_sd = optimizer.state_dict()
+    tensors = flat_tensors(parts, opt_sd["state"])
+    if not info.is_main:  # a tensor every rank holds whole (e.g. AdamW's step) is written once
+        tensors = {k: v for k, v in tensors.items() if isinstance(v, DTensor)}
+    _quiet(
+        torch_dcp.save, tensors, storage_writer=_ShardWriter(tmp / SHARDS, info.rank), no_dist=True
+    )
+    mine = {
+        f"{SHARDS}/{f.name}": _file_sum(f)
+        for f in (tmp / SHARDS).glob(f"shard-{info.rank + 1:05d}-*")
+    }
+    at("train", "shard", step, info.rank)  # test-only: a kill between shard and publish
+    views = dist.all_gather_json(info, mine)  # every rank has written (and fsynced) its shard
+    if not info.is_main:
+        return
+    sums = {name: s for view in views for name, s in view.items()}
+    _, rest = ckpt_io.flatten_optimizer({"state": {}, "param_groups": opt_sd["param_groups"]})
+    rest["scalars"] = {
+        str(i): {k: v for k, v in e.items() if not torch.is_tensor(v)}
+        for i, e in opt_sd["state"].items()
+        if any(not torch.is_tensor(v) for v in e.values())
+    }
+    ckpt_io.write_file(tmp / ckpt_io.OPTIMIZER_JSON, json.dumps(rest).encode(), sums)
+    cpu_rng = {k: v.detach().cpu().contiguous() for k, v in rng.items()}
+    ckpt_io.write_file(tmp / "rng.safetensors", save(cpu_rng), sums)
+    fsync_dir(tmp / SHARDS)
+    ckpt_io.seal_and_publish(root, tmp, step, state, sums, keep=keep)
+
+
+def load_checkpoint(
+    path: Path,
+    parts: dict[str, dict[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    info: DistInfo,
+) -> dict[str, torch.Tensor]:
+    """Load a sharded checkpoint into the live `parts` (their tensors, DTensors of this run's
+    layout, are filled in place) and `optimizer`, on any number of ranks; return the RNG
+    states. Every shard is checked against state.json's size and crc32c first (a collective)."""
+    state, _, opt_obj = ckpt_io.check_state(path)
+    check_shards(path, state, info)
+    reader = HuggingFaceStorageReader(str(path / SHARDS))
+    saved = reader.read_metadata().state_dict_metadata
+    target = flat_tensors(parts, {})
+    _check_fits(path, saved, target)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    opt = _optimizer_targets(path, saved, params)
+    _quiet(torch_dcp.load, {**target, **opt}, storage_reader=reader, no_dist=True)
+    by_index: dict[str, torch.Tensor] = {
+        f"state.{k.removeprefix(OPT_PREFIX)}": v for k, v in opt.items()
+    }
+    optimizer.load_state_dict(ckpt_io.unflatten_optimizer(by_index, opt_obj))
+    return ckpt_io.read_tensors(path, "rng.safetensors", state)
+
+
+def check_shards(path: Path, state: ckpt_io.CheckpointState, info: DistInfo) -> None:
+    """The shards are exactly those state.json lists, each with its size and crc32c. The ranks
+    split the reading (each shard is read once by the job, not once per rank) and agree: every
+    rank raises the same error, none goes on to load."""
+    listed = sorted(n for n in (state.files or {}) if n.startswith(f"{SHARDS}/"))
+    present = sorted(f"{SHARDS}/{f.name}" for f in (path / SHARDS).iterdir())
+    if present != listed:
+        extra = sorted(set(present) - set(listed)) or sorted(set(listed) - set(present))
+        raise ckpt_io.CheckpointError(
+            f"sharded checkpoint {str(path / SHARDS)!r} holds {len(present)} files, state.json "
+            f"lists {len(listed)} (e.g. {extra[0]!r})",
+            fix=ckpt_io.FIX,
+        )
+    problems = []
+    for name in listed[info.rank :: info.world_size]:
+        try:
+            ckpt_io.check_file(path, name, state)
+        except ckpt_io.CheckpointError as e:
+            problems.append(e.message)
+    seen = [p for view in dist.all_gather_json(info, problems) for p in view]
+    if seen:
+        raise ckpt_io.CheckpointError(seen[0], fix=ckpt_io.FIX)
+
+
+def _check_fits(path: Path, saved: dict[str, Any], live: dict[str, torch.Tensor]) -> None:
+    """The checkpoint holds exactly this run's tensors, each of this run's global shape."""
+    names = {k for k in saved if not k.startswith(OPT_PREFIX)}
+    where = f"sharded checkpoint {str(path / SHARDS)!r}"
+    if names != set(live):
+        diff = sorted(names ^ set(live))
+        raise ckpt_io.CheckpointError(
+            f"{where} does not fit this student (tensors {diff[:3]})", fix=ckpt_io.FIX
+        )
+    for key, t in live.items():
+        if tuple(saved[key].size) != tuple(t.shape):
+            raise ckpt_io.CheckpointError(
+                f"{where}: {key} is {list(saved[key].size)}, this student has {list(t.shape)}",
+                fix=ckpt_io.FIX,
+            )
+
+
+def _optimizer_targets(
+    path: Path, saved: dict[str, Any], params: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Empty tensors to load the optimizer's saved tensors into: a moment of a parameter gets
+    that parameter's layout (a DTensor shard), anything else (a step count) a plain tensor."""
+    out: dict[str, torch.Tensor] = {}
+    for key, md in saved.items():
+        if not key.startswith(OPT_PREFIX):
+            continue
+        idx_text, _, name = key.removeprefix(OPT_PREFIX).partition(".")
+        idx = int(idx_text) if idx_text.isdigit() else -1
+        if not 0 <= idx < len(params) or not name:
+            raise ckpt_io.CheckpointError(
+                f"sharded checkpoint {str(path / SHARDS)!r}: optimizer tensor {key[:80]!r} "
+                f"names no parameter of this student ({len(params)} parameters)",
+                fix=ckpt_io.FIX,
+            )
+        p = params[idx].detach()
+        if tuple(md.size) == tuple(p.shape) and p.dim() > 0:
+            out[key] = torch.zeros_like(p, dtype=md.properties.dtype)
+        else:
+            out[key] = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+    return out

@@ -1,0 +1,181 @@
+"""Data parallelism for train: DDP (every rank holds the whole student) or FSDP2 (sharded).
+
+`train.parallel = "fsdp"` applies torch's `fully_shard` to each transformer block (the classes a
+diffusers model lists in `_no_split_modules`), then to the root (`DistillModule`: the student's
+embeddings, output head and the feature projections), as torchtitan does. Parameters, gradients,
+AdamW states and the EMA (built from the sharded parameters, so its shadows are DTensors of the
+same layout) then hold 1/N of the student per rank; FSDP all-gathers a block's weights for its
+forward and backward and reduce-scatters its gradients (fp32).
+
+Mixed precision (`train.fsdp.param_dtype = "bf16"`) applies to the blocks only: they gather bf16
+weights, compute in bf16 and return fp32; the root keeps its embeddings, the timestep
+conditioning and the output head in fp32 (casting the root's inputs would round timesteps such
+as 999 to 1000 in bf16, unlike the fp32 sampler at export).
+
+On one process `fsdp` runs on a 1-rank group (1 shard: nothing is split, the code path is the
+same), so a sharded checkpoint written by N ranks resumes on 1 and back.
+
+Design for adapters (LoRA): wrap after the adapters are injected; frozen base weights are
+sharded like the rest and only parameters with `requires_grad` reach the optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from wandistill.config import TrainConfig
+from wandistill.dist import DistInfo, cuda_and_cpu
+from wandistill.workarounds import ddp_no_buffer_sync
+
+
+def wrap_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
+    """DDP over the ranks (it broadcasts rank 0's weights), or `model` itself on one process."""
+    if not info.distributed:
+        return model
+    return DistributedDataParallel(
+        model,
+        device_ids=[info.device.index] if info.device.type == "cuda" else None,
+        **ddp_no_buffer_sync(),  # the only buffers are RoPE tables, equal on every rank
+    )
+
+
+def _one_rank_group(info: DistInfo, cpu_backend: bool) -> None:
+    """fully_shard needs a process group; one process gets its own 1-rank group (no peers)."""
+    if torch_dist.is_initialized():
+        return
+    backend = "gloo"
+    if info.device.type == "cuda":
+        backend = cuda_and_cpu("nccl") if cpu_backend else "nccl"
+    torch_dist.init_process_group(
+        backend, store=torch_dist.HashStore(), rank=0, world_size=1, device_id=None
+    )
+
+
+def blocks(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks FSDP shards one by one: the classes `_no_split_modules` names."""
+    names = set(getattr(module, "_no_split_modules", None) or [])
+    return [
+        m
+        for m in module.modules()
+        if m is not module and any(c.__name__ in names for c in type(m).__mro__)
+    ]
+
+
+def shard(
+    model: nn.Module, cfg: TrainConfig, info: DistInfo, extra: Iterable[nn.Module] = ()
+) -> int:
+    """fully_shard each block of `model.student`, then `model` (the root); `extra` modules (the
+    consistency target, a copy of the student) are sharded the same way, as roots of their own.
+    Returns the shard count (the world size)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _one_rank_group(info, cpu_backend=cfg.fsdp.cpu_offload)
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
+        if cfg.fsdp.cpu_offload
+        else OffloadPolicy()
+    )
+    block_mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if cfg.fsdp.param_dtype == "bf16" else None,
+        reduce_dtype=torch.float32,
+        output_dtype=torch.float32,
+    )
+    root_mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    for root, student in [(model, model.student), *((m, m) for m in extra)]:
+        for block in blocks(student):
+            fully_shard(block, mesh=mesh, mp_policy=block_mp, offload_policy=offload)
+        # A root keeps its weights gathered from forward to backward; a module that only runs
+        # forwards (the target) must reshard after each, or its update would meet whole tensors.
+        fully_shard(
+            root,
+            mesh=mesh,
+            mp_policy=root_mp,
+            offload_policy=offload,
+            reshard_after_forward=root is not model,
+        )
+    return info.world_size
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """No gradient all-reduce / reduce-scatter for the micro-steps inside (accumulation): DDP's
+    `no_sync`, FSDP2's `set_requires_gradient_sync(False)`."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+    elif isinstance(module, DistributedDataParallel):
+        with module.no_sync():
+            yield
+    else:
+        yield
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a plain tensor is its own shard)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a DTensor on every rank (e.g. the clipped gradient norm)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def gather_to_main(named: Iterable[tuple[str, torch.Tensor]], info: DistInfo) -> dict[str, Any]:
+    """Rank 0 gets every tensor whole, on the CPU, gathered one tensor at a time (a collective
+    per DTensor: every rank calls this); the other ranks get {} and never hold the whole model."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in named:
+        whole = full(t.detach())
+        if info.is_main:
+            out[name] = whole.cpu()
+        del whole
+    return out
+
+
+def unwrapped_class(module: nn.Module) -> type[nn.Module]:
+    """The model's own class (fully_shard swaps in an `FSDP<name>` subclass)."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def describe(cfg: TrainConfig, info: DistInfo) -> list[str]:
+    """The announce phrases for fsdp: the shard count, and on one process that nothing is
+    split."""
+    n = info.world_size
+    offload = "on" if cfg.fsdp.cpu_offload else "off"
+    how = f"(param_dtype {cfg.fsdp.param_dtype}, cpu_offload {offload})"
+    if n == 1:
+        return [
+            "train: fsdp on 1 process: 1 shard,",
+            f"the student is not split {how};",
+            "launch `torchrun --nproc_per_node=N`",
+            "to shard it N ways",
+        ]
+    return [
+        "train: fsdp: student, gradients,",
+        "optimizer state and EMA",
+        f"in {n} shards, 1/{n} per rank",
+        how,
+    ]
