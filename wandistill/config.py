@@ -269,6 +269,19 @@ class TeacherInitConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+@checked("student.lora")
+class LoraConfig:
+    rank: int = num(0, ge=0, le=4096)
+    """LoRA rank; 0: no LoRA, a full student (issue 24 contract; the lora branch owns it)."""
+    alpha: float = num(0.0, ge=0, le=1e6)
+    """LoRA alpha; 0: the rank."""
+    target_modules: list[str] = field(default_factory=list)
+    """Module names (peft suffix match); empty: the attention/ffn linears diffusers' Wan LoRAs
+    target."""
+    dropout: float = num(0.0, ge=0, lt=1)
+
+
+@dataclass(kw_only=True, slots=True)
 @checked("student")
 class StudentConfig:
     num_layers: int | None = num(None, ge=1, le=1024)
@@ -288,6 +301,10 @@ class StudentConfig:
     i.e. step imitation with the teacher's own scheduler. A K-step student samples with a
     first-order flow scheduler whose K steps land on the teacher's schedule (see docs/export.md);
     the trajectory objective trains it at exactly those K recorded steps."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """A LoRA student (rank > 0): adapters on the teacher's transformer (issue 24 contract)."""
+    experts: str = "one"
+    """one (a student replacing both Wan 2.2 experts) or per-expert (issue 24 contract)."""
 
     def __post_init__(self) -> None:
         _problems(
@@ -295,6 +312,10 @@ class StudentConfig:
                 self.attention_head_dim is None or self.attention_head_dim % 2 == 0,
                 f"student.attention_head_dim={self.attention_head_dim} must be even "
                 "(Wan's RoPE splits each head over frames, height and width)",
+            ),
+            (
+                self.experts in ("one", "per-expert"),
+                f"student.experts={self.experts!r} must be 'one' or 'per-expert'",
             ),
             (
                 self.num_inference_steps is None or self.num_inference_steps > 0,
@@ -407,6 +428,23 @@ class LossConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+@checked("fsdp")
+class FsdpConfig:
+    param_dtype: str = "fp32"
+    """fp32 or bf16 (MixedPrecisionPolicy: bf16 parameters, fp32 gradient reduce)."""
+    cpu_offload: bool = False
+    """CPUOffloadPolicy: parameters, gradients and optimizer state rest in CPU RAM."""
+
+    def __post_init__(self) -> None:
+        _problems(
+            (
+                self.param_dtype in ("fp32", "bf16"),
+                f"fsdp.param_dtype={self.param_dtype!r} must be 'fp32' or 'bf16'",
+            )
+        )
+
+
+@dataclass(kw_only=True, slots=True)
 @checked("train")
 class TrainConfig:
     cache: str = ""
@@ -445,6 +483,9 @@ class TrainConfig:
     dist_timeout: float | None = num(None, gt=TIMEOUT_S.gt, le=TIMEOUT_S.le)
     """Seconds a rank waits for the others (rendezvous, collectives, a checkpoint being saved)
     before it exits naming the missing rank. None: WANDISTILL_DIST_TIMEOUT, else 300."""
+    parallel: str = "ddp"
+    """ddp (every rank holds the whole student) or fsdp (FSDP2 `fully_shard` per block)."""
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     student: StudentConfig = field(default_factory=StudentConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -458,6 +499,10 @@ class TrainConfig:
             (
                 self.mixed_precision in ("no", "bf16"),
                 f"train.mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'",
+            ),
+            (
+                self.parallel in ("ddp", "fsdp"),
+                f"train.parallel={self.parallel!r} must be 'ddp' or 'fsdp'",
             ),
         )
 
