@@ -1191,12 +1191,12 @@ def plan_cmd(
         ),
     ] = False,
 ) -> None:
-    """Memory each placement needs, what fits, and which one auto picks (--train: the same for
-    training the student).
+    """Memory each placement needs, what fits, and which one auto picks (or, --train, training's).
 
     Per phase and device, on this machine or on one described with --gpus, --gpu-mem,
     --cpu-mem and --disk; nothing is loaded. A recipe named for a machine (`*_1x80gb`) is planned
-    for that machine where this one has no GPU."""
+    for that machine where this one has no GPU. --train: per-rank weights, gradients, AdamW, EMA
+    and activations of the recipe's student for DDP / FSDP / checkpointing / LoRA / batch."""
     from wandistill.config import load_recipe
     from wandistill.placement.estimate import SamplerSizes, dtype_from_name
     from wandistill.placement.inventory import Inventory

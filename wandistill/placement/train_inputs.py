@@ -30,16 +30,22 @@ __all__ = ["TrainInputs", "machine_for", "recipe_machine", "train_inputs"]
 _MACHINE = re.compile(r".+_(\d+)x(\d+)gb")
 
 
+def _stem(name: str) -> str:
+    """A recipe's name from a shipped name or a path ("wan2.1-14b_1x24gb" has dots: no stem)."""
+    return Path(name).name.removesuffix(".toml")
+
+
 def recipe_machine(name: str, like: Inventory) -> Inventory | None:
     """The machine a recipe's name describes (`<model>_<N>x<GB>gb`: N GPUs of GB GiB), with the
     RAM and disk of `like` (this machine); None when the name describes none."""
-    m = _MACHINE.fullmatch(Path(name).stem)
+    stem = _stem(name)
+    m = _MACHINE.fullmatch(stem)
     if not m:
         return None
     gpus, gb = int(m.group(1)), int(m.group(2))
     gpu = GPU(f"{gb} GiB GPU", gb * GiB, gb * GiB - GiB // 2)
     source = (
-        f"described by recipe {Path(name).stem}: {gpus}x{gb} GiB GPU, this machine's "
+        f"described by recipe {stem}: {gpus}x{gb} GiB GPU, this machine's "
         f"{like.cpu_bytes / GiB:.0f} GiB RAM"
     )
     return Inventory((gpu,) * gpus, like.cpu_bytes, like.disk_bytes, source)
@@ -114,7 +120,7 @@ def machine_for(
     if described is None:
         return here, None
     line = (
-        f"this machine has no GPU: planned for the machine recipe {Path(str(recipe_arg)).stem} "
+        f"this machine has no GPU: planned for the machine recipe {_stem(str(recipe_arg))} "
         f"describes ({len(described.gpus)}x{described.gpus[0].total_bytes / GiB:.0f} GiB GPU); "
         "describe another with --gpus N --gpu-mem SIZE --cpu-mem SIZE"
     )
