@@ -129,6 +129,7 @@ def predicted(cache: Path, sets: list[str], world: int) -> dict[str, int]:
         "optimizer": r.optimizer,
         "ema": r.ema,
         "activations": r.activations,
+        "checkpoint": r.checkpoint,
         "total": r.total,
     }
 
@@ -219,7 +220,7 @@ def main() -> None:
     env = {"python": platform.python_version(), "machine": platform.machine()}
     if args.json:
         args.json.write_text(
-            json.dumps({"env": env, "args": vars(args), "legs": results}, indent=1)
+            json.dumps({"env": env, "args": vars(args), "legs": results}, indent=1, default=str)
         )
 
 

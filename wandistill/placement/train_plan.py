@@ -17,6 +17,10 @@ per rank on an `Inventory` (detected, or described with `--gpus --gpu-mem --cpu-
     activations  `train_size.activation_bytes` (calibrated, stated there), plus autocast's cache
                  of bf16 copies of the trained fp32 weights (2 bytes each) under bf16 autocast.
     overhead     CUDA context + allocator slack per GPU (1 GiB), the process on the CPU (2 GiB).
+    checkpoint   host RAM while rank 0 writes a checkpoint (or the final export): safetensors
+                 builds each file in memory, the largest being AdamW's states (8 bytes per trained
+                 parameter; FSDP: each rank its 1/N shard). On the CPU it adds to the peak; on
+                 GPUs it is RAM.
 
 `per-expert` students (Wan 2.2) hold two students' states; a sample runs through one of them, so
 activations count once. The sum is a peak bound: on a GPU, gradients and activations overlap in
@@ -130,6 +134,8 @@ class RankMemory:
     overhead: int
     offloaded: int
     """CPU RAM this rank's offloaded shards take (FSDP cpu_offload)."""
+    checkpoint: int
+    """Host RAM while a checkpoint is written (module docstring)."""
     device: str
     available: int
     """Free memory of the device ("cpu": RAM shared by this node's ranks, per rank)."""
@@ -146,21 +152,28 @@ class RankMemory:
             + self.target
             + self.activations
             + self.overhead
+            + (self.checkpoint if self.device == "cpu" else 0)
         )
 
     @property
+    def ram(self) -> int:
+        """CPU RAM this rank needs besides its device (offloaded shards, checkpoint buffers)."""
+        return self.offloaded + (self.checkpoint if self.device != "cpu" else 0)
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.available and self.offloaded <= self.cpu_available
+        return self.total <= self.available and self.ram <= self.cpu_available
 
     def why(self) -> str:
         """One line: the figure against the room, and what does not fit."""
         have = f"{self.total / GiB:.1f} GiB of {self.available / GiB:.1f} GiB on {self.device}"
-        if self.offloaded:
-            have += f"; {self.offloaded / GiB:.1f} GiB of {self.cpu_available / GiB:.1f} GiB RAM"
+        if self.ram and self.device != "cpu":
+            have += f"; {self.ram / GiB:.1f} GiB of {self.cpu_available / GiB:.1f} GiB RAM"
         return have
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["ram"] = self.ram
         data["choice"] = dataclasses.asdict(self.choice) | {"label": self.choice.label()}
         return data | {"total": self.total, "fits": self.fits}
 
@@ -209,9 +222,10 @@ def rank_memory(
         weights -= 4 * (trained + frozen) // shard
         grads = optimizer = ema = 0
     overhead = CUDA_OVERHEAD if device == "cuda" else 0
+    checkpoint = 8 * trained // shard
     return RankMemory(
         choice, world, weights, grads, optimizer, ema, target, act, other, overhead, offloaded,
-        device, room, ram,
+        checkpoint, device, room, ram,
     )  # fmt: skip
 
 
