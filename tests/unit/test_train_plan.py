@@ -222,3 +222,27 @@ def test_train_oom_without_a_known_student_keeps_the_generic_levers() -> None:
     )
     err = train_oom.oom_error(TrainConfig(), info, 1000, MemoryError())
     assert "next lever" not in err.fix and "gradient_checkpointing=true" in err.fix
+
+
+def test_the_train_loop_passes_its_student_and_cache_to_the_oom_advice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from wandistill.train.loop import explain_failure
+
+    monkeypatch.setattr(train_oom, "_inventory", lambda info: Inventory.fake(1, 24.0))
+    student = torch.nn.Linear(4, 4)
+    dims = {"latent_shape": [16, CLIP.latent_frames, CLIP.latent_height, CLIP.latent_width]}
+    t = SimpleNamespace(
+        model=SimpleNamespace(student=student),
+        plan=SimpleNamespace(
+            student_config=wan("wan2.1-1.3b"), manifest=SimpleNamespace(dims=dims)
+        ),
+    )
+    info = dist.DistInfo(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None
+    )
+    err = explain_failure(torch.OutOfMemoryError("CUDA out of memory"), TrainConfig(), info, t)
+    assert err is not None and "the memory plan puts this run at" in err.fix
+    assert "next lever: " in err.fix
