@@ -65,6 +65,73 @@ def child(args: argparse.Namespace) -> None:
     out.write_text(json.dumps({"baseline": base, "peak": _status("VmHWM"), "exit": code}))
 
 
+CALIBRATION = [  # (blocks, ffn_dim, checkpointing, bf16): width 512, 1,024 tokens
+    (2, 2048, False, False),
+    (4, 2048, False, False),
+    (8, 2048, False, False),
+    (4, 4096, False, False),
+    (2, 2048, True, False),
+    (8, 2048, True, False),
+    (4, 2048, False, True),
+    (8, 2048, False, True),
+]
+
+
+def activation_child(spec: str) -> None:
+    """One calibration point: peak RSS over forward + backward of a random student, minus its
+    gradients (the plan counts those apart), printed as JSON."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.set_num_threads(1)
+    blocks, ffn, ckpt, bf16 = json.loads(spec)
+    model = WanTransformer3DModel(
+        num_layers=blocks, num_attention_heads=8, attention_head_dim=64, ffn_dim=ffn,
+        text_dim=256, in_channels=16, out_channels=16, freq_dim=64,
+    )  # fmt: skip
+    if ckpt:
+        model.enable_gradient_checkpointing()
+    model.train()
+    t, text = torch.tensor([500.0]), torch.randn(1, 64, 256)
+
+    def step(x: torch.Tensor) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(x, t, text, return_dict=False)[0]
+        out.float().pow(2).mean().backward()
+
+    step(torch.randn(1, 16, 1, 2, 2))  # kernels and lazy state, outside the measurement
+    model.zero_grad(set_to_none=True)
+    base = _status("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    step(torch.randn(1, 16, 4, 32, 32))  # 4 x 16 x 16 = 1,024 tokens
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    print(json.dumps({"measured": _status("VmHWM") - base - grads}))
+
+
+def calibrate() -> None:
+    """Measured activation peaks beside `train_size.activation_bytes` (its docstring's table)."""
+    from wandistill.placement.train_size import StudentSize, TrainShape, activation_bytes
+
+    shape = TrainShape(4, 32, 32)
+    print(f"{'blocks':>6}{'ffn':>6}{'ckpt':>6}{'bf16':>6}{'measured MiB':>14}{'formula MiB':>13}")
+    for blocks, ffn, ckpt, bf16 in CALIBRATION:
+        spec = json.dumps([blocks, ffn, ckpt, bf16])
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        proc = subprocess.run(
+            [sys.executable, __file__, "--activation-child", spec],
+            env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        measured = json.loads(proc.stdout.strip().splitlines()[-1])["measured"]
+        config = {"num_layers": blocks, "num_attention_heads": 8, "attention_head_dim": 64,
+                  "ffn_dim": ffn, "text_dim": 256, "in_channels": 16, "freq_dim": 64}  # fmt: skip
+        size = StudentSize.from_config(config)
+        formula = activation_bytes(size, shape, bf16=bf16, checkpointing=ckpt)
+        if bf16:  # autocast's bf16 weight copies, counted beside the activations by the plan
+            formula += 2 * size.params
+        print(f"{blocks:>6}{ffn:>6}{ckpt!s:>6}{bf16!s:>6}{measured / MiB:>14.1f}"
+              f"{formula / MiB:>13.1f}")  # fmt: skip
+
+
 def build_cache(args: argparse.Namespace, work: Path) -> Path:
     from wandistill.config import load_recipe
     from wandistill.precompute import run as precompute
@@ -195,12 +262,18 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=1)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--calibrate", action="store_true", help="re-measure the activation constants")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--activation-child", help=argparse.SUPPRESS)
     p.add_argument("--report", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
+    if args.activation_child:
+        return activation_child(args.activation_child)
     sys.path.insert(0, str(REPO))
+    if args.calibrate:
+        return calibrate()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="train-memory-") as tmp:
         work = Path(tmp)

@@ -7,22 +7,34 @@ construct): `StudentSize.from_config` counts a diffusers `WanTransformer3DModel`
 
 Activations (`activation_bytes`) are a per-block estimate from the token count
 `tokens = latent frames x (latent h / 2) x (latent w / 2)` (Wan's patch 1x2x2), the width `D`
-and the FFN width `F`, calibrated on this project's CPU (torch 2.13, diffusers 0.42, one
-thread) by peak RSS of forward + backward of a 2-, 4- and 8-block student (D=512, F=2048 and
-4096, 1,024 tokens; `python tests/bench/train_memory.py --calibrate` repeats it):
+and the FFN width `F`:
 
 * no checkpointing, fp32: `83 D + 5.8 F` bytes per token per block, plus `490 x head_dim`
-  bytes per token outside the blocks (patch embedding, RoPE tables, output, loss). Measured
-  peak minus gradients: 136.7 / 262.6 / 454.4 MiB at 2 / 4 / 8 blocks (F=2048) and 308.8 MiB at
-  4 blocks (F=4096); the formula gives 136.8 / 243.0 / 455.4 / 289.4 MiB (-7% at 4 blocks).
-* bf16 autocast halves the per-block term (measured 0.47x of fp32 once autocast's cache of bf16
-  weight copies, 2 bytes per trainable parameter, is counted apart: `autocast_cache_bytes`).
+  bytes per token outside the blocks (patch embedding, RoPE tables, output, loss);
+* bf16 autocast: half the per-block term, plus autocast's cache of bf16 copies of the trained
+  fp32 weights (2 bytes per trained parameter, counted by the plan beside the activations);
 * gradient checkpointing (diffusers' per-block `torch.utils.checkpoint`): each block keeps its
   fp32 input, `4 D` bytes per token, and backward recomputes one block at a time (one block of
-  the no-checkpointing term). On the CPU the measured RSS grows by ~22 D bytes per block instead
-  (11.6 MiB per block at 1,024 tokens): glibc keeps the backward's freed per-block gradient
-  tensors resident; CUDA's caching allocator reuses them, so the plan uses the 4 D figure and
-  the CPU bench reports the difference.
+  the no-checkpointing term).
+
+Calibrated on this project's CPU (torch 2.13, diffusers 0.42, one thread): peak RSS over one
+forward + backward of a random student, width 512 (8 heads x 64), 1,024 tokens, minus its
+gradients (`python tests/bench/train_memory.py --calibrate`; MiB):
+
+    blocks  ffn   ckpt   bf16   measured  formula
+         2  2048  no     no       139.4    136.8
+         4  2048  no     no       256.2    243.0
+         8  2048  no     no       483.1    455.4
+         4  4096  no     no       310.8    289.4
+         4  2048  no     yes      170.8    173.4
+         8  2048  no     yes      334.5    311.7
+         2  2048  yes    no       134.0     87.7
+         8  2048  yes    no       255.6     99.7
+
+Without checkpointing the formula is within 7% (under). With checkpointing the CPU's RSS grows
+by ~20 D bytes per block instead of 4 D: glibc keeps the backward's freed per-block tensors
+resident, where CUDA's caching allocator reuses them; the plan keeps the 4 D figure (what
+checkpointing holds) and the CPU figure is the one to revisit with a GPU measurement.
 """
 
 from __future__ import annotations
