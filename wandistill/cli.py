@@ -611,6 +611,10 @@ def train_cmd(
         _out_dir(cfg.out)
     if dry_run:
         out.print_json(json.dumps(to_dict(cfg)))
+        try:
+            _plan_train(recipe, None, None, sets, False, (None, None, None, None))
+        except UsageError as e:  # the plan needs the student's sizes; the dry run goes on
+            err.print(f"train memory plan: {e.message} ({e.fix})", highlight=False)
         if not cfg.cache:
             out.print("(pass --cache to see which recorded steps each objective trains at)")
             return
@@ -1218,26 +1222,41 @@ def plan_cmd(
             show_default="1TiB in a what-if, else the free space of the offload folder",
         ),
     ] = None,
+    train: Annotated[
+        bool,
+        typer.Option(
+            "--train/--no-train",
+            help="Plan `train` instead: per-rank weights, gradients, AdamW, EMA and activations "
+            "of the recipe's student for DDP / FSDP / checkpointing / LoRA / batch, and which fit.",
+        ),
+    ] = False,
 ) -> None:
-    """Memory each placement needs, what fits, and which one auto picks.
+    """Memory each placement needs, what fits, and which one auto picks (or, --train, training's).
 
     Per phase and device, on this machine or on one described with --gpus, --gpu-mem,
-    --cpu-mem and --disk; nothing is loaded."""
+    --cpu-mem and --disk; nothing is loaded. A recipe named for a machine (`*_1x80gb`) is planned
+    for that machine where this one has no GPU. --train: per-rank weights, gradients, AdamW, EMA
+    and activations of the recipe's student for DDP / FSDP / checkpointing / LoRA / batch."""
     from wandistill.config import load_recipe
     from wandistill.placement.estimate import SamplerSizes, dtype_from_name
     from wandistill.placement.inventory import Inventory
     from wandistill.placement.plan import make_plan, too_small
     from wandistill.placement.render import render_plan
+    from wandistill.placement.train_inputs import machine_for
     from wandistill.teacher.folder import TeacherFolder
 
     if teacher and config:
         raise UsageError("--teacher and --config both given", fix="pass one of them")
+    if train:
+        _plan_train(recipe, teacher, config, overrides, as_json, (gpus, gpu_mem, cpu_mem, disk))
+        return
     flags = {"teacher.path": teacher, "teacher.placement": placement, "teacher.dtype": dtype}
     sets = [
         *(overrides or []),
         *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
     ]
-    cfg = load_recipe(recipe, sets, stage="precompute").precompute
+    full = load_recipe(recipe, sets, stage="precompute")
+    cfg = full.precompute
     if config is None and not cfg.teacher.path:
         raise UsageError(
             "no teacher to plan",
@@ -1249,6 +1268,12 @@ def plan_cmd(
         cfg.teacher.placement.check(len(inventory.gpus))  # cuda:3 on --gpus 2 is an error
     else:
         inventory = Inventory.detect(cfg.teacher.offload_folder or cfg.cache.path)
+        inventory, line = machine_for(
+            full, recipe, inventory, gpus_needed=cfg.teacher.placement.needs_cuda
+        )
+        if line:
+            err.print(f"[yellow]note:[/yellow] {line}", highlight=False, soft_wrap=True)
+            what_if = True
     # Validated as precompute would (custom code, pickles, bad configs); weights may be absent.
     source = (
         TeacherFolder.published(config)
@@ -1276,6 +1301,63 @@ def plan_cmd(
             cfg.teacher.placement.check(len(inventory.gpus))
         except UsageError as e:
             err.print(f"[yellow]requested placement:[/yellow] {e.message}", highlight=False)
+
+
+def _plan_train(
+    recipe: str | None,
+    teacher: str | None,
+    config: str | None,
+    overrides: list[str] | None,
+    as_json: bool,
+    machine: tuple[int | None, str | None, str | None, str | None],
+) -> None:
+    """`plan --train`: the student's memory per rank for each way to train it."""
+    from wandistill.config import load_recipe
+    from wandistill.placement.inventory import Inventory
+    from wandistill.placement.train_inputs import machine_for, train_inputs
+    from wandistill.placement.train_plan import choice_of, make_train_plan, render_train_plan
+
+    full = load_recipe(recipe, overrides or [], stage="train")
+    gpus, gpu_mem, cpu_mem, disk = machine
+    if any(v is not None for v in machine):
+        inventory = Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk)
+    else:
+        here = Inventory.detect(full.train.out or ".")
+        wants_gpu = full.train.device != "cpu"
+        inventory, line = machine_for(full, recipe, here, gpus_needed=wants_gpu)
+        if line:
+            err.print(f"[yellow]note:[/yellow] {line}", highlight=False, soft_wrap=True)
+    tconf, label = _teacher_transformer_config(teacher, config, full)
+    inputs = train_inputs(full, tconf, label)
+    plan = make_train_plan(
+        inputs.student_config,
+        choice_of(full.train),
+        inputs.shape,
+        inventory,
+        lora_targets=tuple(full.train.student.lora.target_modules),
+        student=f"{full.name or recipe or 'recipe defaults'} (base config: {inputs.label})",
+    )
+    if as_json:
+        out.print_json(json.dumps(plan.to_json()))
+        return
+    for renderable in render_train_plan(plan):
+        out.print(renderable, highlight=False)
+
+
+def _teacher_transformer_config(
+    teacher: str | None, config: str | None, recipe: Recipe
+) -> tuple[dict[str, Any] | None, str]:
+    """The teacher transformer config a train plan starts the student from: --config, --teacher,
+    or the recipe's teacher.path where that folder exists (else None: the cache's, if any)."""
+    from wandistill.teacher.folder import TeacherFolder
+
+    if config:
+        return TeacherFolder.published(config).raw_config("transformer"), f"published {config}"
+    path = teacher or recipe.precompute.teacher.path
+    if path and (teacher or Path(path).is_dir()):
+        folder = TeacherFolder.open(path, complete=False)
+        return folder.raw_config("transformer"), f"teacher {path}"
+    return None, "the recipe's sizes"
 
 
 # --------------------------------------------------------------------------- entry point

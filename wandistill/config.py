@@ -351,6 +351,10 @@ class StudentConfig:
                 "(Wan's RoPE splits each head over frames, height and width)",
             ),
             (
+                self.experts in ("one", "per-expert"),
+                f"student.experts={self.experts!r} must be 'one' or 'per-expert'",
+            ),
+            (
                 self.num_inference_steps is None or self.num_inference_steps > 0,
                 f"student.num_inference_steps={self.num_inference_steps} must be positive",
             ),
@@ -531,6 +535,9 @@ class TrainConfig:
     dist_timeout: float | None = num(None, gt=TIMEOUT_S.gt, le=TIMEOUT_S.le)
     """Seconds a rank waits for the others (rendezvous, collectives, a checkpoint being saved)
     before it exits naming the missing rank. None: WANDISTILL_DIST_TIMEOUT, else 300."""
+    parallel: str = "ddp"
+    """ddp (every rank holds the whole student) or fsdp (FSDP2 `fully_shard` per block)."""
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     student: StudentConfig = field(default_factory=StudentConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -549,6 +556,10 @@ class TrainConfig:
             (
                 self.mixed_precision in ("no", "bf16"),
                 f"train.mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'",
+            ),
+            (
+                self.parallel in ("ddp", "fsdp"),
+                f"train.parallel={self.parallel!r} must be 'ddp' or 'fsdp'",
             ),
         )
 

@@ -13,6 +13,8 @@ Modules, lowest first (each imports only those above it; none imports `train/`):
 * `render`: the plan as rich tables;
 * `load`: resolve a placement once, load a component with it, unload it;
 * `oom`: out-of-memory errors that name the next strategy to try.
+* `train_size`, `train_plan`, `train_inputs`: the memory plan for `train` (per-rank weights,
+  gradients, AdamW, EMA, activations of each way to train a student; `plan --train`).
 
 `devices`, `protocol`, `strategies`, `devicemap` and `parse` import nothing of `teacher/` (the
 recipe, which `train/` reads, parses placements); the rest read teacher folders. Nothing is

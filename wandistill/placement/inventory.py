@@ -160,4 +160,4 @@ class Inventory:
         index = gpu_index(device)
         if index is None:
             raise KeyError(f"no device {device!r} in this inventory")
-        return self.gpus[index].free_bytes
+        return self.gpus[index].free_bytes if index < len(self.gpus) else 0  # a GPU it lacks

@@ -905,7 +905,8 @@ def explain_failure(
         return None
     if is_oom(e):
         n = sum(p.numel() for p in t.model.student.parameters()) if t is not None else 0
-        return oom_error(cfg, info, n, e)
+        known = {} if t is None else {"student_config": t.plan.student_config}
+        return oom_error(cfg, info, n, e, **known, dims=t.plan.manifest.dims if t else None)
     if info.distributed and is_collective_failure(e):
         return collective_error(info, e)
     return None

@@ -1,22 +1,85 @@
 """Training's out-of-memory advice: the figures and the levers, in the order to try them.
 
 Whether an error is an out-of-memory one is `wandistill.failures.is_oom` (one rule for both
-stages); this module only says what a user of `train` can change.
+stages); this module only says what a user of `train` can change. The next lever (FSDP, CPU
+offload, checkpointing, LoRA, a smaller batch) is the first alternative of the train memory
+plan (`wandistill.placement.train_plan`) that fits this rank's device, named with its figures.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
 
 import torch
 
 from wandistill.config import TrainConfig
 from wandistill.dist import DistInfo
 from wandistill.errors import WandistillError
+from wandistill.placement.devices import GiB
+from wandistill.placement.inventory import GPU, Inventory, read_meminfo
+from wandistill.placement.train_plan import TrainPlan, choice_of, make_train_plan
+from wandistill.placement.train_size import TrainShape
+
+
+def _inventory(info: DistInfo) -> Inventory:
+    """This rank's machine at its full size (free memory is meaningless right after an OOM)."""
+    ram = read_meminfo().get("MemTotal", 0)
+    if info.device.type != "cuda":
+        return Inventory((), ram, 0, "this machine")
+    props = torch.cuda.get_device_properties(info.device)
+    gpu = GPU(props.name, props.total_memory, props.total_memory)
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return Inventory((gpu,) * local, ram, 0, f"this machine ({props.name})")
+
+
+def train_plan_for(
+    cfg: TrainConfig, info: DistInfo, student_config: dict[str, Any], dims: dict[str, Any]
+) -> TrainPlan | None:
+    """The plan for this run on this machine (None where the cache's shape is unknown)."""
+    shape_dims = dims.get("latent_shape") or []
+    if len(shape_dims) != 4:
+        return None
+    _, f, h, w = (int(v) for v in shape_dims)
+    rows = 2 if cfg.loss.reflow > 0 and cfg.loss.at_recorded_points else 1
+    shape = TrainShape(f, h, w, int(dims.get("max_sequence_length", 512)), cfg.batch_size, rows)
+    return make_train_plan(
+        student_config,
+        choice_of(cfg),
+        shape,
+        _inventory(info),
+        world_size=info.world_size,
+        lora_targets=tuple(cfg.student.lora.target_modules),
+    )
+
+
+def _lever_line(plan: TrainPlan) -> str:
+    """The plan's figures for this run, and its first lever that fits."""
+    req = plan.requested
+    line = (
+        f"the memory plan puts this run at {req.total / GiB:.1f} GiB per rank "
+        f"(weights {req.weights / GiB:.1f}, gradients {req.gradients / GiB:.1f}, AdamW "
+        f"{req.optimizer / GiB:.1f}, EMA {req.ema / GiB:.1f}, activations "
+        f"{req.activations / GiB:.1f})"
+    )
+    lever = plan.next_lever()
+    if lever is None:
+        return f"{line}; no lever fits this machine: more GPUs or a smaller student"
+    return f"{line}; next lever: {lever.choice.flags(req.choice)} ({lever.why()})"
 
 
 def oom_error(
-    cfg: TrainConfig, info: DistInfo, num_params: int, e: BaseException
+    cfg: TrainConfig,
+    info: DistInfo,
+    num_params: int,
+    e: BaseException,
+    *,
+    student_config: dict[str, Any] | None = None,
+    dims: dict[str, Any] | None = None,
 ) -> WandistillError:
-    """One message with the figures and the levers, in the order to try them."""
+    """One message with the figures and the levers, in the order to try them: the plan's next
+    lever first (with its figures) when the student config and the cache's sizes are known."""
     dev = info.device
     figures = [f"rank {info.rank} on {dev}", f"student {num_params / 1e6:.1f}M params"]
     if dev.type == "cuda":
@@ -30,8 +93,15 @@ def oom_error(
         f"grad_accum={cfg.grad_accum}",
         f"gradient_checkpointing={str(cfg.gradient_checkpointing).lower()}",
         f"mixed_precision={cfg.mixed_precision}",
+        f"parallel={cfg.parallel}",
     ]
     levers = []
+    plan = None
+    if student_config is not None:
+        with contextlib.suppress(Exception):  # advice must never hide the OOM itself
+            plan = train_plan_for(cfg, info, student_config, dims or {})
+    if plan is not None:
+        levers.append(_lever_line(plan))
     if cfg.batch_size > 1:
         half = max(1, cfg.batch_size // 2)
         levers.append(
