@@ -27,6 +27,12 @@ on: `FollowPool`), and batches are emitted as soon as a whole global batch is av
 the manifest says complete and the data is exhausted.
 Ranks agree on what they have seen through a `sync` collective supplied by the caller, so this
 module stays free of torch.distributed.
+
+Several caches (`cache` a list, `weights` optional) are one sample space: each cache's own space
+(its own held-out split), back to back in argument order, drawn by weight each epoch
+(`cache/multi.py`), then shuffled and cut into global batches as above, so equal batches per
+rank, determinism and exact resume hold unchanged. Follow mode polls every cache; a follow
+generation names its shards `<cache index>:<shard>`.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import copy
 import hashlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,6 +50,7 @@ import numpy as np
 import torch
 
 from wandistill.cache.batch import BatchBuffers
+from wandistill.cache.multi import check_compatible, check_unique_keys, check_weights, mix
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import is_holdout
 from wandistill.errors import CacheError, CorruptRecordError, UsageError
@@ -145,8 +152,9 @@ class TrainingReader:
 
     def __init__(
         self,
-        cache: str | Path | CacheStore,
+        cache: str | Path | CacheStore | Sequence[str | Path | CacheStore],
         *,
+        weights: Sequence[float] = (),
         batch_size: int,
         rank: int = 0,
         world_size: int = 1,
@@ -170,7 +178,22 @@ class TrainingReader:
                 f"bad reader layout: batch_size={batch_size}, grad_accum={grad_accum}, "
                 f"rank={rank}, world_size={world_size}"
             )
-        self.store = cache if isinstance(cache, CacheStore) else CacheStore(cache)
+        caches = list(cache) if isinstance(cache, list | tuple) else [cache]
+        self.stores = [c if isinstance(c, CacheStore) else CacheStore(c) for c in caches]
+        self.store = self.stores[0]
+        """The first cache: the manifest every cache agrees with (cache/multi.py)."""
+        self.weights = check_weights(list(weights), len(self.stores))
+        if self.weights and follow:
+            raise UsageError(
+                "train.cache_weights cannot be used with --follow (a cache still being written "
+                "has no size to take a share of)",
+                fix="drop train.cache_weights, or train without --follow once precompute is done",
+            )
+        if len(self.stores) > 1:
+            check_compatible(self.stores)
+            check_unique_keys(self.stores)
+        self._owner: dict[int, int] = {}
+        """id(shard entry) -> index of the cache it belongs to (set as spaces are built)."""
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -189,11 +212,12 @@ class TrainingReader:
         self.num_threads = num_threads
         self.prefetch_batches = max(1, prefetch_batches, num_threads)
         """Batches read ahead, one task each: at least one per thread."""
-        self.holdout = (
-            0.0
-            if include_holdout
-            else float(self.store.manifest.settings.get("holdout_fraction", 0.0))
-        )
+        self.holdouts = [
+            0.0 if include_holdout else float(s.manifest.settings.get("holdout_fraction", 0.0))
+            for s in self.stores
+        ]
+        """Each cache's own held-out fraction."""
+        self.holdout = self.holdouts[0]
         self.skip_corrupt = skip_corrupt
         if pad not in ("max_sequence_length", "batch"):
             raise UsageError(f"pad={pad!r} must be 'max_sequence_length' or 'batch'")
@@ -218,11 +242,15 @@ class TrainingReader:
         """Samples per optimizer step over all ranks and micro-steps."""
         return self.batch_size * self.grad_accum * self.world_size
 
-    def _usable(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Drop shards whose file is missing or truncated (a stat each): refuse them, or with
-        skip_corrupt skip them whole and report each once."""
-        fresh = [e for e in entries if e["name"] not in self._unusable]
-        bad = self.store.unusable(fresh) if fresh else {}
+    def _qualified(self, n: int, name: str) -> str:
+        """A shard's name unique over the caches (cache index prefixed when there are several)."""
+        return name if len(self.stores) == 1 else f"{n}:{name}"
+
+    def _usable(self, entries: list[dict[str, Any]], n: int = 0) -> list[dict[str, Any]]:
+        """Drop shards of cache n whose file is missing or truncated (a stat each): refuse them,
+        or with skip_corrupt skip them whole and report each once."""
+        fresh = [e for e in entries if self._qualified(n, e["name"]) not in self._unusable]
+        bad = self.stores[n].unusable(fresh) if fresh else {}
         for e in fresh:
             why = bad.get(e["name"])
             if why is None:
@@ -231,26 +259,45 @@ class TrainingReader:
                 raise CacheError(
                     f"unusable {why}", fix="run `wandistill cache verify`, or pass --skip-corrupt"
                 )
-            self._unusable[e["name"]] = why
+            self._unusable[self._qualified(n, e["name"])] = why
             self.corrupt.append(f"unusable {why}; its {len(e['keys'])} records skipped")
-        return [e for e in entries if e["name"] not in self._unusable]
+        return [e for e in entries if self._qualified(n, e["name"]) not in self._unusable]
 
-    def _space(self, entries: list[dict[str, Any]]) -> SampleSpace:
-        """Every (record, step) of these shards, sorted by key so sharding does not matter."""
-        usable = self._usable(entries)
+    def _space(self, entries: list[dict[str, Any]], n: int = 0) -> SampleSpace:
+        """Every (record, step) of these shards of cache n, sorted by key so sharding does not
+        matter."""
+        usable = self._usable(entries, n)
+        holdout = self.holdouts[n]
+        for e in usable:
+            self._owner[id(e)] = n
         rows = sorted(
             (
                 (key, e["name"], i, k)
                 for k, e in enumerate(usable)
                 for i, key in enumerate(e["keys"])
-                if not is_holdout(key, self.holdout)
+                if not is_holdout(key, holdout)
             ),
         )  # by key, then shard name and row: a key listed twice sorts the same every time
         return SampleSpace(usable, [(k, i) for _, _, i, k in rows], list(self.slots))
 
+    def _spaces(self) -> list[SampleSpace]:
+        """Each cache's committed samples."""
+        return [self._space(s.entries, n) for n, s in enumerate(self.stores)]
+
+    def _epoch_space(self, spaces: list[SampleSpace], epoch: int) -> Any:
+        """Epoch `epoch`'s samples, unshuffled: one cache's space as it is, several back to
+        back, each drawn by its weight (cache/multi.py)."""
+        if len(spaces) == 1 and not self.weights:
+            return spaces[0]
+        return mix(spaces, self.weights, self._permutation, epoch)
+
+    def _store_of(self, entry: dict[str, Any]) -> CacheStore:
+        return self.stores[self._owner.get(id(entry), 0)]
+
     def steps_per_epoch(self) -> int:
-        """Optimizer steps (global batches) per epoch."""
-        return len(self._space(self.store.entries)) // self.global_batch
+        """Optimizer steps (global batches) per epoch (the weights change what an epoch holds,
+        not its length)."""
+        return sum(len(s) for s in self._spaces()) // self.global_batch
 
     def batches_per_epoch(self) -> int:
         """Micro-batches this rank yields per epoch."""
@@ -270,11 +317,24 @@ class TrainingReader:
         }
         if self.follow:
             state["generations"] = [list(g) for g in self.generations]
+        if len(self.stores) > 1:
+            state["caches"] = [str(s.path) for s in self.stores]
+            state["weights"] = list(self.weights)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("follow", False) != self.follow:
             raise UsageError("reader state was saved with a different follow setting")
+        caches = state.get("caches") or [str(self.store.path)]
+        weights = list(state.get("weights") or [])
+        if len(caches) != len(self.stores) or weights != self.weights:
+            raise UsageError(
+                f"cannot resume: the checkpoint trained on {len(caches)} cache(s) {caches} with "
+                f"weights {weights or 'none'}, this run has {len(self.stores)} with "
+                f"{self.weights or 'none'}",
+                fix="resume with the same --cache list and train.cache_weights, or choose a new "
+                "--out",
+            )
         self.epoch = int(state["epoch"])
         self.batches_done = int(state["batches_done"])
         old_global = (
@@ -362,11 +422,13 @@ class TrainingReader:
             yield (epoch, done), [pool[j] for j in range(start, start + self.batch_size)]
 
     def _epoch_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]]]:
-        space = self._space(self.store.entries)
-        n = len(space) // self.global_batch
+        spaces = self._spaces()
+        total = sum(len(s) for s in spaces)
+        n = total // self.global_batch
         if n == 0:
+            where = ", ".join(repr(str(s.path)) for s in self.stores)
             raise CacheError(
-                f"cache {str(self.store.path)!r} has {len(space)} training samples, fewer than "
+                f"cache {where} has {total} training samples, fewer than "
                 f"one global batch ({self.batch_size} per micro-batch x {self.grad_accum} "
                 f"accumulation x {self.world_size} ranks)",
                 fix="lower train.batch_size or train.grad_accum, or precompute more prompts",
@@ -375,6 +437,7 @@ class TrainingReader:
         while True:
             if g >= n:
                 epoch, g = epoch + 1, 0
+            space = self._epoch_space(spaces, epoch)
             shuffled = space.shuffled(self._permutation(len(space), "epoch", epoch))
             while g < n:
                 yield from self._step_items(shuffled, g, epoch)
@@ -382,7 +445,7 @@ class TrainingReader:
 
     def _follow_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]] | None]:
         """Batches over generations of newly committed shards, until complete and exhausted."""
-        by_name: dict[str, dict[str, Any]] = {}
+        by_name: dict[str, tuple[int, dict[str, Any]]] = {}
         self.pool = pool = FollowPool()
         emitted = 0
         resume_at = self.batches_done
@@ -394,23 +457,21 @@ class TrainingReader:
         while True:
             if replay:
                 names = replay.pop(0)
-                self.store.refresh()
-                by_name.update({e["name"]: e for e in self.store.entries})
+                self._poll(by_name)
                 missing = [n for n in names if n not in by_name]
                 if missing:
                     raise CacheError(f"cannot resume follow mode: shards {missing} vanished")
             else:
                 yield None  # about to poll: let the consumer drain what is planned first
-                self.store.refresh()
-                by_name.update({e["name"]: e for e in self.store.entries})
+                done = self._poll(by_name)
                 fresh = sorted(n for n in by_name if n not in seen)
-                names, complete = self.sync(fresh, self.store.complete)
+                names, complete = self.sync(fresh, done)
             if names:
                 idle_since = time.monotonic()
                 gen_index = len(self.generations)
                 self.generations.append(list(names))
                 seen.update(names)
-                chunk = self._space([by_name[n] for n in names])
+                chunk = self._generation_space(names, by_name)
                 pool.extend(chunk.shuffled(self._permutation(len(chunk), "follow", gen_index)))
             while len(pool) - emitted * self.global_batch >= self.global_batch:
                 if emitted >= resume_at:
@@ -426,11 +487,30 @@ class TrainingReader:
                 and time.monotonic() - idle_since > self.follow_timeout
             ):
                 raise CacheError(
-                    f"follow mode: no new shard in {str(self.store.path)!r} for "
-                    f"{self.follow_timeout:.0f} s and the manifest is not complete",
+                    f"follow mode: no new shard in "
+                    f"{', '.join(repr(str(s.path)) for s in self.stores if not s.complete)} "
+                    f"for {self.follow_timeout:.0f} s and the manifest is not complete",
                     fix="check that precompute is still running",
                 )
             time.sleep(self.poll_interval)
+
+    def _poll(self, by_name: dict[str, tuple[int, dict[str, Any]]]) -> bool:
+        """Add every cache's committed shards to `by_name` (qualified name -> (cache, entry));
+        whether every cache is complete."""
+        for n, store in enumerate(self.stores):
+            store.refresh()
+            by_name.update({self._qualified(n, e["name"]): (n, e) for e in store.entries})
+        return all(s.complete for s in self.stores)
+
+    def _generation_space(
+        self, names: list[str], by_name: dict[str, tuple[int, dict[str, Any]]]
+    ) -> Any:
+        """One follow generation's samples: each cache's new shards, back to back."""
+        spaces = [
+            self._space([by_name[q][1] for q in names if by_name[q][0] == n], n)
+            for n in range(len(self.stores))
+        ]
+        return spaces[0] if len(spaces) == 1 else mix(spaces, (), self._permutation, 0)
 
     # ------------------------------------------------------------------ reading
 
@@ -443,10 +523,13 @@ class TrainingReader:
         (fields stored in another dtype, `with_next`) each sample is read and decoded on its own
         and copied into its row."""
         pad = None if self.pad == "batch" else self.store.max_sequence_length
-        out = BatchBuffers(len(samples), pad)
-        errors = None if self.with_next else self.store.read_batch(samples, self.fields, out)
-        if errors is None:
-            errors = self._read_each(samples, out)
+        groups: dict[int, list[int]] = {}
+        for b, (entry, _, _) in enumerate(samples):
+            groups.setdefault(self._owner.get(id(entry), 0), []).append(b)
+        if len(groups) == 1:
+            out, errors = self._read_rows(self.stores[next(iter(groups))], samples, pad)
+        else:
+            out, errors = self._read_mixed(groups, samples, pad)
         for (entry, row, _), e in zip(samples, errors, strict=True):
             if e is not None:
                 self._failed(entry, row, e)
@@ -466,6 +549,67 @@ class TrainingReader:
                 longest = max(lengths[b] for b in good)
                 tensors[name] = tensors[name][:, :longest].contiguous()
         return tensors, order
+
+    def _read_rows(
+        self, store: CacheStore, samples: list[Sample], pad: int | None
+    ) -> tuple[BatchBuffers, list[BaseException | None]]:
+        """Samples of one cache into one batch, in place where the backend can."""
+        out = BatchBuffers(len(samples), pad)
+        errors = None if self.with_next else store.read_batch(samples, self.fields, out)
+        if errors is None:
+            errors = self._read_each(samples, out)
+        return out, errors
+
+    def _read_mixed(
+        self, groups: dict[int, list[int]], samples: list[Sample], pad: int | None
+    ) -> tuple[BatchBuffers, list[BaseException | None]]:
+        """A batch drawn from several caches: each cache's rows read in place into a batch of
+        their own, then copied into their rows of the whole batch (ragged fields zero-padded to
+        the longest)."""
+        out = BatchBuffers(len(samples), pad)
+        errors: list[BaseException | None] = [None] * len(samples)
+        parts = []
+        for n, rows in groups.items():
+            part, errs = self._read_rows(self.stores[n], [samples[b] for b in rows], pad)
+            for b, e in zip(rows, errs, strict=True):
+                errors[b] = e
+            if any(e is None for e in errs):
+                parts.append((rows, part))
+        if not parts:
+            return out, errors
+        first = parts[0][1]
+        for name, t0 in first.tensors.items():
+            ragged = name in first.lengths
+            if ragged:
+                longest = max(p.tensors[name].shape[1] for _, p in parts if name in p.tensors)
+                shape = (len(samples), longest, *t0.shape[2:])
+            else:
+                shape = (len(samples), *t0.shape[1:])
+            full = torch.zeros(shape, dtype=t0.dtype)
+            for rows, part in parts:
+                t = part.tensors.get(name)
+                tail = 2 if ragged else 1
+                if t is None or t.dtype != t0.dtype or t.shape[tail:] != t0.shape[tail:]:
+                    got = "none" if t is None else f"{tuple(t.shape[1:])} {t.dtype}"
+                    for b in rows:
+                        errors[b] = errors[b] or ValueError(
+                            f"{name!r} is {got}, the batch's first cache has "
+                            f"{tuple(t0.shape[1:])} {t0.dtype}"
+                        )
+                    continue
+                index = torch.tensor(rows)
+                if ragged:
+                    full[index, : t.shape[1]] = t
+                else:
+                    full[index] = t
+            out.tensors[name] = full
+        for name in first.lengths:
+            lengths = [0] * len(samples)
+            for rows, part in parts:
+                for b, length in zip(rows, part.lengths.get(name, [0] * len(rows)), strict=True):
+                    lengths[b] = length
+            out.lengths[name] = lengths
+        return out, errors
 
     def _read_each(self, samples: list[Sample], out: BatchBuffers) -> list[BaseException | None]:
         """Read and decode each sample on its own, then copy it into its row of `out`; each
@@ -491,7 +635,7 @@ class TrainingReader:
         self, entry: dict[str, Any], row: int, slot: int
     ) -> dict[str, torch.Tensor] | BaseException:
         try:
-            out = self.store.read_sample(entry, row, slot, self.fields, pad=False)
+            out = self._store_of(entry).read_sample(entry, row, slot, self.fields, pad=False)
             if self.with_next:
                 out.update(self._read_next(entry, row, slot))
             return out
@@ -514,11 +658,12 @@ class TrainingReader:
     def _read_next(self, entry: dict[str, Any], row: int, slot: int) -> dict[str, torch.Tensor]:
         """The next point of this sample's trajectory: the next recorded step's x_t and t, or
         after the last recorded step the final latent (in x_t's dtype) at t = 0."""
+        store = self._store_of(entry)
         if slot + 1 < self.num_slots:
-            nxt = self.store.read_sample(entry, row, slot + 1, ["xt", "timesteps"], pad=False)
+            nxt = store.read_sample(entry, row, slot + 1, ["xt", "timesteps"], pad=False)
             xt, t, final = nxt["xt"], nxt["timesteps"], False
         else:
-            both = self.store.read_sample(entry, row, slot, ["xt", "final_latent"], pad=False)
+            both = store.read_sample(entry, row, slot, ["xt", "final_latent"], pad=False)
             xt = both["final_latent"].to(both["xt"].dtype)
             t, final = torch.zeros((), dtype=torch.float32), True
         return {"xt_next": xt, "timesteps_next": t, "next_is_final": torch.tensor(final)}
