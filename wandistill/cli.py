@@ -547,8 +547,14 @@ def precompute_cmd(
 def train_cmd(
     recipe: RecipeArg = None,
     cache: Annotated[
-        str | None,
-        typer.Option(help="Cache directory (precompute --out).", show_default=_recipe_key("cache")),
+        list[str] | None,
+        typer.Option(
+            help="Cache directory (precompute --out). Repeat it to train on several caches of "
+            "one teacher and settings as one dataset (weights: --set "
+            "'train.cache_weights=[2, 1]').",
+            metavar="DIR",
+            show_default=_recipe_key("cache"),
+        ),
     ] = None,
     out_dir: Annotated[
         str | None,
@@ -601,7 +607,8 @@ def train_cmd(
     """Distil the cached teacher into a small student (alone or under torchrun)."""
     from wandistill.config import load_recipe, to_dict
 
-    flags = {"cache": cache, "out": out_dir, "steps": steps, "parallel": parallel}
+    one_or_many = cache[0] if cache and len(cache) == 1 else cache  # several: a list
+    flags = {"cache": one_or_many, "out": out_dir, "steps": steps, "parallel": parallel}
     sets = [
         *(overrides or []),
         *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),

@@ -496,8 +496,13 @@ PARALLEL = ("ddp", "fsdp")
 @dataclass(kw_only=True, slots=True)
 @checked("train")
 class TrainConfig:
-    cache: str = ""
-    """Cache directory written by `wandistill precompute` (the only input besides this recipe)."""
+    cache: str | list[str] = ""
+    """Cache directory written by `wandistill precompute` (the only input besides this recipe),
+    or a list of caches of one teacher and settings trained on as one dataset (docs/training.md,
+    "Several caches")."""
+    cache_weights: list[float] = field(default_factory=list)
+    """With several caches: each cache's share of every epoch's samples, relative (mosaicml
+    streaming's stream `proportion`); empty: every sample of every cache once an epoch."""
     out: str = ""
     """Run directory: checkpoints/, metrics.jsonl, student/ and student_ema/ at the end."""
     steps: int = num(100, ge=1, le=10**9)
@@ -543,7 +548,16 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
 
+    @property
+    def caches(self) -> list[str]:
+        """`cache` as a list (one entry for a single cache, none when unset)."""
+        return [c for c in ([self.cache] if isinstance(self.cache, str) else self.cache) if c]
+
     def __post_init__(self) -> None:
+        if self.cache_weights:
+            from wandistill.cache.multi import check_weights
+
+            check_weights(self.cache_weights, len(self.caches))
         _problems(
             (
                 self.parallel in PARALLEL,

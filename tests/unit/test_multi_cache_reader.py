@@ -162,6 +162,8 @@ def test_a_record_key_in_two_caches_is_refused_and_named(tmp_path: Path) -> None
     write_cache(tmp_path / "b", range(3, 6))
     with pytest.raises(CacheError, match=r"1 record key\(s\) are in more than one cache"):
         TrainingReader([tmp_path / "a", tmp_path / "b"], batch_size=1)
+    with pytest.raises(UsageError, match="given more than once"):
+        TrainingReader([tmp_path / "a", tmp_path / "a"], batch_size=1)
 
 
 @pytest.mark.parametrize("weights", [[1, 0], [1, -2], [1, float("nan")], [1, "2"], [1]])

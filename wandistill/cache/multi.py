@@ -29,7 +29,7 @@ import torch
 
 from wandistill.cache.merge import _differences
 from wandistill.cache.reader import CacheStore
-from wandistill.errors import CacheError, CacheMismatchError, ConfigError
+from wandistill.errors import CacheError, CacheMismatchError, ConfigError, UsageError
 
 OWN_BLOCKS = ("backend", "numerics", "fields", "format", "schema_version")
 """Sealed blocks that may differ between caches trained together (how a cache is stored)."""
@@ -73,6 +73,14 @@ def differences(a: CacheStore, b: CacheStore) -> list[str]:
 
 def check_compatible(stores: Sequence[CacheStore]) -> None:
     """Refuse caches a student cannot train on together, naming every difference."""
+    paths = [str(s.path) for s in stores]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise UsageError(
+            f"--cache {twice[0]!r} is given more than once",
+            fix="name each cache once; to train on it more often give it a larger "
+            "train.cache_weights entry",
+        )
     first = stores[0]
     problems = []
     for other in stores[1:]:
@@ -107,6 +115,18 @@ def check_unique_keys(stores: Sequence[CacheStore]) -> None:
             fix="train on caches of different prompts or seeds, or `wandistill cache merge` "
             "them into one (merge keeps one copy of each key)",
         )
+
+
+def check_caches(paths: Sequence[str]) -> None:
+    """`train`'s check of its --cache list before anything is built or written: every cache
+    readable, compatible with the first, no key in two of them."""
+    stores = [CacheStore(p) for p in paths]
+    try:
+        check_compatible(stores)
+        check_unique_keys(stores)
+    finally:
+        for s in stores:
+            s.close()
 
 
 def shares(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:

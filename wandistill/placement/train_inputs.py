@@ -99,11 +99,11 @@ def train_inputs(
     from wandistill.student.config import resolve_student_config
 
     cfg = recipe.train
-    manifest = _manifest(cfg.cache)
+    manifest = _manifest(cfg.caches[0] if cfg.caches else "")
     tconf = dict(teacher_config or {})
     if not tconf and manifest is not None:
         tconf = dict(manifest.teacher.get("transformer_config") or {})
-        label = f"cache {cfg.cache}"
+        label = f"cache {cfg.caches[0] if cfg.caches else ''}"
     dims = manifest.dims if manifest is not None else {}
     student = resolve_student_config(cfg.student, tconf, dims)
     return TrainInputs(student, _shape(cfg, recipe, manifest), label)

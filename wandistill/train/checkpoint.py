@@ -93,6 +93,11 @@ class ReaderState(Schema):
     grad_accum: Annotated[int, Field(ge=1, le=1 << 30)] = 1
     follow: bool
     generations: list[list[Annotated[str, Field(max_length=256)]]] | None = None
+    caches: (
+        Annotated[list[Annotated[str, Field(max_length=4096)]], Field(max_length=1024)] | None
+    ) = None
+    """Several caches: their paths (informational) and weights (must match on resume)."""
+    weights: Annotated[list[Annotated[float, Field(gt=0)]], Field(max_length=1024)] | None = None
 
 
 class RunMeta(OpenSchema):

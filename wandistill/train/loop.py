@@ -36,6 +36,7 @@ from wandistill.cache.manifest import (
     manifest_name,
     read_manifest,
 )
+from wandistill.cache.multi import check_caches
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import SHARED_NAME
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
@@ -222,7 +223,7 @@ def stopped(signum: int, step: int, info: dist.DistInfo) -> Stopped:
 def run_inputs(cfg: TrainConfig) -> dict[str, str]:
     """What train reads: its --out may be none of these, nor inside or around one."""
     return {
-        "--cache": cfg.cache,
+        **{"--cache" + (f" #{i + 1}" if i else ""): c for i, c in enumerate(cfg.caches)},
         "student.init_from_teacher.path": cfg.student.init_from_teacher.path,
         "student.config_file": cfg.student.config_file,
     }
@@ -238,11 +239,17 @@ def _cache_started(cache: str) -> bool:
 
 
 def wait_for_manifest(cfg: TrainConfig) -> None:
-    """--follow may start before precompute has created the cache: wait for its manifest."""
-    path = manifest_name(cfg.cache) if cfg.cache else None
+    """--follow may start before precompute has created the cache: wait for its manifest (each
+    cache's, with several)."""
+    for cache in cfg.caches:
+        _wait_for_cache(cfg, cache)
+
+
+def _wait_for_cache(cfg: TrainConfig, cache: str) -> None:
+    path = manifest_name(cache)
     start = time.monotonic()
     told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
-    while path is not None and not _cache_started(cfg.cache):
+    while not _cache_started(cache):
         if not told:
             console.print(f"train: waiting for {path} (has precompute started?)")
             told = True
@@ -256,14 +263,17 @@ def wait_for_manifest(cfg: TrainConfig) -> None:
 
 def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     """Every check that needs only the recipe and the manifest, all problems in one error."""
-    if not cfg.cache:
+    if not cfg.caches:
         raise UsageError("train needs a cache", fix="pass --cache DIR (or set train.cache)")
     if not cfg.out:
         raise UsageError("train needs an output directory", fix="pass --out DIR (or train.out)")
-    manifest = load_committed(cfg.cache)
+    primary = cfg.caches[0]  # several caches agree with it (cache/multi.py, checked here)
+    manifest = load_committed(primary)
+    if len(cfg.caches) > 1:
+        check_caches(cfg.caches)
     tconf = manifest.teacher.get("transformer_config") or {}
     student_config = resolve_student_config(cfg.student, tconf, manifest.dims)
-    problems = check_against_cache(student_config, manifest.dims, cfg.cache)
+    problems = check_against_cache(student_config, manifest.dims, primary)
     if cfg.student.lora.enabled:
         problems += lora.plan_problems(cfg.student, student_config, tconf)
     cached = {f["name"] for f in manifest.fields}
@@ -273,7 +283,7 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     except UsageError as e:
         problems.append(e.message + (f" ({e.fix})" if e.fix else ""))
     problems += experts.check(
-        cfg.student, cfg.loss, manifest.settings, manifest.dims, objectives, cfg.cache
+        cfg.student, cfg.loss, manifest.settings, manifest.dims, objectives, primary
     )
     fields = list(DEFAULT_FIELDS)
     if cfg.loss.x0_terms:
@@ -320,15 +330,15 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     if problems or objectives is None:
         raise UsageError("; ".join(problems))
     teacher_width = width(tconf) if tconf else width(student_config)
-    cache = location(cfg.cache)
+    cache = location(primary)
     return Plan(cache, out, manifest, student_config, teacher_width, fields, objectives)
 
 
 def objective_plan(cfg: TrainConfig, manifest: Manifest | None = None) -> ObjectivePlan:
     """K, the student's scheduler and the recorded steps of each objective, from the cache's
     manifest and schedule (also what `train --dry-run` prints)."""
-    manifest = manifest or load_committed(cfg.cache)
-    with CacheStore(cfg.cache) as store:
+    manifest = manifest or load_committed(cfg.caches[0])
+    with CacheStore(cfg.caches[0]) as store:
         teacher = TeacherSchedule.from_cache(manifest.settings, store.read_shared())
     return plan_objectives(cfg.loss, cfg.student.num_inference_steps, teacher)
 
@@ -371,7 +381,8 @@ def setup(
 
     store = CacheStore(plan.cache)
     reader = TrainingReader(
-        store,
+        [store, *(CacheStore(location(c)) for c in cfg.caches[1:])],
+        weights=cfg.cache_weights,
         batch_size=cfg.batch_size,
         rank=info.rank,
         world_size=info.world_size,
