@@ -626,6 +626,12 @@ def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
         f"{info.world_size} rank(s) on {info.device.type} x batch {cfg.batch_size} x accum "
         f"{cfg.grad_accum} = {global_batch} samples/step;",
         f"cache {t.plan.cache} ({len(store)} records, {state})",
+        *(
+            f"+ cache {s.path} ({len(s)} records, "
+            f"{'complete' if s.complete else 'still being written'})"
+            for s in t.reader.stores[1:]
+        ),
+        *([f"weights {t.reader.weights}"] if t.reader.weights else []),
     ]
     for line in summary_lines(phrases):  # short lines: readable at 80 columns and in logs
         console.print(line, soft_wrap=True)
