@@ -60,6 +60,8 @@ class BatchBuffers:
         self.lengths: dict[str, list[int]] = {}
         """Ragged field -> each sample's true length (0 for a failed sample)."""
         self._raw: dict[str, Any] = {}
+        self.first: dict[str, Shape] = {}
+        """The first good sample's field shapes (what every other sample must match)."""
 
     def allocate(self, shapes: list[dict[str, Shape] | None]) -> list[str | None]:
         """Make the batch tensors from each sample's field shapes (None: a failed sample).
@@ -71,6 +73,7 @@ class BatchBuffers:
         first = next((s for s in shapes if s is not None), None)
         if first is None:
             return problems
+        self.first = first
         for b, s in enumerate(shapes):
             if s is None or s is first:
                 continue
@@ -119,3 +122,49 @@ class BatchBuffers:
     def raw(t: torch.Tensor) -> Any:
         """A writable uint8 numpy view over a contiguous tensor's bytes, for `preadv`/crc32c."""
         return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class RowsOf:
+    """Rows `rows` of a batch whose samples come from several caches (`TrainingReader` over
+    several caches): what a backend's `read_batch` sees of the batch, so each cache reads its
+    samples straight into their rows of the one batch. The first `allocate` that has a good
+    sample makes the batch tensors (ragged fields at the batch's fixed `pad_len`); later ones
+    check their samples against that first sample, as `BatchBuffers.allocate` does within one
+    cache."""
+
+    def __init__(self, batch: BatchBuffers, rows: list[int]) -> None:
+        if batch.pad_len is None:
+            raise ValueError("a batch shared by several caches needs a fixed pad length")
+        self.batch = batch
+        self.rows = rows
+        self.size = len(rows)
+
+    def allocate(self, shapes: list[dict[str, Shape] | None]) -> list[str | None]:
+        batch = self.batch
+        if not batch.tensors:
+            full: list[dict[str, Shape] | None] = [None] * batch.size
+            for b, s in zip(self.rows, shapes, strict=True):
+                full[b] = s
+            problems = batch.allocate(full)
+            return [problems[b] for b in self.rows]
+        want = batch.first
+        problems: list[str | None] = [None] * self.size
+        for i, (b, s) in enumerate(zip(self.rows, shapes, strict=True)):
+            if s is None:
+                continue
+            problems[i] = next(
+                (p for name, w in want.items() if (p := _differs(name, s.get(name), w))), None
+            )
+            for name in batch.lengths:
+                n = s[name][0][0] if problems[i] is None and name in s else 0
+                if n > batch.tensors[name].shape[1]:
+                    problems[i] = f"{name!r} has {n} tokens, more than max_sequence_length"
+                    n = 0
+                batch.lengths[name][b] = n
+        return problems
+
+    def row(self, b: int, name: str) -> torch.Tensor:
+        return self.batch.row(self.rows[b], name)
+
+    def raw_row(self, b: int, name: str) -> Any:
+        return self.batch.raw_row(self.rows[b], name)

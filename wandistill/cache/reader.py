@@ -8,6 +8,7 @@ the tensors a training sample needs, with a single recorded step sliced out of t
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -95,9 +96,19 @@ class CacheStore:
     def refresh(self) -> list[dict[str, Any]]:
         """Re-read the commit record; return the shard entries that are new since last time."""
         known = {e["name"] for e in self.manifest.shards}
-        self.manifest = mf.load_committed(
-            self.path, check_entries=self.check_entries, memo=self._memo
-        )
+        for attempt in range(3):
+            # A writer finishing the cache folds the journals into the manifest and removes
+            # them: a poll that read the old manifest can then miss a journal it listed. Read
+            # again (the new manifest holds those entries); a lasting problem still raises.
+            try:
+                self.manifest = mf.load_committed(
+                    self.path, check_entries=self.check_entries, memo=self._memo
+                )
+                break
+            except CacheError:
+                if attempt == 2:
+                    raise
+                time.sleep(0.05)
         return [e for e in self.manifest.shards if e["name"] not in known]
 
     def locate(self) -> dict[str, tuple[dict[str, Any], int]]:

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from wandistill.cache.batch import BatchBuffers
+from wandistill.cache.batch import BatchBuffers, RowsOf
 from wandistill.cache.multi import check_compatible, check_unique_keys, check_weights, mix
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import is_holdout
@@ -563,52 +563,25 @@ class TrainingReader:
     def _read_mixed(
         self, groups: dict[int, list[int]], samples: list[Sample], pad: int | None
     ) -> tuple[BatchBuffers, list[BaseException | None]]:
-        """A batch drawn from several caches: each cache's rows read in place into a batch of
-        their own, then copied into their rows of the whole batch (ragged fields zero-padded to
-        the longest)."""
-        out = BatchBuffers(len(samples), pad)
+        """A batch drawn from several caches: each cache's backend reads its samples straight
+        into their rows of the one batch (`RowsOf`), no copy. Ragged fields are laid out at
+        max_sequence_length (the rows are allocated before every cache has said how long its
+        prompts are), then trimmed to the longest when the reader pads per batch."""
+        out = BatchBuffers(len(samples), self.store.max_sequence_length)
         errors: list[BaseException | None] = [None] * len(samples)
-        parts = []
         for n, rows in groups.items():
-            part, errs = self._read_rows(self.stores[n], [samples[b] for b in rows], pad)
+            view: Any = RowsOf(out, rows)
+            mine = [samples[b] for b in rows]
+            errs = None if self.with_next else self.stores[n].read_batch(mine, self.fields, view)
+            if errs is None:
+                errs = self._read_each(mine, view)
             for b, e in zip(rows, errs, strict=True):
                 errors[b] = e
-            if any(e is None for e in errs):
-                parts.append((rows, part))
-        if not parts:
-            return out, errors
-        first = parts[0][1]
-        for name, t0 in first.tensors.items():
-            ragged = name in first.lengths
-            if ragged:
-                longest = max(p.tensors[name].shape[1] for _, p in parts if name in p.tensors)
-                shape = (len(samples), longest, *t0.shape[2:])
-            else:
-                shape = (len(samples), *t0.shape[1:])
-            full = torch.zeros(shape, dtype=t0.dtype)
-            for rows, part in parts:
-                t = part.tensors.get(name)
-                tail = 2 if ragged else 1
-                if t is None or t.dtype != t0.dtype or t.shape[tail:] != t0.shape[tail:]:
-                    got = "none" if t is None else f"{tuple(t.shape[1:])} {t.dtype}"
-                    for b in rows:
-                        errors[b] = errors[b] or ValueError(
-                            f"{name!r} is {got}, the batch's first cache has "
-                            f"{tuple(t0.shape[1:])} {t0.dtype}"
-                        )
-                    continue
-                index = torch.tensor(rows)
-                if ragged:
-                    full[index, : t.shape[1]] = t
-                else:
-                    full[index] = t
-            out.tensors[name] = full
-        for name in first.lengths:
-            lengths = [0] * len(samples)
-            for rows, part in parts:
-                for b, length in zip(rows, part.lengths.get(name, [0] * len(rows)), strict=True):
-                    lengths[b] = length
-            out.lengths[name] = lengths
+        if pad is None:
+            for name, lengths in out.lengths.items():
+                longest = max(lengths, default=0)
+                if longest < out.tensors[name].shape[1]:
+                    out.tensors[name] = out.tensors[name][:, :longest].contiguous()
         return out, errors
 
     def _read_each(self, samples: list[Sample], out: BatchBuffers) -> list[BaseException | None]:
