@@ -607,7 +607,8 @@ def train_cmd(
     """Distil the cached teacher into a small student (alone or under torchrun)."""
     from wandistill.config import load_recipe, to_dict
 
-    one_or_many = cache[0] if cache and len(cache) == 1 else cache  # several: a list
+    listed = [str(c) for c in cache] if cache else None
+    one_or_many = listed[0] if listed and len(listed) == 1 else listed  # several: a list
     flags = {"cache": one_or_many, "out": out_dir, "steps": steps, "parallel": parallel}
     sets = [
         *(overrides or []),
