@@ -26,6 +26,7 @@ from rich.table import Table
 
 from wandistill import __version__
 from wandistill.errors import CacheError, ConfigError, UsageError, WandistillError
+from wandistill.location import option as loc
 
 if TYPE_CHECKING:
     from wandistill.config import Recipe
@@ -114,7 +115,9 @@ def _root(
 
 @teacher_app.command("make-tiny")
 def teacher_make_tiny(
-    path: Annotated[Path, typer.Argument(help="Folder to create (diffusers layout).")],
+    path: Annotated[
+        Path, typer.Argument(help="Folder to create (diffusers layout).", **loc("PATH", url=False))
+    ],
     wan22: Annotated[
         bool,
         typer.Option(
@@ -146,7 +149,9 @@ def teacher_make_tiny(
 
 @teacher_app.command("make-trained")
 def teacher_make_trained(
-    path: Annotated[Path, typer.Argument(help="Folder to create (diffusers layout).")],
+    path: Annotated[
+        Path, typer.Argument(help="Folder to create (diffusers layout).", **loc("PATH", url=False))
+    ],
     seed: Annotated[
         int,
         typer.Option(
@@ -213,7 +218,10 @@ def _human(n: float) -> str:
 
 @cache_app.command("info")
 def cache_info(
-    path: Annotated[str, typer.Argument(help="Cache directory or fsspec URL (s3://...).")],
+    path: Annotated[
+        str,
+        typer.Argument(help="Cache directory or fsspec URL (s3://...).", **loc("PATH", url=True)),
+    ],
     as_json: Annotated[
         bool,
         typer.Option(
@@ -299,8 +307,14 @@ def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -
 
 @cache_app.command("merge")
 def cache_merge(
-    inputs: Annotated[list[str], typer.Argument(help="Input cache directories (2 or more).")],
-    out_dir: Annotated[str, typer.Option("--out", help="The merged cache (new or empty).")],
+    inputs: Annotated[
+        list[str],
+        typer.Argument(help="Input cache directories (2 or more).", **loc("INPUT", url=False)),
+    ],
+    out_dir: Annotated[
+        str,
+        typer.Option("--out", help="The merged cache (new or empty).", **loc("--out", url=False)),
+    ],
 ) -> None:
     """Join finished caches of one teacher and settings into one.
 
@@ -327,7 +341,10 @@ def cache_merge(
 
 @cache_app.command("verify")
 def cache_verify(
-    path: Annotated[str, typer.Argument(help="Cache directory or fsspec URL (s3://...).")],
+    path: Annotated[
+        str,
+        typer.Argument(help="Cache directory or fsspec URL (s3://...).", **loc("PATH", url=True)),
+    ],
 ) -> None:
     """Check every shard's checksum and decode every record; exit 1 if anything is wrong."""
     from wandistill.cache.reader import open_cache
@@ -368,7 +385,10 @@ def recipes_list(ctx: typer.Context) -> None:
 def recipes_copy(
     name: Annotated[str, typer.Argument(help="Shipped recipe name (see `wandistill recipes`).")],
     dest: Annotated[
-        Path | None, typer.Argument(help="File or folder to write (default: ./NAME.toml).")
+        Path | None,
+        typer.Argument(
+            help="File or folder to write (default: ./NAME.toml).", **loc("DEST", url=False)
+        ),
     ] = None,
     force: Annotated[
         bool, typer.Option("--force/--no-force", help="Replace an existing DEST file.")
@@ -418,6 +438,15 @@ DryRunOpt = Annotated[
 ]
 
 
+def _flag_sets(flags: dict[str, Any]) -> list[str]:
+    """The flags given, as `--set key=value` overrides (a parsed location as its text)."""
+    return [
+        f"{k}={json.dumps(str(v) if isinstance(v, Path) else v)}"
+        for k, v in flags.items()
+        if v is not None
+    ]
+
+
 def _recipe_key(key: str, fallback: str | None = None) -> str:
     """How --help shows the default of a flag that overrides a recipe key (and the value when
     the recipe leaves the key out)."""
@@ -441,6 +470,7 @@ def precompute_cmd(
         str | None,
         typer.Option(
             help="Local diffusers Wan folder (model_index.json at its root).",
+            **loc("--teacher", url=False),
             show_default=_recipe_key("teacher.path"),
         ),
     ] = None,
@@ -448,6 +478,7 @@ def precompute_cmd(
         str | None,
         typer.Option(
             help='Prompt file: .txt (one per line) or .jsonl ({"prompt": ...} per line).',
+            **loc("--prompts", url=False),
             show_default=_recipe_key("prompts"),
         ),
     ] = None,
@@ -455,7 +486,9 @@ def precompute_cmd(
         str | None,
         typer.Option(
             "--out",
-            help="Cache directory to write; re-running resumes it.",
+            help="Cache directory or fsspec URL (s3://bucket/prefix) to write; re-running "
+            "resumes it.",
+            **loc("--out", url=True),
             show_default=_recipe_key("cache.path"),
         ),
     ] = None,
@@ -501,7 +534,7 @@ def precompute_cmd(
     }
     sets = [
         *(overrides or []),
-        *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
+        *_flag_sets(flags),
     ]
     full = load_recipe(recipe, sets, stage="precompute")
     cfg = full.precompute
@@ -534,14 +567,19 @@ def train_cmd(
     recipe: RecipeArg = None,
     cache: Annotated[
         str | None,
-        typer.Option(help="Cache directory (precompute --out).", show_default=_recipe_key("cache")),
+        typer.Option(
+            help="Cache directory or fsspec URL (precompute --out).",
+            show_default=_recipe_key("cache"),
+            **loc("--cache", url=True),
+        ),
     ] = None,
     out_dir: Annotated[
         str | None,
         typer.Option(
             "--out",
             help="Run directory to write (run.json, metrics.jsonl, loss.png, checkpoints/, "
-            "student/).",
+            "student/); a local (or mounted) folder.",
+            **loc("--out", url=False),
             show_default=_recipe_key("out"),
         ),
     ] = None,
@@ -582,7 +620,7 @@ def train_cmd(
     flags = {"cache": cache, "out": out_dir, "steps": steps}
     sets = [
         *(overrides or []),
-        *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
+        *_flag_sets(flags),
     ]
     cfg = load_recipe(recipe, sets, stage="train").train
     if cfg.out:
@@ -674,6 +712,7 @@ RunOpt = Annotated[
     Path | None,
     typer.Option(
         "--run",
+        **loc("--run", url=False),
         help="The --out folder of a finished `wandistill train`: its student, K-step scheduler "
         "and the cache it learned from (for sizes). Pick it for a run you have not exported. "
         "One of --run, --export, --student (default: none; eval needs one, sample without "
@@ -684,6 +723,7 @@ ExportOpt = Annotated[
     Path | None,
     typer.Option(
         "--export",
+        **loc("--export", url=False),
         help="A folder written by `wandistill export` (a complete WanPipeline): pick it to test "
         "exactly what users will load. One of --run, --export, --student (default: none).",
     ),
@@ -692,6 +732,7 @@ StudentOpt = Annotated[
     Path | None,
     typer.Option(
         "--student",
+        **loc("--student", url=False),
         help="A finished run's student/ or student_ema/ folder (its run's sampling.json gives K): "
         "the same as --run with --no-ema / --ema, named by folder. One of --run, --export, "
         "--student (default: none).",
@@ -725,11 +766,17 @@ def eval_cmd(
         str,
         typer.Option(
             help="The cache the student was trained from (its held-out records are scored) or a "
-            "separate cache of the same teacher (with --split all); a folder or an fsspec URL."
+            "separate cache of the same teacher (with --split all); a folder or an fsspec URL.",
+            **loc("--cache", url=True),
         ),
     ],
     out_dir: Annotated[
-        Path, typer.Option("--out", help="New folder for eval.md, eval.json and grid.png.")
+        Path,
+        typer.Option(
+            "--out",
+            help="New folder for eval.md, eval.json and grid.png.",
+            **loc("--out", url=False),
+        ),
     ],
     run: RunOpt = None,
     export: ExportOpt = None,
@@ -738,15 +785,17 @@ def eval_cmd(
     teacher: Annotated[
         Path | None,
         typer.Option(
+            **loc("--teacher", url=False),
             help="The cache's teacher folder: adds teacher@K (the teacher itself at K steps, with "
-            "its CFG), the column R_K compares with. Default: none (no R_K)."
+            "its CFG), the column R_K compares with. Default: none (no R_K).",
         ),
     ] = None,
     baseline: Annotated[
         Path | None,
         typer.Option(
+            **loc("--baseline", url=False),
             help="Run folder of a step-imitating student (train with loss.output only): adds "
-            "baseline@K and baseline@N, to show what few-step training buys. Default: none."
+            "baseline@K and baseline@N, to show what few-step training buys. Default: none.",
         ),
     ] = None,
     steps: Annotated[
@@ -847,9 +896,19 @@ def _check_sampler_flags(**given: float | None) -> None:
 
 @app.command("sample")
 def sample_cmd(
-    prompts: Annotated[Path, typer.Option(help="Prompt file: .txt (one per line) or .jsonl.")],
+    prompts: Annotated[
+        Path,
+        typer.Option(
+            help="Prompt file: .txt (one per line) or .jsonl.", **loc("--prompts", url=False)
+        ),
+    ],
     out_dir: Annotated[
-        Path, typer.Option("--out", help="New folder for NNNN.png (frame 0) and grid.png.")
+        Path,
+        typer.Option(
+            "--out",
+            help="New folder for NNNN.png (frame 0) and grid.png.",
+            **loc("--out", url=False),
+        ),
     ],
     export: ExportOpt = None,
     run: RunOpt = None,
@@ -858,16 +917,18 @@ def sample_cmd(
     teacher: Annotated[
         Path | None,
         typer.Option(
+            **loc("--teacher", url=False),
             help="Teacher folder. With --run/--student: its tokenizer, text encoder and VAE "
             "(the run's teacher). Alone: the teacher itself is sampled, to compare. Default: "
-            "none (an --export brings its own)."
+            "none (an --export brings its own).",
         ),
     ] = None,
     cache: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
+            **loc("--cache", url=True),
             help="Teacher alone: take steps, sizes and CFG from this cache's settings (what the "
-            "student learned from). Default: none."
+            "student learned from). Default: none.",
         ),
     ] = None,
     recipe: Annotated[
@@ -959,7 +1020,7 @@ def sample_cmd(
 
 
 def _teacher_defaults(
-    cache: Path | None, recipe: str | None, *, student: bool
+    cache: str | Path | None, recipe: str | None, *, student: bool
 ) -> tuple[Any, int | None]:
     """sample's teacher-alone defaults: (sampler sizes, N) from --cache or --recipe."""
     from wandistill.student.folders import sizes_from_settings
@@ -993,8 +1054,9 @@ def demo_cmd(
     root: Annotated[
         Path,
         typer.Option(
+            **loc("--root", url=False),
             help="Folder for everything the demo makes (relative: to the cwd); a re-run reuses "
-            "what is there."
+            "what is there.",
         ),
     ] = Path("cache/demo"),
     recipe: Annotated[
@@ -1016,8 +1078,9 @@ def demo_cmd(
     teacher: Annotated[
         Path | None,
         typer.Option(
+            **loc("--teacher", url=False),
             help="A Wan teacher folder to distil instead. Default: the trained tiny teacher, "
-            "built under --root on first use (about a minute)."
+            "built under --root on first use (about a minute).",
         ),
     ] = None,
 ) -> None:
@@ -1053,19 +1116,27 @@ def demo_cmd(
 @app.command("export")
 def export_cmd(
     run: Annotated[
-        Path, typer.Option("--run", help="The --out folder of a finished `wandistill train`.")
+        Path,
+        typer.Option(
+            "--run",
+            help="The --out folder of a finished `wandistill train`.",
+            **loc("--run", url=False),
+        ),
     ],
     teacher: Annotated[
         Path,
         typer.Option(
+            **loc("--teacher", url=False),
             help="The run's teacher folder: its tokenizer, text encoder and VAE go into the "
-            "pipeline (checked to be those the run's cache was made with)."
+            "pipeline (checked to be those the run's cache was made with).",
         ),
     ],
     out_dir: Annotated[
         Path,
         typer.Option(
-            "--out", help="New (or empty, or an earlier export's) folder for the WanPipeline."
+            "--out",
+            help="New (or empty, or an earlier export's) folder for the WanPipeline.",
+            **loc("--out", url=False),
         ),
     ],
     ema: Annotated[
@@ -1115,6 +1186,7 @@ def plan_cmd(
     teacher: Annotated[
         str | None,
         typer.Option(
+            **loc("--teacher", url=False),
             help="Local diffusers Wan folder; sizes come from its safetensors headers, so its "
             "weights need not be downloaded yet.",
             show_default=_recipe_key("teacher.path"),
@@ -1199,7 +1271,7 @@ def plan_cmd(
     flags = {"teacher.path": teacher, "teacher.placement": placement, "teacher.dtype": dtype}
     sets = [
         *(overrides or []),
-        *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
+        *_flag_sets(flags),
     ]
     cfg = load_recipe(recipe, sets, stage="precompute").precompute
     if config is None and not cfg.teacher.path:

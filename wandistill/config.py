@@ -39,6 +39,16 @@ DTYPES = ("fp32", "fp16", "bf16")
 BACKENDS = ("webdataset", "zarr")
 
 
+def _locations(**given: tuple[str, bool]) -> tuple[bool, str]:
+    """The recipe's locations (key -> (value, URL supported)) through the CLI's one parser
+    (`wandistill.location`): a URL only where the stage reads or writes it end to end, never
+    a local path named like a URL. A (passed, message) check for `_problems`."""
+    from wandistill.location import problem
+
+    bad = [p for k, (v, url) in given.items() if (p := problem(v, k, url=url))]
+    return not bad, "; ".join(bad)
+
+
 def _problems(*checks: tuple[bool, str]) -> None:
     """Raise once with every failed check, so a user fixes a recipe in one pass."""
     bad = [msg for ok, msg in checks if not ok]
@@ -66,6 +76,12 @@ class TeacherConfig:
 
     def __post_init__(self) -> None:
         _problems(
+            _locations(
+                **{
+                    "teacher.path": (self.path, False),
+                    "teacher.offload_folder": (self.offload_folder, False),
+                }
+            ),
             (self.dtype in DTYPES, f"teacher.dtype={self.dtype!r} must be one of {DTYPES}"),
             (
                 self.group_offload_level in GROUP_LEVELS,
@@ -181,7 +197,7 @@ class SamplerConfig:
 @checked("cache")
 class CacheConfig:
     path: str = "cache/default"
-    """Cache directory (local path)."""
+    """Cache directory, or an fsspec URL (s3://bucket/prefix)."""
     backend: str = "webdataset"
     """webdataset (tar shards) or zarr (v3 group)."""
     shard_records: int = num(64, ge=1, le=1_000_000)
@@ -204,6 +220,7 @@ class CacheConfig:
         names = tuple(STORE_DTYPES)
         keys = f"keys are {', '.join(TRAJECTORY)}, values one of {', '.join(names)}"
         _problems(
+            _locations(**{"cache.path": (self.path, True)}),
             (self.backend in BACKENDS, f"cache.backend={self.backend!r} must be one of {BACKENDS}"),
             (self.store_dtype in names, f"cache.store_dtype={self.store_dtype!r}: one of {names}"),
             *(
@@ -450,6 +467,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _problems(
+            _locations(**{"train.cache": (self.cache, True), "train.out": (self.out, False)}),
             (
                 self.device in ("auto", "cpu", "cuda"),
                 f"train.device={self.device!r} must be auto, cpu or cuda",

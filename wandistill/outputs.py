@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -49,7 +50,14 @@ from filelock import FileLock, Timeout
 from wandistill import __version__
 from wandistill.errors import UsageError, WandistillError
 from wandistill.fsutil import atomic_write_json
-from wandistill.storage import FsspecStorage, LeaseLock, holder_identity, is_url, open_storage
+from wandistill.storage import (
+    FsspecStorage,
+    LeaseLock,
+    holder_identity,
+    holder_text,
+    is_url,
+    open_storage,
+)
 
 if TYPE_CHECKING:
     from wandistill.dist import DistInfo
@@ -210,6 +218,43 @@ def _file_lock(path: Path) -> FileLock:
         return FileLock(str(path), thread_local=False)
 
 
+def writer_gone(location: str | Path) -> str | None:
+    """Why no process writes the output folder at `location` any more (nobody holds its claim
+    lock), or None while one does. What `train --follow` asks before it keeps waiting for a
+    cache that only a live precompute could complete.
+
+    Locally a shared `flock` probe of the lock file (a writer holds it exclusively for its whole
+    run; the kernel drops it when the writer dies); on an object store the lease lock object,
+    judged as a takeover would judge it (`LeaseLock.verdict`). A folder without the claim's
+    marker was not written through a claim (a library caller's `CacheWriter`): unknown, None."""
+    if is_url(location):
+        store = open_storage(str(location))
+        assert isinstance(store, FsspecStorage)
+        if not store.exists(MARKER):
+            return None
+        lock = LeaseLock(store, LOCK, {})
+        holder = lock.holder()
+        if holder is None:
+            return f"there is no lock object {lock.url}"
+        if lock.verdict(holder) == "stale":
+            return f"its lock object {lock.url} is stale ({holder_text(holder)})"
+        return None
+    if not (Path(location) / MARKER).is_file():
+        return None
+    path = Path(location) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return f"there is no lock file {str(path)!r}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return None
+    finally:
+        os.close(fd)  # closing drops the probe's shared lock
+    return f"no process holds its lock {str(path)!r}"
+
+
 def _resolve(path: str | Path, purpose: str) -> Path:
     if not str(path):
         raise UsageError(f"no {purpose} directory given", fix="pass --out DIR")
@@ -234,7 +279,7 @@ def _marker(purpose: str) -> dict[str, Any]:
 
 def _holder(target: Path) -> str:
     """Who holds the lock, from the holder file it wrote (it may be starting: unknown yet)."""
-    return _holder_text(_read_json(target / HOLDER))
+    return holder_text(_read_json(target / HOLDER))
 
 
 def claim_remote(url: str, purpose: str, inputs: Inputs, flag: str) -> OutputFolder:
@@ -259,10 +304,7 @@ def claim_remote(url: str, purpose: str, inputs: Inputs, flag: str) -> OutputFol
     lock = LeaseLock(store, LOCK, holder_identity())
     holder = lock.acquire()
     if holder is not None:
-        raise UsageError(
-            f"{label} is in use by another wandistill process ({_holder_text(holder)})",
-            fix=f"wait for it to finish (or stop it), or choose another {flag}",
-        )
+        raise lock.refusal(holder, label, flag)
     try:
         _inspect_remote(store, purpose, label)
         if _remote_marker(store).get("purpose") != purpose:
@@ -303,16 +345,6 @@ def _inspect_remote(store: FsspecStorage, purpose: str, label: str) -> None:
             "wandistill never overwrites files it did not write",
             fix=fix,
         )
-
-
-def _holder_text(info: dict[str, Any]) -> str:
-    if not info:
-        return "holder not known yet: it is starting"
-    fields = {k: _printable(info.get(k, "?")) for k in ("command", "host", "pid", "started")}
-    return (
-        f"{fields['command']}: host {fields['host']}, pid {fields['pid']}, "
-        f"started {fields['started']}"
-    )
 
 
 # --------------------------------------------------------------------------- refusals
