@@ -578,17 +578,33 @@ def to_dict(cfg: Any) -> Any:
 
 
 def _parse_value(text: str) -> Any:
-    """`--set` values are TOML literals (4, 1e-4, true, [0, 2], "x"); bare words are strings."""
+    """`--set` values are TOML literals (4, 1e-4, true, [0, 2], "x"); bare words are strings.
+    Exactly one value: a document that parses to more than `v` (a second `key = value` smuggled
+    in after a newline or a `;`-less trick) is refused, not silently dropped."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        doc = tomllib.loads(f"v = {text}")
     except tomllib.TOMLDecodeError:
         return text
     except RecursionError:
         raise ConfigError(f"--set value {text[:40]!r}... nests too deeply") from None
+    except ValueError:  # Python's int limit (4,300 digits) is a ValueError inside tomllib
+        raise ConfigError(
+            f"--set value {text[:40]!r}... is a number of {len(text)} characters; no recipe "
+            "key takes one that large"
+        ) from None
+    if set(doc) != {"v"}:
+        raise ConfigError(f"--set value {text[:60]!r} holds more than one value")
+    return doc["v"]
 
 
 def apply_override(data: dict[str, Any], assignment: str, stage: str | None = None) -> None:
     """Apply one `key.path=value` to the raw recipe dict, resolving keys relative to `stage`."""
+    if any(c in assignment for c in "\n\r\x00"):
+        raise ConfigError(
+            f"--set {assignment[:80]!r} holds a line break; --set takes exactly one "
+            "section.key=value",
+            fix="pass one --set per key",
+        )
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r} must look like section.key=value")
     dotted, text = assignment.split("=", 1)
@@ -700,6 +716,10 @@ def load_recipe(
             data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"recipe {str(path)!r} is not valid TOML: {e}") from None
+        except ValueError:  # Python's int limit (4,300 digits) is a ValueError inside tomllib
+            raise ConfigError(
+                f"recipe {str(path)!r} holds an integer of more than 4,300 digits", fix=fix
+            ) from None
         except RecursionError:  # tomllib recurses per nesting level
             raise ConfigError(f"recipe {str(path)!r} nests too deeply", fix=fix) from None
     for assignment in overrides or []:

@@ -74,7 +74,17 @@ class DistInfo:
 
 
 def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+    """A torchrun variable (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT) as a bounded int: a
+    typo or a 5,000-digit value is one line naming the variable, not a ValueError."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
+        raise UsageError(
+            f"environment variable {name}={raw[:40]!r} is not a whole number below 10^9",
+            fix=f"unset {name} (torchrun sets it), or set it to a rank count or index",
+        )
+    return int(raw)
 
 
 def resolve_timeout(value: float | None = None) -> float:

@@ -488,3 +488,19 @@ def test_an_internal_error_is_one_line_and_a_crash_log_and_debug_shows_the_trace
     with pytest.raises(ZeroDivisionError):
         main(["cache", "info", str(tmp_path)])
     assert os.environ.get("WANDISTILL_DEBUG") is None or cli._debug
+
+
+@pytest.mark.parametrize("cut", [3000, 100], ids=["header-cut", "last-tensor-cut"])
+def test_export_of_a_run_with_truncated_student_weights_names_the_file(
+    real: RealFiles, tmp_path: Path, cut: int
+) -> None:
+    run = Path(shutil.copytree(real.run, tmp_path / "run"))
+    weights = run / "student_ema" / "diffusion_pytorch_model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, cut if cut > 1000 else size - cut)
+    out = tmp_path / "pipe"
+    code, text = _cli(
+        "export", "--run", str(run), "--teacher", str(real.teacher), "--out", str(out)
+    )
+    assert code != 0 and text.count("error:") == 1 and "internal error" not in text, text
+    assert str(weights) in text and not out.exists()
