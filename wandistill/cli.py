@@ -315,14 +315,31 @@ def cache_merge(
         str,
         typer.Option("--out", help="The merged cache (new or empty).", **loc("--out", url=False)),
     ],
+    skip_corrupt: Annotated[
+        bool,
+        typer.Option(
+            "--skip-corrupt/--no-skip-corrupt",
+            help="Leave out (and count) an input shard that fails verification instead of "
+            "refusing the merge.",
+        ),
+    ] = False,
 ) -> None:
     """Join finished caches of one teacher and settings into one.
 
-    Shards are hard-linked, not copied, where the disk allows; see docs/cache-format.md."""
+    Every input shard is verified first (checksums of every record); shards are then
+    hard-linked, not copied, where the disk allows; see docs/cache-format.md."""
     from wandistill.cache.merge import MergeConfig, merge
 
     _out_dir(out_dir)
-    s = merge(MergeConfig(inputs=tuple(inputs), out=out_dir))
+    s = merge(MergeConfig(inputs=tuple(inputs), out=out_dir, skip_corrupt=skip_corrupt))
+    if s.corrupt:
+        err.print(
+            f"--skip-corrupt: left out {len(s.corrupt)} corrupt input shard(s), "
+            f"{s.corrupt_records} record(s):",
+            highlight=False,
+        )
+        for line in s.corrupt[:20]:
+            err.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
     if s.unchanged:
         out.print(
             f"{out_dir} already is this merge ({s.records} records); nothing to do",
@@ -1361,11 +1378,19 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         if _debug:
             raise
-        if e.errno == errno.ENOSPC:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # fsutil.name_target
+            what = {
+                errno.ENOSPC: "disk full",
+                errno.EDQUOT: "disk quota exceeded",
+                errno.EFBIG: "file too large (over the file size limit: `ulimit -f`, or the "
+                "filesystem's)",
+            }[e.errno]
+            target = f" while writing {e.filename}" if e.filename else ""
             _fail(
-                f"disk full while writing {e.filename or ''}".strip(),
+                f"{what}{target}",
                 1,
-                "free space or choose another output directory; re-run to resume",
+                "free space (or raise the limit), or choose another output directory; re-run "
+                "to resume",
             )
         if e.errno in (errno.EMFILE, errno.ENFILE):
             _fail(

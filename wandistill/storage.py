@@ -43,7 +43,7 @@ from typing import IO, Any
 
 from wandistill import waiting
 from wandistill.errors import UsageError
-from wandistill.fsutil import atomic_open, fsync_dir, temp_name
+from wandistill.fsutil import atomic_open, fsync_dir, temp_name, writing
 from wandistill.validate import read_capped
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -315,7 +315,7 @@ class LocalStorage(Storage):
     def create(self, rel: str, data: bytes) -> bool:
         final = self.path(rel)
         tmp = temp_name(final)
-        with open(tmp, "wb") as f:
+        with writing(final, partial=tmp), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

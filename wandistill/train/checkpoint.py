@@ -43,7 +43,7 @@ from pydantic import Field, JsonValue, model_validator
 from safetensors.torch import load_file, save
 
 from wandistill.errors import WandistillError
-from wandistill.fsutil import atomic_write_bytes, fsync_dir, make_temp_dir, publish
+from wandistill.fsutil import atomic_write_bytes, fsync_dir, make_temp_dir, publish, writing
 from wandistill.validate import (
     MiB,
     OpenSchema,
@@ -223,7 +223,7 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) 
 
 
 def _write(path: Path, data: bytes, sums: dict[str, dict[str, int]] | None = None) -> None:
-    with open(path, "wb") as f:
+    with writing(path), open(path, "wb") as f:  # a full disk names this file
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
