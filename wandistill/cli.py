@@ -852,7 +852,6 @@ def eval_cmd(
     The student at K steps vs the teacher's N-step result, beside the teacher itself at K steps
     and a step-imitating baseline: a table (R_K), JSON and a PNG grid."""
     from wandistill.eval.run import evaluate
-    from wandistill.placements import parse_device
     from wandistill.student.folders import open_student, read_run
     from wandistill.teacher.folder import TeacherFolder
 
@@ -860,7 +859,7 @@ def eval_cmd(
         raise UsageError(f"--split {split!r} must be holdout or all")
     _positive(steps=steps, max_records=max_records, batch_size=batch_size)
     _check_sampler_flags(num_inference_steps=steps)
-    where = parse_device(device)
+    where = _device(device)
     _out_dir(out_dir)
     folder = TeacherFolder.open(teacher) if teacher is not None else None
     chosen = open_student(run=run, export=export, student=student, ema=ema)
@@ -886,6 +885,27 @@ def eval_cmd(
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _device(text: str) -> Any:
+    """eval / sample `--device`, parsed and checked against this machine here, so a refusal
+    names --device (the placement's own check would name --placement, which these commands
+    do not have)."""
+    import torch
+
+    from wandistill.placements import parse_device
+
+    where = parse_device(text)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        where.check(gpus)
+    except UsageError as e:
+        why = e.message.split(";")[0].replace("placement", "--device", 1)
+        raise UsageError(
+            f"{why} (this machine has {gpus} visible GPU(s))",
+            fix="pass --device cpu, or --device auto (a GPU when one is visible)",
+        ) from None
+    return where
 
 
 def _warn(message: str) -> None:
@@ -993,7 +1013,6 @@ def sample_cmd(
     An exported student (--export), a run's student with its teacher's text encoder and VAE
     (--run + --teacher), or the teacher itself."""
     from wandistill.eval.sample import SampleOptions, sample
-    from wandistill.placements import parse_device
     from wandistill.precompute.prompts import read_prompts
     from wandistill.student.folders import open_student
     from wandistill.teacher.folder import TeacherFolder
@@ -1008,7 +1027,7 @@ def sample_cmd(
         guidance_scale=guidance_scale,
         seed=seed,
     )
-    where = parse_device(device)
+    where = _device(device)
     _out_dir(out_dir)
     folder = TeacherFolder.open(teacher) if teacher is not None else None
     chosen = open_student(run=run, export=export, student=student, ema=ema, required=False)

@@ -14,6 +14,7 @@ import functools
 import io
 import json
 import os
+import shutil
 import stat
 import tempfile
 import threading
@@ -136,6 +137,32 @@ def name_target(e: OSError, path: str | Path) -> None:
     were at fault. Where room ran out, the target is what the message must name."""
     if e.filename is None or e.errno in WRITE_FULL:
         e.filename, e.filename2 = str(path), None
+
+
+class _CopyFailed(Exception):
+    """Carries a file copy's OSError out of `shutil.copytree`, which would otherwise collect
+    it, go on copying, and raise one `shutil.Error` whose text is a list of tuples."""
+
+
+def copy_tree(src: str | Path, dst: str | Path) -> None:
+    """`shutil.copytree` with `copyfile` (modes from the umask, not the source's), stopping at
+    the first failure with that file's own OSError (a full disk names the file being written,
+    `name_target`); a directory-level failure is one OSError naming the directory."""
+
+    def copy(s: str, d: str) -> None:
+        try:
+            shutil.copyfile(s, d)
+        except OSError as e:
+            name_target(e, d)
+            raise _CopyFailed(e) from None
+
+    try:
+        shutil.copytree(src, dst, copy_function=copy)
+    except _CopyFailed as failed:
+        raise failed.args[0] from None
+    except shutil.Error as e:
+        source, target, why = e.args[0][0]
+        raise OSError(errno.EIO, f"could not copy {source} to {target} ({why})") from None
 
 
 @contextlib.contextmanager
