@@ -616,8 +616,9 @@ def train_cmd(
         bool,
         typer.Option(
             "--follow/--no-follow",
-            help="Train on a cache precompute is still writing, waiting for new shards; "
-            "without it the cache must be complete.",
+            help="Train on a cache precompute is still writing, waiting for new shards until "
+            "it is complete (it stops, saying so, if nothing writes the cache any more); "
+            "without it an incomplete cache is trained on as it stands, with a warning.",
         ),
     ] = False,
     skip_corrupt: Annotated[
@@ -1216,6 +1217,26 @@ TEACHER_CONFIGS = ("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b")
 building --help. tests/unit/test_cli_help.py checks the two agree."""
 
 
+MAX_GPUS = 4096
+"""plan --gpus: a what-if machine's GPUs (the plan has a row per GPU)."""
+MAX_SIZES = {"--gpu-mem": "16TiB", "--cpu-mem": "1024TiB", "--disk": "1048576TiB"}
+"""plan's what-if sizes: far above any machine, far below what overflows a plan's arithmetic."""
+
+
+def _machine_bounds(gpus: int | None, sizes: dict[str, str | None]) -> None:
+    """plan's what-if numbers, bounded before anything is planned (a bound named in --help)."""
+    from wandistill.placements import parse_size
+
+    if gpus is not None and not 0 <= gpus <= MAX_GPUS:
+        raise UsageError(f"--gpus {gpus} must lie in 0..{MAX_GPUS}", fix="e.g. --gpus 8")
+    for flag, text in sizes.items():
+        if text is not None and parse_size(text, flag) > parse_size(MAX_SIZES[flag], flag):
+            raise UsageError(
+                f"{flag} {text!r} is larger than the {MAX_SIZES[flag]} a machine can have here",
+                fix=f"pass a real size, e.g. {flag} 80GiB",
+            )
+
+
 @app.command("plan")
 def plan_cmd(
     recipe: RecipeArg = None,
@@ -1262,7 +1283,8 @@ def plan_cmd(
         int | None,
         typer.Option(
             "--gpus",
-            help="What-if: plan for a machine with N GPUs (with --gpu-mem) instead of this one.",
+            help=f"What-if: plan for a machine with N GPUs, 0..{MAX_GPUS} (with --gpu-mem) "
+            "instead of this one.",
             show_default="this machine's",
         ),
     ] = None,
@@ -1270,19 +1292,23 @@ def plan_cmd(
         str | None,
         typer.Option(
             "--gpu-mem",
-            help="What-if: memory of each GPU (80GiB, 80GB).",
+            help=f"What-if: memory of each GPU (80GiB, 80GB), at most {MAX_SIZES['--gpu-mem']}.",
             show_default="this machine's",
         ),
     ] = None,
     cpu_mem: Annotated[
         str | None,
-        typer.Option("--cpu-mem", help="What-if: RAM (512GiB).", show_default="this machine's"),
+        typer.Option(
+            "--cpu-mem",
+            help=f"What-if: RAM (512GiB), at most {MAX_SIZES['--cpu-mem']}.",
+            show_default="this machine's",
+        ),
     ] = None,
     disk: Annotated[
         str | None,
         typer.Option(
             "--disk",
-            help="What-if: free disk for disk-offload.",
+            help=f"What-if: free disk for disk-offload, at most {MAX_SIZES['--disk']}.",
             show_default="1TiB in a what-if, else the free space of the offload folder",
         ),
     ] = None,
@@ -1315,6 +1341,7 @@ def plan_cmd(
             "no teacher to plan",
             fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
         )
+    _machine_bounds(gpus, {"--gpu-mem": gpu_mem, "--cpu-mem": cpu_mem, "--disk": disk})
     what_if = any(v is not None for v in (gpus, gpu_mem, cpu_mem, disk))
     if what_if:
         inventory = Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk)

@@ -193,9 +193,9 @@ def _claim(path: str | Path, purpose: str, inputs: Inputs, flag: str) -> OutputF
                 "kept out",
                 fix=f"choose a {flag} directory on a local disk (see docs/reliability.md)",
             ) from None
-        raise UsageError(
-            f"cannot write {purpose} directory {str(path)!r}: {e.strerror}",
-            fix=f"choose a writable {flag} directory",
+        raise UsageError(  # name the file that failed: the lock, not the folder
+            f"cannot open the lock file {str(target / LOCK)!r} of {label}: {e.strerror}",
+            fix=f"{_lock_fix(target / LOCK)}, or choose another {flag}",
         ) from None
     try:  # the checks again, now that nobody else can change the folder
         _inspect(target, purpose, label)
@@ -207,6 +207,12 @@ def _claim(path: str | Path, purpose: str, inputs: Inputs, flag: str) -> OutputF
         lock.release()
         raise
     return OutputFolder(target, purpose, lock)
+
+
+def _lock_fix(path: Path) -> str:
+    if path.is_dir() and not path.is_symlink():
+        return f"remove the directory {str(path)!r} (wandistill keeps a lock file there)"
+    return f"make {str(path)!r} a writable file (or remove it: it is re-created)"
 
 
 def _file_lock(path: Path) -> FileLock:
