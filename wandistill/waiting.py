@@ -7,8 +7,9 @@ and when it gives up (`say`), on rank 0 only (the other ranks wait for the same 
 
 `Watched` covers calls that are usually instant but can hang (one object-store request): one
 daemon thread looks at the calls in flight once a second and prints one line when the oldest
-has run past NOTICE_S, and nothing more until every slow call has ended (16 reader threads
-stuck on one endpoint are one line, not 16).
+has run past NOTICE_S, and nothing more until every slow call has ended and REPEAT_S has
+passed (16 reader threads stuck on one endpoint, or one command's calls one after another, are
+one line, not 16).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import time
 
 NOTICE_S = 5.0
 """A wait longer than this is announced."""
+REPEAT_S = 30.0
+"""`Watched`: at most one line per this many seconds (a stall across many calls repeats it, so
+a long one still shows it goes on)."""
 
 
 def is_rank0() -> bool:
@@ -43,6 +47,7 @@ class Watched:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._announced = False
+        self._last = -REPEAT_S
 
     def start(self, what: str, limit: str) -> int:
         """Register a call (`what` it waits for, `limit`: when it gives up); its id."""
@@ -70,9 +75,9 @@ class Watched:
                     continue
                 start, what, limit = min(self._calls.values())
                 waited = time.monotonic() - start
-                if waited < self.notice_s:
+                if waited < self.notice_s or time.monotonic() - self._last < REPEAT_S:
                     continue
-                self._announced = True
+                self._announced, self._last = True, time.monotonic()
                 others = len(self._calls) - 1
             more = f" (and {others} other call(s))" if others else ""
             say(f"{what}{more}: no answer for {waited:.0f} s; {limit}")

@@ -22,7 +22,7 @@ import pytest
 import torch
 import zarr
 
-from wandistill import outputs, storage
+from wandistill import outputs, storage, waiting
 from wandistill.cache.manifest import load_committed
 from wandistill.cache.reader import open_cache
 from wandistill.cache.training import TrainingReader
@@ -502,3 +502,26 @@ def test_a_live_holder_with_a_clock_ahead_is_not_taken_over(s3: dict[str, str]) 
     finally:
         stop.set()
         t.join()
+
+
+def test_a_slow_object_store_call_says_what_it_waits_for_once(
+    s3: dict[str, str],
+    hostile: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An endpoint that accepts and never answers: one `waiting:` line naming the object and
+    the bounds, then the one-line error once the bounded attempts are spent."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", hostile["stalled"])
+    monkeypatch.setenv("WANDISTILL_STORAGE_TIMEOUT", "1")
+    monkeypatch.setattr(storage, "_WATCHED", waiting.Watched(notice_s=0.2))  # its own clock
+    forget_clients()
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["cache", "info", _url("c")])
+    finally:
+        forget_clients()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("error:") == 1, err
+    assert err.count("waiting: object store s3://") == 1, err
+    assert "no answer for" in err and "each attempt gives up after" in err, err

@@ -486,6 +486,13 @@ def check_restorable(
     check_like([g["params"] for g in groups], [g["params"] for g in live_groups], where)
     for i, (g, live) in enumerate(zip(groups, live_groups, strict=True)):
         check_like(g, live, f"{where}: param_groups[{i}]")
+        for key, value in live.items():  # torch's tri-state flags (foreach, fused: None)
+            if value is None and g[key] is not None and not isinstance(g[key], bool):
+                raise _Error(
+                    f"{where}: param_groups[{i}].{key} must be true, false or null, not "
+                    f"{json_kind(g[key])}",
+                    fix=FIX,
+                )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for idx, entry in ck.optimizer["state"].items():
         if not 0 <= idx < len(params):
