@@ -68,7 +68,7 @@ def test_every_location_parameter_of_every_command_goes_through_the_one_parser()
                 with pytest.raises(UsageError, match=f"{flag} 's3://bucket/x' is a URL"):
                     parser("s3://bucket/x")
             seen.add((name, pname))
-    assert len(seen) >= 25, sorted(seen)
+    assert len(seen) >= 32, sorted(seen)
 
 
 @pytest.mark.parametrize(
