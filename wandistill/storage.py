@@ -451,8 +451,12 @@ class FsspecStorage(Storage):
         self.fs.invalidate_cache(key)
         try:
             return _object_stamp(self._call(rel, self.fs.info, key))
-        except (OSError, StorageError):  # missing, or no bucket: the read says which, clearly
+        except FileNotFoundError:  # missing: the read says so, clearly
             return None
+        except StorageError as e:
+            if e.kind in ("no-bucket", "not-found"):
+                return None  # the read names the bucket
+            raise  # unreachable, stalled, not S3, denied: at once, not after every later call
 
     def list_stamped(self, rel: str) -> list[tuple[str, Any]]:
         try:

@@ -7,9 +7,8 @@ and when it gives up (`say`), on rank 0 only (the other ranks wait for the same 
 
 `Watched` covers calls that are usually instant but can hang (one object-store request): one
 daemon thread looks at the calls in flight once a second and prints one line when the oldest
-has run past NOTICE_S, and nothing more until every slow call has ended and REPEAT_S has
-passed (16 reader threads stuck on one endpoint, or one command's calls one after another, are
-one line, not 16).
+has run past NOTICE_S, then at most one line per REPEAT_S while calls stay slow (16 reader
+threads stuck on one endpoint are one line, not 16; a long stall still shows it goes on).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import time
 
 NOTICE_S = 5.0
 """A wait longer than this is announced."""
-REPEAT_S = 30.0
+REPEAT_S = 10.0
 """`Watched`: at most one line per this many seconds (a stall across many calls repeats it, so
 a long one still shows it goes on)."""
 
@@ -46,7 +45,6 @@ class Watched:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._announced = False
         self._last = -REPEAT_S
 
     def start(self, what: str, limit: str) -> int:
@@ -64,20 +62,19 @@ class Watched:
     def end(self, n: int) -> None:
         with self._lock:
             self._calls.pop(n, None)
-            if not self._calls:
-                self._announced = False
 
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.notice_s / 2))
             with self._lock:
-                if self._announced or not self._calls:
+                if not self._calls:
                     continue
                 start, what, limit = min(self._calls.values())
-                waited = time.monotonic() - start
-                if waited < self.notice_s or time.monotonic() - self._last < REPEAT_S:
+                now = time.monotonic()
+                waited = now - start
+                if waited < self.notice_s or now - self._last < REPEAT_S:
                     continue
-                self._announced, self._last = True, time.monotonic()
+                self._last = now
                 others = len(self._calls) - 1
             more = f" (and {others} other call(s))" if others else ""
             say(f"{what}{more}: no answer for {waited:.0f} s; {limit}")

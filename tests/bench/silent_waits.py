@@ -147,7 +147,7 @@ def main() -> None:
         (["cache", "info", "s3://bucket/c"], stalled),
         (["cache", "info", "s3://bucket/c"], {**creds, "AWS_ENDPOINT_URL": ends["unreachable"]}),
         (["cache", "info", "s3://bucket/c"], {**creds, "AWS_ENDPOINT_URL": ends["not_s3"]}),
-        ([*train, "--follow"], {}),
+        ([*train, "--follow", "--steps", "1000"], {}),  # more than the 5 records committed
         ([*train, "--out", str(work / "solo")], solo),
         (["plan", "--config", "wan2.1-14b", "--gpus", "1000000", "--gpu-mem", "80GiB"], {}),
     ]
