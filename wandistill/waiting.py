@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-NOTICE_S = 5.0
+NOTICE_S = 3.0
 """A wait longer than this is announced."""
 REPEAT_S = 10.0
 """`Watched`: at most one line per this many seconds (a stall across many calls repeats it, so

@@ -26,6 +26,7 @@ import argparse
 import http.server
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -139,6 +140,8 @@ def main() -> None:
     stalled = {**creds, "AWS_ENDPOINT_URL": ends["stalled"]}
     if args.quick:
         stalled["WANDISTILL_STORAGE_TIMEOUT"] = "5"
+    for old in ("run", "solo"):  # outputs of an earlier run of this script
+        shutil.rmtree(work / old, ignore_errors=True)
     cache, sets = _dead_writer_cache(work, args.real)
     train = ["train", "--cache", str(cache), "--out", str(work / "run"), "--steps", "1", *sets]
     solo = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}

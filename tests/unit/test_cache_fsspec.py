@@ -504,7 +504,7 @@ def test_a_live_holder_with_a_clock_ahead_is_not_taken_over(s3: dict[str, str]) 
         t.join()
 
 
-def test_a_slow_object_store_call_says_what_it_waits_for_once(
+def test_a_slow_object_store_call_says_what_it_waits_for(
     s3: dict[str, str],
     hostile: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
@@ -523,5 +523,5 @@ def test_a_slow_object_store_call_says_what_it_waits_for_once(
         forget_clients()
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("error:") == 1, err
-    assert err.count("waiting: object store s3://") == 1, err
+    assert err.count("waiting: object store s3://") >= 1, err  # one per 10 s while it lasts
     assert "no answer for" in err and "each attempt gives up after" in err, err
