@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from wandistill import waiting
 from wandistill.cache.batch import BatchBuffers
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import is_holdout
@@ -159,6 +161,7 @@ class TrainingReader:
         poll_interval: float = 1.0,
         follow_timeout: float | None = None,
         sync: SyncFn | None = None,
+        agree: Callable[[bool], bool] | None = None,
         num_threads: int = 4,
         prefetch_batches: int = 2,
         include_holdout: bool = False,
@@ -186,6 +189,8 @@ class TrainingReader:
         self.poll_interval = poll_interval
         self.follow_timeout = follow_timeout
         self.sync = sync or _local_sync
+        self.agree = agree or bool
+        """Follow mode: True on every rank when it is True on every rank (dist.all_agree)."""
         self.num_threads = num_threads
         self.prefetch_batches = max(1, prefetch_batches, num_threads)
         """Batches read ahead, one task each: at least one per thread."""
@@ -390,6 +395,8 @@ class TrainingReader:
         self.generations = []
         seen: set[str] = set()
         idle_since = time.monotonic()
+        idle_polls = 0
+        """Polls in a row that found nothing new: the same count on every rank (`sync`)."""
         complete = False
         while True:
             if replay:
@@ -406,7 +413,7 @@ class TrainingReader:
                 fresh = sorted(n for n in by_name if n not in seen)
                 names, complete = self.sync(fresh, self.store.complete)
             if names:
-                idle_since = time.monotonic()
+                idle_since, idle_polls = time.monotonic(), 0
                 gen_index = len(self.generations)
                 self.generations.append(list(names))
                 seen.update(names)
@@ -421,6 +428,9 @@ class TrainingReader:
                 continue
             if complete:
                 return
+            idle_polls += 1
+            if idle_polls % self._polls_per_check() == 0:
+                self._check_writer(first=idle_polls == self._polls_per_check())
             if (
                 self.follow_timeout is not None
                 and time.monotonic() - idle_since > self.follow_timeout
@@ -431,6 +441,41 @@ class TrainingReader:
                     fix="check that precompute is still running",
                 )
             time.sleep(self.poll_interval)
+
+    def _polls_per_check(self) -> int:
+        """Idle polls between two looks at the cache's writer: about every NOTICE_S seconds."""
+        return max(1, math.ceil(waiting.NOTICE_S / max(self.poll_interval, 1e-3)))
+
+    def _check_writer(self, *, first: bool) -> None:
+        """Follow mode found nothing new for a while: stop, in one line, if no process writes
+        the cache any more (only its writer could complete it); else say what it waits for,
+        once per idle spell. Every rank looks and all must agree (`agree`), so all stop
+        together or none does."""
+        from wandistill.outputs import writer_gone
+
+        path = self.store.path
+        gone = writer_gone(path)
+        if gone is not None:
+            self.store.refresh()  # completed just before its writer let go: not gone
+            if self.store.complete:
+                gone = None
+        if self.agree(gone is not None):
+            raise CacheError(
+                f"--follow: cache {path!r} is not complete ({len(self.store)} records "
+                f"committed) and nothing writes it any more: {gone or 'another rank saw so'}",
+                fix="re-run `wandistill precompute` with --out at this cache to finish it (it "
+                "resumes), or train without --follow on the records committed so far",
+            )
+        if first and self.rank == 0:
+            limit = (
+                f"giving up after {self.follow_timeout:g} s without one (train.follow_timeout)"
+                if self.follow_timeout
+                else "no time limit (train.follow_timeout = 0)"
+            )
+            waiting.say(
+                f"for new shards in {path} ({len(self.store)} records committed, its writer "
+                f"is running); {limit}"
+            )
 
     # ------------------------------------------------------------------ reading
 
