@@ -131,8 +131,9 @@ class ExpertPair(nn.Module):
             )
             if out is None:
                 out = pred.new_zeros((batch, *pred.shape[1:]))
-            if idle and torch.is_grad_enabled():
-                zero = zero + pred.sum() * 0.0  # see the module docstring
+            if idle:  # its dummy row is not a prediction (sharded, no gradient: discarded)
+                if torch.is_grad_enabled():
+                    zero = zero + pred.sum() * 0.0  # see the module docstring
             else:
                 out = out.index_copy(0, rows, pred.to(out.dtype))
         assert out is not None
