@@ -315,3 +315,22 @@ def test_fsdp_full_per_expert_students_export_the_unsharded_folders_and_they_loa
         assert all(d > 0 for d in moved.values()), moved  # both experts trained
     print(f"full per-expert, FSDP 2 ranks vs 1 process: max |weight difference| {worst:.3g}")
     assert type(read_run(out).load()).__name__ == "ExpertPair"
+
+
+def test_fsdp_lora_of_one_student_exports_the_unsharded_lora_file(
+    zygote: Zygote,  # noqa: F811
+    world: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """`student.experts = "one"` with LoRA: 2 FSDP ranks write the one LoRA file (adapter
+    gathered alone) that one process without FSDP writes, equal within float tolerance."""
+    outs = {"fsdp2": tmp_path / "fsdp2", "one": tmp_path / "one"}
+    for key, ranks, extra in (("fsdp2", 2, ("--parallel", "fsdp")), ("one", 1, ())):
+        args = argv(world, outs[key], ranks, *extra, "--set", 'student.experts="one"')
+        codes = zygote.run(args, tmp_path / f"{key}.log", nproc=ranks)
+        assert codes == [0] * ranks, logs(tmp_path / f"{key}.log", ranks)
+    for name in ("student", "student_ema"):
+        assert _files(outs["fsdp2"] / name) == [LORA_FILE]
+    assert_same_weights(
+        outs["fsdp2"], outs["one"], "LoRA (one student), FSDP 2 ranks vs 1 process", atol=1e-5
+    )
