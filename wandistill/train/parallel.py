@@ -15,8 +15,10 @@ as 999 to 1000 in bf16, unlike the fp32 sampler at export).
 On one process `fsdp` runs on a 1-rank group (1 shard: nothing is split, the code path is the
 same), so a sharded checkpoint written by N ranks resumes on 1 and back.
 
-Design for adapters (LoRA): wrap after the adapters are injected; frozen base weights are
-sharded like the rest and only parameters with `requires_grad` reach the optimizer.
+Adapters (LoRA): wrap after the adapters are injected; frozen base weights are sharded like
+the rest and only parameters with `requires_grad` reach the optimizer. Per-expert students
+(`ExpertPair`): the blocks of each expert are sharded, and an expert's forward is a collective
+every rank runs (`experts.is_sharded`).
 """
 
 from __future__ import annotations
