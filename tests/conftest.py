@@ -68,3 +68,15 @@ def _no_process_group() -> Iterator[None]:
     dist = sys.modules.get("torch.distributed")  # never import torch just to check
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[object]:
+    """A forking CLI process (tests/zygote.py) for the module: runs of `wandistill` in real
+    processes without seconds of imports each. It inherits this process's environment as it is
+    when the module's first test asks for it."""
+    from zygote import Zygote
+
+    z = Zygote()
+    yield z
+    z.close()
