@@ -30,6 +30,23 @@ from hypothesis.configuration import set_hypothesis_home_dir  # noqa: E402
 set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "wandistill-hypothesis"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """How pytest-xdist (`-n auto --dist loadgroup`, pyproject.toml) shares the tests out.
+
+    A module's tests stay on one worker, so its module-scoped fixtures (teachers, caches,
+    reference runs) are built once. Every multi-process test (marked `dist`: torchrun, 2 gloo
+    ranks) is in one group, so at most one such job runs at a time: ranks wait on each other, and
+    a second job would only take their cores. That group goes first: it is the longest, and the
+    other worker runs everything else beside it.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = "dist" if item.get_closest_marker("dist") else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(config, "workerinput"):  # under xdist: the same order on every worker
+        items.sort(key=lambda item: item.get_closest_marker("dist") is None)
+
+
 def _digest(root: Path) -> dict[str, str]:
     return {
         str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()

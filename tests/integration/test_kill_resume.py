@@ -354,6 +354,7 @@ def sweep_precompute_2ranks(
     return t
 
 
+@pytest.mark.dist
 def test_precompute_2_ranks_one_rank_killed_then_rerun(
     zygote: Zygote, pre: PrecomputeSetup, tmp_path: Path
 ) -> None:
@@ -363,6 +364,7 @@ def test_precompute_2_ranks_one_rank_killed_then_rerun(
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 def test_precompute_2_ranks_killed_at_seeded_points_then_rerun(
     zygote: Zygote, pre: PrecomputeSetup, tmp_path: Path
 ) -> None:
