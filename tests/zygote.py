@@ -207,3 +207,12 @@ def logs(log: Path, nproc: int = 1) -> str:
         for ext in ("", ".err")
         if Path(f"{log}.{r}{ext}").exists()
     )
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not yet reaped by the zygote, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False

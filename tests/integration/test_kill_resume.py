@@ -44,7 +44,7 @@ from wandistill.train.checkpoint import resolve_latest
 from wandistill.train.metrics import read_metrics
 
 from cachefixtures import write_cache
-from zygote import HANG_GUARD_S, Zygote, kill, logs
+from zygote import HANG_GUARD_S, Zygote, alive, kill, logs
 
 REPO = Path(__file__).parents[2]
 SEED = 20240607
@@ -63,14 +63,6 @@ def kill_when(z: Zygote, pids: list[int], ready: Callable[[], bool]) -> list[int
             break
         time.sleep(0.002)
     return z.wait(pids)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 @dataclass
