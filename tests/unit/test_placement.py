@@ -155,6 +155,7 @@ def _bit_identity_main(tiny_teacher_wan22: Path, out: Path) -> None:
 # --------------------------------------------------------------------------- bit identity
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_every_cpu_placement_gives_bit_identical_outputs(
     tiny_teacher_wan22: Path, tmp_path: Path
 ) -> None:

@@ -119,6 +119,7 @@ def test_wan22_folder_has_two_experts(tiny_teacher_wan22: Path) -> None:
     assert torch.isfinite(latents).all()
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_same_seed_is_byte_identical(tiny_teacher: Path, tmp_path: Path) -> None:
     # Built in a fresh process (other RNG history, one thread) to prove it is not luck of state.
     same = tmp_path / "same"
