@@ -110,6 +110,8 @@ def option(flag: str, *, url: bool) -> dict[str, Any]:
     would fold `//`) and refused in one line naming `flag`."""
 
     def convert(value: Any) -> str | Path:
+        if value == "":  # an empty flag clears the recipe's value (it never means ".")
+            return ""
         return parse(value, flag, url=url)
 
     return {"parser": convert, "metavar": "URL|DIR" if url else "PATH"}

@@ -40,13 +40,6 @@ CPU_ONLY = not torch.cuda.is_available()
 # ----------------------------------------------------------------------------- the world
 
 
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Everything the cases point at, built once: a tiny teacher and broken copies of it,
