@@ -1,12 +1,24 @@
-"""Shared fixtures: everything offline, everything tiny."""
+"""Shared fixtures: everything offline, everything tiny, and what is costly built once.
+
+Nothing here may reach a model hub: the offline switches are forced (not defaulted) for this
+process and every subprocess a test starts. The tiny teachers are built once per test process
+(per pytest-xdist worker) and shared read-only by every module that needs one; a test that
+wants to change a teacher copies it (`shutil.copytree`) first. Teardown checks that nobody wrote
+into the shared folders.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # hypothesis keeps its example database and constants cache in `.hypothesis/` of the working
@@ -16,3 +28,83 @@ import tempfile  # noqa: E402
 from hypothesis.configuration import set_hypothesis_home_dir  # noqa: E402
 
 set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "wandistill-hypothesis"))
+
+# Every property test runs derandomized: the examples are a function of the test alone (no
+# random seed, no example database carried between runs), so a failure in CI reproduces on any
+# clone. The "ci" profile (loaded when CI is set, as CI services do) also prints the blob that
+# replays a failing example; tests that set their own settings keep derandomize=True too.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("dev", derandomize=True, database=None, deadline=None)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+)
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """How pytest-xdist (`-n auto --dist loadgroup`, pyproject.toml) shares the tests out.
+
+    A module's tests stay on one worker, so its module-scoped fixtures (teachers, caches,
+    reference runs) are built once. Every multi-process test (marked `dist`: torchrun, 2 gloo
+    ranks) is in one group, so at most one such job runs at a time: ranks wait on each other, and
+    a second job would only take their cores. That group goes first: it is the longest, and the
+    other worker runs everything else beside it.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = "dist" if item.get_closest_marker("dist") else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(config, "workerinput"):  # under xdist: the same order on every worker
+        items.sort(key=lambda item: item.get_closest_marker("dist") is None)
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {
+        str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(root.rglob("*"))
+        if f.is_file()
+    }
+
+
+def _shared_teacher(root: Path, *, wan22: bool) -> Iterator[Path]:
+    from wandistill.teacher.tiny import make_tiny_teacher
+
+    path = make_tiny_teacher(root / ("wan22" if wan22 else "wan21"), wan22=wan22)
+    before = _digest(path)
+    yield path
+    assert _digest(path) == before, f"a test wrote into the shared tiny teacher {path}"
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The Wan 2.1 tiny teacher (seed 0), shared read-only by the whole session."""
+    yield from _shared_teacher(tmp_path_factory.mktemp("tiny-teacher"), wan22=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher_wan22(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The Wan 2.2 two-expert tiny teacher (seed 0), shared read-only by the whole session."""
+    yield from _shared_teacher(tmp_path_factory.mktemp("tiny-teacher"), wan22=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group() -> Iterator[None]:
+    """A test that ran an in-process train leaves no process group behind for the next one."""
+    yield
+    import sys
+
+    dist = sys.modules.get("torch.distributed")  # never import torch just to check
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[object]:
+    """A forking CLI process (tests/zygote.py) for the module: runs of `wandistill` in real
+    processes without seconds of imports each. It inherits this process's environment as it is
+    when the module's first test asks for it."""
+    from zygote import Zygote
+
+    z = Zygote()
+    yield z
+    z.close()

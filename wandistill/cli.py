@@ -26,6 +26,7 @@ from rich.table import Table
 
 from wandistill import __version__
 from wandistill.errors import CacheError, ConfigError, UsageError, WandistillError
+from wandistill.location import option as loc
 
 if TYPE_CHECKING:
     from wandistill.config import Recipe
@@ -114,7 +115,9 @@ def _root(
 
 @teacher_app.command("make-tiny")
 def teacher_make_tiny(
-    path: Annotated[Path, typer.Argument(help="Folder to create (diffusers layout).")],
+    path: Annotated[
+        Path, typer.Argument(help="Folder to create (diffusers layout).", **loc("PATH", url=False))
+    ],
     wan22: Annotated[
         bool,
         typer.Option(
@@ -146,7 +149,9 @@ def teacher_make_tiny(
 
 @teacher_app.command("make-trained")
 def teacher_make_trained(
-    path: Annotated[Path, typer.Argument(help="Folder to create (diffusers layout).")],
+    path: Annotated[
+        Path, typer.Argument(help="Folder to create (diffusers layout).", **loc("PATH", url=False))
+    ],
     seed: Annotated[
         int,
         typer.Option(
@@ -213,7 +218,10 @@ def _human(n: float) -> str:
 
 @cache_app.command("info")
 def cache_info(
-    path: Annotated[str, typer.Argument(help="Cache directory or fsspec URL (s3://...).")],
+    path: Annotated[
+        str,
+        typer.Argument(help="Cache directory or fsspec URL (s3://...).", **loc("PATH", url=True)),
+    ],
     as_json: Annotated[
         bool,
         typer.Option(
@@ -299,16 +307,39 @@ def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -
 
 @cache_app.command("merge")
 def cache_merge(
-    inputs: Annotated[list[str], typer.Argument(help="Input cache directories (2 or more).")],
-    out_dir: Annotated[str, typer.Option("--out", help="The merged cache (new or empty).")],
+    inputs: Annotated[
+        list[str],
+        typer.Argument(help="Input cache directories (2 or more).", **loc("INPUT", url=False)),
+    ],
+    out_dir: Annotated[
+        str,
+        typer.Option("--out", help="The merged cache (new or empty).", **loc("--out", url=False)),
+    ],
+    skip_corrupt: Annotated[
+        bool,
+        typer.Option(
+            "--skip-corrupt/--no-skip-corrupt",
+            help="Leave out (and count) an input shard that fails verification instead of "
+            "refusing the merge.",
+        ),
+    ] = False,
 ) -> None:
     """Join finished caches of one teacher and settings into one.
 
-    Shards are hard-linked, not copied, where the disk allows; see docs/cache-format.md."""
+    Every input shard is verified first (checksums of every record); shards are then
+    hard-linked, not copied, where the disk allows; see docs/cache-format.md."""
     from wandistill.cache.merge import MergeConfig, merge
 
     _out_dir(out_dir)
-    s = merge(MergeConfig(inputs=tuple(inputs), out=out_dir))
+    s = merge(MergeConfig(inputs=tuple(inputs), out=out_dir, skip_corrupt=skip_corrupt))
+    if s.corrupt:
+        err.print(
+            f"--skip-corrupt: left out {len(s.corrupt)} corrupt input shard(s), "
+            f"{s.corrupt_records} record(s):",
+            highlight=False,
+        )
+        for line in s.corrupt[:20]:
+            err.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
     if s.unchanged:
         out.print(
             f"{out_dir} already is this merge ({s.records} records); nothing to do",
@@ -327,7 +358,10 @@ def cache_merge(
 
 @cache_app.command("verify")
 def cache_verify(
-    path: Annotated[str, typer.Argument(help="Cache directory or fsspec URL (s3://...).")],
+    path: Annotated[
+        str,
+        typer.Argument(help="Cache directory or fsspec URL (s3://...).", **loc("PATH", url=True)),
+    ],
 ) -> None:
     """Check every shard's checksum and decode every record; exit 1 if anything is wrong."""
     from wandistill.cache.reader import open_cache
@@ -368,7 +402,10 @@ def recipes_list(ctx: typer.Context) -> None:
 def recipes_copy(
     name: Annotated[str, typer.Argument(help="Shipped recipe name (see `wandistill recipes`).")],
     dest: Annotated[
-        Path | None, typer.Argument(help="File or folder to write (default: ./NAME.toml).")
+        Path | None,
+        typer.Argument(
+            help="File or folder to write (default: ./NAME.toml).", **loc("DEST", url=False)
+        ),
     ] = None,
     force: Annotated[
         bool, typer.Option("--force/--no-force", help="Replace an existing DEST file.")
@@ -418,6 +455,15 @@ DryRunOpt = Annotated[
 ]
 
 
+def _flag_sets(flags: dict[str, Any]) -> list[str]:
+    """The flags given, as `--set key=value` overrides (a parsed location as its text)."""
+    return [
+        f"{k}={json.dumps(str(v) if isinstance(v, Path) else v)}"
+        for k, v in flags.items()
+        if v is not None
+    ]
+
+
 def _recipe_key(key: str, fallback: str | None = None) -> str:
     """How --help shows the default of a flag that overrides a recipe key (and the value when
     the recipe leaves the key out)."""
@@ -441,6 +487,7 @@ def precompute_cmd(
         str | None,
         typer.Option(
             help="Local diffusers Wan folder (model_index.json at its root).",
+            **loc("--teacher", url=False),
             show_default=_recipe_key("teacher.path"),
         ),
     ] = None,
@@ -448,6 +495,7 @@ def precompute_cmd(
         str | None,
         typer.Option(
             help='Prompt file: .txt (one per line) or .jsonl ({"prompt": ...} per line).',
+            **loc("--prompts", url=False),
             show_default=_recipe_key("prompts"),
         ),
     ] = None,
@@ -455,7 +503,9 @@ def precompute_cmd(
         str | None,
         typer.Option(
             "--out",
-            help="Cache directory to write; re-running resumes it.",
+            help="Cache directory or fsspec URL (s3://bucket/prefix) to write; re-running "
+            "resumes it.",
+            **loc("--out", url=True),
             show_default=_recipe_key("cache.path"),
         ),
     ] = None,
@@ -512,7 +562,7 @@ def precompute_cmd(
     }
     sets = [
         *(overrides or []),
-        *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
+        *_flag_sets(flags),
     ]
     full = load_recipe(recipe, sets, stage="precompute")
     cfg = full.precompute
@@ -549,11 +599,11 @@ def train_cmd(
     cache: Annotated[
         list[str] | None,
         typer.Option(
-            help="Cache directory (precompute --out). Repeat it to train on several caches of "
-            "one teacher and settings as one dataset (weights: --set "
+            help="Cache directory or fsspec URL (precompute --out). Repeat it to train on several "
+            "caches of one teacher and settings as one dataset (weights: --set "
             "'train.cache_weights=[2, 1]').",
-            metavar="DIR",
             show_default=_recipe_key("cache"),
+            **loc("--cache", url=True),
         ),
     ] = None,
     out_dir: Annotated[
@@ -561,7 +611,8 @@ def train_cmd(
         typer.Option(
             "--out",
             help="Run directory to write (run.json, metrics.jsonl, loss.png, checkpoints/, "
-            "student/).",
+            "student/); a local (or mounted) folder.",
+            **loc("--out", url=False),
             show_default=_recipe_key("out"),
         ),
     ] = None,
@@ -581,8 +632,9 @@ def train_cmd(
         bool,
         typer.Option(
             "--follow/--no-follow",
-            help="Train on a cache precompute is still writing, waiting for new shards; "
-            "without it the cache must be complete.",
+            help="Train on a cache precompute is still writing, waiting for new shards until "
+            "it is complete (it stops, saying so, if nothing writes the cache any more); "
+            "without it an incomplete cache is trained on as it stands, with a warning.",
         ),
     ] = False,
     skip_corrupt: Annotated[
@@ -612,7 +664,7 @@ def train_cmd(
     flags = {"cache": one_or_many, "out": out_dir, "steps": steps, "parallel": parallel}
     sets = [
         *(overrides or []),
-        *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
+        *_flag_sets(flags),
     ]
     cfg = load_recipe(recipe, sets, stage="train").train
     if cfg.out:
@@ -708,6 +760,7 @@ RunOpt = Annotated[
     Path | None,
     typer.Option(
         "--run",
+        **loc("--run", url=False),
         help="The --out folder of a finished `wandistill train`: its student, K-step scheduler "
         "and the cache it learned from (for sizes). Pick it for a run you have not exported. "
         "One of --run, --export, --student (default: none; eval needs one, sample without "
@@ -718,6 +771,7 @@ ExportOpt = Annotated[
     Path | None,
     typer.Option(
         "--export",
+        **loc("--export", url=False),
         help="A folder written by `wandistill export` (a complete WanPipeline): pick it to test "
         "exactly what users will load. One of --run, --export, --student (default: none).",
     ),
@@ -726,6 +780,7 @@ StudentOpt = Annotated[
     Path | None,
     typer.Option(
         "--student",
+        **loc("--student", url=False),
         help="A finished run's student/ or student_ema/ folder (its run's sampling.json gives K): "
         "the same as --run with --no-ema / --ema, named by folder. One of --run, --export, "
         "--student (default: none).",
@@ -759,11 +814,17 @@ def eval_cmd(
         str,
         typer.Option(
             help="The cache the student was trained from (its held-out records are scored) or a "
-            "separate cache of the same teacher (with --split all); a folder or an fsspec URL."
+            "separate cache of the same teacher (with --split all); a folder or an fsspec URL.",
+            **loc("--cache", url=True),
         ),
     ],
     out_dir: Annotated[
-        Path, typer.Option("--out", help="New folder for eval.md, eval.json and grid.png.")
+        Path,
+        typer.Option(
+            "--out",
+            help="New folder for eval.md, eval.json and grid.png.",
+            **loc("--out", url=False),
+        ),
     ],
     run: RunOpt = None,
     export: ExportOpt = None,
@@ -772,15 +833,17 @@ def eval_cmd(
     teacher: Annotated[
         Path | None,
         typer.Option(
+            **loc("--teacher", url=False),
             help="The cache's teacher folder: adds teacher@K (the teacher itself at K steps, with "
-            "its CFG), the column R_K compares with. Default: none (no R_K)."
+            "its CFG), the column R_K compares with. Default: none (no R_K).",
         ),
     ] = None,
     baseline: Annotated[
         Path | None,
         typer.Option(
+            **loc("--baseline", url=False),
             help="Run folder of a step-imitating student (train with loss.output only): adds "
-            "baseline@K and baseline@N, to show what few-step training buys. Default: none."
+            "baseline@K and baseline@N, to show what few-step training buys. Default: none.",
         ),
     ] = None,
     steps: Annotated[
@@ -820,7 +883,6 @@ def eval_cmd(
     The student at K steps vs the teacher's N-step result, beside the teacher itself at K steps
     and a step-imitating baseline: a table (R_K), JSON and a PNG grid."""
     from wandistill.eval.run import evaluate
-    from wandistill.placement.parse import parse_device
     from wandistill.student.folders import open_student, read_run
     from wandistill.teacher.folder import TeacherFolder
 
@@ -828,7 +890,7 @@ def eval_cmd(
         raise UsageError(f"--split {split!r} must be holdout or all")
     _positive(steps=steps, max_records=max_records, batch_size=batch_size)
     _check_sampler_flags(num_inference_steps=steps)
-    where = parse_device(device)
+    where = _device(device)
     _out_dir(out_dir)
     folder = TeacherFolder.open(teacher) if teacher is not None else None
     chosen = open_student(run=run, export=export, student=student, ema=ema)
@@ -856,6 +918,27 @@ def eval_cmd(
     )
 
 
+def _device(text: str) -> Any:
+    """eval / sample `--device`, parsed and checked against this machine here, so a refusal
+    names --device (the placement's own check would name --placement, which these commands
+    do not have)."""
+    import torch
+
+    from wandistill.placement.parse import parse_device
+
+    where = parse_device(text)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        where.check(gpus)
+    except UsageError as e:
+        why = e.message.split(";")[0].replace("placement", "--device", 1)
+        raise UsageError(
+            f"{why} (this machine has {gpus} visible GPU(s))",
+            fix="pass --device cpu, or --device auto (a GPU when one is visible)",
+        ) from None
+    return where
+
+
 def _warn(message: str) -> None:
     err.print(f"[yellow]warning:[/yellow] {escape(message)}", highlight=False, soft_wrap=True)
 
@@ -881,9 +964,19 @@ def _check_sampler_flags(**given: float | None) -> None:
 
 @app.command("sample")
 def sample_cmd(
-    prompts: Annotated[Path, typer.Option(help="Prompt file: .txt (one per line) or .jsonl.")],
+    prompts: Annotated[
+        Path,
+        typer.Option(
+            help="Prompt file: .txt (one per line) or .jsonl.", **loc("--prompts", url=False)
+        ),
+    ],
     out_dir: Annotated[
-        Path, typer.Option("--out", help="New folder for NNNN.png (frame 0) and grid.png.")
+        Path,
+        typer.Option(
+            "--out",
+            help="New folder for NNNN.png (frame 0) and grid.png.",
+            **loc("--out", url=False),
+        ),
     ],
     export: ExportOpt = None,
     run: RunOpt = None,
@@ -892,16 +985,18 @@ def sample_cmd(
     teacher: Annotated[
         Path | None,
         typer.Option(
+            **loc("--teacher", url=False),
             help="Teacher folder. With --run/--student: its tokenizer, text encoder and VAE "
             "(the run's teacher). Alone: the teacher itself is sampled, to compare. Default: "
-            "none (an --export brings its own)."
+            "none (an --export brings its own).",
         ),
     ] = None,
     cache: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
+            **loc("--cache", url=True),
             help="Teacher alone: take steps, sizes and CFG from this cache's settings (what the "
-            "student learned from). Default: none."
+            "student learned from). Default: none.",
         ),
     ] = None,
     recipe: Annotated[
@@ -949,7 +1044,6 @@ def sample_cmd(
     An exported student (--export), a run's student with its teacher's text encoder and VAE
     (--run + --teacher), or the teacher itself."""
     from wandistill.eval.sample import SampleOptions, sample
-    from wandistill.placement.parse import parse_device
     from wandistill.precompute.prompts import read_prompts
     from wandistill.student.folders import open_student
     from wandistill.teacher.folder import TeacherFolder
@@ -964,7 +1058,7 @@ def sample_cmd(
         guidance_scale=guidance_scale,
         seed=seed,
     )
-    where = parse_device(device)
+    where = _device(device)
     _out_dir(out_dir)
     folder = TeacherFolder.open(teacher) if teacher is not None else None
     chosen = open_student(run=run, export=export, student=student, ema=ema, required=False)
@@ -993,7 +1087,7 @@ def sample_cmd(
 
 
 def _teacher_defaults(
-    cache: Path | None, recipe: str | None, *, student: bool
+    cache: str | Path | None, recipe: str | None, *, student: bool
 ) -> tuple[Any, int | None]:
     """sample's teacher-alone defaults: (sampler sizes, N) from --cache or --recipe."""
     from wandistill.student.folders import sizes_from_settings
@@ -1027,8 +1121,9 @@ def demo_cmd(
     root: Annotated[
         Path,
         typer.Option(
+            **loc("--root", url=False),
             help="Folder for everything the demo makes (relative: to the cwd); a re-run reuses "
-            "what is there."
+            "what is there.",
         ),
     ] = Path("cache/demo"),
     recipe: Annotated[
@@ -1050,8 +1145,9 @@ def demo_cmd(
     teacher: Annotated[
         Path | None,
         typer.Option(
+            **loc("--teacher", url=False),
             help="A Wan teacher folder to distil instead. Default: the trained tiny teacher, "
-            "built under --root on first use (about a minute)."
+            "built under --root on first use (about a minute).",
         ),
     ] = None,
 ) -> None:
@@ -1087,19 +1183,27 @@ def demo_cmd(
 @app.command("export")
 def export_cmd(
     run: Annotated[
-        Path, typer.Option("--run", help="The --out folder of a finished `wandistill train`.")
+        Path,
+        typer.Option(
+            "--run",
+            help="The --out folder of a finished `wandistill train`.",
+            **loc("--run", url=False),
+        ),
     ],
     teacher: Annotated[
         Path,
         typer.Option(
+            **loc("--teacher", url=False),
             help="The run's teacher folder: its tokenizer, text encoder and VAE go into the "
-            "pipeline (checked to be those the run's cache was made with)."
+            "pipeline (checked to be those the run's cache was made with).",
         ),
     ],
     out_dir: Annotated[
         Path,
         typer.Option(
-            "--out", help="New (or empty, or an earlier export's) folder for the WanPipeline."
+            "--out",
+            help="New (or empty, or an earlier export's) folder for the WanPipeline.",
+            **loc("--out", url=False),
         ),
     ],
     ema: Annotated[
@@ -1161,12 +1265,33 @@ TEACHER_CONFIGS = ("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b")
 building --help. tests/unit/test_cli_help.py checks the two agree."""
 
 
+MAX_GPUS = 4096
+"""plan --gpus: a what-if machine's GPUs (the plan has a row per GPU)."""
+MAX_SIZES = {"--gpu-mem": "16TiB", "--cpu-mem": "1024TiB", "--disk": "1048576TiB"}
+"""plan's what-if sizes: far above any machine, far below what overflows a plan's arithmetic."""
+
+
+def _machine_bounds(gpus: int | None, sizes: dict[str, str | None]) -> None:
+    """plan's what-if numbers, bounded before anything is planned (a bound named in --help)."""
+    from wandistill.placement.devices import parse_size
+
+    if gpus is not None and not 0 <= gpus <= MAX_GPUS:
+        raise UsageError(f"--gpus {gpus} must lie in 0..{MAX_GPUS}", fix="e.g. --gpus 8")
+    for flag, text in sizes.items():
+        if text is not None and parse_size(text, flag) > parse_size(MAX_SIZES[flag], flag):
+            raise UsageError(
+                f"{flag} {text!r} is larger than the {MAX_SIZES[flag]} a machine can have here",
+                fix=f"pass a real size, e.g. {flag} 80GiB",
+            )
+
+
 @app.command("plan")
 def plan_cmd(
     recipe: RecipeArg = None,
     teacher: Annotated[
         str | None,
         typer.Option(
+            **loc("--teacher", url=False),
             help="Local diffusers Wan folder; sizes come from its safetensors headers, so its "
             "weights need not be downloaded yet.",
             show_default=_recipe_key("teacher.path"),
@@ -1206,7 +1331,8 @@ def plan_cmd(
         int | None,
         typer.Option(
             "--gpus",
-            help="What-if: plan for a machine with N GPUs (with --gpu-mem) instead of this one.",
+            help=f"What-if: plan for a machine with N GPUs, 0..{MAX_GPUS} (with --gpu-mem) "
+            "instead of this one.",
             show_default="this machine's",
         ),
     ] = None,
@@ -1214,19 +1340,23 @@ def plan_cmd(
         str | None,
         typer.Option(
             "--gpu-mem",
-            help="What-if: memory of each GPU (80GiB, 80GB).",
+            help=f"What-if: memory of each GPU (80GiB, 80GB), at most {MAX_SIZES['--gpu-mem']}.",
             show_default="this machine's",
         ),
     ] = None,
     cpu_mem: Annotated[
         str | None,
-        typer.Option("--cpu-mem", help="What-if: RAM (512GiB).", show_default="this machine's"),
+        typer.Option(
+            "--cpu-mem",
+            help=f"What-if: RAM (512GiB), at most {MAX_SIZES['--cpu-mem']}.",
+            show_default="this machine's",
+        ),
     ] = None,
     disk: Annotated[
         str | None,
         typer.Option(
             "--disk",
-            help="What-if: free disk for disk-offload.",
+            help=f"What-if: free disk for disk-offload, at most {MAX_SIZES['--disk']}.",
             show_default="1TiB in a what-if, else the free space of the offload folder",
         ),
     ] = None,
@@ -1261,7 +1391,7 @@ def plan_cmd(
     flags = {"teacher.path": teacher, "teacher.placement": placement, "teacher.dtype": dtype}
     sets = [
         *(overrides or []),
-        *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None),
+        *_flag_sets(flags),
     ]
     full = load_recipe(recipe, sets, stage="precompute")
     cfg = full.precompute
@@ -1270,6 +1400,7 @@ def plan_cmd(
             "no teacher to plan",
             fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
         )
+    _machine_bounds(gpus, {"--gpu-mem": gpu_mem, "--cpu-mem": cpu_mem, "--disk": disk})
     what_if = any(v is not None for v in (gpus, gpu_mem, cpu_mem, disk))
     if what_if:
         inventory = Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk)
@@ -1415,11 +1546,19 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         if _debug:
             raise
-        if e.errno == errno.ENOSPC:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # fsutil.name_target
+            what = {
+                errno.ENOSPC: "disk full",
+                errno.EDQUOT: "disk quota exceeded",
+                errno.EFBIG: "file too large (over the file size limit: `ulimit -f`, or the "
+                "filesystem's)",
+            }[e.errno]
+            target = f" while writing {e.filename}" if e.filename else ""
             _fail(
-                f"disk full while writing {e.filename or ''}".strip(),
+                f"{what}{target}",
                 1,
-                "free space or choose another output directory; re-run to resume",
+                "free space (or raise the limit), or choose another output directory; re-run "
+                "to resume",
             )
         if e.errno in (errno.EMFILE, errno.ENFILE):
             _fail(

@@ -40,6 +40,16 @@ DTYPES = ("fp32", "fp16", "bf16")
 BACKENDS = ("webdataset", "zarr")
 
 
+def _locations(**given: tuple[str, bool]) -> tuple[bool, str]:
+    """The recipe's locations (key -> (value, URL supported)) through the CLI's one parser
+    (`wandistill.location`): a URL only where the stage reads or writes it end to end, never
+    a local path named like a URL. A (passed, message) check for `_problems`."""
+    from wandistill.location import problem
+
+    bad = [p for k, (v, url) in given.items() if (p := problem(v, k, url=url))]
+    return not bad, "; ".join(bad)
+
+
 def _problems(*checks: tuple[bool, str]) -> None:
     """Raise once with every failed check, so a user fixes a recipe in one pass."""
     bad = [msg for ok, msg in checks if not ok]
@@ -67,6 +77,12 @@ class TeacherConfig:
 
     def __post_init__(self) -> None:
         _problems(
+            _locations(
+                **{
+                    "teacher.path": (self.path, False),
+                    "teacher.offload_folder": (self.offload_folder, False),
+                }
+            ),
             (self.dtype in DTYPES, f"teacher.dtype={self.dtype!r} must be one of {DTYPES}"),
             (
                 self.group_offload_level in GROUP_LEVELS,
@@ -182,7 +198,7 @@ class SamplerConfig:
 @checked("cache")
 class CacheConfig:
     path: str = "cache/default"
-    """Cache directory (local path)."""
+    """Cache directory, or an fsspec URL (s3://bucket/prefix)."""
     backend: str = "webdataset"
     """webdataset (tar shards) or zarr (v3 group)."""
     shard_records: int = num(64, ge=1, le=1_000_000)
@@ -205,6 +221,7 @@ class CacheConfig:
         names = tuple(STORE_DTYPES)
         keys = f"keys are {', '.join(TRAJECTORY)}, values one of {', '.join(names)}"
         _problems(
+            _locations(**{"cache.path": (self.path, True)}),
             (self.backend in BACKENDS, f"cache.backend={self.backend!r} must be one of {BACKENDS}"),
             (self.store_dtype in names, f"cache.store_dtype={self.store_dtype!r}: one of {names}"),
             *(
@@ -559,6 +576,13 @@ class TrainConfig:
 
             check_weights(self.cache_weights, len(self.caches))
         _problems(
+            _locations(
+                **{
+                    "train.cache" + (f"[{i}]" if len(self.caches) > 1 else ""): (c, True)
+                    for i, c in enumerate(self.caches)
+                },
+                **{"train.out": (self.out, False)},
+            ),
             (
                 self.parallel in PARALLEL,
                 f"train.parallel={self.parallel!r} must be 'ddp' or 'fsdp'",
@@ -677,17 +701,33 @@ def to_dict(cfg: Any) -> Any:
 
 
 def _parse_value(text: str) -> Any:
-    """`--set` values are TOML literals (4, 1e-4, true, [0, 2], "x"); bare words are strings."""
+    """`--set` values are TOML literals (4, 1e-4, true, [0, 2], "x"); bare words are strings.
+    Exactly one value: a document that parses to more than `v` (a second `key = value` smuggled
+    in after a newline or a `;`-less trick) is refused, not silently dropped."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        doc = tomllib.loads(f"v = {text}")
     except tomllib.TOMLDecodeError:
         return text
     except RecursionError:
         raise ConfigError(f"--set value {text[:40]!r}... nests too deeply") from None
+    except ValueError:  # Python's int limit (4,300 digits) is a ValueError inside tomllib
+        raise ConfigError(
+            f"--set value {text[:40]!r}... is a number of {len(text)} characters; no recipe "
+            "key takes one that large"
+        ) from None
+    if set(doc) != {"v"}:
+        raise ConfigError(f"--set value {text[:60]!r} holds more than one value")
+    return doc["v"]
 
 
 def apply_override(data: dict[str, Any], assignment: str, stage: str | None = None) -> None:
     """Apply one `key.path=value` to the raw recipe dict, resolving keys relative to `stage`."""
+    if any(c in assignment for c in "\n\r\x00"):
+        raise ConfigError(
+            f"--set {assignment[:80]!r} holds a line break; --set takes exactly one "
+            "section.key=value",
+            fix="pass one --set per key",
+        )
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r} must look like section.key=value")
     dotted, text = assignment.split("=", 1)
@@ -799,6 +839,10 @@ def load_recipe(
             data = tomllib.loads(raw.decode("utf-8"))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"recipe {str(path)!r} is not valid TOML: {e}") from None
+        except ValueError:  # Python's int limit (4,300 digits) is a ValueError inside tomllib
+            raise ConfigError(
+                f"recipe {str(path)!r} holds an integer of more than 4,300 digits", fix=fix
+            ) from None
         except RecursionError:  # tomllib recurses per nesting level
             raise ConfigError(f"recipe {str(path)!r} nests too deeply", fix=fix) from None
     for assignment in overrides or []:

@@ -28,6 +28,8 @@ import hashlib
 import json
 import os
 import re
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wandistill import __version__, failures
+from wandistill import __version__, failures, waiting
 from wandistill.bounds import TIMEOUT_S
 from wandistill.errors import UsageError, WandistillError
 
@@ -72,7 +74,17 @@ class DistInfo:
 
 
 def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+    """A torchrun variable (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT) as a bounded int: a
+    typo or a 5,000-digit value is one line naming the variable, not a ValueError."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
+        raise UsageError(
+            f"environment variable {name}={raw[:40]!r} is not a whole number below 10^9",
+            fix=f"unset {name} (torchrun sets it), or set it to a rank count or index",
+        )
+    return int(raw)
 
 
 def resolve_timeout(value: float | None = None) -> float:
@@ -163,6 +175,20 @@ def _join(rank: int, world: int, timeout: float) -> Any:
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = _env_int("MASTER_PORT", 29500)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    host = "torchrun's agent" if agent else "rank 0"
+    notice = None
+    if rank != 0 or agent:  # connecting blocks until the host is up: say so if it is not
+        notice = threading.Timer(
+            waiting.NOTICE_S,
+            lambda: print(
+                f"waiting: rank {rank} of {world}: for {host} to host the rendezvous at "
+                f"{addr}:{port}; giving up after {timeout:g} s ({TIMEOUT_ENV})",
+                file=sys.stderr,
+                flush=True,
+            ),
+        )
+        notice.daemon = True
+        notice.start()
     try:
         tcp = dist.TCPStore(
             addr,
@@ -174,12 +200,14 @@ def _join(rank: int, world: int, timeout: float) -> Any:
             multi_tenant=True,
         )
     except (RuntimeError, OSError) as e:  # DistNetworkError / DistStoreError / socket errors
-        host = "torchrun's agent" if agent else "rank 0"
         raise DistTimeout(
             f"rank {rank} of {world}: no rendezvous at {addr}:{port} within {timeout:g} s; "
             f"{host}, which hosts it, never arrived ({_first_line(e)})",
             fix=f"start every rank (check rank 0's log), or raise {TIMEOUT_ENV}",
         ) from None
+    finally:
+        if notice is not None:
+            notice.cancel()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"wandistill/{attempt}", tcp)
     store.set(f"arrived/{rank}", "1")
@@ -202,9 +230,20 @@ def _wait_keys(
 ) -> None:
     """Wait until all `world` ranks have set `<name>/<r>`. Without `alive`: at most `timeout`
     seconds. With `alive(missing) -> stalled ranks`: for as long as no missing rank stalls."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
+    announced = False
     while int(store.add(name, 0)) < world:
         missing = [r for r in range(world) if not store.check([f"{name}/{r}"])]
+        if not announced and time.monotonic() - start > waiting.NOTICE_S:
+            announced = True  # rank 0 only, once: every rank waits for the same peers
+            limit = (
+                f"giving up after {timeout:g} s ({TIMEOUT_ENV})"
+                if alive is None
+                else f"giving up if one makes no progress for {timeout:g} s ({TIMEOUT_ENV})"
+            )
+            if rank == 0:
+                waiting.say(f"for {_ranks(missing)} of {world} to have {what}; {limit}")
         stalled = alive(missing) if alive is not None else None
         if stalled or (alive is None and time.monotonic() > deadline):
             late = stalled or missing
@@ -424,3 +463,13 @@ def follow_sync(info: DistInfo):  # noqa: ANN201 - returns the reader's SyncFn
         return sorted(common), all(v["complete"] for v in views)
 
     return sync
+
+
+def all_agree(info: DistInfo) -> Callable[[bool], bool]:
+    """A vote every rank casts at the same point: True on every rank iff True on all of them
+    (follow mode stops for a gone writer only when every rank saw it gone)."""
+
+    def agree(mine: bool) -> bool:
+        return all(bool(v) for v in all_gather_json(info, mine))
+
+    return agree

@@ -9,10 +9,12 @@ the usual 022), so outputs are readable by whoever could read a file the user ma
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import io
 import json
 import os
+import shutil
 import stat
 import tempfile
 import threading
@@ -116,11 +118,64 @@ def atomic_open(path: str | Path, mode: str = "wb", *, bulk: bool = False) -> It
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException as e:
-        f.close()
+        with contextlib.suppress(OSError):  # closing flushes the buffer: ENOSPC again
+            f.close()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(e, OSError) and e.filename is None:
-            e.filename = str(path)  # a failed write() names no file; the error should
+        if isinstance(e, OSError):
+            name_target(e, path)
+        raise
+
+
+WRITE_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""A write refused for want of room: disk full, quota, or the file size limit (EFBIG)."""
+
+
+def name_target(e: OSError, path: str | Path) -> None:
+    """Make `e` name the file being written: a failed write() names none, and a failed copy
+    names its source (shutil sets the destination as `filename2`), which reads as if the input
+    were at fault. Where room ran out, the target is what the message must name."""
+    if e.filename is None or e.errno in WRITE_FULL:
+        e.filename, e.filename2 = str(path), None
+
+
+class _CopyFailed(Exception):
+    """Carries a file copy's OSError out of `shutil.copytree`, which would otherwise collect
+    it, go on copying, and raise one `shutil.Error` whose text is a list of tuples."""
+
+
+def copy_tree(src: str | Path, dst: str | Path) -> None:
+    """`shutil.copytree` with `copyfile` (modes from the umask, not the source's), stopping at
+    the first failure with that file's own OSError (a full disk names the file being written,
+    `name_target`); a directory-level failure is one OSError naming the directory."""
+
+    def copy(s: str, d: str) -> None:
+        try:
+            shutil.copyfile(s, d)
+        except OSError as e:
+            name_target(e, d)
+            raise _CopyFailed(e) from None
+
+    try:
+        shutil.copytree(src, dst, copy_function=copy)
+    except _CopyFailed as failed:
+        raise failed.args[0] from None
+    except shutil.Error as e:
+        source, target, why = e.args[0][0]
+        raise OSError(errno.EIO, f"could not copy {source} to {target} ({why})") from None
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, *, partial: str | Path | None = None) -> Iterator[None]:
+    """Around a plain write of `path`: an OSError names `path` (`name_target`), and `partial`
+    (a temp file being filled) is removed, so a full disk leaves no 0-byte file behind."""
+    try:
+        yield
+    except OSError as e:
+        if partial is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+        name_target(e, path)
         raise
 
 

@@ -412,6 +412,40 @@ def load_pretrained(cls: Any, path: str | Path, **kwargs: Any) -> Any:
     return cls.from_pretrained(str(path), local_files_only=True, use_safetensors=True, **kwargs)
 
 
+def config_mismatch(
+    weights: Weights, library: str, class_name: str, config: Mapping[str, Any]
+) -> str | None:
+    """Where a config.json and its weights disagree (the first tensor whose shape the config
+    does not produce), or None. The model is built from the config on the meta device (no
+    memory, no weights read) and its tensor shapes compared with the safetensors headers, so a
+    config whose dims do not match its weights is one line before any work, not a ValueError
+    deep inside `from_pretrained` after the text encoder already ran."""
+    import importlib
+
+    from accelerate import init_empty_weights
+
+    cls = getattr(importlib.import_module(library), class_name)
+    raw = {k: v for k, v in config.items() if not str(k).startswith("_")}
+    try:
+        with init_empty_weights(include_buffers=False):
+            if library == "diffusers":
+                model = cls.from_config(raw)
+            else:
+                model = cls._from_config(cls.config_class.from_dict(raw))
+    except Exception as e:  # the config itself cannot build the model
+        return f"it cannot build a {class_name} ({type(e).__name__}: {str(e)[:160]})"
+    on_disk = weights.tensors()
+    where = weights.tensor_files()
+    for name, t in model.state_dict().items():
+        info = on_disk.get(name)
+        if info is not None and list(info.shape) != list(t.shape):
+            return (
+                f"{name} is {info.shape} in {str(where[name])!r}, but the config makes it "
+                f"{list(t.shape)}"
+            )
+    return None
+
+
 __all__ = [
     "COMPONENT_CLASSES",
     "SAFETENSORS_BYTES",
@@ -420,6 +454,7 @@ __all__ = [
     "TensorInfo",
     "Weights",
     "code_files",
+    "config_mismatch",
     "conversion_fix",
     "custom_code_error",
     "load_pretrained",

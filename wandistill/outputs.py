@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -49,7 +50,14 @@ from filelock import FileLock, Timeout
 from wandistill import __version__
 from wandistill.errors import UsageError, WandistillError
 from wandistill.fsutil import atomic_write_json
-from wandistill.storage import FsspecStorage, LeaseLock, holder_identity, is_url, open_storage
+from wandistill.storage import (
+    FsspecStorage,
+    LeaseLock,
+    holder_identity,
+    holder_text,
+    is_url,
+    open_storage,
+)
 
 if TYPE_CHECKING:
     from wandistill.dist import DistInfo
@@ -185,9 +193,9 @@ def _claim(path: str | Path, purpose: str, inputs: Inputs, flag: str) -> OutputF
                 "kept out",
                 fix=f"choose a {flag} directory on a local disk (see docs/reliability.md)",
             ) from None
-        raise UsageError(
-            f"cannot write {purpose} directory {str(path)!r}: {e.strerror}",
-            fix=f"choose a writable {flag} directory",
+        raise UsageError(  # name the file that failed: the lock, not the folder
+            f"cannot open the lock file {str(target / LOCK)!r} of {label}: {e.strerror}",
+            fix=f"{_lock_fix(target / LOCK)}, or choose another {flag}",
         ) from None
     try:  # the checks again, now that nobody else can change the folder
         _inspect(target, purpose, label)
@@ -201,6 +209,12 @@ def _claim(path: str | Path, purpose: str, inputs: Inputs, flag: str) -> OutputF
     return OutputFolder(target, purpose, lock)
 
 
+def _lock_fix(path: Path) -> str:
+    if path.is_dir() and not path.is_symlink():
+        return f"remove the directory {str(path)!r} (wandistill keeps a lock file there)"
+    return f"make {str(path)!r} a writable file (or remove it: it is re-created)"
+
+
 def _file_lock(path: Path) -> FileLock:
     """flock only: filelock >= 4 would fall back to a lock file's mere existence on filesystems
     without flock, which a killed holder leaves behind (and our lock file always stays)."""
@@ -208,6 +222,43 @@ def _file_lock(path: Path) -> FileLock:
         return FileLock(str(path), thread_local=False, fallback_to_soft=False)
     except TypeError:  # filelock < 4: no soft fallback to turn off
         return FileLock(str(path), thread_local=False)
+
+
+def writer_gone(location: str | Path) -> str | None:
+    """Why no process writes the output folder at `location` any more (nobody holds its claim
+    lock), or None while one does. What `train --follow` asks before it keeps waiting for a
+    cache that only a live precompute could complete.
+
+    Locally a shared `flock` probe of the lock file (a writer holds it exclusively for its whole
+    run; the kernel drops it when the writer dies); on an object store the lease lock object,
+    judged as a takeover would judge it (`LeaseLock.verdict`). A folder without the claim's
+    marker was not written through a claim (a library caller's `CacheWriter`): unknown, None."""
+    if is_url(location):
+        store = open_storage(str(location))
+        assert isinstance(store, FsspecStorage)
+        if not store.exists(MARKER):
+            return None
+        lock = LeaseLock(store, LOCK, {})
+        holder = lock.holder()
+        if holder is None:
+            return f"there is no lock object {lock.url}"
+        if lock.verdict(holder) == "stale":
+            return f"its lock object {lock.url} is stale ({holder_text(holder)})"
+        return None
+    if not (Path(location) / MARKER).is_file():
+        return None
+    path = Path(location) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return f"there is no lock file {str(path)!r}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return None
+    finally:
+        os.close(fd)  # closing drops the probe's shared lock
+    return f"no process holds its lock {str(path)!r}"
 
 
 def _resolve(path: str | Path, purpose: str) -> Path:
@@ -234,7 +285,7 @@ def _marker(purpose: str) -> dict[str, Any]:
 
 def _holder(target: Path) -> str:
     """Who holds the lock, from the holder file it wrote (it may be starting: unknown yet)."""
-    return _holder_text(_read_json(target / HOLDER))
+    return holder_text(_read_json(target / HOLDER))
 
 
 def claim_remote(url: str, purpose: str, inputs: Inputs, flag: str) -> OutputFolder:
@@ -259,10 +310,7 @@ def claim_remote(url: str, purpose: str, inputs: Inputs, flag: str) -> OutputFol
     lock = LeaseLock(store, LOCK, holder_identity())
     holder = lock.acquire()
     if holder is not None:
-        raise UsageError(
-            f"{label} is in use by another wandistill process ({_holder_text(holder)})",
-            fix=f"wait for it to finish (or stop it), or choose another {flag}",
-        )
+        raise lock.refusal(holder, label, flag)
     try:
         _inspect_remote(store, purpose, label)
         if _remote_marker(store).get("purpose") != purpose:
@@ -303,16 +351,6 @@ def _inspect_remote(store: FsspecStorage, purpose: str, label: str) -> None:
             "wandistill never overwrites files it did not write",
             fix=fix,
         )
-
-
-def _holder_text(info: dict[str, Any]) -> str:
-    if not info:
-        return "holder not known yet: it is starting"
-    fields = {k: _printable(info.get(k, "?")) for k in ("command", "host", "pid", "started")}
-    return (
-        f"{fields['command']}: host {fields['host']}, pid {fields['pid']}, "
-        f"started {fields['started']}"
-    )
 
 
 # --------------------------------------------------------------------------- refusals

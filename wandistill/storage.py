@@ -29,6 +29,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import socket
 import sys
@@ -40,22 +41,55 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from wandistill import waiting
 from wandistill.errors import UsageError
-from wandistill.fsutil import atomic_open, fsync_dir, temp_name
+from wandistill.fsutil import atomic_open, fsync_dir, temp_name, writing
 from wandistill.validate import read_capped
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 """URL scheme -> the wandistill extra that installs its fsspec backend (`pip install
 'wandistill[s3]'`)."""
-CONNECT_TIMEOUT_S = 5
+CONNECT_TIMEOUT_S = 5.0
 """Object stores: seconds to wait for a connection before giving up (s3fs's own default: 5)."""
+READ_TIMEOUT_S = 20.0
+"""Object stores: seconds to wait for an answer on an open connection (botocore's default is 60,
+times 5 attempts: an endpoint that accepts and never answers was silent for minutes)."""
+TIMEOUT_ENV = "WANDISTILL_STORAGE_TIMEOUT"
+"""Overrides READ_TIMEOUT_S (and caps the connect timeout), in seconds."""
 CONNECT_ATTEMPTS = 2
 """Object stores: attempts per request at the HTTP level (botocore's default is 5 with backoff,
-so an unreachable endpoint would take a minute to report)."""
+so an unreachable endpoint would take a minute to report). s3fs's own retry loop is set to one
+try: the worst silent-free wait of one call is CONNECT_ATTEMPTS x the timeouts."""
+
+
+def timeouts() -> tuple[float, float]:
+    """(connect, read) seconds for object-store requests: WANDISTILL_STORAGE_TIMEOUT, checked
+    like every number (finite, in (0, 600]), else the defaults."""
+    from wandistill.bounds import Range
+
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return CONNECT_TIMEOUT_S, READ_TIMEOUT_S
+    try:
+        seconds = float(raw) if len(raw) < 64 else float("nan")
+    except ValueError:
+        seconds = float("nan")
+    problem = Range(gt=0, le=600).problem(TIMEOUT_ENV, seconds)
+    if problem is not None:
+        raise UsageError(
+            problem.replace("=nan", f"={raw[:40]!r}"),
+            fix=f"set {TIMEOUT_ENV} to a number of seconds (default {READ_TIMEOUT_S:g})",
+        )
+    return min(CONNECT_TIMEOUT_S, seconds), seconds
 
 
 class StorageError(UsageError):
-    """An object store refused or could not be reached: names the URL and the fix."""
+    """An object store refused or could not be reached: names the URL and the fix. `kind`: the
+    class of problem (`classify`), for callers that handle one (a lost conditional PUT)."""
+
+    def __init__(self, message: str, fix: str | None = None, kind: str = "other") -> None:
+        super().__init__(message, fix=fix)
+        self.kind = kind
 
 
 TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
@@ -119,9 +153,11 @@ class _Descriptors:
 
 
 def is_url(location: str | Path) -> bool:
-    """True for an fsspec URL other than `file://` (which is a local path)."""
-    text = str(location)
-    return "://" in text and not text.startswith("file://")
+    """True for an fsspec URL other than `file://` (which is a local path): the one rule,
+    `wandistill.location.is_url`."""
+    from wandistill.location import is_url as url
+
+    return url(location)
 
 
 def local_path(location: str | Path) -> Path:
@@ -279,7 +315,7 @@ class LocalStorage(Storage):
     def create(self, rel: str, data: bytes) -> bool:
         final = self.path(rel)
         tmp = temp_name(final)
-        with open(tmp, "wb") as f:
+        with writing(final, partial=tmp), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -365,14 +401,22 @@ class FsspecStorage(Storage):
         return f"{self.root}/{rel}" if rel else self.root
 
     def _call(self, rel: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """One request: bounded by the client's timeouts, announced if slow (`waiting`), its
+        failure classified by type and status (`classify`). A plain missing object stays a
+        FileNotFoundError (callers treat it as absent), a lost create-if-absent a
+        FileExistsError; everything else is one StorageError line."""
+        what = f"object store {self.name(rel)} ({getattr(fn, '__name__', 'request')})"
+        call = _WATCHED.start(what, _limit_text())
         try:
             return fn(*args, **kwargs)
-        except FileNotFoundError as e:
-            if "bucket" in str(e).lower():  # s3fs: NoSuchBucket is a FileNotFoundError
-                raise storage_error(self.name(rel), e) from None
-            raise
+        except (FileNotFoundError, FileExistsError) as e:
+            if classify(e) in ("not-found", "exists"):
+                raise
+            raise storage_error(self.name(rel), e) from None
         except Exception as e:
             raise storage_error(self.name(rel), e) from None
+        finally:
+            _WATCHED.end(call)
 
     def exists(self, rel: str) -> bool:
         found = bool(self._call(rel, self.fs.exists, self.key(rel)))
@@ -407,8 +451,12 @@ class FsspecStorage(Storage):
         self.fs.invalidate_cache(key)
         try:
             return _object_stamp(self._call(rel, self.fs.info, key))
-        except (OSError, StorageError):  # missing, or no bucket: the read says which, clearly
+        except FileNotFoundError:  # missing: the read says so, clearly
             return None
+        except StorageError as e:
+            if e.kind in ("no-bucket", "not-found"):
+                return None  # the read names the bucket
+            raise  # unreachable, stalled, not S3, denied: at once, not after every later call
 
     def list_stamped(self, rel: str) -> list[tuple[str, Any]]:
         try:
@@ -451,7 +499,7 @@ class FsspecStorage(Storage):
         except FileExistsError:
             return False
         except StorageError as e:
-            if "pre-condition" in e.message or "PreconditionFailed" in e.message:
+            if e.kind == "exists":  # HTTP 412 on If-None-Match: another writer won
                 return False
             raise
         return True
@@ -512,9 +560,11 @@ def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
     # Never answer from a cached listing: another rank or node may have committed since.
     options: dict[str, Any] = {"use_listings_cache": False} if extra else {}
     if scheme in ("s3", "s3a"):
+        connect, read = timeouts()
         options |= {
             "config_kwargs": {
-                "connect_timeout": CONNECT_TIMEOUT_S,
+                "connect_timeout": connect,
+                "read_timeout": read,
                 "retries": {"max_attempts": CONNECT_ATTEMPTS, "mode": "standard"},
             },
         }
@@ -530,45 +580,170 @@ def _filesystem(url: str, scheme: str) -> tuple[Any, str]:
         if "Protocol not known" in str(e):
             raise StorageError(f"{url!r}: unknown URL scheme {scheme}://", fix=install) from None
         raise StorageError(f"{url!r}: {e}", fix="check the URL") from None
-    if hasattr(fs, "retries"):  # s3fs's own retry loop (on top of botocore's): keep it short
-        fs.retries = CONNECT_ATTEMPTS
+    if hasattr(fs, "retries"):  # s3fs's own retry loop (on top of botocore's): one try
+        fs.retries = 1
     return fs, root.rstrip("/")
+
+
+_WATCHED = waiting.Watched()
+"""Object-store calls in flight (one line when one is slow)."""
+
+
+def _limit_text() -> str:
+    connect, read = timeouts()
+    return (
+        f"each attempt gives up after {connect:g} s to connect and {read:g} s without an "
+        f"answer, {CONNECT_ATTEMPTS} attempts ({TIMEOUT_ENV} sets it)"
+    )
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """`e` and the exceptions it was raised from (s3fs keeps botocore's as `__cause__`)."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen and len(seen) < 16:
+        seen.add(id(x))
+        yield x
+        x = x.__cause__ or x.__context__
+
+
+def _types(x: BaseException) -> set[str]:
+    """The names of `x`'s classes: botocore and aiohttp are optional (the s3 extra), so their
+    exception types are matched by class name, through the whole hierarchy."""
+    return {c.__name__ for c in type(x).__mro__}
+
+
+S3_HEADERS = ("x-amz-request-id", "x-amzn-requestid", "x-amz-id-2")
+"""Response headers every S3 implementation sends (AWS, MinIO, Ceph, moto): an HTTP error
+without them and without an S3 error code came from some other server."""
+NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+STALLED = {"ReadTimeoutError", "ReadTimeout", "SocketTimeoutError", "ServerTimeoutError"}
+UNREACHABLE = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ConnectionClosedError",
+    "ClientConnectionError",
+    "ConnectionError",
+}
+NOT_S3 = {"HTTPClientError", "ResponseParserError", "BadHttpMessage", "ClientPayloadError"}
+BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+
+
+def classify(e: BaseException) -> str:
+    """The class of an object-store failure, from exception types and the HTTP status / S3
+    error code of the response, never from the words of a message: not-found, exists (a lost
+    conditional PUT), no-bucket, no-credentials, bad-credentials, forbidden, unreachable,
+    stalled, not-s3, no-space, or other."""
+    chain = list(_chain(e))
+    for x in chain:  # the transport first: a reset connection wraps an HTTP-level error
+        names = _types(x)
+        if names & NO_CREDENTIALS:
+            return "no-credentials"
+        if names & STALLED or isinstance(x, TimeoutError):
+            return "stalled"
+        if names & UNREACHABLE:
+            return "unreachable"
+    for x in chain:
+        if _types(x) & NOT_S3:
+            return "not-s3"
+        response = getattr(x, "response", None)
+        if isinstance(response, dict):
+            return _classify_response(response)
+        status = getattr(x, "code", None)  # gcsfs's HttpError
+        if isinstance(status, int) and not isinstance(status, bool) and 400 <= status < 600:
+            return {401: "forbidden", 403: "forbidden", 404: "not-found"}.get(status, "other")
+    if isinstance(e, FileNotFoundError):
+        return "not-found"
+    if isinstance(e, FileExistsError):
+        return "exists"
+    if isinstance(e, PermissionError):
+        return "forbidden"
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "no-space"
+    return "other"
+
+
+def _classify_response(response: dict[str, Any]) -> str:
+    error = response.get("Error") or {}
+    meta = response.get("ResponseMetadata") or {}
+    code = str(error.get("Code") or "")
+    status = meta.get("HTTPStatusCode")
+    headers = {str(k).lower() for k in (meta.get("HTTPHeaders") or {})}
+    if not code and not headers & set(S3_HEADERS):
+        return "not-s3"
+    if code == "NoSuchBucket":
+        return "no-bucket"
+    if code in BAD_CREDENTIALS:
+        return "bad-credentials"
+    if code == "PreconditionFailed" or status == 412:
+        return "exists"
+    if code == "AccessDenied" or status in (401, 403):
+        return "forbidden"
+    if code in ("NoSuchKey", "NotFound", "404") or status == 404:
+        return "not-found"
+    return "other"
+
+
+def _endpoint() -> str:
+    return os.environ.get("AWS_ENDPOINT_URL") or "the provider's default endpoint"
 
 
 def storage_error(where: str, e: BaseException) -> StorageError:
     """One line for an object-store failure, with the fix for its class of problem."""
-    text = f"{type(e).__name__}: {e}"
-    lowered = text.lower()
-    if "credential" in lowered or "nocredentials" in lowered:
-        return StorageError(
-            f"{where}: no credentials for the object store ({e})",
-            fix="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for s3://, "
+    kind = classify(e)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    endpoint = "check the endpoint (AWS_ENDPOINT_URL for an S3-compatible server) and the network"
+    lines: dict[str, tuple[str, str]] = {
+        "no-bucket": (
+            f"the bucket {where.split('://', 1)[-1].split('/', 1)[0]!r} does not exist",
+            "create the bucket, or fix the URL",
+        ),
+        "no-credentials": (
+            "no credentials for the object store",
+            "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) for s3://, "
             "GOOGLE_APPLICATION_CREDENTIALS for gs://",
-        )
-    if any(s in lowered for s in ("could not connect", "connect timeout", "endpoint", "timed out")):
-        return StorageError(
-            f"{where}: the object store cannot be reached ({e})",
-            fix="check the endpoint (AWS_ENDPOINT_URL for an S3-compatible server) and the network",
-        )
-    if "bucket" in lowered and ("not exist" in lowered or "nosuchbucket" in lowered):
-        return StorageError(
-            f"{where}: the bucket does not exist", fix="create the bucket, or fix the URL"
-        )
-    if "access denied" in lowered or "forbidden" in lowered or "403" in lowered:
-        return StorageError(
-            f"{where}: access denied ({e})", fix="use credentials that may read and write it"
-        )
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return StorageError(f"{where}: no space left", fix="free space or choose another --out")
-    return StorageError(f"{where}: {text}", fix="check the URL, the endpoint and credentials")
+        ),
+        "bad-credentials": (
+            f"the object store rejected the credentials ({first})",
+            "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and the endpoint",
+        ),
+        "forbidden": (
+            f"access denied ({first})",
+            "use credentials that may read and write it",
+        ),
+        "unreachable": (f"the object store at {_endpoint()} cannot be reached ({first})", endpoint),
+        "stalled": (
+            f"the object store at {_endpoint()} accepted the connection but did not answer "
+            f"within {timeouts()[1]:g} s ({CONNECT_ATTEMPTS} attempts)",
+            f"{endpoint}; raise {TIMEOUT_ENV} (seconds) if it is just slow",
+        ),
+        "not-s3": (
+            f"the endpoint {_endpoint()} answered, but not as an S3 server (HTTP error "
+            "without an S3 error code)",
+            "point AWS_ENDPOINT_URL at the S3 API of the store (not its web console)",
+        ),
+        "no-space": (
+            "no space left (or the object is too large)",
+            "free space or choose another --out",
+        ),
+    }
+    message, fix = lines.get(
+        kind, (f"{type(e).__name__}: {first}", "check the URL, the endpoint and credentials")
+    )
+    if kind == "exists":
+        message, fix = f"{type(e).__name__}: {first}", "another writer created it first"
+    return StorageError(f"{where}: {message}", fix=fix, kind=kind)
 
 
 # --------------------------------------------------------------------------- one writer
 
 LOCK_LEASE_S = 60.0
-"""An object-store lock whose heartbeat is older than this is stale (its holder died)."""
+"""An object-store lock not refreshed for this long is stale (its holder died)."""
 LOCK_SETTLE_S = 0.5
 """How long a new holder waits before reading its lock back (see `LeaseLock`)."""
+CLOCK_SKEW_S = 5.0
+"""A heartbeat this far in the future is still believed (clocks of two hosts differ a little);
+further ahead, the writer's clock is wrong and only the reader's own clock can tell."""
 
 
 def holder_identity() -> dict[str, Any]:
@@ -585,47 +760,99 @@ def holder_identity() -> dict[str, Any]:
 class LeaseLock:
     """One writer on an object store, where there is no flock: a lock object created with a
     conditional PUT (`If-None-Match: *`), holding host, pid, start, a random token and a
-    heartbeat that a thread refreshes every LOCK_LEASE_S / 4 seconds.
+    heartbeat that a thread refreshes every lease / 4 seconds.
 
-    A lock is stale when its heartbeat is older than the lease, or at once when its holder ran
-    on this host and that pid is gone (a `kill -9`); a stale lock is deleted and taken. The
-    delete is not conditional (S3 has no compare-and-delete that s3fs exposes), so two runs
-    taking over one stale lock at once could each delete the other's fresh lock. Tokens fence
-    that: a new holder reads its lock back after LOCK_SETTLE_S and yields to the token it finds
-    there; a heartbeat never overwrites another run's lock (it marks this one `lost` and stops);
-    release deletes the lock only if it is still this run's.
+    When a lock is stale (`verdict`). Its lifetime is bounded whatever its heartbeat says: a
+    reader remembers, on its own monotonic clock, when it first saw each version of the lock
+    object, and a version unchanged for a whole lease is stale, since a live holder rewrites it
+    every lease / 4. That holds for a heartbeat in the future (a writer whose clock runs
+    ahead), NaN, missing or garbage. Shortcuts: a believable heartbeat (a number, not more than
+    CLOCK_SKEW_S ahead) older than the lease is stale at once (a crashed writer's lock is taken
+    over without waiting), and so is a lock whose holder ran on this host under a pid that is
+    gone (a `kill -9`). An unbelievable heartbeat is watched (`acquire(watch=True)`) for up to
+    a lease, with one line saying so, and taken over if it does not change.
+
+    A stale lock is deleted and taken. The delete is not conditional (S3 has no
+    compare-and-delete that s3fs exposes), so two runs taking over one stale lock at once could
+    each delete the other's fresh lock. Tokens fence that: a new holder reads its lock back
+    after LOCK_SETTLE_S and yields to the token it finds there; a heartbeat never overwrites
+    another run's lock (it marks this one `lost` and stops); release deletes the lock only if
+    it is still this run's.
     """
 
-    def __init__(self, store: FsspecStorage, rel: str, me: dict[str, Any]) -> None:
+    def __init__(
+        self, store: FsspecStorage, rel: str, me: dict[str, Any], lease_s: float | None = None
+    ) -> None:
         self.store, self.rel, self.me = store, rel, me
+        self.lease_s = LOCK_LEASE_S if lease_s is None else lease_s
         self.token = uuid.uuid4().hex
         self.lost = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._seen: dict[bytes, float] = {}
+        """Each version of the lock object seen -> when, on this process's monotonic clock."""
 
     @property
     def is_locked(self) -> bool:
         return self._thread is not None
 
+    @property
+    def url(self) -> str:
+        return self.store.name(self.rel)
+
     def _body(self) -> bytes:
-        beat = {**self.me, "token": self.token, "heartbeat": time.time(), "lease_s": LOCK_LEASE_S}
+        beat = {**self.me, "token": self.token, "heartbeat": time.time(), "lease_s": self.lease_s}
         return json.dumps(beat).encode()
+
+    def _raw(self) -> bytes | None:
+        """The lock object's bytes (None if there is none)."""
+        size = self.store.size(self.rel)
+        if size is None:
+            return None
+        if size > 1 << 16:
+            return b"(oversized)"
+        try:
+            return bytes(
+                self.store._call(self.rel, self.store.fs.cat_file, self.store.key(self.rel))
+            )
+        except FileNotFoundError:
+            return None
 
     def holder(self) -> dict[str, Any] | None:
         """The lock object's content (None if there is none; {} if unreadable)."""
+        raw = self._raw()
+        if raw is None:
+            return None
+        self._seen.setdefault(raw, time.monotonic())
         try:
-            data = self.store.read(
-                self.rel, max_bytes=1 << 16, what="lock", fix="", error=StorageError
-            )
-        except StorageError as e:
-            if "does not exist" in e.message:
-                return None
-            raise
-        try:
-            info = json.loads(data)
-        except ValueError:
-            return {}
-        return info if isinstance(info, dict) else {}
+            info = json.loads(raw)
+        except (ValueError, RecursionError):
+            return {"_raw": raw}
+        return {**info, "_raw": raw} if isinstance(info, dict) else {"_raw": raw}
+
+    def verdict(self, holder: dict[str, Any]) -> str:
+        """ "stale", "alive" or "watch" (a heartbeat that cannot be believed, not yet watched
+        for a whole lease): see the class docstring."""
+        raw = holder.get("_raw", b"")
+        first = self._seen.setdefault(raw, time.monotonic())
+        if time.monotonic() - first > self.lease_s:
+            return "stale"  # unchanged for a whole lease on this reader's clock
+        pid = holder.get("pid")
+        if holder.get("host") == socket.gethostname() and type(pid) is int and 0 < pid < 1 << 31:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return "stale"
+            except PermissionError:
+                pass
+        beat = holder.get("heartbeat")
+        if type(beat) in (int, float) and math.isfinite(beat):
+            age = time.time() - beat
+            if age > self.lease_s:
+                return "stale"
+            if age >= -CLOCK_SKEW_S:
+                return "alive"
+        return "watch"
 
     def _settle(self) -> None:
         time.sleep(LOCK_SETTLE_S)
@@ -633,8 +860,10 @@ class LeaseLock:
     def _mine(self, holder: dict[str, Any] | None) -> bool:
         return holder is not None and holder.get("token") == self.token
 
-    def acquire(self) -> dict[str, Any] | None:
-        """Take the lock (None), or return the live holder's details."""
+    def acquire(self, *, watch: bool = True) -> dict[str, Any] | None:
+        """Take the lock (None), or return the live holder's details. `watch`: a lock whose
+        heartbeat cannot be believed is watched here (up to a lease, announced) until it
+        changes (alive) or not (stale); else it counts as held and a later call decides."""
         for _ in range(3):
             if self.store.create(self.rel, self._body()):
                 self._settle()  # a racing takeover's delete + create shows by now
@@ -651,10 +880,41 @@ class LeaseLock:
             holder = self.holder()
             if holder is None:
                 continue  # released between our create and our read: try again
-            if not _stale(holder):
+            state = self.verdict(holder)
+            if state == "watch" and watch:
+                state = self._watch(holder)
+            if state != "stale":
                 return holder
             self.store.rm(self.rel)
         return self.holder() or {}
+
+    def _watch(self, holder: dict[str, Any]) -> str:
+        """Watch a lock with an unbelievable heartbeat until it changes or a lease passes."""
+        waiting.say(
+            f"lock object {self.url} has heartbeat {str(holder.get('heartbeat'))[:40]!r} "
+            f"({_beat_text(holder.get('heartbeat'))}); watching it for up to {self.lease_s:g} s "
+            "on this machine's clock: a live holder rewrites it, a dead one's is taken over"
+        )
+        raw = holder.get("_raw")
+        while True:
+            time.sleep(min(1.0, self.lease_s / 8))
+            now = self.holder()
+            if now is None or now.get("_raw") != raw:
+                return "alive"  # rewritten (a live holder) or released: let the caller retry
+            state = self.verdict(now)
+            if state != "watch":
+                return state
+
+    def refusal(self, holder: dict[str, Any], label: str, flag: str) -> UsageError:
+        """The one-line refusal for a live holder: who, and how to remove the lock safely."""
+        return UsageError(
+            f"{label} is in use by another wandistill process ({holder_text(holder)}); its "
+            f"lock object is {self.url}",
+            fix=f"wait for it to finish, or choose another {flag}; if that process is gone "
+            f"(check its host and pid), delete the lock object (`aws s3 rm {self.url}`, or "
+            f"any tool for the store) and re-run; an abandoned lock is taken over by itself "
+            f"once it has not changed for {self.lease_s:g} s",
+        )
 
     def beat_once(self) -> bool:
         """Refresh the heartbeat unless another run holds the lock now (then mark it lost)."""
@@ -666,7 +926,7 @@ class LeaseLock:
         return True
 
     def _beat(self) -> None:
-        while not self._stop.wait(LOCK_LEASE_S / 4):
+        while not self._stop.wait(self.lease_s / 4):
             try:
                 if not self.beat_once():
                     return
@@ -684,16 +944,23 @@ class LeaseLock:
                 self.store.rm(self.rel)
 
 
-def _stale(holder: dict[str, Any]) -> bool:
-    beat = holder.get("heartbeat")
-    if not isinstance(beat, int | float) or time.time() - beat > LOCK_LEASE_S:
-        return True
-    pid = holder.get("pid")
-    if holder.get("host") == socket.gethostname() and isinstance(pid, int):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-    return False
+def _beat_text(beat: Any) -> str:
+    if type(beat) in (int, float) and math.isfinite(beat):
+        return f"{beat - time.time():.0f} s in the future: is the writer's clock ahead?"
+    return "not a time"
+
+
+def _printable(value: Any) -> str:
+    """One line, whatever a lock object or holder file holds (newlines, escapes)."""
+    return str(value).encode("unicode_escape").decode("ascii")[:200]
+
+
+def holder_text(info: dict[str, Any]) -> str:
+    """Who holds a lock, as a refusal shows it (every field made printable and short)."""
+    if not {k for k in info if k != "_raw"}:
+        return "holder not known yet: it is starting, or its lock object is unreadable"
+    fields = {k: _printable(info.get(k, "?")) for k in ("command", "host", "pid", "started")}
+    return (
+        f"{fields['command']}: host {fields['host']}, pid {fields['pid']}, "
+        f"started {fields['started']}"
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -37,13 +38,6 @@ CPU_ONLY = not torch.cuda.is_available()
 
 
 # ----------------------------------------------------------------------------- the world
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -453,6 +447,20 @@ def _enospc(*_: Any, **__: Any) -> Any:
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+class _FullFile(io.BytesIO):
+    """A file on a full disk: write() fails as the OS's does, naming no file."""
+
+    def write(self, data: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _full_disk_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+    if "w" not in mode:
+        return open(path, mode, *args, **kwargs)
+    Path(path).touch()
+    return _FullFile()
+
+
 def _pre_args(world: dict[str, str], prompts: Path, cache: Path) -> list[str]:
     return [
         "precompute", "--teacher", world["teacher"], "--prompts", str(prompts), "--out",
@@ -513,7 +521,7 @@ def test_disk_full_in_train_keeps_the_previous_checkpoint(
     out = tmp_path / "run"
     shutil.copytree(world["run"], out)
     before = snapshot(out / "checkpoints")
-    monkeypatch.setattr(ckpt, "_write", _enospc)
+    monkeypatch.setattr(ckpt, "open", _full_disk_open, raising=False)  # checkpoint files only
     sets = ["student.num_layers=1", "student.ffn_dim=32", "batch_size=2", 'device="cpu"',
             "tensorboard=false", "checkpoint_every=1"]  # fmt: skip
     args = [*_with(TRAIN, "--out", str(out)), "--resume", "--steps", "4"]
@@ -521,6 +529,7 @@ def test_disk_full_in_train_keeps_the_previous_checkpoint(
     code, _, err = _cli(capsys, [_fill(a, world, tmp_path) for a in args])
     assert code == 1 and "Traceback" not in err and len(_error_lines(err)) == 1, err
     assert "disk full while writing" in err and "re-run to resume" in err
+    assert f"{out / 'checkpoints'}{os.sep}" in err and "student.safetensors" in err, err
     assert snapshot(out / "checkpoints") == before  # checkpoint-2 and `latest` intact
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith("checkpoint-3")]
 

@@ -106,13 +106,6 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from wandistill.teacher.tiny import make_tiny_teacher
-
-    return make_tiny_teacher(tmp_path_factory.mktemp("dist-timeouts-teacher") / "teacher")
-
-
 def train_argv(cache: Path, out: Path, *extra: str) -> list[str]:
     sets = [
         f'cache="{cache}"',
@@ -173,7 +166,7 @@ def test_ranks_with_different_configurations_all_exit_naming_the_keys(
 
 
 def test_precompute_ranks_with_different_sampler_settings_all_exit(
-    teacher: Path, tmp_path: Path
+    tiny_teacher: Path, tmp_path: Path
 ) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("one\ntwo\nthree\n")
@@ -181,7 +174,7 @@ def test_precompute_ranks_with_different_sampler_settings_all_exit(
         "precompute",
         "pipelines/tiny.toml",
         "--teacher",
-        str(teacher),
+        str(tiny_teacher),
         "--prompts",
         str(prompts),
         "--out",
@@ -225,7 +218,7 @@ def test_a_rank_that_hangs_mid_training_is_named_when_the_collective_times_out(
 
 
 def test_a_rank_that_hangs_mid_precompute_is_named_by_the_rank_waiting_at_the_end(
-    teacher: Path, tmp_path: Path
+    tiny_teacher: Path, tmp_path: Path
 ) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("".join(f"prompt {i}\n" for i in range(6)))
@@ -233,7 +226,7 @@ def test_a_rank_that_hangs_mid_precompute_is_named_by_the_rank_waiting_at_the_en
         "precompute",
         "pipelines/tiny.toml",
         "--teacher",
-        str(teacher),
+        str(tiny_teacher),
         "--prompts",
         str(prompts),
         "--out",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.slow
 K = 2
 PROMPTS = ["a cat on a mat", "a dog in the park", "a red car", "the sea at night"]
 MSL = 32  # the tiny recipe's max_sequence_length: the pipeline must pad the prompt the same way
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _precompute(teacher: Path, prompts: Path, cache: Path, *extra: str) -> None:

@@ -7,7 +7,7 @@ from outside while an embedding shard's temp file exists (inside a flush). After
 same command runs again; it must encode exactly the prompts no committed embedding shard held
 (the run prints "<k> prompts encoded"), then finish the cache byte-identical to an uninterrupted
 run, and remove `embeds/` once the cache is complete. Runs are forked from the kill sweep's
-zygote (tests/integration/test_kill_resume.py): the real command line in a real process.
+zygote (tests/zygote.py): the real command line in a real process.
 """
 
 from __future__ import annotations
@@ -19,22 +19,21 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_kill_resume import (  # noqa: F401 - the zygote and pre fixtures are used by name
+from test_kill_resume import (  # noqa: F401 - the pre fixture is used by name
     N_PROMPTS,
     SEED,
     PrecomputeSetup,
     Tally,
-    Zygote,
     check_partial,
     kill_when,
-    logs,
     pre,
     precompute_argv,
     resume_and_check,
-    zygote,
 )
 
 from wandistill.cache.embeds import EMBED_DIR, EmbedStore
+
+from zygote import Zygote, logs
 
 ENCODE_POINTS = list(range(1, N_PROMPTS + 1))
 random.Random(SEED + 10).shuffle(ENCODE_POINTS)
@@ -119,6 +118,7 @@ def test_precompute_kill_9_at_more_encoded_prompts_then_rerun(
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 def test_precompute_2_ranks_killed_while_encoding_then_one_process_reuses_every_embedding(
     zygote: Zygote,  # noqa: F811
     pre: PrecomputeSetup,  # noqa: F811

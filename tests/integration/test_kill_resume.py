@@ -9,8 +9,9 @@ point: one killed run, then the same command again (train: plus --resume), compa
 uninterrupted reference run per configuration: every record committed exactly once with the
 reference's bytes, and byte-identical final student weights (CPU).
 
-Speed: every run is forked from a "zygote" process that imported torch, diffusers and wandistill
-once, so a run costs well under a second instead of seconds of imports. The child runs
+Speed: every run is forked from a "zygote" process (tests/zygote.py) that imported torch,
+diffusers and wandistill once, so a run costs well under a second instead of seconds of imports.
+The child runs
 `wandistill.cli.main(argv)`: the real command line, in a real process that really gets SIGKILL.
 For 2 ranks the zygote forks one child per rank with torchrun's environment (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) and, like torchrun, SIGTERMs the other ranks when one fails. Real
@@ -24,15 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import re
-import select
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,183 +44,10 @@ from wandistill.train.checkpoint import resolve_latest
 from wandistill.train.metrics import read_metrics
 
 from cachefixtures import write_cache
+from zygote import HANG_GUARD_S, Zygote, alive, kill, logs
 
 REPO = Path(__file__).parents[2]
 SEED = 20240607
-HANG_GUARD_S = 240.0  # a run that takes this long is stuck; never a measure of speed
-
-# --------------------------------------------------------------------------- the zygote
-
-ZYGOTE = r"""
-import json, os, signal, socket, sys, time, traceback
-
-import torch  # noqa: F401  (everything a run imports, imported once, before any fork)
-import diffusers, transformers  # noqa: F401
-from diffusers import AutoencoderKLWan, WanTransformer3DModel  # noqa: F401
-from transformers import AutoTokenizer, UMT5EncoderModel  # noqa: F401
-import wandistill.cli
-import wandistill.precompute.run, wandistill.train.loop  # noqa: F401
-import wandistill.teacher.encode, wandistill.teacher.folder  # noqa: F401
-import wandistill.placement.load, wandistill.cache.reader  # noqa: F401
-
-reply = os.fdopen(int(sys.argv[1]), "w", buffering=1)
-
-
-def child(argv, env, log):
-    code = 1
-    try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        try:
-            wandistill.cli.main(argv)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def job(req):
-    n = req["nproc"]
-    env = dict(req["env"])
-    if n > 1:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    pids = []
-    for r in range(n):
-        renv = dict(env)
-        if n > 1:
-            renv.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n),
-                        LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        pid = os.fork()
-        if pid == 0:
-            child(req["argv"], renv, f"{req['log']}.{r}")
-        pids.append(pid)
-    reply.write(json.dumps({"pids": pids}) + "\n")
-    codes = {}
-    grace = None
-    while len(codes) < n:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            if grace is not None and time.monotonic() > grace:
-                for p in pids:
-                    if p not in codes:
-                        os.kill(p, signal.SIGKILL)
-                grace = None
-            time.sleep(0.005)
-            continue
-        codes[pid] = os.waitstatus_to_exitcode(status)
-        if codes[pid] != 0 and grace is None and len(codes) < n:  # torchrun: stop the rest
-            for p in pids:
-                if p not in codes:
-                    os.kill(p, signal.SIGTERM)
-            grace = time.monotonic() + 30
-    reply.write(json.dumps({"codes": [codes[p] for p in pids]}) + "\n")
-
-
-for line in sys.stdin:
-    job(json.loads(line))
-"""
-
-
-class Zygote:
-    """A process that imported everything once and forks one child per rank per run."""
-
-    def __init__(self) -> None:
-        rfd, wfd = os.pipe()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120", "PYTHONUNBUFFERED": "1"}
-        for k in ("WANDISTILL_FAIL_AT", "WANDISTILL_TEST_KILL_AT", "RANK", "WORLD_SIZE"):
-            env.pop(k, None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE, str(wfd)],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.PIPE,
-            pass_fds=(wfd,),
-            text=True,
-        )
-        os.close(wfd)
-        self._fd = rfd
-        self._buf = b""
-
-    def _reply(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._fd], [], [], left)[0]:
-                raise TimeoutError(f"no reply from the zygote within {timeout:.0f} s")
-            chunk = os.read(self._fd, 65536)
-            if not chunk:
-                raise RuntimeError(f"the zygote died (exit {self.proc.poll()})")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return json.loads(line)
-
-    def start(self, argv: list[str], log: Path, *, nproc: int = 1, **env: str) -> list[int]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(
-            json.dumps({"argv": argv, "env": env, "log": str(log), "nproc": nproc}) + "\n"
-        )
-        self.proc.stdin.flush()
-        return self._reply(HANG_GUARD_S)["pids"]
-
-    def wait(self, pids: list[int]) -> list[int]:
-        try:
-            return self._reply(HANG_GUARD_S)["codes"]
-        except TimeoutError:
-            for p in pids:
-                kill(p, signal.SIGKILL)
-            self._reply(60)
-            pytest.fail(f"a run hung for {HANG_GUARD_S:.0f} s")
-
-    def run(self, argv: list[str], log: Path, *, nproc: int = 1, **env: str) -> list[int]:
-        return self.wait(self.start(argv, log, nproc=nproc, **env))
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        os.close(self._fd)
-
-
-def kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-@pytest.fixture(scope="module")
-def zygote() -> Iterator[Zygote]:
-    z = Zygote()
-    yield z
-    z.close()
-
-
-def logs(log: Path, nproc: int = 1) -> str:
-    return "\n".join(
-        Path(f"{log}.{r}").read_text(errors="replace")
-        for r in range(nproc)
-        if Path(f"{log}.{r}").exists()
-    )
 
 
 def kill_when(z: Zygote, pids: list[int], ready: Callable[[], bool]) -> list[int]:
@@ -239,14 +63,6 @@ def kill_when(z: Zygote, pids: list[int], ready: Callable[[], bool]) -> list[int
             break
         time.sleep(0.002)
     return z.wait(pids)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 @dataclass
@@ -530,6 +346,7 @@ def sweep_precompute_2ranks(
     return t
 
 
+@pytest.mark.dist
 def test_precompute_2_ranks_one_rank_killed_then_rerun(
     zygote: Zygote, pre: PrecomputeSetup, tmp_path: Path
 ) -> None:
@@ -539,6 +356,7 @@ def test_precompute_2_ranks_one_rank_killed_then_rerun(
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 def test_precompute_2_ranks_killed_at_seeded_points_then_rerun(
     zygote: Zygote, pre: PrecomputeSetup, tmp_path: Path
 ) -> None:

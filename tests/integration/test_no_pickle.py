@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,20 +21,6 @@ STUDENT = ["--set", "student.num_layers=1", "--set", "student.ffn_dim=32", "--se
            "batch_size=2", "--set", 'device="cpu"', "--set", "tensorboard=false"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from wandistill.teacher.tiny import make_tiny_teacher
-
-    return make_tiny_teacher(tmp_path_factory.mktemp("np") / "teacher")
-
-
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     try:
         main(list(args))
@@ -47,7 +32,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 
 
 def test_precompute_train_eval_and_sample_run_with_unpickling_forbidden(
-    teacher: Path,
+    tiny_teacher: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -62,14 +47,14 @@ def test_precompute_train_eval_and_sample_run_with_unpickling_forbidden(
     prompts.write_text("".join(f"prompt {i}\n" for i in range(6)))
     cache, run = tmp_path / "cache", tmp_path / "run"
     steps = [
-        ["precompute", "--teacher", str(teacher), "--prompts", str(prompts), "--out", str(cache),
-         *FAST],
+        ["precompute", "--teacher", str(tiny_teacher), "--prompts", str(prompts), "--out",
+         str(cache), *FAST],
         ["train", "--cache", str(cache), "--out", str(run), "--steps", "2", *STUDENT],
         ["train", "--cache", str(cache), "--out", str(run), "--steps", "3", "--resume", *STUDENT],
         ["eval", "--cache", str(cache), "--student", str(run / "student"), "--out",
-         str(tmp_path / "eval"), "--teacher", str(teacher), "--split", "all", "--max-records",
+         str(tmp_path / "eval"), "--teacher", str(tiny_teacher), "--split", "all", "--max-records",
          "2"],
-        ["sample", "--teacher", str(teacher), "--student", str(run / "student"), "--prompts",
+        ["sample", "--teacher", str(tiny_teacher), "--student", str(run / "student"), "--prompts",
          str(prompts), "--out", str(tmp_path / "sample"), "--steps", "2", "--limit", "2",
          "--max-sequence-length", "16"],
         ["cache", "verify", str(cache)],
@@ -102,7 +87,7 @@ def _pickle_only(folder: Path, config: str, weights: str, pwned: Path) -> Path:
 
 
 def test_pickle_only_weights_are_refused_naming_the_file_and_the_conversion(
-    teacher: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_teacher: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pwned = tmp_path / "pwned"
     student = _pickle_only(
@@ -112,7 +97,7 @@ def test_pickle_only_weights_are_refused_naming_the_file_and_the_conversion(
         pwned,
     )
     bad_teacher = tmp_path / "teacher"
-    shutil.copytree(teacher, bad_teacher)
+    shutil.copytree(tiny_teacher, bad_teacher)
     for f in (bad_teacher / "vae").glob("*.safetensors"):
         f.unlink()
     (bad_teacher / "vae" / "diffusion_pytorch_model.pt").write_bytes(pickle.dumps(_Payload(pwned)))
@@ -121,7 +106,7 @@ def test_pickle_only_weights_are_refused_naming_the_file_and_the_conversion(
     cases = [
         (["eval", "--cache", str(tmp_path / "nocache"), "--student", str(student), "--out",
           str(tmp_path / "o1")], "diffusion_pytorch_model.bin"),
-        (["sample", "--teacher", str(teacher), "--student", str(student), "--prompts",
+        (["sample", "--teacher", str(tiny_teacher), "--student", str(student), "--prompts",
           str(prompts), "--out", str(tmp_path / "o2")], "diffusion_pytorch_model.bin"),
         (["sample", "--teacher", str(bad_teacher), "--prompts", str(prompts), "--out",
           str(tmp_path / "o3")], "diffusion_pytorch_model.pt"),

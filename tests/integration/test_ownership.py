@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,13 +30,6 @@ FAST = ["--set", "sampler.height=32", "--set", "sampler.width=32", "--set",
         "sampler.batch_size=2", "--set", "cache.shard_records=2"]  # fmt: skip
 STUDENT = ["--set", "student.num_layers=1", "--set", "student.ffn_dim=32", "--set",
            "batch_size=2", "--set", 'device="cpu"', "--set", "tensorboard=false"]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:

@@ -20,6 +20,8 @@ from wandistill.config import load_recipe
 from wandistill.precompute import run
 from wandistill.teacher.tiny import make_tiny_teacher
 
+from zygote import Zygote, alive, kill
+
 PROMPTS = ["a cat on a mat", "a dog in the park", "a red car at night", "the sea", "a tree"]
 
 
@@ -294,38 +296,21 @@ def test_a_rerun_reports_what_earlier_runs_wrote_and_truncated(
 
 @pytest.mark.slow
 def test_kill_9_then_rerun_completes_every_record_exactly_once(
-    tmp_path: Path, teachers: dict[str, Path]
+    zygote: Zygote, tmp_path: Path, teachers: dict[str, Path]
 ) -> None:
     prompts = _prompt_file(tmp_path, [f"prompt number {i}" for i in range(16)])
-    ref = subprocess.run(
-        _cli(*_cmd(teachers["wan21"], prompts, tmp_path / "ref")),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    ref = zygote.cli(_cmd(teachers["wan21"], prompts, tmp_path / "ref"), tmp_path / "ref.log")
     assert ref.returncode == 0, ref.stderr
     cache = tmp_path / "killed"
-    proc = subprocess.Popen(
-        _cli(*_cmd(teachers["wan21"], prompts, cache)),
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    pids = zygote.start(_cmd(teachers["wan21"], prompts, cache), tmp_path / "killed.log")
     journal = cache / "journal" / "rank-00000.json"
     deadline = time.monotonic() + 240
-    while not journal.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not journal.exists() and alive(pids[0]) and time.monotonic() < deadline:
         time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill(pids[0], signal.SIGKILL)
+    zygote.wait(pids)
     assert not read_manifest(cache).complete
-    again = subprocess.run(
-        _cli(*_cmd(teachers["wan21"], prompts, cache)),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = zygote.cli(_cmd(teachers["wan21"], prompts, cache), tmp_path / "again.log")
     assert again.returncode == 0, again.stderr
     m = read_manifest(cache)
     keys = [k for s in m.shards for k in s["keys"]]
@@ -349,7 +334,12 @@ def test_kill_9_then_rerun_completes_every_record_exactly_once(
     ],
 )
 def test_bad_input_is_one_line_and_a_usage_exit_code(
-    tmp_path: Path, teachers: dict[str, Path], args: list[str], code: int, message: str
+    zygote: Zygote,
+    tmp_path: Path,
+    teachers: dict[str, Path],
+    args: list[str],
+    code: int,
+    message: str,
 ) -> None:
     base = {
         "--teacher": str(teachers["wan21"]),
@@ -363,7 +353,7 @@ def test_bad_input_is_one_line_and_a_usage_exit_code(
         a for pair in zip(args[::2], args[1::2], strict=True) if pair[0] not in base for a in pair
     ]
     cmd = ["precompute", "pipelines/tiny.toml", *[x for kv in base.items() for x in kv], *extra]
-    proc = subprocess.run(_cli(*cmd), env=_env(), capture_output=True, text=True, timeout=120)
+    proc = zygote.cli(cmd, tmp_path / "run.log")  # a real process: its exit code, its stderr
     assert proc.returncode == code, proc.stderr
     assert message in proc.stderr.replace("\n", " ")
     assert "Traceback" not in proc.stderr

@@ -7,9 +7,11 @@ stopped at, prints "stopped by SIGTERM at step N; resume with --resume" and exit
 Under torchrun every precompute rank flushes its own shards, every train rank stops at the same
 step, and nothing waits forever in a collective.
 
-Deterministic stops come from the test hook (`WANDISTILL_TEST_KILL_AT=...:term`: the process
-sends itself a real SIGTERM at an exact point); the others come from outside, as soon as a
-progress marker shows up on disk. Every stop is then resumed and compared with an uninterrupted
+Single-process runs are forks of a zygote that imported everything once (tests/zygote.py): real
+processes that really get the signal, without seconds of imports each; the torchrun runs are real
+torchrun jobs. Deterministic stops come from the test hook (`WANDISTILL_TEST_KILL_AT=...:term`:
+the process sends itself a real SIGTERM at an exact point); the others come from outside, as soon
+as a progress marker shows up on disk. Every stop is then resumed and compared with an uninterrupted
 run: the same record bytes, the same student weights.
 """
 
@@ -36,6 +38,7 @@ from wandistill.config import load_recipe
 from wandistill.train.checkpoint import resolve_latest
 
 from cachefixtures import write_cache
+from zygote import Zygote, alive
 
 REPO = Path(__file__).parents[2]
 HANG_GUARD_S = 300.0  # only detects a hang; never a measure of speed
@@ -45,10 +48,6 @@ N_PROMPTS = 40
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDISTILL_")}
     return {**env, "OMP_NUM_THREADS": "1", "COLUMNS": "120", "PYTHONUNBUFFERED": "1", **extra}
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "wandistill", *args]
 
 
 def _torchrun(*args: str) -> list[str]:
@@ -110,6 +109,46 @@ class Job:
         finally:
             self._out.close()
             self._err.close()
+
+
+class Forked:
+    """`wandistill ARGV` forked from the module's zygote (tests/zygote.py): a real process with
+    its own pid, signals, exit code and output files, without seconds of imports per run."""
+
+    def __init__(self, z: Zygote, argv: list[str], log: Path, **env: str) -> None:
+        self.log, self._z = log, z
+        self._pids = z.start(argv, log, split=True, **env)
+        self.pid = self._pids[0]
+
+    @property
+    def err(self) -> str:
+        return Path(f"{self.log}.0.err").read_text(errors="replace")
+
+    @property
+    def out(self) -> str:
+        return Path(f"{self.log}.0").read_text(errors="replace")
+
+    def running_after(self, seconds: float) -> bool:
+        """Wait up to `seconds` for the process to end; True if it still runs."""
+        deadline = time.monotonic() + seconds
+        while alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return alive(self.pid)
+
+    def wait_for(self, ready: Callable[[], bool]) -> None:
+        """Poll a progress marker on disk while the run goes on."""
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not ready():
+            if not alive(self.pid) or time.monotonic() > deadline:
+                pytest.fail(f"the run ended before the marker showed up:\n{self.err[-3000:]}")
+            time.sleep(0.005)
+
+    def signal_when(self, ready: Callable[[], bool], sig: int) -> None:
+        self.wait_for(ready)
+        os.kill(self.pid, sig)
+
+    def wait(self) -> int:
+        return self._z.wait(self._pids)[0]
 
 
 @contextlib.contextmanager
@@ -203,13 +242,14 @@ def _stopped_cache_is_resumable(pre: dict, cache: Path, committed: int) -> None:
 
 
 def test_precompute_sigterm_flushes_the_open_shard_and_a_rerun_completes(
-    pre: dict, tmp_path: Path
+    zygote: Zygote, pre: dict, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
     # SIGTERM while record 4 is written: batch 2 (records 3-4) completes, the shard holding
     # record 4 is flushed with that one record, and the run stops with 4 records committed.
-    job = Job(
-        _cli(*_pre_argv(_pre_sets(pre["teacher"], pre["prompts"], cache))),
+    job = Forked(
+        zygote,
+        _pre_argv(_pre_sets(pre["teacher"], pre["prompts"], cache)),
         tmp_path / "run",
         WANDISTILL_TEST_KILL_AT="precompute:record:4::term",
     )
@@ -230,9 +270,12 @@ def _journals(cache: Path) -> int:
 
 
 @pytest.mark.slow
-def test_precompute_ctrl_c_from_outside_stops_cleanly(pre: dict, tmp_path: Path) -> None:
+def test_precompute_ctrl_c_from_outside_stops_cleanly(
+    zygote: Zygote, pre: dict, tmp_path: Path
+) -> None:
     cache = tmp_path / "cache"
-    job = Job(_cli(*_pre_argv(_pre_sets(pre["teacher"], pre["prompts"], cache))), tmp_path / "r")
+    argv = _pre_argv(_pre_sets(pre["teacher"], pre["prompts"], cache))
+    job = Forked(zygote, argv, tmp_path / "r")
     job.signal_when(lambda: _journals(cache) >= 1, signal.SIGINT)
     assert job.wait() == 130, job.err[-3000:]
     m = re.search(r"stopped by SIGINT after (\d+) records; re-run the same command", job.err)
@@ -314,13 +357,15 @@ def _metrics_row(out: Path, step: int) -> Callable[[], bool]:
     return ready
 
 
-def test_train_sigterm_saves_a_checkpoint_and_resume_matches(tmp_path: Path) -> None:
+def test_train_sigterm_saves_a_checkpoint_and_resume_matches(
+    zygote: Zygote, tmp_path: Path
+) -> None:
     write_cache(tmp_path / "c", range(6))
     _train_inprocess(_train_sets(tmp_path / "c", tmp_path / "ref", 10, 4))
     out = tmp_path / "run"
     sets = _train_sets(tmp_path / "c", out, 10, 4)
-    job = Job(
-        _cli(*_train_argv(sets)), tmp_path / "run", WANDISTILL_TEST_KILL_AT="train:step:5::term"
+    job = Forked(
+        zygote, _train_argv(sets), tmp_path / "run", WANDISTILL_TEST_KILL_AT="train:step:5::term"
     )
     assert job.wait() == 143, job.err[-3000:]
     assert "stopped by SIGTERM at step 5; resume with --resume" in job.err
@@ -334,12 +379,14 @@ def test_train_sigterm_saves_a_checkpoint_and_resume_matches(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_train_ctrl_c_from_outside_stops_at_a_step_and_resume_matches(tmp_path: Path) -> None:
+def test_train_ctrl_c_from_outside_stops_at_a_step_and_resume_matches(
+    zygote: Zygote, tmp_path: Path
+) -> None:
     write_cache(tmp_path / "c", range(6))
     _train_inprocess(_train_sets(tmp_path / "c", tmp_path / "ref", 150, 50))
     out = tmp_path / "run"
     sets = _train_sets(tmp_path / "c", out, 150, 50)
-    job = Job(_cli(*_train_argv(sets)), tmp_path / "run")
+    job = Forked(zygote, _train_argv(sets), tmp_path / "run")
     job.signal_when(_metrics_row(out, 3), signal.SIGINT)
     assert job.wait() == 130, job.err[-3000:]
     m = re.search(r"stopped by SIGINT at step (\d+); resume with --resume", job.err)
@@ -387,22 +434,22 @@ def test_train_under_torchrun_every_rank_stops_at_the_same_step(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_train_follow_waiting_for_data_stops_on_a_second_ctrl_c(tmp_path: Path) -> None:
+def test_train_follow_waiting_for_data_stops_on_a_second_ctrl_c(
+    zygote: Zygote, tmp_path: Path
+) -> None:
     cache = tmp_path / "c"
     write_cache(cache, [], finalize=False, complete=False)  # no records yet: train waits
     out = tmp_path / "run"
     sets = [*_train_sets(cache, out, 50, 50), "follow_poll_interval=0.05"]
-    job = Job(_cli(*_train_argv(sets, "--follow")), tmp_path / "run")
+    job = Forked(zygote, _train_argv(sets, "--follow"), tmp_path / "run")
     metrics = out / "metrics.jsonl"
     job.wait_for(lambda: metrics.is_file() and "start" in metrics.read_text())
     # A Ctrl-C asks for a stop at the next step, which does not come while --follow waits for
     # data; Ctrl-C again stops it at once. A person's Ctrl-Cs, a second apart:
     for _ in range(10):
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            job.proc.wait(timeout=1.0)
-        if job.proc.poll() is not None:
+        if not job.running_after(1.0):
             break
-        job.proc.send_signal(signal.SIGINT)
+        os.kill(job.pid, signal.SIGINT)
     code = job.wait()
     assert code in (130, -signal.SIGINT), job.err[-3000:]  # a shell shows both as 130
     assert "Traceback" not in job.err

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,13 +34,6 @@ SETS = [
     "student.attention_head_dim=12",
     "student.ffn_dim=32",
 ]
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _torchrun_train(cache: Path, out: Path) -> subprocess.CompletedProcess[str]:

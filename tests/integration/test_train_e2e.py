@@ -16,6 +16,7 @@ import torch
 from wandistill.train.checkpoint import resolve_latest
 
 from cachefixtures import write_cache
+from zygote import Zygote, alive, kill
 
 pytestmark = pytest.mark.slow
 
@@ -43,18 +44,10 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "COLUMNS": "120", **extra}
 
 
-def _train(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "wandistill", "train", *args],
-        cwd=REPO,
-        env=env or _env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def test_kill_9_mid_run_then_resume_gives_the_same_final_weights(tmp_path: Path) -> None:
+def test_kill_9_mid_run_then_resume_gives_the_same_final_weights(
+    zygote: Zygote, tmp_path: Path
+) -> None:
+    """Each run is a real process forked from the module's zygote (tests/zygote.py)."""
     write_cache(tmp_path / "c", range(6))
     args = [
         "--cache",
@@ -71,34 +64,27 @@ def test_kill_9_mid_run_then_resume_gives_the_same_final_weights(tmp_path: Path)
         "optim.warmup_steps=2",
         *SMALL,
     ]
-    whole = _train(*args, "--out", str(tmp_path / "whole"))
+    whole = zygote.cli(["train", *args, "--out", str(tmp_path / "whole")], tmp_path / "whole.log")
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     # This run blocks forever after step 7 (the last checkpoint before it is step 6).
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "wandistill", "train", *args, "--out", str(cut)],
-        cwd=REPO,
-        env=_env(WANDISTILL_FAIL_AT="0:7:hang"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    train_cut = ["train", *args, "--out", str(cut)]
+    pids = zygote.start(train_cut, tmp_path / "cut.log", WANDISTILL_FAIL_AT="0:7:hang")
     try:
         deadline = time.monotonic() + 240  # hang guard only
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and alive(pids[0]):
             latest = resolve_latest(cut / "checkpoints")
             if latest is not None and latest.name == "checkpoint-6":
                 break
             time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        assert alive(pids[0]), "the run ended before it could be killed"
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        kill(pids[0], signal.SIGKILL)
+        zygote.wait(pids)
     assert not (cut / "student").exists()
 
-    resumed = _train(*args, "--out", str(cut), "--resume")
+    resumed = zygote.cli([*train_cut, "--resume"], tmp_path / "resumed.log")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "at step 6" in resumed.stderr
     for name in ("student", "student_ema"):

@@ -5,11 +5,13 @@ writer per cache through a lease lock, and every bad input one line naming the U
 
 from __future__ import annotations
 
+import http.server
 import itertools
 import json
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +22,7 @@ import pytest
 import torch
 import zarr
 
-from wandistill import outputs, storage
+from wandistill import outputs, storage, waiting
 from wandistill.cache.manifest import load_committed
 from wandistill.cache.reader import open_cache
 from wandistill.cache.training import TrainingReader
@@ -35,6 +37,38 @@ from s3server import BUCKET, forget_clients, s3_server
 def s3() -> Iterator[dict[str, str]]:
     with s3_server() as env:
         yield env
+
+
+@pytest.fixture(scope="module")
+def hostile() -> Iterator[dict[str, str]]:
+    """Endpoints that are not a working S3: one that accepts connections and never answers,
+    one that is another HTTP server (404 pages, no S3 error codes)."""
+
+    class NotS3(http.server.BaseHTTPRequestHandler):
+        def _page(self) -> None:
+            body = b"<html>Not Found</html>"
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _page
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotS3)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        yield {
+            "stalled": f"http://127.0.0.1:{silent.getsockname()[1]}",
+            "not_s3": f"http://127.0.0.1:{web.server_port}",
+        }
+    web.shutdown()
+    web.server_close()
 
 
 def _url(name: str) -> str:
@@ -216,8 +250,20 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (
             {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"},
             _url("c"),
-            "the object store cannot be reached",
+            "cannot be reached",
             "AWS_ENDPOINT_URL",
+        ),
+        (
+            {"AWS_ENDPOINT_URL": "{stalled}", "WANDISTILL_STORAGE_TIMEOUT": "0.5"},
+            _url("c"),
+            "accepted the connection but did not answer within 0.5 s",
+            "WANDISTILL_STORAGE_TIMEOUT",
+        ),
+        (
+            {"AWS_ENDPOINT_URL": "{not_s3}"},
+            _url("c"),
+            "answered, but not as an S3 server",
+            "point AWS_ENDPOINT_URL at the S3 API",
         ),
         (
             {
@@ -233,10 +279,18 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         ({}, "s3://no-such-bucket/c", "the bucket 'no-such-bucket' does not exist", "create"),
         ({}, "gs://somewhere/c", "no fsspec backend for gs:// is installed", "wandistill[gcs]"),
     ],
-    ids=["unreachable-endpoint", "no-credentials", "no-bucket", "no-backend"],
+    ids=[
+        "unreachable-endpoint",
+        "stalled-endpoint",
+        "not-s3",
+        "no-credentials",
+        "no-bucket",
+        "no-backend",
+    ],
 )
 def test_a_bad_object_store_is_one_line_naming_the_url_and_the_fix(
     s3: dict[str, str],
+    hostile: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     env: dict[str, str | None],
@@ -248,7 +302,7 @@ def test_a_bad_object_store_is_one_line_naming_the_url_and_the_fix(
         if v is None:
             monkeypatch.delenv(k, raising=False)
         else:
-            monkeypatch.setenv(k, v)
+            monkeypatch.setenv(k, v.format(**hostile))
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if the [gcs] extra were not installed
     forget_clients()
     try:
@@ -351,3 +405,123 @@ def test_a_polling_reader_on_s3_rereads_only_the_journal_objects_that_changed(
     mf.finalize(url, complete=True)
     assert store.refresh() == [] and store.complete
     assert [e["name"] for e in store.entries] == [f"r00000-{i:06d}" for i in range(9)]
+
+
+def test_a_fresh_cache_is_written_to_a_bucket_whose_name_contains_bucket(
+    s3: dict[str, str],
+) -> None:
+    """A not-found for a new prefix of `my-bucket` is just not found (its text holds "bucket");
+    only the S3 error code NoSuchBucket means there is no bucket."""
+    _fs().mkdir("my-bucket")
+    url = "s3://my-bucket/fresh/cache"
+    write_cache(url, range(3), shard_records=2)
+    assert load_committed(url).num_records == 3
+
+
+def _client_error(code: str, status: int, headers: dict[str, str]) -> Exception:
+    from botocore.exceptions import ClientError
+
+    meta = {"HTTPStatusCode": status, "HTTPHeaders": headers}
+    return ClientError({"Error": {"Code": code, "Message": ""}, "ResponseMetadata": meta}, "Get")
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "headers", "kind"),
+    [
+        ("AccessDenied", 403, {"x-amz-request-id": "1"}, "forbidden"),
+        ("", 403, {"x-amz-request-id": "1"}, "forbidden"),
+        ("InvalidAccessKeyId", 403, {"x-amz-request-id": "1"}, "bad-credentials"),
+        ("NoSuchBucket", 404, {"x-amz-request-id": "1"}, "no-bucket"),
+        ("NoSuchKey", 404, {"x-amz-request-id": "1"}, "not-found"),
+        ("", 404, {"server": "nginx"}, "not-s3"),
+        ("PreconditionFailed", 412, {"x-amzn-requestid": "1"}, "exists"),
+    ],
+)
+def test_object_store_errors_are_classified_by_type_and_status_not_by_words(
+    code: str, status: int, headers: dict[str, str], kind: str
+) -> None:
+    """The message words are the same ("bucket" everywhere) in every case: the kind comes
+    from the error code, the HTTP status and the S3 headers, through s3fs's wrapping too."""
+    wrapped = FileNotFoundError("no such bucket here")  # as s3fs raises it, botocore's as cause
+    wrapped.__cause__ = _client_error(code, status, headers)
+    assert storage.classify(wrapped) == kind
+    assert storage.storage_error("s3://b/x", wrapped).kind == kind
+
+
+@pytest.mark.parametrize(
+    "beat",
+    [time.time() + 86_400, "NaN", float("inf"), "garbage", None, [1]],
+    ids=["a-day-ahead", "nan-text", "inf", "garbage", "missing", "a-list"],
+)
+def test_a_lock_with_an_unbelievable_heartbeat_expires_on_the_readers_clock(
+    s3: dict[str, str], capsys: pytest.CaptureFixture[str], beat: object
+) -> None:
+    """Future, NaN or garbage heartbeats never make a lock immortal: unchanged for a lease on
+    the reader's own clock, it is stale and taken over, with one line saying it waits."""
+    root = f"{BUCKET}/beat-{abs(hash(str(beat)))}"
+    holder = {"host": "elsewhere", "pid": 1, "token": "theirs"}
+    if beat is not None:
+        holder["heartbeat"] = beat
+    _fs().pipe_file(f"{root}/{outputs.LOCK}", json.dumps(holder).encode())
+    lock = storage.LeaseLock(
+        storage.FsspecStorage(f"s3://{root}"), outputs.LOCK, {"host": "me"}, lease_s=0.3
+    )
+    assert lock.acquire() is None
+    try:
+        assert json.loads(_fs().cat_file(f"{root}/{outputs.LOCK}"))["token"] == lock.token
+        err = capsys.readouterr().err
+        assert f"waiting: lock object s3://{root}/{outputs.LOCK} has heartbeat" in err, err
+    finally:
+        lock.release()
+
+
+def test_a_live_holder_with_a_clock_ahead_is_not_taken_over(s3: dict[str, str]) -> None:
+    """A future heartbeat that keeps changing is a live writer: refused, naming the lock
+    object and how to remove it safely."""
+    root = f"{BUCKET}/ahead"
+    store = storage.FsspecStorage(f"s3://{root}")
+    writer = storage.LeaseLock(store, outputs.LOCK, {"host": "ahead", "pid": 1}, lease_s=0.4)
+    stop = threading.Event()
+
+    def beat_from_the_future() -> None:
+        while not stop.wait(0.05):
+            body = {**writer.me, "token": writer.token, "heartbeat": time.time() + 3600}
+            body["n"] = time.monotonic_ns()
+            _fs().pipe_file(f"{root}/{outputs.LOCK}", json.dumps(body).encode())
+
+    t = threading.Thread(target=beat_from_the_future)
+    t.start()
+    try:
+        time.sleep(0.2)
+        reader = storage.LeaseLock(store, outputs.LOCK, {"host": "me"}, lease_s=0.4)
+        holder = reader.acquire()
+        assert holder is not None and holder.get("host") == "ahead"
+        e = reader.refusal(holder, "--out 'x'", "--out")
+        assert f"lock object is s3://{root}/{outputs.LOCK}" in e.message
+        assert f"aws s3 rm s3://{root}/{outputs.LOCK}" in (e.fix or "")
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_a_slow_object_store_call_says_what_it_waits_for(
+    s3: dict[str, str],
+    hostile: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An endpoint that accepts and never answers: one `waiting:` line naming the object and
+    the bounds, then the one-line error once the bounded attempts are spent."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", hostile["stalled"])
+    monkeypatch.setenv("WANDISTILL_STORAGE_TIMEOUT", "1")
+    monkeypatch.setattr(storage, "_WATCHED", waiting.Watched(notice_s=0.2))  # its own clock
+    forget_clients()
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["cache", "info", _url("c")])
+    finally:
+        forget_clients()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("error:") == 1, err
+    assert err.count("waiting: object store s3://") >= 1, err  # one per 10 s while it lasts
+    assert "no answer for" in err and "each attempt gives up after" in err, err

@@ -176,3 +176,35 @@ def test_a_cache_at_a_url_is_refused_naming_it(
     code, _, err = _run(capsys, "cache", "merge", str(a), "s3://bucket/b", "--out", str(m))
     assert code == 2 and "'s3://bucket/b'" in err and "fix:" in err and "Traceback" not in err
     assert not m.exists()
+
+
+@pytest.mark.parametrize("backend", ["webdataset", "zarr"])
+def test_a_corrupt_input_shard_is_refused_by_name_or_skipped_and_counted(
+    tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flipped byte in an input shard is never linked into M: merge verifies every input
+    shard first, refuses naming the shard, or with --skip-corrupt leaves it out and counts it."""
+    a, b, m = tmp_path / "a", tmp_path / "b", tmp_path / "m"
+    write_cache(a, range(0, 4), backend=backend, shard_records=2)
+    write_cache(b, range(4, 8), backend=backend, shard_records=2)
+    with open_cache(b) as store:
+        entry = store.entries[0]
+    victim = max(
+        (p for p in b.rglob("*") if p.is_file() and p.suffix != ".json" and "lock" not in p.name),
+        key=lambda p: p.stat().st_size,
+    )
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    code, _, err = _run(capsys, "cache", "merge", str(a), str(b), "--out", str(m))
+    assert code == 1 and err.count("error:") == 1 and "fails verification" in err, err
+    assert f"input cache {str(b)!r}: shard" in err and "--skip-corrupt" in err
+    assert not (m / "manifest.json").exists()
+    code, out, err = _run(
+        capsys, "cache", "merge", str(a), str(b), "--out", str(m), "--skip-corrupt"
+    )
+    assert code == 0, err
+    assert "--skip-corrupt: left out 1 corrupt input shard(s), 2 record(s)" in err, err
+    with open_cache(m) as store:
+        assert store.verify() == [] and len(store) == 6
+    assert entry["name"] in err or backend == "zarr"

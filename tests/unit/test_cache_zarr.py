@@ -265,6 +265,7 @@ def test_concurrent_writer_threads_lose_no_rows(
     _check_all_there(tmp_path, 40, block)
 
 
+@pytest.mark.slow
 def test_concurrent_writer_processes_lose_no_rows(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     procs = [

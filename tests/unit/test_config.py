@@ -78,3 +78,36 @@ def test_a_missing_or_broken_recipe_is_a_config_error(tmp_path: Path) -> None:
     broken.write_text("[precompute\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_recipe(broken)
+
+
+@pytest.mark.parametrize(
+    ("assignment", "message"),
+    [
+        ("train.steps=5\ntrain.bogus=1", "holds a line break; --set takes exactly one"),
+        ("train.steps=5\rx=1", "holds a line break"),
+        ("train.steps=5\x00", "holds a line break"),
+        ("train.steps=" + "9" * 5000, "is a number of 5000 characters"),
+        ('train.out="a"\nx', "holds a line break"),
+    ],
+    ids=["newline-smuggles-a-key", "carriage-return", "nul", "5000-digit-int", "newline-in-str"],
+)
+def test_set_takes_exactly_one_key_value(assignment: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(None, [assignment])
+
+
+def test_a_recipe_with_an_integer_over_python_s_digit_limit_is_one_line(tmp_path: Path) -> None:
+    recipe = tmp_path / "big.toml"
+    recipe.write_text("[train]\nsteps = " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="holds an integer of more than 4,300 digits"):
+        load_recipe(recipe)
+
+
+def test_environment_integers_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from wandistill import dist
+    from wandistill.errors import UsageError
+
+    for value in ("9" * 5000, "two", "-1"):
+        monkeypatch.setenv("WORLD_SIZE", value)
+        with pytest.raises(UsageError, match="environment variable WORLD_SIZE="):
+            dist.init("cpu")

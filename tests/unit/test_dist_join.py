@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from wandistill import dist
+from wandistill import dist, waiting
 from wandistill.errors import UsageError
 
 
@@ -42,24 +42,35 @@ def _as_rank(monkeypatch: pytest.MonkeyPatch, rank: int, timeout: str = "1") -> 
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
 
 
-def test_rank_0_names_the_rank_that_never_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rank_0_names_the_rank_that_never_joined(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """...and, before giving up, says once what it waits for (a manual WORLD_SIZE=2 launch
+    with no peer was silent for the whole timeout)."""
     _as_rank(monkeypatch, 0)
+    monkeypatch.setattr(waiting, "NOTICE_S", 0.2)
     with pytest.raises(
         dist.DistTimeout,
         match=r"rank 0 of 2: rank 1 has not joined the job "
         r"within 1 s \(WANDISTILL_DIST_TIMEOUT\)",
     ):
         dist.init("cpu")
+    err = capsys.readouterr().err
+    assert err.count("waiting: for rank 1 of 2 to have joined the job; giving up after 1 s") == 1
 
 
-def test_a_rank_whose_store_host_never_comes_names_rank_0(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_whose_store_host_never_comes_names_rank_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _as_rank(monkeypatch, 1)
+    monkeypatch.setattr(waiting, "NOTICE_S", 0.2)
     with pytest.raises(
         dist.DistTimeout,
         match=r"rank 1 of 2: no rendezvous at 127.0.0.1:\d+ "
         r"within 1 s; rank 0, which hosts it, never arrived",
     ):
         dist.init("cpu")
+    assert "waiting: rank 1 of 2: for rank 0 to host the rendezvous" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "1e9"])

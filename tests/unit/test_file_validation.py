@@ -488,3 +488,49 @@ def test_an_internal_error_is_one_line_and_a_crash_log_and_debug_shows_the_trace
     with pytest.raises(ZeroDivisionError):
         main(["cache", "info", str(tmp_path)])
     assert os.environ.get("WANDISTILL_DEBUG") is None or cli._debug
+
+
+@pytest.mark.parametrize("cut", [3000, 100], ids=["header-cut", "last-tensor-cut"])
+def test_export_of_a_run_with_truncated_student_weights_names_the_file(
+    real: RealFiles, tmp_path: Path, cut: int
+) -> None:
+    run = Path(shutil.copytree(real.run, tmp_path / "run"))
+    weights = run / "student_ema" / "diffusion_pytorch_model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, cut if cut > 1000 else size - cut)
+    out = tmp_path / "pipe"
+    code, text = _cli(
+        "export", "--run", str(run), "--teacher", str(real.teacher), "--out", str(out)
+    )
+    assert code != 0 and text.count("error:") == 1 and "internal error" not in text, text
+    assert str(weights) in text and not out.exists()
+
+
+def test_export_copy_stops_at_the_first_file_it_cannot_copy_in_one_line(
+    real: RealFiles, tmp_path: Path
+) -> None:
+    teacher = Path(shutil.copytree(real.teacher, tmp_path / "teacher", symlinks=True))
+    (teacher / "vae" / "notes.txt").symlink_to(tmp_path / "gone")  # dangling
+    out = tmp_path / "pipe"
+    code, text = _cli(
+        "export", "--run", str(real.run), "--teacher", str(teacher), "--out", str(out), "--copy"
+    )
+    assert code != 0 and text.count("error:") == 1 and "[(" not in text, text
+    assert str(teacher / "vae" / "notes.txt") in text
+    left = {p.name for p in out.iterdir()} if out.exists() else set()
+    assert left <= {".wandistill.json", ".wandistill.lock", ".wandistill.holder.json"}, left
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", ["eval", "sample"])
+def test_device_cuda_on_a_cpu_machine_names_device_not_placement(
+    real: RealFiles, tmp_path: Path, command: str
+) -> None:
+    args = {
+        "eval": ["eval", "--cache", str(real.wds), "--split", "all"],
+        "sample": ["sample", "--prompts", str(real.root / "prompts.txt")],
+    }[command]
+    code, text = _cli(
+        *args, "--run", str(real.run), "--out", str(tmp_path / "o"), "--device", "cuda"
+    )
+    assert code == 2 and "--device 'cuda' needs CUDA" in text and "--placement" not in text, text

@@ -190,3 +190,39 @@ def test_the_consistency_target_is_sharded_like_the_student_and_follows_it() -> 
     for name, p in target.module.named_parameters():
         want = 0.5 * before[name] + 0.5 * student[name].full_tensor()
         torch.testing.assert_close(p.full_tensor(), want, msg=name)
+
+
+def test_fsdp_shards_every_block_of_both_experts_and_runs_an_idle_sharded_expert() -> None:
+    """A per-expert pair has no `_no_split_modules` of its own: its experts' blocks are each
+    sharded. Without gradients an idle sharded expert still runs (its all-gather is a
+    collective every rank must join); its output is not used."""
+    from wandistill.student.experts import ExpertPair
+
+    pair = ExpertPair(_model().student, _model().student, 0.875, 1000)
+    with torch.no_grad():  # experts that predict differently
+        pair.transformer_2.proj_out.weight.normal_(generator=torch.Generator().manual_seed(3))
+    model = DistillModule(pair, {}, student_width=16, teacher_width=24)
+    before = pair(**_pair_inputs())[0].detach()
+    parallel.shard(model, TrainConfig(parallel="fsdp"), ONE)
+    found = parallel.blocks(pair)
+    assert [b for b in found if b in set(pair.transformer.blocks)] == list(pair.transformer.blocks)
+    assert [b for b in found if b in set(pair.transformer_2.blocks)] == list(
+        pair.transformer_2.blocks
+    )
+    assert len(found) == 4 and all(isinstance(b, FSDPModule) for b in found)
+    calls: list[str] = []
+    for name in ("transformer", "transformer_2"):
+        getattr(pair, name).register_forward_hook(lambda *_, n=name: calls.append(n))
+    with torch.no_grad():  # through the FSDP root, as training calls it
+        out = model(*_pair_inputs().values())[0]
+    assert calls == ["transformer", "transformer_2"]  # t = 999 only: transformer_2 idle, run
+    torch.testing.assert_close(out, before, rtol=1e-5, atol=1e-6)
+
+
+def _pair_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "hidden_states": torch.randn(2, 16, 1, 4, 4, generator=g),
+        "timestep": torch.tensor([999.0, 950.0]),
+        "encoder_hidden_states": torch.randn(2, 5, 32, generator=g),
+    }

@@ -119,6 +119,12 @@ class Target:
     """What the error line must contain (the file's name, or its path)."""
     fresh: Path | None = None
     """An output folder the failing command must not create."""
+    pristine: dict[Path, Path] | None = None
+    """Watched copies -> what they were copied from: restored after an example that changed
+    them, before its verdict, so the next example (and hypothesis's replay of a failing one)
+    starts from the same files. Without it, a command wrongly accepted once (say a resume that
+    trains and moves `latest`) changes the folder, the replay sees another folder and passes,
+    and hypothesis reports "Flaky" instead of a reproducible failure."""
 
     def check(self, data: bytes) -> None:
         original = self.path.read_bytes()
@@ -128,15 +134,25 @@ class Target:
             code, text = _run(self.args)
         finally:
             self.path.write_bytes(original)
+        after = [tree_digest(w, skip=self.path) for w in self.watched]
+        created = self.fresh is not None and self.fresh.exists()
+        self._restore(before, after)
         flat = " ".join(text.split())
         errors = [line for line in text.splitlines() if line.startswith("error:")]
         assert code != 0, f"exit 0 for a mutated {self.path.name}: {data[:300]!r}\n{text}"
         assert "Traceback" not in text and "internal error" not in text, text
         assert len(errors) == 1, text
         assert self.named in flat, (self.named, text)
-        assert [tree_digest(w, skip=self.path) for w in self.watched] == before
-        if self.fresh is not None:
-            assert not self.fresh.exists()
+        assert after == before
+        assert not created
+
+    def _restore(self, before: list[dict[str, str]], after: list[dict[str, str]]) -> None:
+        for w, b, a in zip(self.watched, before, after, strict=True):
+            if a != b and self.pristine and w in self.pristine:
+                shutil.rmtree(w)
+                shutil.copytree(self.pristine[w], w)
+        if self.fresh is not None and self.fresh.exists():
+            shutil.rmtree(self.fresh)
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -288,14 +304,14 @@ def work(real: RealFiles, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("work")
 
 
-def _manifest_target(cache: Path, work: Path, command: str) -> Target:
+def _manifest_target(cache: Path, work: Path, command: str, source: Path) -> Target:
     path = cache / "manifest.json"
     fresh = work / "never"
     args = {
         "info": ["cache", "info", str(cache)],
         "train": ["train", "--cache", str(cache), "--out", str(fresh), "--steps", "1"],
     }[command]
-    return Target(path, [cache], args, str(path), fresh=fresh)
+    return Target(path, [cache], args, str(path), fresh=fresh, pristine={cache: source})
 
 
 @pytest.mark.parametrize("backend", ["wds", "zarr"])
@@ -304,7 +320,8 @@ def test_a_mutated_manifest_is_one_error_line_and_changes_nothing(
 ) -> None:
     cache = _copy(getattr(real, backend), work / f"m-{backend}")
     raw = (cache / "manifest.json").read_bytes()
-    targets = {c: _manifest_target(cache, work, c) for c in ("info", "train")}
+    source = getattr(real, backend)
+    targets = {c: _manifest_target(cache, work, c, source) for c in ("info", "train")}
 
     @_settings(f"manifest-{backend}")
     @given(
@@ -323,7 +340,9 @@ def test_a_mutated_journal_is_one_error_line_and_changes_nothing(
 ) -> None:
     cache = _copy(real.running, work / "journal")
     path = cache / "journal" / "rank-00000.json"
-    target = Target(path, [cache], ["cache", "info", str(cache)], str(path))
+    target = Target(
+        path, [cache], ["cache", "info", str(cache)], str(path), pristine={cache: real.running}
+    )
 
     @_settings("journal")
     @given(data=json_mutation(path.read_bytes(), sealed=True, keys=_any))
@@ -340,7 +359,7 @@ def test_a_mutated_journal_is_one_error_line_and_changes_nothing(
 
 def _resume_target(real: RealFiles, run: Path, path: Path) -> Target:
     args = real.train_args(real.wds, run, "--resume")
-    return Target(path, [run, real.wds], args, str(path))
+    return Target(path, [run, real.wds], args, str(path), pristine={run: real.run})
 
 
 @pytest.mark.parametrize("name", ["state", "optimizer"])

@@ -11,7 +11,6 @@ without the fault finishes normally.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,13 +29,6 @@ from wandistill.train.checkpoint import list_checkpoints
 from cachefixtures import make_record, write_cache
 
 REPO = Path(__file__).parents[2]
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- the check itself

@@ -169,3 +169,27 @@ def test_prompt_seeds_beyond_64_bits_or_negative_are_bad_lines(tmp_path: Path) -
     prompts, report = read_prompts(p)
     assert [x.text for x in prompts] == ["ok", "fine"]
     assert report.bad_json == [2, 3]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpus", "1000000", "--gpu-mem", "80GiB"], "--gpus 1000000 must lie in 0..4096"),
+        (["--gpus", "2", "--gpu-mem", "1e30GiB"], "--gpu-mem '1e30GiB' is larger than the 16TiB"),
+        (["--disk", "1e30GiB"], "--disk '1e30GiB' is larger than"),
+    ],
+)
+def test_plan_what_if_numbers_have_the_upper_bounds_its_help_names(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    from wandistill.cli import MAX_GPUS, MAX_SIZES
+
+    from clirun import run_cli
+
+    code, out, err = run_cli(
+        capsys, "plan", "--config", "wan2.1-14b", "--cpu-mem", "512GiB", *flags
+    )
+    assert code == 2 and message in err and err.count("error:") == 1, err
+    code, out, _ = run_cli(capsys, "plan", "--help")
+    flat = " ".join(out.replace("│", " ").split())  # rich's help box, unwrapped
+    assert f"0..{MAX_GPUS}" in flat and all(f"at most {v}" in flat for v in MAX_SIZES.values())

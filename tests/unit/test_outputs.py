@@ -380,3 +380,11 @@ def test_refusals_never_unpickle_anything(tmp_path: Path) -> None:
     (tmp_path / "m" / "config.json").write_text("{}")
     refused(tmp_path / "m", "run", "model folder")
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_lock_path_that_is_a_directory_is_named_not_the_folder(tmp_path: Path) -> None:
+    (tmp_path / "run" / LOCK).mkdir(parents=True)
+    with pytest.raises(UsageError) as e:
+        claim(tmp_path / "run", "run")
+    assert f"cannot open the lock file {str(tmp_path / 'run' / LOCK)!r}" in e.value.message
+    assert "remove the directory" in (e.value.fix or "")

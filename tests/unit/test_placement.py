@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,6 @@ from wandistill.placement.strategies import (
     GroupOffload,
     ModelOffload,
 )
-from wandistill.teacher.tiny import make_tiny_teacher
 
 CUDA_PLACEMENTS = [
     "cuda",
@@ -72,19 +71,6 @@ CPU_MAP = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _offline() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TRANSFORMERS_OFFLINE", "1")
-        yield
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_teacher(tmp_path_factory.mktemp("placement") / "wan22", wan22=True)
-
-
 # --------------------------------------------------------------------------- forward helpers
 
 
@@ -112,7 +98,9 @@ def forward(model: torch.nn.Module, name: str, dtype: torch.dtype) -> torch.Tens
     return model(**_transformer_inputs(dtype))[0]
 
 
-def _placements(teacher: Path, work: Path) -> dict[str, Callable[[str, torch.dtype], object]]:
+def _placements(
+    tiny_teacher_wan22: Path, work: Path
+) -> dict[str, Callable[[str, torch.dtype], object]]:
     """label -> loader(name, dtype) for every placement that runs on a CPU."""
     cpu_map = work / "cpu.json"
     cpu_map.write_text(json.dumps(CPU_MAP))
@@ -121,12 +109,16 @@ def _placements(teacher: Path, work: Path) -> dict[str, Callable[[str, torch.dty
 
     def load(placement: str) -> Callable[[str, torch.dtype], object]:
         return lambda n, dt: pl.load_component(
-            teacher, n, dtype=dt, placement=parse_placement(placement), offload_dir=work / "offload"
+            tiny_teacher_wan22,
+            n,
+            dtype=dt,
+            placement=parse_placement(placement),
+            offload_dir=work / "offload",
         )
 
     def hooked(placement: object) -> Callable[[str, torch.dtype], object]:
         """The offload hooks with the CPU as their execution device."""
-        return lambda n, dt: pl.load_component(teacher, n, dtype=dt, placement=placement)
+        return lambda n, dt: pl.load_component(tiny_teacher_wan22, n, dtype=dt, placement=placement)
 
     return {
         "cpu": load("cpu"),
@@ -148,13 +140,13 @@ CASES = [
 ]
 
 
-def _bit_identity_main(teacher: Path, out: Path) -> None:
+def _bit_identity_main(tiny_teacher_wan22: Path, out: Path) -> None:
     """Child process: every placement x case -> out/<case>.safetensors ({label: output})."""
     from safetensors.torch import save_file
 
     for name, dtype in CASES:
         results: dict[str, torch.Tensor] = {}
-        for label, loader in _placements(teacher, out).items():
+        for label, loader in _placements(tiny_teacher_wan22, out).items():
             model = loader(name, dtype)
             results[label] = forward(model, name, dtype).contiguous()  # type: ignore[arg-type]
             pl.unload(model)  # type: ignore[arg-type]
@@ -164,11 +156,14 @@ def _bit_identity_main(teacher: Path, out: Path) -> None:
 # --------------------------------------------------------------------------- bit identity
 
 
-def test_every_cpu_placement_gives_bit_identical_outputs(teacher: Path, tmp_path: Path) -> None:
+@pytest.mark.slow  # a fresh interpreter
+def test_every_cpu_placement_gives_bit_identical_outputs(
+    tiny_teacher_wan22: Path, tmp_path: Path
+) -> None:
     from safetensors.torch import load_file
 
     env = {**os.environ, "MKL_CBWR": "COMPATIBLE", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, __file__, "bit-identity", str(teacher), str(tmp_path)]
+    cmd = [sys.executable, __file__, "bit-identity", str(tiny_teacher_wan22), str(tmp_path)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     for name, dtype in CASES:
@@ -204,13 +199,13 @@ def _kept_placeholders(model: torch.nn.Module, names: list[str]) -> dict[str, to
 @pytest.mark.filterwarnings("ignore:The following device_map keys do not match")
 @pytest.mark.parametrize("placement", ["cpu", "disk-offload", "mixed-map"])
 def test_wan_fp32_layers_compute_in_fp32_in_bf16(
-    teacher: Path, tmp_path: Path, placement: str
+    tiny_teacher_wan22: Path, tmp_path: Path, placement: str
 ) -> None:
     if placement == "mixed-map":
         (tmp_path / "m.json").write_text(json.dumps(MIXED_MAP))
         placement = str(tmp_path / "m.json")
     model = pl.load_component(
-        teacher,
+        tiny_teacher_wan22,
         "transformer",
         dtype=torch.bfloat16,
         placement=parse_placement(placement),
@@ -236,9 +231,11 @@ def test_wan_fp32_layers_compute_in_fp32_in_bf16(
 
 
 @pytest.mark.parametrize("placement", ["cpu", "disk-offload"])
-def test_umt5_wo_stays_fp32_under_fp16(teacher: Path, tmp_path: Path, placement: str) -> None:
+def test_umt5_wo_stays_fp32_under_fp16(
+    tiny_teacher_wan22: Path, tmp_path: Path, placement: str
+) -> None:
     model = pl.load_component(
-        teacher,
+        tiny_teacher_wan22,
         "text_encoder",
         dtype=torch.float16,
         placement=parse_placement(placement),
@@ -254,9 +251,11 @@ def test_umt5_wo_stays_fp32_under_fp16(teacher: Path, tmp_path: Path, placement:
     pl.unload(model)
 
 
-def test_umt5_has_no_fp32_layers_under_bf16(teacher: Path) -> None:
+def test_umt5_has_no_fp32_layers_under_bf16(tiny_teacher_wan22: Path) -> None:
     """transformers keeps UMT5's `wo` in fp32 only for fp16 (bf16 has fp32's range)."""
-    model = pl.load_component(teacher, "text_encoder", dtype=torch.bfloat16, placement=Cpu())
+    model = pl.load_component(
+        tiny_teacher_wan22, "text_encoder", dtype=torch.bfloat16, placement=Cpu()
+    )
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
@@ -264,15 +263,19 @@ def test_umt5_has_no_fp32_layers_under_bf16(teacher: Path) -> None:
 
 
 def test_two_experts_sharing_an_offload_dir_keep_their_own_weights(
-    teacher: Path, tmp_path: Path
+    tiny_teacher_wan22: Path, tmp_path: Path
 ) -> None:
     expected = {}
     for name in ("transformer", "transformer_2"):
-        ref = pl.load_component(teacher, name, dtype=torch.float32, placement=Cpu())
+        ref = pl.load_component(tiny_teacher_wan22, name, dtype=torch.float32, placement=Cpu())
         expected[name] = forward(ref, name, torch.float32)
     experts = {
         name: pl.load_component(
-            teacher, name, dtype=torch.float32, placement=DiskOffload(), offload_dir=tmp_path
+            tiny_teacher_wan22,
+            name,
+            dtype=torch.float32,
+            placement=DiskOffload(),
+            offload_dir=tmp_path,
         )
         for name in ("transformer", "transformer_2")
     }
@@ -286,10 +289,16 @@ def test_two_experts_sharing_an_offload_dir_keep_their_own_weights(
     assert not any(f.exists() for f in folders)  # type: ignore[union-attr]
 
 
-def test_unload_frees_weights_hooks_and_offload_folder(teacher: Path, tmp_path: Path) -> None:
+def test_unload_frees_weights_hooks_and_offload_folder(
+    tiny_teacher_wan22: Path, tmp_path: Path
+) -> None:
     root = tmp_path / "cache" / ".offload" / "rank0"
     model = pl.load_component(
-        teacher, "transformer", dtype=torch.float32, placement=DiskOffload(), offload_dir=root
+        tiny_teacher_wan22,
+        "transformer",
+        dtype=torch.float32,
+        placement=DiskOffload(),
+        offload_dir=root,
     )
     folder = pl.placement_of(model).offload_dir  # type: ignore[union-attr]
     assert folder is not None and folder.parent == root and any(folder.iterdir())
@@ -299,9 +308,9 @@ def test_unload_frees_weights_hooks_and_offload_folder(teacher: Path, tmp_path: 
     assert not any(hasattr(m, "_hf_hook") for m in model.modules())
 
 
-def test_group_offload_unload_removes_diffusers_hooks(teacher: Path) -> None:
+def test_group_offload_unload_removes_diffusers_hooks(tiny_teacher_wan22: Path) -> None:
     model = pl.load_component(
-        teacher, "transformer", dtype=torch.float32, placement=GroupOffload(device="cpu")
+        tiny_teacher_wan22, "transformer", dtype=torch.float32, placement=GroupOffload(device="cpu")
     )
     assert any(hasattr(m, "_diffusers_hook") for m in model.modules())
     pl.unload(model)
@@ -311,8 +320,8 @@ def test_group_offload_unload_removes_diffusers_hooks(teacher: Path) -> None:
 # --------------------------------------------------------------------------- what load returns
 
 
-def test_loaded_component_is_eval_frozen_and_reports_its_device(teacher: Path) -> None:
-    model = pl.load_component(teacher, "vae", dtype=torch.float32, placement=Cpu())
+def test_loaded_component_is_eval_frozen_and_reports_its_device(tiny_teacher_wan22: Path) -> None:
+    model = pl.load_component(tiny_teacher_wan22, "vae", dtype=torch.float32, placement=Cpu())
     assert not model.training
     assert not any(p.requires_grad for p in model.parameters())
     assert pl.execution_device(model) == torch.device("cpu")
@@ -320,17 +329,25 @@ def test_loaded_component_is_eval_frozen_and_reports_its_device(teacher: Path) -
     assert placed is not None and placed.placement == Cpu() and placed.component == "vae"
 
 
-def test_vae_runs_whole_under_disk_and_group_offload(teacher: Path, tmp_path: Path) -> None:
+def test_vae_runs_whole_under_disk_and_group_offload(
+    tiny_teacher_wan22: Path, tmp_path: Path
+) -> None:
     for placement in (DiskOffload(device="cpu"), GroupOffload(device="cpu")):
         model = pl.load_component(
-            teacher, "vae", dtype=torch.float32, placement=placement, offload_dir=tmp_path
+            tiny_teacher_wan22,
+            "vae",
+            dtype=torch.float32,
+            placement=placement,
+            offload_dir=tmp_path,
         )
         assert pl.placement_of(model).placement == Cpu()  # type: ignore[union-attr]
         assert not any(p.device.type == "meta" for p in model.parameters())
 
 
-def test_a_weight_left_on_meta_is_an_error(teacher: Path) -> None:
-    model = pl.load_component(teacher, "transformer", dtype=torch.float32, placement=Cpu())
+def test_a_weight_left_on_meta_is_an_error(tiny_teacher_wan22: Path) -> None:
+    model = pl.load_component(
+        tiny_teacher_wan22, "transformer", dtype=torch.float32, placement=Cpu()
+    )
     block = model.blocks[0].ffn.net[0].proj
     block.weight = torch.nn.Parameter(torch.empty_like(block.weight, device="meta"))
     with pytest.raises(WandistillError, match="never loaded.*blocks.0.ffn"):
@@ -343,11 +360,14 @@ def test_a_weight_left_on_meta_is_an_error(teacher: Path) -> None:
 @no_cuda
 @pytest.mark.parametrize("placement", CUDA_PLACEMENTS)
 def test_cuda_placements_on_a_cpu_only_machine_are_usage_errors(
-    teacher: Path, placement: str
+    tiny_teacher_wan22: Path, placement: str
 ) -> None:
     with pytest.raises(UsageError) as info:
         pl.load_component(
-            teacher, "transformer", dtype=torch.float32, placement=parse_placement(placement)
+            tiny_teacher_wan22,
+            "transformer",
+            dtype=torch.float32,
+            placement=parse_placement(placement),
         )
     message = str(info.value).splitlines()[0]
     assert f"placement {placement!r} needs CUDA" in message and "disk-offload" in message
@@ -376,10 +396,12 @@ def test_cuda_index_beyond_the_visible_gpus_is_a_usage_error() -> None:
         parse_placement("cuda:3").check(gpus=1)
 
 
-def test_missing_component_folder_is_a_usage_error_naming_it(teacher: Path, tmp_path: Path) -> None:
+def test_missing_component_folder_is_a_usage_error_naming_it(
+    tiny_teacher_wan22: Path, tmp_path: Path
+) -> None:
     import shutil
 
-    broken = shutil.copytree(teacher, tmp_path / "teacher")
+    broken = shutil.copytree(tiny_teacher_wan22, tmp_path / "teacher")
     shutil.rmtree(broken / "transformer")
     with pytest.raises(UsageError, match=str(broken / "transformer")):
         pl.load_component(broken, "transformer", dtype=torch.float32, placement=Cpu())
@@ -402,19 +424,28 @@ def test_bad_device_map_files_are_usage_errors(tmp_path: Path, content: str, mat
         parse_placement(str(path)).check(gpus=0)
 
 
-def test_device_map_without_the_component_is_a_usage_error(teacher: Path, tmp_path: Path) -> None:
+def test_device_map_without_the_component_is_a_usage_error(
+    tiny_teacher_wan22: Path, tmp_path: Path
+) -> None:
     path = tmp_path / "map.json"
     path.write_text('{"transformer": "cpu"}')
     with pytest.raises(UsageError, match="no entry for 'vae'"):
-        pl.load_component(teacher, "vae", dtype=torch.float32, placement=parse_placement(str(path)))
+        pl.load_component(
+            tiny_teacher_wan22, "vae", dtype=torch.float32, placement=parse_placement(str(path))
+        )
 
 
-def test_device_map_missing_modules_is_a_usage_error(teacher: Path, tmp_path: Path) -> None:
+def test_device_map_missing_modules_is_a_usage_error(
+    tiny_teacher_wan22: Path, tmp_path: Path
+) -> None:
     path = tmp_path / "map.json"
     path.write_text('{"transformer": {"blocks": "cpu"}}')
     with pytest.raises(UsageError, match="does not cover every weight"):
         pl.load_component(
-            teacher, "transformer", dtype=torch.float32, placement=parse_placement(str(path))
+            tiny_teacher_wan22,
+            "transformer",
+            dtype=torch.float32,
+            placement=parse_placement(str(path)),
         )
 
 
@@ -461,12 +492,12 @@ def test_resolve_auto_when_nothing_fits_is_a_runtime_error() -> None:
     assert info.value.exit_code == 1
 
 
-def test_auto_on_this_cpu_machine_loads_the_tiny_teacher_on_cpu(teacher: Path) -> None:
+def test_auto_on_this_cpu_machine_loads_the_tiny_teacher_on_cpu(tiny_teacher_wan22: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks a CPU-only machine")
     got = pl.resolve_placement(
         parse_placement("auto"),
-        folder=teacher,
+        folder=tiny_teacher_wan22,
         dtype=torch.float32,
         sizes=SamplerSizes(32, 32, 1, 1, 32),
     )
@@ -505,8 +536,10 @@ def test_group_offload_oom_suggests_leaf_level_then_disk() -> None:
     assert (err.fix or "").index("leaf_level") < (err.fix or "").index("disk-offload")
 
 
-def test_a_loaded_component_guards_its_own_forward(teacher: Path) -> None:
-    model = pl.load_component(teacher, "transformer", dtype=torch.float32, placement=Cpu())
+def test_a_loaded_component_guards_its_own_forward(tiny_teacher_wan22: Path) -> None:
+    model = pl.load_component(
+        tiny_teacher_wan22, "transformer", dtype=torch.float32, placement=Cpu()
+    )
     with pytest.raises(WandistillError) as info, pl.oom_guard_for(model):
         raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 9 GB")
     assert "on cpu running transformer with placement 'cpu'" in info.value.message

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,6 @@ from wandistill.placement.strategies import (
     ModelOffload,
 )
 from wandistill.teacher.folder import TeacherFolder
-from wandistill.teacher.tiny import make_tiny_teacher
 
 from clirun import run_cli as _run
 
@@ -42,19 +40,6 @@ ROOT = Path(__file__).parents[2]
 BF16 = torch.bfloat16
 RECIPE_4X80 = ROOT / "pipelines" / "wan2.1-14b_4x80gb.toml"
 WHAT_IF_4X80 = ["--gpus", "4", "--gpu-mem", "80GiB", "--cpu-mem", "512GiB"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TRANSFORMERS_OFFLINE", "1")
-        yield
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_teacher(tmp_path_factory.mktemp("placements") / "wan21")
 
 
 class _Captured(Exception):
@@ -296,14 +281,17 @@ def test_what_if_flags_must_describe_a_whole_machine(capsys: pytest.CaptureFixtu
 
 
 def test_a_device_map_naming_a_missing_module_suggests_the_closest(
-    tiny: Path, tmp_path: Path
+    tiny_teacher: Path, tmp_path: Path
 ) -> None:
     path = tmp_path / "map.json"
     modules = {"blockz.0": "cpu", "": "cpu"}
     path.write_text(json.dumps({"text_encoder": "cpu", "transformer": modules, "vae": "cpu"}))
     with pytest.raises(UsageError) as info:
         pl.resolve_placement(
-            parse_placement(str(path)), folder=tiny, dtype=torch.float32, sizes=SamplerSizes()
+            parse_placement(str(path)),
+            folder=tiny_teacher,
+            dtype=torch.float32,
+            sizes=SamplerSizes(),
         )
     assert "module 'blockz.0' does not exist" in info.value.message
     assert "did you mean 'blocks.0'" in (info.value.fix or "")
@@ -330,7 +318,7 @@ def test_device_flags_parse_into_the_same_placement_objects() -> None:
 
 
 def test_sample_with_device_auto_runs_the_tiny_teacher_here(
-    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_teacher: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red cube\n")
@@ -339,7 +327,7 @@ def test_sample_with_device_auto_runs_the_tiny_teacher_here(
         capsys,
         "sample",
         "--teacher",
-        str(tiny),
+        str(tiny_teacher),
         "--prompts",
         str(prompts),
         "--out",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ from wandistill.placement.parse import parse_placement
 from wandistill.placement.plan import make_plan
 from wandistill.placement.render import render_plan
 from wandistill.teacher.folder import CONFIG_NAMES, config_folder
-from wandistill.teacher.tiny import make_tiny_teacher
 
 from clirun import run_cli as _run
 
@@ -31,19 +29,6 @@ MACHINES = {
     "cpu64": Inventory.cpu_only(64),
     "cpu24": Inventory.cpu_only(24),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TRANSFORMERS_OFFLINE", "1")
-        yield
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_teacher(tmp_path_factory.mktemp("plan") / "wan21")
 
 
 def plan(config: str, dtype: torch.dtype, machine: str, **kw: object):  # noqa: ANN201
@@ -155,12 +140,18 @@ def test_published_configs_have_the_published_parameter_counts() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_header_sizes_equal_the_loaded_components_bytes(tiny: Path, dtype: torch.dtype) -> None:
+def test_header_sizes_equal_the_loaded_components_bytes(
+    tiny_teacher: Path, dtype: torch.dtype
+) -> None:
     from wandistill.placement.load import load_component
 
-    p = make_plan(tiny, dtype=dtype, sizes=SamplerSizes(32, 32, 1), inventory=MACHINES["cpu24"])
+    p = make_plan(
+        tiny_teacher, dtype=dtype, sizes=SamplerSizes(32, 32, 1), inventory=MACHINES["cpu24"]
+    )
     for comp in p.components:
-        model = load_component(tiny, comp.name, dtype=dtype, placement=parse_placement("cpu"))
+        model = load_component(
+            tiny_teacher, comp.name, dtype=dtype, placement=parse_placement("cpu")
+        )
         loaded = sum(t.numel() * t.element_size() for t in model.parameters())
         assert comp.source == "safetensors headers"
         assert comp.weight_bytes == loaded, comp.name
@@ -273,10 +264,10 @@ def test_plan_command_for_a_committed_config(capsys: pytest.CaptureFixture[str])
 
 
 def test_plan_command_reads_the_recipe_and_the_tiny_teacher(
-    tiny: Path, capsys: pytest.CaptureFixture[str]
+    tiny_teacher: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     recipe = Path(__file__).parents[2] / "pipelines" / "tiny.toml"
-    code, out, err = _run(capsys, "plan", str(recipe), "--teacher", str(tiny), "--json")
+    code, out, err = _run(capsys, "plan", str(recipe), "--teacher", str(tiny_teacher), "--json")
     assert code == 0, err
     data = json.loads(out)
     assert {c["source"] for c in data["components"]} == {"safetensors headers"}

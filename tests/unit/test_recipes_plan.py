@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,6 @@ PIPELINES = Path(__file__).parents[2] / "pipelines"
 REAL = sorted(p for p in PIPELINES.glob("*.toml") if re.fullmatch(r".+_\d+x\d+gb\.toml", p.name))
 #: RAM assumed for each machine: a 24 GB workstation, an 80 GB server, a 4x80 GB node.
 RAM = {"1x24gb": "64GiB", "1x80gb": "256GiB", "4x80gb": "512GiB"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TRANSFORMERS_OFFLINE", "1")
-        yield
 
 
 def machine_flags(recipe: Path) -> list[str]:

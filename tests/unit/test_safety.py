@@ -343,19 +343,12 @@ def test_verify_reports_unexpected_and_unsafe_members(
 # ----------------------------------------------------------------------------- model folders
 
 
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from wandistill.teacher.tiny import make_tiny_teacher
-
-    return make_tiny_teacher(tmp_path_factory.mktemp("safety") / "teacher")
-
-
-def _with_code(teacher: Path, tmp_path: Path, how: str) -> tuple[Path, Path]:
+def _with_code(tiny_teacher: Path, tmp_path: Path, how: str) -> tuple[Path, Path]:
     """A copy of the tiny teacher that ships code which would create `sentinel` if run."""
     import shutil
 
     evil = tmp_path / "evil-teacher"
-    shutil.copytree(teacher, evil)
+    shutil.copytree(tiny_teacher, evil)
     sentinel = tmp_path / "code-ran"
     code = f"import os\nos.mkdir({str(sentinel)!r})\n"
     if how == "py-file":
@@ -380,9 +373,9 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 @pytest.mark.parametrize("how", ["py-file", "model-index"])
 @pytest.mark.parametrize("command", ["precompute", "plan", "sample", "eval"])
 def test_model_folders_with_code_are_refused_by_every_command(
-    teacher: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, command: str
+    tiny_teacher: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, command: str
 ) -> None:
-    evil, sentinel = _with_code(teacher, tmp_path, how)
+    evil, sentinel = _with_code(tiny_teacher, tmp_path, how)
     prompts = tmp_path / "p.txt"
     prompts.write_text("a cat\n")
     student = tmp_path / "student"
@@ -405,7 +398,7 @@ def test_model_folders_with_code_are_refused_by_every_command(
 
 
 def test_a_student_folder_with_code_is_refused(
-    teacher: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_teacher: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     student = tmp_path / "student"
     student.mkdir()
@@ -414,7 +407,7 @@ def test_a_student_folder_with_code_is_refused(
     prompts = tmp_path / "p.txt"
     prompts.write_text("a cat\n")
     code, err = _cli(
-        capsys, "sample", "--teacher", str(teacher), "--student", str(student),
+        capsys, "sample", "--teacher", str(tiny_teacher), "--student", str(student),
         "--prompts", str(prompts), "--out", str(tmp_path / "png"),
     )  # fmt: skip
     assert code == 2 and "student" in err and "hook.py" in err and "Traceback" not in err

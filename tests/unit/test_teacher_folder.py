@@ -22,20 +22,10 @@ import torch
 from wandistill.cli import main
 from wandistill.errors import UsageError
 from wandistill.teacher.folder import CONFIG_NAMES, TeacherFolder
-from wandistill.teacher.tiny import BOUNDARY_RATIO, make_tiny_teacher
+from wandistill.teacher.tiny import BOUNDARY_RATIO
 
 PACKAGE = Path(__file__).parents[2] / "wandistill"
 Edit = Callable[[Path], None]
-
-
-@pytest.fixture(scope="module")
-def wan21(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_teacher(tmp_path_factory.mktemp("folder") / "wan21")
-
-
-@pytest.fixture(scope="module")
-def wan22(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_teacher(tmp_path_factory.mktemp("folder") / "wan22", wan22=True)
 
 
 # --------------------------------------------------------------------------- editing copies
@@ -136,38 +126,44 @@ def _reference_fingerprint(root: Path) -> dict[str, Any]:
 
 
 def test_a_wan21_folder_opens_into_typed_configs_one_expert_and_its_scheduler(
-    wan21: Path,
+    tiny_teacher: Path,
 ) -> None:
     from safetensors import safe_open
 
-    f = TeacherFolder.open(wan21)
+    f = TeacherFolder.open(tiny_teacher)
     assert f.experts == ("transformer",) and f.boundary_ratio is None
     assert not f.expand_timesteps and set(f.components) == {"text_encoder", "transformer", "vae"}
     assert f.config("transformer").text_dim == 32 and f.config("vae").z_dim == 16
-    assert f.transformer_config == json.loads((wan21 / "transformer/config.json").read_text())
+    assert f.transformer_config == json.loads(
+        (tiny_teacher / "transformer/config.json").read_text()
+    )
     assert f.latent_shape(num_frames=5, height=32, width=32) == (16, 2, 4, 4)
     assert type(f.scheduler).__name__ == "UniPCMultistepScheduler"
     assert f.scheduler.config.flow_shift == 3.0
-    shifted = TeacherFolder.open(wan21, flow_shift=5.0).scheduler
+    shifted = TeacherFolder.open(tiny_teacher, flow_shift=5.0).scheduler
     assert shifted.config.flow_shift == 5.0 and f.make_scheduler() is not f.make_scheduler()
-    with safe_open(str(wan21 / "transformer/diffusion_pytorch_model.safetensors"), "pt") as sf:
+    with safe_open(
+        str(tiny_teacher / "transformer/diffusion_pytorch_model.safetensors"), "pt"
+    ) as sf:
         want = {k: sf.get_slice(k).get_shape() for k in sf.keys()}  # noqa: SIM118
     assert {k: n for k, (n, _) in f.numels("transformer").items()} == {
         k: int(torch.Size(s).numel()) for k, s in want.items()
     }
-    assert f.fingerprint == _reference_fingerprint(wan21)
+    assert f.fingerprint == _reference_fingerprint(tiny_teacher)
 
 
 def test_a_wan22_folder_has_two_experts_the_boundary_and_a_different_fingerprint(
-    wan21: Path, wan22: Path
+    tiny_teacher: Path, tiny_teacher_wan22: Path
 ) -> None:
-    f = TeacherFolder.open(wan22)
+    f = TeacherFolder.open(tiny_teacher_wan22)
     assert f.experts == ("transformer", "transformer_2")
     assert f.boundary_ratio == BOUNDARY_RATIO
     assert f.config("transformer_2").num_layers == f.config("transformer").num_layers
     assert "transformer_2" in f.fingerprint["components"] and f.numels("transformer_2")
-    assert f.fingerprint == _reference_fingerprint(wan22)
-    assert f.fingerprint["fingerprint"] != TeacherFolder.open(wan21).fingerprint["fingerprint"]
+    assert f.fingerprint == _reference_fingerprint(tiny_teacher_wan22)
+    assert (
+        f.fingerprint["fingerprint"] != TeacherFolder.open(tiny_teacher).fingerprint["fingerprint"]
+    )
 
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)
@@ -184,26 +180,28 @@ def test_published_configs_open_through_the_same_checks_without_weights(name: st
 
 
 def test_a_configs_only_folder_plans_but_precompute_needs_its_weights(
-    wan21: Path, tmp_path: Path
+    tiny_teacher: Path, tmp_path: Path
 ) -> None:
-    t = _copy(wan21, tmp_path, lambda t: [p.unlink() for p in t.rglob("*.safetensors")])
+    t = _copy(tiny_teacher, tmp_path, lambda t: [p.unlink() for p in t.rglob("*.safetensors")])
     assert TeacherFolder.open(t, complete=False).numels("transformer") is None
     refused(t, "'{t}/text_encoder' has no model.safetensors")
 
 
 def test_safetensors_next_to_a_pickle_load_and_the_pickle_is_ignored(
-    wan21: Path, tmp_path: Path
+    tiny_teacher: Path, tmp_path: Path
 ) -> None:
-    t = _copy(wan21, tmp_path, _write("transformer/diffusion_pytorch_model.bin", b"\x80junk"))
+    t = _copy(
+        tiny_teacher, tmp_path, _write("transformer/diffusion_pytorch_model.bin", b"\x80junk")
+    )
     weights = TeacherFolder.open(t).component("transformer").weights
     assert weights is not None
     assert [p.path.name for p in weights.files] == ["diffusion_pytorch_model.safetensors"]
 
 
 @pytest.mark.parametrize("shift", [0.0, -1.0, float("nan"), float("inf")])
-def test_a_flow_shift_override_must_be_a_positive_number(wan21: Path, shift: float) -> None:
+def test_a_flow_shift_override_must_be_a_positive_number(tiny_teacher: Path, shift: float) -> None:
     with pytest.raises(UsageError, match="flow_shift"):
-        TeacherFolder.open(wan21, flow_shift=shift)
+        TeacherFolder.open(tiny_teacher, flow_shift=shift)
 
 
 # --------------------------------------------------------------------------- bad JSON
@@ -237,9 +235,9 @@ def _damage(kind: str, rel: str) -> Edit:
 @pytest.mark.parametrize("kind", ["truncated", "garbage", "empty", "not-utf8", "duplicate-key"])
 @pytest.mark.parametrize("rel", FILES)
 def test_invalid_json_in_any_teacher_file_is_refused_naming_the_file(
-    wan21: Path, tmp_path: Path, rel: str, kind: str
+    tiny_teacher: Path, tmp_path: Path, rel: str, kind: str
 ) -> None:
-    t = _copy(wan21, tmp_path, _damage(kind, rel))
+    t = _copy(tiny_teacher, tmp_path, _damage(kind, rel))
     e = refused(t, f"'{{t}}/{rel}'")
     assert "not valid JSON" in e.message
     if kind == "not-utf8":
@@ -269,9 +267,9 @@ def test_invalid_json_in_any_teacher_file_is_refused_naming_the_file(
     ],
 )
 def test_wrong_types_and_classes_are_refused_naming_file_and_field(
-    wan21: Path, tmp_path: Path, rel: str, key: str, value: Any
+    tiny_teacher: Path, tmp_path: Path, rel: str, key: str, value: Any
 ) -> None:
-    t = _copy(wan21, tmp_path, _set(rel, key, value))
+    t = _copy(tiny_teacher, tmp_path, _set(rel, key, value))
     refused(t, f"'{{t}}/{rel}'", key)
 
 
@@ -292,14 +290,16 @@ def test_wrong_types_and_classes_are_refused_naming_file_and_field(
     ],
 )
 def test_non_finite_and_out_of_range_numbers_are_refused(
-    wan21: Path, tmp_path: Path, rel: str, key: str, raw: str, field: str
+    tiny_teacher: Path, tmp_path: Path, rel: str, key: str, raw: str, field: str
 ) -> None:
-    t = _copy(wan21, tmp_path, _set(rel, key, raw=raw))
+    t = _copy(tiny_teacher, tmp_path, _set(rel, key, raw=raw))
     refused(t, f"'{{t}}/{rel}'", field)
 
 
-def test_a_field_fix_is_given_where_the_model_has_one(wan22: Path, tmp_path: Path) -> None:
-    t = _copy(wan22, tmp_path, _set("model_index.json", "boundary_ratio", raw="1.5"))
+def test_a_field_fix_is_given_where_the_model_has_one(
+    tiny_teacher_wan22: Path, tmp_path: Path
+) -> None:
+    t = _copy(tiny_teacher_wan22, tmp_path, _set("model_index.json", "boundary_ratio", raw="1.5"))
     assert "0.875" in (refused(t, "boundary_ratio").fix or "")
 
 
@@ -318,14 +318,14 @@ def _nested(depth: int) -> str:
     ],
 )
 def test_absurd_nesting_and_size_are_refused(
-    wan21: Path, tmp_path: Path, rel: str, edit: str, needle: str
+    tiny_teacher: Path, tmp_path: Path, rel: str, edit: str, needle: str
 ) -> None:
     if edit == "huge":
-        text = (wan21 / rel).read_text()
+        text = (tiny_teacher / rel).read_text()
         change = _write(rel, text[:-1] + " " * (5 << 20) + "}")
     else:
         change = _set(rel, "extra", raw=_nested(40 if edit == "deep40" else 100_000))
-    t = _copy(wan21, tmp_path, change)
+    t = _copy(tiny_teacher, tmp_path, change)
     refused(t, f"'{{t}}/{rel}'", needle)
 
 
@@ -350,14 +350,16 @@ def test_absurd_nesting_and_size_are_refused(
     ],
 )
 def test_missing_components_and_files_are_refused_naming_them(
-    wan21: Path, tmp_path: Path, edit: Edit, needle: str
+    tiny_teacher: Path, tmp_path: Path, edit: Edit, needle: str
 ) -> None:
-    refused(_copy(wan21, tmp_path, edit), needle)
+    refused(_copy(tiny_teacher, tmp_path, edit), needle)
 
 
-def test_a_missing_folder_and_a_non_wan_pipeline_are_refused(wan21: Path, tmp_path: Path) -> None:
+def test_a_missing_folder_and_a_non_wan_pipeline_are_refused(
+    tiny_teacher: Path, tmp_path: Path
+) -> None:
     refused(tmp_path / "nope", "teacher folder '{t}' does not exist")
-    t = _copy(wan21, tmp_path, _set("model_index.json", "_class_name", "FluxPipeline"))
+    t = _copy(tiny_teacher, tmp_path, _set("model_index.json", "_class_name", "FluxPipeline"))
     refused(t, "is a FluxPipeline, not a WanPipeline folder")
 
 
@@ -385,7 +387,7 @@ class _Boom:
     ],
 )
 def test_pickle_only_weights_are_refused_with_the_conversion_and_never_loaded(
-    wan21: Path, tmp_path: Path, component: str, name: str
+    tiny_teacher: Path, tmp_path: Path, component: str, name: str
 ) -> None:
     sentinel = tmp_path / "unpickled"
 
@@ -394,7 +396,7 @@ def test_pickle_only_weights_are_refused_with_the_conversion_and_never_loaded(
             p.unlink()
         (t / component / name).write_bytes(pickle.dumps(_Boom(sentinel)))
 
-    t = _copy(wan21, tmp_path, edit)
+    t = _copy(tiny_teacher, tmp_path, edit)
     e = refused(t, f"'{{t}}/{component}' has only pickle-format weights ({name})")
     assert "save_pretrained" in (e.fix or "") and "safe_serialization=True" in (e.fix or "")
     assert not sentinel.exists()
@@ -431,27 +433,29 @@ def _header_edit(kind: str) -> Edit:
     ],
 )
 def test_damaged_safetensors_headers_are_refused_before_any_library_reads_them(
-    wan21: Path, tmp_path: Path, kind: str, needle: str
+    tiny_teacher: Path, tmp_path: Path, kind: str, needle: str
 ) -> None:
-    t = _copy(wan21, tmp_path, _header_edit(kind))
+    t = _copy(tiny_teacher, tmp_path, _header_edit(kind))
     refused(t, "'{t}/transformer/diffusion_pytorch_model.safetensors'", needle)
 
 
 @pytest.mark.parametrize("shard", ["../escape.safetensors", "missing.safetensors", "x.bin"])
 def test_a_sharded_index_naming_a_bad_shard_is_refused(
-    wan21: Path, tmp_path: Path, shard: str
+    tiny_teacher: Path, tmp_path: Path, shard: str
 ) -> None:
     index = json.dumps({"metadata": {}, "weight_map": {"blocks.0.ffn.net.0.proj.weight": shard}})
     t = _copy(
-        wan21, tmp_path, _write("transformer/diffusion_pytorch_model.safetensors.index.json", index)
+        tiny_teacher,
+        tmp_path,
+        _write("transformer/diffusion_pytorch_model.safetensors.index.json", index),
     )
     refused(t, "diffusion_pytorch_model.safetensors.index.json", repr(shard))
 
 
-def test_a_sharded_index_is_read_with_its_shards(wan21: Path, tmp_path: Path) -> None:
+def test_a_sharded_index_is_read_with_its_shards(tiny_teacher: Path, tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    single = wan21 / "transformer/diffusion_pytorch_model.safetensors"
+    single = tiny_teacher / "transformer/diffusion_pytorch_model.safetensors"
     with safe_open(str(single), "pt") as sf:
         names = list(sf.keys())
     index = {"metadata": {}, "weight_map": dict.fromkeys(names, "shard-1.safetensors")}
@@ -461,7 +465,9 @@ def test_a_sharded_index_is_read_with_its_shards(wan21: Path, tmp_path: Path) ->
         (sub / "diffusion_pytorch_model.safetensors").rename(sub / "shard-1.safetensors")
         (sub / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
 
-    weights = TeacherFolder.open(_copy(wan21, tmp_path, edit)).component("transformer").weights
+    weights = (
+        TeacherFolder.open(_copy(tiny_teacher, tmp_path, edit)).component("transformer").weights
+    )
     assert weights is not None and weights.index is not None
     assert set(weights.tensor_files()) == set(names)
 
@@ -483,18 +489,20 @@ def test_a_sharded_index_is_read_with_its_shards(wan21: Path, tmp_path: Path) ->
     ],
 )  # fmt: skip
 def test_custom_code_in_any_form_is_refused(
-    wan21: Path, tmp_path: Path, edit: Edit, needle: str
+    tiny_teacher: Path, tmp_path: Path, edit: Edit, needle: str
 ) -> None:
-    e = refused(_copy(wan21, tmp_path, edit), "contains custom code", needle)
+    e = refused(_copy(tiny_teacher, tmp_path, edit), "contains custom code", needle)
     assert "never runs code from model folders" in e.message
 
 
-def test_code_is_named_even_when_the_index_is_broken_too(wan21: Path, tmp_path: Path) -> None:
+def test_code_is_named_even_when_the_index_is_broken_too(
+    tiny_teacher: Path, tmp_path: Path
+) -> None:
     def edit(t: Path) -> None:
         (t / "model_index.json").write_text("{oops")
         (t / "evil.py").write_text("raise SystemExit")
 
-    refused(_copy(wan21, tmp_path, edit), "contains custom code (evil.py)")
+    refused(_copy(tiny_teacher, tmp_path, edit), "contains custom code (evil.py)")
 
 
 # --------------------------------------------------------------------------- scheduler
@@ -514,9 +522,9 @@ def test_code_is_named_even_when_the_index_is_broken_too(wan21: Path, tmp_path: 
     ],
 )  # fmt: skip
 def test_unknown_or_mismatched_scheduler_classes_are_refused(
-    wan21: Path, tmp_path: Path, edit: Edit, needle: str
+    tiny_teacher: Path, tmp_path: Path, edit: Edit, needle: str
 ) -> None:
-    refused(_copy(wan21, tmp_path, edit), needle)
+    refused(_copy(tiny_teacher, tmp_path, edit), needle)
 
 
 # --------------------------------------------------------------------------- every command
@@ -532,14 +540,14 @@ def test_unknown_or_mismatched_scheduler_classes_are_refused(
     ],
 )
 def test_every_command_refuses_a_bad_teacher_in_one_line_and_writes_nothing(
-    wan21: Path,
+    tiny_teacher: Path,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     command: str,
     edit: Edit,
     needle: str,
 ) -> None:
-    t = str(_copy(wan21, tmp_path, edit))
+    t = str(_copy(tiny_teacher, tmp_path, edit))
     (tmp_path / "p.txt").write_text("a cat\n")
     (tmp_path / "student").mkdir()
     args = {
@@ -581,3 +589,17 @@ def test_every_weight_load_in_the_package_is_safetensors_only() -> None:
                     if not safe and receiver != "AutoTokenizer":
                         calls.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {receiver}")
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("rel", "key"),
+    [("transformer/config.json", "ffn_dim"), ("text_encoder/config.json", "d_ff")],
+)
+def test_a_config_whose_dims_do_not_match_its_weights_is_one_line_before_any_load(
+    wan21: Path, tmp_path: Path, rel: str, key: str
+) -> None:
+    value = json.loads((wan21 / rel).read_text())[key]
+    teacher = _copy(wan21, tmp_path, _set(rel, key, value * 2))
+    with pytest.raises(UsageError, match="does not match its weights") as e:
+        TeacherFolder.open(teacher)
+    assert str(teacher / rel) in e.value.message and "the config makes it" in e.value.message

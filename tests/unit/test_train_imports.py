@@ -77,6 +77,7 @@ def test_no_module_of_the_cache_room_imports_diffusers() -> None:
         assert not bad, f"{f.relative_to(PACKAGE.parent)} imports {bad}"
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_importing_the_cache_room_loads_no_diffusers() -> None:
     code = """
 import json, sys
@@ -91,6 +92,7 @@ print(json.dumps(sorted(sys.modules)))
     assert [m for m in loaded if m.split(".")[0] == "diffusers" or m.startswith(FORBIDDEN)] == []
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_importing_train_and_building_a_student_loads_no_teacher_module() -> None:
     code = """
 import json, sys

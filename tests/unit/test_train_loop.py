@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,6 @@ SIZES = (
     "student.ffn_dim=32",
 )
 PERF = {"time", "samples_per_s", "step_time_s", "data_wait_frac", "peak_rss_bytes"}
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _cfg(cache: Path, out: Path, *sets: str) -> TrainConfig:

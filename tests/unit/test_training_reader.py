@@ -304,3 +304,28 @@ def test_running_out_of_file_descriptors_is_an_error_not_a_corrupt_record(
     with pytest.raises(OSError, match="Too many open files"):
         _take(reader, 1)
     assert reader.corrupt == []  # nothing was dropped as if it were damaged
+
+
+def test_follow_mode_stops_in_one_line_when_the_caches_writer_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An incomplete cache whose claim lock nobody holds (its precompute died) can never be
+    completed: --follow says so instead of waiting out follow_timeout; while a writer holds
+    the lock, it says what it waits for."""
+    from wandistill import outputs, waiting
+
+    monkeypatch.setattr(waiting, "NOTICE_S", 0.001)  # look at the writer on the first idle poll
+    write_cache(tmp_path, range(4), shard_records=4, finalize=False, complete=False)
+    writer = outputs.claim(tmp_path, "cache")
+    try:
+        reader = TrainingReader(
+            tmp_path, batch_size=3, follow=True, poll_interval=0.01, follow_timeout=0.3
+        )
+        with pytest.raises(CacheError, match="no new shard"):
+            list(reader)
+        assert "waiting: for new shards in" in capsys.readouterr().err
+    finally:
+        writer.release()
+    reader = TrainingReader(tmp_path, batch_size=3, follow=True, poll_interval=0.01)
+    with pytest.raises(CacheError, match="nothing writes it any more: no process holds its lock"):
+        list(reader)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import tempfile
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from packaging.version import Version
 
 from wandistill import workarounds
 from wandistill.placement.estimate import fp32_kept
-from wandistill.teacher.tiny import make_tiny_teacher
 
 ROOT = Path(__file__).parents[2]
 _SPILLED = {
@@ -36,19 +34,6 @@ _SPILLED = {
     "norm_out": "cpu",
     "proj_out": "cpu",
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _offline() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TRANSFORMERS_OFFLINE", "1")
-        yield
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_teacher(tmp_path_factory.mktemp("workarounds") / "wan21")
 
 
 def _floor(package: str) -> Version:
@@ -119,22 +104,22 @@ def test_t5_tokenizer_class_is_needed_while_transformers_4_is_allowed() -> None:
 # --------------------------------------------------------------------------- accelerate
 
 
-def test_incomplete_device_map_still_matches_the_librarys_message(teacher: Path) -> None:
+def test_incomplete_device_map_still_matches_the_librarys_message(tiny_teacher: Path) -> None:
     with pytest.raises(ValueError) as info:
         _load(
             "WanTransformer3DModel",
-            teacher / "transformer",
+            tiny_teacher / "transformer",
             torch.float32,
             device_map={"blocks": "cpu"},
         )
     assert workarounds.incomplete_device_map(info.value), str(info.value)
 
 
-def test_tie_meta_weights_is_needed_init_empty_weights_still_unties(teacher: Path) -> None:
+def test_tie_meta_weights_is_needed_init_empty_weights_still_unties(tiny_teacher: Path) -> None:
     from accelerate import init_empty_weights
     from transformers import UMT5Config, UMT5EncoderModel
 
-    config = UMT5Config.from_pretrained(str(teacher / "text_encoder"))
+    config = UMT5Config.from_pretrained(str(tiny_teacher / "text_encoder"))
     with init_empty_weights():
         model = UMT5EncoderModel(config)
     assert model.shared.weight is not model.encoder.embed_tokens.weight, "fixed: drop it"
@@ -142,8 +127,8 @@ def test_tie_meta_weights_is_needed_init_empty_weights_still_unties(teacher: Pat
     assert model.shared.weight is model.encoder.embed_tokens.weight
 
 
-def test_offload_hooks_still_find_the_private_hook_attributes(teacher: Path) -> None:
-    model = _disk("WanTransformer3DModel", teacher / "transformer", torch.float32)
+def test_offload_hooks_still_find_the_private_hook_attributes(tiny_teacher: Path) -> None:
+    model = _disk("WanTransformer3DModel", tiny_teacher / "transformer", torch.float32)
     hooks = list(workarounds.offload_hooks(model))
     assert hooks, "accelerate's _hf_hook / weights_map layout changed"
     assert workarounds.offload_index(model)
@@ -171,12 +156,14 @@ def test_redispatch_disk_is_needed_an_all_disk_map_still_runs_on_the_cpu(
 # --------------------------------------------------------------------------- diffusers / both
 
 
-def test_restore_fp32_offloaded_is_needed_placeholders_are_still_reduced(teacher: Path) -> None:
+def test_restore_fp32_offloaded_is_needed_placeholders_are_still_reduced(
+    tiny_teacher: Path,
+) -> None:
     from diffusers import WanTransformer3DModel
 
-    wan = _disk("WanTransformer3DModel", teacher / "transformer", torch.bfloat16)
+    wan = _disk("WanTransformer3DModel", tiny_teacher / "transformer", torch.bfloat16)
     assert wan.scale_shift_table.dtype == torch.bfloat16, "diffusers fixed it: drop the repair"
-    umt5 = _disk("UMT5EncoderModel", teacher / "text_encoder", torch.float16)
+    umt5 = _disk("UMT5EncoderModel", tiny_teacher / "text_encoder", torch.float16)
     wo = dict(umt5.named_parameters())["encoder.block.0.layer.1.DenseReluDense.wo.weight"]
     assert wo.dtype == torch.float16, "transformers fixed it: drop the repair"
     kept = fp32_kept(WanTransformer3DModel, torch.bfloat16)
@@ -184,16 +171,16 @@ def test_restore_fp32_offloaded_is_needed_placeholders_are_still_reduced(teacher
     assert wan.scale_shift_table.dtype == torch.float32
 
 
-def test_mixed_map_kwargs_are_needed_offload_state_dict_still_rounds(teacher: Path) -> None:
+def test_mixed_map_kwargs_are_needed_offload_state_dict_still_rounds(tiny_teacher: Path) -> None:
     from diffusers import WanTransformer3DModel
 
     kw = {"device_map": _SPILLED, "offload_folder": tempfile.mkdtemp()}
-    plain = _load("WanTransformer3DModel", teacher / "transformer", torch.bfloat16, **kw)
+    plain = _load("WanTransformer3DModel", tiny_teacher / "transformer", torch.bfloat16, **kw)
     assert plain.scale_shift_table.dtype == torch.bfloat16, "fixed upstream: drop the kwarg"
     kw["offload_folder"] = tempfile.mkdtemp()
     fixed = _load(
         "WanTransformer3DModel",
-        teacher / "transformer",
+        tiny_teacher / "transformer",
         torch.bfloat16,
         **kw,
         **workarounds.mixed_map_kwargs(WanTransformer3DModel),
@@ -201,13 +188,13 @@ def test_mixed_map_kwargs_are_needed_offload_state_dict_still_rounds(teacher: Pa
     assert fixed.scale_shift_table.dtype == torch.float32
 
 
-def test_never_split_is_needed_a_hooked_wan_vae_still_loses_frames(teacher: Path) -> None:
+def test_never_split_is_needed_a_hooked_wan_vae_still_loses_frames(tiny_teacher: Path) -> None:
     from diffusers import AutoencoderKLWan
 
     assert AutoencoderKLWan._skip_keys == ["feat_cache", "feat_idx"]
     z = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
-    plain = _load("AutoencoderKLWan", teacher / "vae", torch.float32)
-    hooked = _disk("AutoencoderKLWan", teacher / "vae", torch.float32)
+    plain = _load("AutoencoderKLWan", tiny_teacher / "vae", torch.float32)
+    hooked = _disk("AutoencoderKLWan", tiny_teacher / "vae", torch.float32)
     with torch.no_grad():
         assert plain.decode(z).sample.shape[2] == 5
         assert hooked.decode(z).sample.shape[2] == 2, "from_pretrained passes _skip_keys: drop it"
@@ -224,16 +211,16 @@ def _groups(model: torch.nn.Module) -> list[tuple[object, set[str]]]:
     return list(groups.values())
 
 
-def test_group_offload_level_is_needed_umt5_blocks_do_not_group(teacher: Path) -> None:
+def test_group_offload_level_is_needed_umt5_blocks_do_not_group(tiny_teacher: Path) -> None:
     from diffusers.hooks import apply_group_offloading
 
     cpu = torch.device("cpu")
-    plain = _load("UMT5EncoderModel", teacher / "text_encoder", torch.float32)
+    plain = _load("UMT5EncoderModel", tiny_teacher / "text_encoder", torch.float32)
     apply_group_offloading(
         plain, onload_device=cpu, offload_type="block_level", num_blocks_per_group=1
     )
     assert len(_groups(plain)) == 1, "block_level groups UMT5's nested blocks now"
-    nested = _load("UMT5EncoderModel", teacher / "text_encoder", torch.float32)
+    nested = _load("UMT5EncoderModel", tiny_teacher / "text_encoder", torch.float32)
     apply_group_offloading(
         nested,
         onload_device=cpu,
@@ -252,10 +239,10 @@ def test_group_offload_level_is_needed_umt5_blocks_do_not_group(teacher: Path) -
     assert workarounds.group_offload_level("UMT5EncoderModel", "block_level") == "leaf_level"
 
 
-def test_remove_diffusers_hooks_still_finds_the_private_registry(teacher: Path) -> None:
+def test_remove_diffusers_hooks_still_finds_the_private_registry(tiny_teacher: Path) -> None:
     from diffusers.hooks import apply_group_offloading
 
-    model = _load("WanTransformer3DModel", teacher / "transformer", torch.float32)
+    model = _load("WanTransformer3DModel", tiny_teacher / "transformer", torch.float32)
     apply_group_offloading(
         model, onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1
     )

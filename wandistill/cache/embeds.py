@@ -37,7 +37,7 @@ from safetensors.torch import save as st_save
 from wandistill.cache.keyindex import NameIndex
 from wandistill.cache.schema import tensor_bytes
 from wandistill.errors import CacheError
-from wandistill.fsutil import atomic_write_json, fsync_dir, temp_name
+from wandistill.fsutil import atomic_write_json, fsync_dir, temp_name, writing
 
 EMBED_DIR = "embeds"
 META_KEY = "wandistill"
@@ -177,7 +177,7 @@ class EmbedStore:
         final = self.dir / f"{name}.safetensors"
         tmp = temp_name(final)
         try:
-            with open(tmp, "wb") as f:
+            with writing(final), open(tmp, "wb") as f:
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())

@@ -26,6 +26,7 @@ exactly this merge's result (then nothing is done).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -41,7 +42,7 @@ from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import SHARED_NAME, ZARR_DATA_NAME
 from wandistill.cache.writer import SHARD_DIR, shard_name
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.fsutil import fsync_dir, temp_name
+from wandistill.fsutil import fsync_dir, temp_name, writing
 
 ZARR_LOCK = "data.zarr.lock"
 """zarr_backend.LOCK_NAME (not imported: merging webdataset caches needs no zarr)."""
@@ -56,6 +57,8 @@ _INFORMATIONAL = ("created", "wandistill_version")
 class MergeConfig:
     inputs: tuple[Path, ...]
     out: Path
+    skip_corrupt: bool = False
+    """Drop (and count) an input shard that fails verification instead of refusing the merge."""
 
 
 @dataclass(slots=True)
@@ -72,6 +75,9 @@ class MergeSummary:
     """M already was this merge's result."""
     per_input: list[int] = field(default_factory=list)
     """Records kept from each input."""
+    corrupt: list[str] = field(default_factory=list)
+    """--skip-corrupt: one line per input shard dropped because it failed verification."""
+    corrupt_records: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,13 +130,33 @@ def _check_same(stores: list[CacheStore]) -> None:
             )
 
 
-def plan(stores: list[CacheStore]) -> tuple[list[_Step], int]:
-    """M's shards in order, and how many duplicate records were dropped."""
+def corrupt_shards(stores: list[CacheStore]) -> dict[tuple[int, str], str]:
+    """(input index, shard name) -> the first problem, for every input shard that fails its
+    checks (`cache verify`'s: the entry's seal, the shard's checksums, every record's crc32c).
+    Merge runs it before it links or copies anything: a hard link would pass a flipped byte
+    into M with a fresh seal, and only a later verify of M would find it."""
+    bad: dict[tuple[int, str], str] = {}
+    for n, store in enumerate(stores):
+        for entry in store.entries:
+            problems = [p for p in (mf.digest_problem(entry),) if p]
+            problems += problems or store.source.verify(entry)
+            if problems:
+                bad[(n, entry["name"])] = problems[0]
+    return bad
+
+
+def plan(
+    stores: list[CacheStore], skip: frozenset[tuple[int, str]] = frozenset()
+) -> tuple[list[_Step], int]:
+    """M's shards in order, and how many duplicate records were dropped (`skip`: input shards
+    left out whole)."""
     seen: set[str] = set()
     steps: list[_Step] = []
     dropped = 0
     for n, store in enumerate(stores):
         for entry in store.entries:
+            if (n, entry["name"]) in skip:
+                continue
             keep = []
             for i, key in enumerate(entry["keys"]):
                 if key in seen:
@@ -155,9 +181,10 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        with writing(dst, partial=tmp):  # a full disk names M's file, not the input shard
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         linked = False
     os.replace(tmp, dst)
     return linked
@@ -279,7 +306,7 @@ def merge(cfg: MergeConfig) -> MergeSummary:
             f"cache merge links shard files on one filesystem; {remote[0]!r} is an object store",
             fix="merge local (or network-mounted) caches; on S3 merge a local copy and upload M",
         )
-    cfg = MergeConfig(inputs=tuple(Path(p) for p in cfg.inputs), out=Path(cfg.out))
+    cfg = dataclasses.replace(cfg, inputs=tuple(Path(p) for p in cfg.inputs), out=Path(cfg.out))
     named = {str(p.resolve()): p for p in cfg.inputs}
     if len(named) != len(cfg.inputs):
         raise UsageError("an input cache is given twice", fix="pass each cache once")
@@ -288,12 +315,32 @@ def merge(cfg: MergeConfig) -> MergeSummary:
         for path in cfg.inputs:
             stores.append(_open_input(path))
         _check_same(stores)
-        steps, dropped = plan(stores)
+        bad = corrupt_shards(stores)
+        if bad and not cfg.skip_corrupt:
+            (n, name), problem = next(iter(bad.items()))
+            more = f" (and {len(bad) - 1} more corrupt shard(s))" if len(bad) > 1 else ""
+            raise CacheError(
+                f"input cache {str(cfg.inputs[n])!r}: shard {name} fails verification, "
+                f"nothing merged: {problem}{more}",
+                fix="repair that input (re-run its precompute after `cache verify` names the "
+                "damage), or pass --skip-corrupt to merge without the corrupt shard(s)",
+            )
+        steps, dropped = plan(stores, frozenset(bad))
         inputs = {f"input cache {i + 1}": p for i, p in enumerate(cfg.inputs)}
         with outputs.claim(cfg.out, "cache", inputs=inputs) as folder:
             merger = _Merger(stores, folder.path)
             header = merger.header()
             merger.summary.duplicates = dropped
+            merger.summary.corrupt = [
+                f"input cache {str(cfg.inputs[n])!r} shard {name}: {problem}"
+                for (n, name), problem in bad.items()
+            ]
+            merger.summary.corrupt_records = sum(
+                int(e["records"])
+                for n, store in enumerate(stores)
+                for e in store.entries
+                if (n, e["name"]) in bad
+            )
             if _existing(folder.path, header, steps):
                 merger.summary.unchanged = True
                 merger.summary.records = sum(len(_keys(s)) for s in steps)

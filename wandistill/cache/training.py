@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from wandistill import waiting
 from wandistill.cache.batch import BatchBuffers, RowsOf
 from wandistill.cache.multi import check_compatible, check_unique_keys, check_weights, mix
 from wandistill.cache.reader import CacheStore
@@ -167,6 +169,7 @@ class TrainingReader:
         poll_interval: float = 1.0,
         follow_timeout: float | None = None,
         sync: SyncFn | None = None,
+        agree: Callable[[bool], bool] | None = None,
         num_threads: int = 4,
         prefetch_batches: int = 2,
         include_holdout: bool = False,
@@ -209,6 +212,8 @@ class TrainingReader:
         self.poll_interval = poll_interval
         self.follow_timeout = follow_timeout
         self.sync = sync or _local_sync
+        self.agree = agree or bool
+        """Follow mode: True on every rank when it is True on every rank (dist.all_agree)."""
         self.num_threads = num_threads
         self.prefetch_batches = max(1, prefetch_batches, num_threads)
         """Batches read ahead, one task each: at least one per thread."""
@@ -453,6 +458,8 @@ class TrainingReader:
         self.generations = []
         seen: set[str] = set()
         idle_since = time.monotonic()
+        idle_polls = 0
+        """Polls in a row that found nothing new: the same count on every rank (`sync`)."""
         complete = False
         while True:
             if replay:
@@ -467,7 +474,7 @@ class TrainingReader:
                 fresh = sorted(n for n in by_name if n not in seen)
                 names, complete = self.sync(fresh, done)
             if names:
-                idle_since = time.monotonic()
+                idle_since, idle_polls = time.monotonic(), 0
                 gen_index = len(self.generations)
                 self.generations.append(list(names))
                 seen.update(names)
@@ -482,6 +489,9 @@ class TrainingReader:
                 continue
             if complete:
                 return
+            idle_polls += 1
+            if idle_polls % self._polls_per_check() == 0:
+                self._check_writer(first=idle_polls == self._polls_per_check())
             if (
                 self.follow_timeout is not None
                 and time.monotonic() - idle_since > self.follow_timeout
@@ -511,6 +521,49 @@ class TrainingReader:
             for n in range(len(self.stores))
         ]
         return spaces[0] if len(spaces) == 1 else mix(spaces, (), self._permutation, 0)
+
+    def _polls_per_check(self) -> int:
+        """Idle polls between two looks at the cache's writer: about every NOTICE_S seconds."""
+        return max(1, math.ceil(waiting.NOTICE_S / max(self.poll_interval, 1e-3)))
+
+    def _check_writer(self, *, first: bool) -> None:
+        """Follow mode found nothing new for a while: stop, in one line, if no process writes
+        an incomplete cache any more (only its writer could complete it); else say what it waits
+        for, once per idle spell. Every rank looks and all must agree (`agree`), so all stop
+        together or none does."""
+        from wandistill.outputs import writer_gone
+
+        gone, path, store = None, "", self.store
+        for store in self.stores:
+            if store.complete:
+                continue
+            path = store.path
+            gone = writer_gone(path)
+            if gone is not None:
+                store.refresh()  # completed just before its writer let go: not gone
+                if store.complete:
+                    gone = None
+            if gone is not None:
+                break
+        if self.agree(gone is not None):
+            raise CacheError(
+                f"--follow: cache {path!r} is not complete ({len(store)} records "
+                f"committed) and nothing writes it any more: {gone or 'another rank saw so'}",
+                fix="re-run `wandistill precompute` with --out at this cache to finish it (it "
+                "resumes), or train without --follow on the records committed so far",
+            )
+        if first and self.rank == 0:
+            limit = (
+                f"giving up after {self.follow_timeout:g} s without one (train.follow_timeout)"
+                if self.follow_timeout
+                else "no time limit (train.follow_timeout = 0)"
+            )
+            where = ", ".join(str(s.path) for s in self.stores if not s.complete)
+            records = sum(len(s) for s in self.stores)
+            waiting.say(
+                f"for new shards in {where} ({records} records committed, its writer "
+                f"is running); {limit}"
+            )
 
     # ------------------------------------------------------------------ reading
 

@@ -100,6 +100,7 @@ from zarr.core.sync import sync
 from zarr.experimental.cache_store import CacheStore
 from zarr.storage import FsspecStore, LocalStore, MemoryStore, WrapperStore
 
+from wandistill import waiting
 from wandistill.cache.batch import BatchBuffers, Shape
 from wandistill.cache.formats import ZarrArrayMeta, ZarrGroupAttrs, ZarrGroupMeta, ZarrNodeMeta
 from wandistill.cache.schema import (
@@ -121,6 +122,7 @@ from wandistill.storage import (
     LocalStorage,
     Storage,
     holder_identity,
+    holder_text,
     is_transient,
     open_storage,
     storage_error,
@@ -360,13 +362,22 @@ def claim_lock(storage: Storage) -> Iterator[None]:
         return
     assert isinstance(storage, FsspecStorage), storage
     lock = LeaseLock(storage, LOCK_NAME, holder_identity())
-    deadline = time.monotonic() + CLAIM_WAIT_S
+    start = time.monotonic()
+    announced = False
     while (holder := lock.acquire()) is not None:
-        if time.monotonic() > deadline:
+        waited = time.monotonic() - start
+        if waited > CLAIM_WAIT_S:
             raise CacheError(
-                f"cache {storage.url!r}: {LOCK_NAME} has been held by another writer for "
-                f"{CLAIM_WAIT_S:g} s ({holder})",
-                fix="stop the writer that holds it, or delete the lock object if none runs",
+                f"cache {storage.url!r}: lock object {lock.url} has been held by another "
+                f"writer for {CLAIM_WAIT_S:g} s ({holder_text(holder)})",
+                fix="stop the writer that holds it; if none runs, delete the lock object "
+                f"(`aws s3 rm {lock.url}`) and re-run",
+            )
+        if not announced and waited > waiting.NOTICE_S:
+            announced = True
+            waiting.say(
+                f"for lock object {lock.url} ({holder_text(holder)}); giving up after "
+                f"{CLAIM_WAIT_S:g} s"
             )
         time.sleep(random.uniform(0.05, 0.5))
     try:

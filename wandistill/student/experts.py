@@ -118,7 +118,7 @@ class ExpertPair(nn.Module):
         for expert, rows_B in ((self.transformer, high_B), (self.transformer_2, ~high_B)):
             rows = rows_B.nonzero().flatten()
             idle = rows.numel() == 0
-            if idle and not torch.is_grad_enabled():
+            if idle and not torch.is_grad_enabled() and not is_sharded(expert):
                 continue  # sampling / eval: nothing to route, no gradient to keep alive
             if idle:
                 rows = torch.zeros(1, dtype=torch.long, device=hidden_states.device)
@@ -131,8 +131,9 @@ class ExpertPair(nn.Module):
             )
             if out is None:
                 out = pred.new_zeros((batch, *pred.shape[1:]))
-            if idle:
-                zero = zero + pred.sum() * 0.0  # see the module docstring
+            if idle:  # its dummy row is not a prediction (sharded, no gradient: discarded)
+                if torch.is_grad_enabled():
+                    zero = zero + pred.sum() * 0.0  # see the module docstring
             else:
                 out = out.index_copy(0, rows, pred.to(out.dtype))
         assert out is not None
@@ -144,6 +145,16 @@ class ExpertPair(nn.Module):
         for name in EXPERTS:
             getattr(self, name).save_pretrained(folder / name, **kwargs)
         write_marker(folder, self.boundary_ratio, self.num_train_timesteps)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """FSDP2's `fully_shard` has wrapped `module` or a part of it (its blocks): its forward
+    all-gathers, a collective, so every rank must run it even with no sample of its own (an idle
+    expert, a consistency target with nothing to evaluate), else the ranks deadlock. (Asked of
+    the modules, not the parameters: inside the root's forward its own are unsharded tensors.)"""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 def transformers(student: nn.Module) -> list[nn.Module]:

@@ -59,7 +59,7 @@ from safetensors import safe_open
 
 from wandistill import __version__, outputs
 from wandistill.errors import UsageError
-from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir
+from wandistill.fsutil import atomic_write_json, copy_tree, fsync_dir, make_temp_dir
 from wandistill.student import experts
 from wandistill.student.folders import EXPORT_MARKER, SAMPLING, FinishedStudent, read_run
 from wandistill.student.lora import LORA_FILE
@@ -337,7 +337,7 @@ def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: boo
     for name in LINKED:
         source = (teacher.path / name).resolve()
         if copy:
-            shutil.copytree(source, tmp / name, copy_function=shutil.copyfile)
+            copy_tree(source, tmp / name)  # a failure is that file's one error
         else:
             os.symlink(source, tmp / name, target_is_directory=True)
     index = _model_index(teacher, type(scheduler).__name__, run.boundary_ratio)

@@ -408,7 +408,12 @@ def _check_weights(folder: Path, label: str, fix: str, *, lora: bool = False) ->
     """The one check of a student weights folder: present, no custom code, no pickle-only
     weights (named with the conversion), config.json + safetensors, config.json typed and of a
     sane size (before diffusers reads it); a LoRA student's: its LoRA file."""
-    from wandistill.modelfolder import refuse_custom_code, require_safetensors
+    from wandistill.modelfolder import (
+        Reader,
+        read_weights,
+        refuse_custom_code,
+        require_safetensors,
+    )
     from wandistill.student.config import check_saved_config
 
     if not folder.is_dir():
@@ -426,6 +431,15 @@ def _check_weights(folder: Path, label: str, fix: str, *, lora: bool = False) ->
     if not _has_weights(folder):
         raise UsageError(f"{label} is not a student folder (config.json + safetensors)", fix=fix)
     check_saved_config(folder)
+    # Every weight file's header, size and offsets, as `from_pretrained` will read them: a
+    # truncated or damaged file is one line naming it (the same check teacher folders get).
+    read_weights(
+        folder,
+        "diffusion_pytorch_model",
+        library="diffusers",
+        class_name="WanTransformer3DModel",
+        reader=Reader("student weight file"),
+    )
 
 
 def _cache_sizes(cache: str | None) -> SamplerSizes | None:

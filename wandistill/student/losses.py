@@ -51,6 +51,7 @@ import torch
 
 from wandistill.config import LossConfig
 from wandistill.errors import CacheError
+from wandistill.student.experts import is_sharded
 
 NUM_TRAIN_TIMESTEPS = 1000
 
@@ -115,14 +116,20 @@ def consistency_target(
     term covers (`mask_B`) and that have a next x_t are run through the target network."""
     out = batch["final_latent"].float().clone()
     run = mask_B & ~batch["next_is_final"]
-    if run.any():
-        xt = batch["xt_next"][run].float()
-        (v,) = target(
-            hidden_states=xt,
-            timestep=batch["timesteps_next"][run].float(),
-            encoder_hidden_states=embeds_BLD[run],
-            return_dict=False,
-        )
+    some = bool(run.any())
+    if not some and not is_sharded(target):
+        return out
+    # FSDP2: the target's forward is a collective, so a rank with nothing to evaluate runs its
+    # first sample and discards the result
+    rows = run if some else torch.arange(run.numel(), device=run.device) == 0
+    xt = batch["xt_next"][rows].float()
+    (v,) = target(
+        hidden_states=xt,
+        timestep=batch["timesteps_next"][rows].float(),
+        encoder_hidden_states=embeds_BLD[rows],
+        return_dict=False,
+    )
+    if some:
         out[run] = flow_x0(xt, v.float(), sigma_next_B[run])
     return out
 

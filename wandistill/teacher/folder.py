@@ -37,6 +37,7 @@ from wandistill.modelfolder import (
     Reader,
     Weights,
     code_files,
+    config_mismatch,
     custom_code_error,
     read_weights,
 )
@@ -593,6 +594,13 @@ def _component(files: _Files, name: str, complete: bool) -> Component:
         required=complete,
         reader=files,
     )
+    if weights is not None:
+        mismatch = config_mismatch(weights, library, class_name, raw)
+        if mismatch is not None:
+            raise UsageError(
+                f"teacher file {str(sub / 'config.json')!r} does not match its weights: {mismatch}",
+                fix=_fix(f"{name}/config.json"),
+            )
     return Component(name, library, class_name, sub, config, raw, weights)
 
 

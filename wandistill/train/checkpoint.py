@@ -43,7 +43,7 @@ from pydantic import Field, JsonValue, model_validator
 from safetensors.torch import load_file, save
 
 from wandistill.errors import WandistillError
-from wandistill.fsutil import atomic_write_bytes, fsync_dir, make_temp_dir, publish
+from wandistill.fsutil import atomic_write_bytes, fsync_dir, make_temp_dir, publish, writing
 from wandistill.validate import (
     MiB,
     OpenSchema,
@@ -232,7 +232,7 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) 
 
 
 def _write(path: Path, data: bytes, sums: dict[str, dict[str, int]] | None = None) -> None:
-    with open(path, "wb") as f:
+    with writing(path), open(path, "wb") as f:  # a full disk names this file
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -519,6 +519,13 @@ def check_restorable(
     check_like([g["params"] for g in groups], [g["params"] for g in live_groups], where)
     for i, (g, live) in enumerate(zip(groups, live_groups, strict=True)):
         check_like(g, live, f"{where}: param_groups[{i}]")
+        for key, value in live.items():  # torch's tri-state flags (foreach, fused: None)
+            if value is None and g[key] is not None and not isinstance(g[key], bool):
+                raise _Error(
+                    f"{where}: param_groups[{i}].{key} must be true, false or null, not "
+                    f"{json_kind(g[key])}",
+                    fix=FIX,
+                )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for idx, entry in ck.optimizer["state"].items():
         if not 0 <= idx < len(params):

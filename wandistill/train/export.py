@@ -26,7 +26,7 @@ from torch import nn
 
 from wandistill.dist import DistInfo, barrier
 from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir, publish
-from wandistill.student import lora
+from wandistill.student import experts, lora
 from wandistill.train.ema import EMA
 from wandistill.train.parallel import gather_to_main, is_sharded, unwrapped_class
 
@@ -35,11 +35,14 @@ STUDENT_EMA = "student_ema"
 SAMPLING = "sampling.json"
 
 
-def _save_folder(model: nn.Module, final: Path) -> None:
+def _save_folder(
+    model: nn.Module, final: Path, adapter: dict[str, torch.Tensor] | None = None
+) -> None:
+    """`adapter`: a sharded LoRA student's gathered adapter (`lora.save_lora_folder`'s state)."""
     tmp = make_temp_dir(final.parent, final.name)
     try:
         if lora.is_lora(model):  # the adapter alone, as a diffusers LoRA file
-            lora.save_lora_folder(model, tmp)
+            lora.save_lora_folder(model, tmp, adapter)
         else:
             model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
         for f in sorted(tmp.rglob("*")):  # per-expert students: transformer/, transformer_2/
@@ -87,18 +90,34 @@ def export_pretrained(
 
 def _export_sharded(student: nn.Module, ema: EMA, paths: tuple[Path, Path], info: DistInfo) -> None:
     """FSDP: gather the student, then its EMA, to rank 0 (on the CPU, one tensor at a time; no
-    other rank ever holds the whole model) and save each as a plain diffusers model built on
-    the meta device around the gathered tensors (no second copy)."""
+    other rank ever holds the whole model) and save each in the folder the unsharded export
+    writes. A LoRA student: only its adapter is gathered (the EMA's shadows carry the same
+    names) and written as its LoRA file(s) by the sharded model itself; a full student: into a
+    plain model (per-expert: a plain `ExpertPair`) built on the meta device around the gathered
+    tensors (no second copy)."""
+    adapter = lora.is_lora(student)
     if info.is_main:
         (paths[0].parent / SAMPLING).unlink(missing_ok=True)
-        with torch.device("meta"):
-            plain = unwrapped_class(student).from_config(student.config)  # type: ignore[attr-defined]
-    for named, path in (
-        (student.state_dict().items(), paths[0]),
-        (ema.state_dict().items(), paths[1]),
-    ):
+    own = lora.trainable_state_dict(student) if adapter else student.state_dict()
+    for named, path in ((own.items(), paths[0]), (ema.state_dict().items(), paths[1])):
         whole = gather_to_main(named, info)
-        if info.is_main:
+        if info.is_main and adapter:
+            _save_folder(student, path, whole)
+        elif info.is_main:
+            plain = _meta_copy(student)
             plain.load_state_dict(whole, strict=True, assign=True)
             _save_folder(plain, path)
+            del plain
         del whole
+
+
+def _meta_copy(student: nn.Module) -> nn.Module:
+    """An empty (meta device) unsharded model of the student's classes and configs."""
+    with torch.device("meta"):
+        if isinstance(student, experts.ExpertPair):
+            return experts.ExpertPair(
+                *(_meta_copy(t) for t in experts.transformers(student)),
+                student.boundary_ratio,
+                student.num_train_timesteps,
+            )
+        return unwrapped_class(student).from_config(student.config)  # type: ignore[attr-defined]

@@ -395,6 +395,7 @@ def setup(
         poll_interval=cfg.follow_poll_interval,
         follow_timeout=cfg.follow_timeout or None,
         sync=dist.follow_sync(info) if follow and info.distributed else None,
+        agree=dist.all_agree(info) if follow and info.distributed else None,
         num_threads=cfg.data_threads,
         skip_corrupt=skip_corrupt,
         pad="batch",  # padded to max_sequence_length on the device, in forward()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from wandistill.fsutil import atomic_write_bytes
+from wandistill.fsutil import atomic_write_bytes, writing
 
 METRICS = "metrics.jsonl"
 
@@ -43,8 +43,9 @@ class MetricsLog:
     def write(self, row: dict[str, Any]) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps({**row, "time": round(time.time(), 3)}) + "\n")
-        self._file.flush()
+        with writing(self.path):  # EFBIG / a full disk names metrics.jsonl
+            self._file.write(json.dumps({**row, "time": round(time.time(), 3)}) + "\n")
+            self._file.flush()
         if self._tb is not None and "step" in row:
             for key, value in row.items():
                 if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):

@@ -15,8 +15,10 @@ as 999 to 1000 in bf16, unlike the fp32 sampler at export).
 On one process `fsdp` runs on a 1-rank group (1 shard: nothing is split, the code path is the
 same), so a sharded checkpoint written by N ranks resumes on 1 and back.
 
-Design for adapters (LoRA): wrap after the adapters are injected; frozen base weights are
-sharded like the rest and only parameters with `requires_grad` reach the optimizer.
+Adapters (LoRA): wrap after the adapters are injected; frozen base weights are sharded like
+the rest and only parameters with `requires_grad` reach the optimizer. Per-expert students
+(`ExpertPair`): the blocks of each expert are sharded, and an expert's forward is a collective
+every rank runs (`experts.is_sharded`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from wandistill.config import TrainConfig
 from wandistill.dist import DistInfo, cuda_and_cpu
+from wandistill.student import experts
 from wandistill.workarounds import ddp_no_buffer_sync
 
 
@@ -67,13 +70,18 @@ def _one_rank_group(info: DistInfo, cpu_backend: bool) -> None:
 
 
 def blocks(module: nn.Module) -> list[nn.Module]:
-    """The transformer blocks FSDP shards one by one: the classes `_no_split_modules` names."""
-    names = set(getattr(module, "_no_split_modules", None) or [])
-    return [
-        m
-        for m in module.modules()
-        if m is not module and any(c.__name__ in names for c in type(m).__mro__)
-    ]
+    """The transformer blocks FSDP shards one by one: the classes `_no_split_modules` names, in
+    each transformer of the student (a per-expert `ExpertPair` has none itself: both experts'
+    blocks, high-noise expert first)."""
+    found = []
+    for transformer in experts.transformers(module):
+        names = set(getattr(transformer, "_no_split_modules", None) or [])
+        found += [
+            m
+            for m in transformer.modules()
+            if m is not transformer and any(c.__name__ in names for c in type(m).__mro__)
+        ]
+    return found
 
 
 def shard(
