@@ -6,25 +6,31 @@
                                                             # a smoke run of the harness
     python tests/bench/train_memory.py --calibrate          # re-measure the activation constants
 
-One tiny teacher and a small cache (`make_tiny_teacher`, precompute at --height x --width) are
-built once; the student is the teacher's config with the sizes given here (default 8 blocks of
-width 1024, ffn 4096: ~140M parameters, random weights), so its state dominates the RSS. Each leg
-runs `wandistill train` on the CPU (gloo) under `torchrun --nproc_per_node N`; every rank writes
-its baseline RSS (torch, diffusers and wandistill imported, before `train` starts) and its
-VmHWM at exit. The figure is peak minus baseline, per rank, beside the train plan's prediction
-(`wandistill.placement.train_plan.make_train_plan` for the same student, choice, cache shape and
-world size: the `total` of its row; the CPU row carries no CUDA allowance). Target: within 15%.
+One teacher and a small cache (precompute at --height x --width) are built once: the tiny
+teacher's components (`build_components`) with its transformer replaced by one of the sizes given
+here (default 8 blocks of width 1024, ffn 4096: ~140M parameters, random weights), so the
+student's state dominates the RSS. Every leg trains that transformer's config (the recipe's
+student sizes are set to the teacher's, as a LoRA student demands): DDP and FSDP2 from random
+weights, LoRA on the teacher's transformer itself (`init_from_teacher.path`), so all legs price
+one model. Each leg runs `wandistill train` on the CPU (gloo) under `torchrun --nproc_per_node N`;
+every rank writes its baseline RSS (torch, diffusers and wandistill imported, before `train`
+starts) and its VmHWM at exit. The figure is peak minus baseline, per rank, beside the train
+plan's prediction (`wandistill.placement.train_plan.make_train_plan` for the same student, choice,
+cache shape and world size: the `total` of its row; the CPU row carries no CUDA allowance).
+Target: within 15%.
 
-Legs: DDP at 1 and 2 ranks; FSDP2 and LoRA at 1 and 2 ranks once their implementations exist on
-this branch (`wandistill.train.parallel`, `wandistill.student.lora`); otherwise one printed line
-says the leg is skipped. Steps/s of each leg is printed too (one run; noisy on a shared box).
+Legs: DDP, FSDP2 (`train.parallel = "fsdp"`) and LoRA (`[train.student.lora]`, rank
+--lora-rank, DDP) at 1 and 2 ranks, one after another (never two legs at once). Steps/s of
+each leg is printed too, from metrics.jsonl's times (log_every=1) between the first and the
+last step, so without startup and the final save (one run; noisy on a shared box).
+The final checkpoint's file sizes go to --json: the measured size of each rank's optimizer
+state and of the LoRA adapter.
 CUDA figures cannot be measured here (no GPU); the GPU issue owns them.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -132,12 +138,35 @@ def calibrate() -> None:
               f"{formula / MiB:>13.1f}")  # fmt: skip
 
 
+def student_sizes(args: argparse.Namespace) -> dict[str, int]:
+    return {
+        "num_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "attention_head_dim": args.head_dim,
+        "ffn_dim": args.ffn,
+    }
+
+
+def make_teacher(args: argparse.Namespace, path: Path) -> None:
+    """The tiny teacher with a transformer of the bench's sizes (the base a LoRA student adapts)."""
+    import torch
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from wandistill.teacher import tiny
+
+    parts = tiny.build_components(0, False)
+    torch.manual_seed(0)
+    big = WanTransformer3DModel(**{**tiny.TRANSFORMER_CONFIG, **student_sizes(args)})
+    tiny._variance_preserving_(big)  # finite, O(1) teacher outputs, as the tiny teacher's
+    parts["transformer"] = big.eval()
+    tiny.write_teacher(path, WanPipeline(**parts), overwrite=False)
+
+
 def build_cache(args: argparse.Namespace, work: Path) -> Path:
     from wandistill.config import load_recipe
     from wandistill.precompute import run as precompute
-    from wandistill.teacher.tiny import make_tiny_teacher
 
-    make_tiny_teacher(work / "teacher")
+    make_teacher(args, work / "teacher")
     words = "a red fox runs over the snowy hill at dusk".split()
     lines = [" ".join(words[i % 5 :] + [str(i)]) for i in range(args.prompts)]
     (work / "prompts.txt").write_text("\n".join(lines) + "\n")
@@ -155,22 +184,21 @@ def build_cache(args: argparse.Namespace, work: Path) -> Path:
     return work / "cache"
 
 
-def leg_sets(args: argparse.Namespace, leg: str) -> list[str]:
+def leg_sets(args: argparse.Namespace, leg: str, teacher: Path) -> list[str]:
     sets = [
         f"train.steps={args.steps}",
         f"train.batch_size={args.batch_size}",
         f"train.checkpoint_every={args.steps}",
+        "train.log_every=1",
         "train.tensorboard=false",
         'train.device="cpu"',
-        f"train.student.num_layers={args.layers}",
-        f"train.student.num_attention_heads={args.heads}",
-        f"train.student.attention_head_dim={args.head_dim}",
-        f"train.student.ffn_dim={args.ffn}",
+        *(f"train.student.{k}={v}" for k, v in student_sizes(args).items()),  # = the teacher's
     ]
     if leg == "fsdp":
         sets.append('train.parallel="fsdp"')
     if leg == "lora":
         sets.append(f"train.student.lora.rank={args.lora_rank}")
+        sets.append(f'train.student.init_from_teacher.path="{teacher}"')
     return sets
 
 
@@ -204,7 +232,7 @@ def predicted(cache: Path, sets: list[str], world: int) -> dict[str, int]:
 def run_leg(
     args: argparse.Namespace, cache: Path, work: Path, leg: str, world: int
 ) -> dict[str, Any]:
-    sets = leg_sets(args, leg)
+    sets = leg_sets(args, leg, work / "teacher")
     report = work / f"report-{leg}-{world}"
     report.mkdir()
     out = work / f"run-{leg}-{world}"
@@ -224,6 +252,10 @@ def run_leg(
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         raise SystemExit(f"leg {leg} x{world} failed ({proc.returncode}): {' | '.join(tail)}")
     measured = max(r["peak"] - r["baseline"] for r in ranks)
+    times = [json.loads(x)["time"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    stepping = times[-1] - times[0] if len(times) > 1 else float("nan")
+    latest = max((out / "checkpoints").glob("checkpoint-*"))
+    files = {str(f.relative_to(latest)): f.stat().st_size for f in latest.rglob("*") if f.is_file()}
     plan = predicted(cache, sets, world)
     return {
         "leg": leg,
@@ -233,18 +265,9 @@ def run_leg(
         "plan": plan,
         "plan_over_measured": plan["total"] / measured,
         "seconds": seconds,
-        "steps_per_s": args.steps / seconds,
+        "steps_per_s": (len(times) - 1) / stepping,  # between logged steps: no startup, no save
+        "checkpoint_files": files,
     }
-
-
-def available_legs() -> list[str]:
-    legs = ["ddp"]
-    for leg, module in (("fsdp", "wandistill.train.parallel"), ("lora", "wandistill.student.lora")):
-        if importlib.util.find_spec(module) is None:
-            print(f"skip {leg}: {module} is not on this branch yet (config key present, no code)")
-        else:
-            legs.append(leg)
-    return legs
 
 
 def main() -> None:
@@ -281,7 +304,7 @@ def main() -> None:
         results = []
         print(f"{'leg':<6}{'ranks':>6}{'measured MiB':>14}{'plan MiB':>10}{'plan/meas':>10}"
               f"{'params':>12}{'steps/s':>9}")  # fmt: skip
-        for leg in available_legs():
+        for leg in ("ddp", "fsdp", "lora"):
             for world in args.ranks:
                 r = run_leg(args, cache, work, leg, world)
                 results.append(r)

@@ -198,7 +198,8 @@ def test_a_gpu_placement_on_a_box_without_gpus_is_planned_not_crashed(
 def test_train_oom_names_the_next_lever_with_the_plans_figures(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(train_oom, "_inventory", lambda info: Inventory.fake(8, 80.0))
+    machine = Inventory.fake(8, 80.0, cpu_gib=1024)  # the inventory `plan` prices on
+    monkeypatch.setattr(train_oom, "_inventory", lambda info: machine)
     cfg = load_recipe(None, ['train.mixed_precision="bf16"'], stage="train").train
     info = dist.DistInfo(
         rank=0, world_size=8, local_rank=0, device=torch.device("cpu"), backend=None

@@ -17,10 +17,16 @@ per rank on an `Inventory` (detected, or described with `--gpus --gpu-mem --cpu-
     activations  `train_size.activation_bytes` (calibrated, stated there), plus autocast's cache
                  of bf16 copies of the trained fp32 weights (2 bytes each) under bf16 autocast.
     overhead     CUDA context + allocator slack per GPU (1 GiB), the process on the CPU (2 GiB).
-    checkpoint   host RAM while rank 0 writes a checkpoint (or the final export): safetensors
-                 builds each file in memory, the largest being AdamW's states (8 bytes per trained
-                 parameter; FSDP: each rank its 1/N shard). On the CPU it adds to the peak; on
-                 GPUs it is RAM.
+    checkpoint   host RAM while a checkpoint is written: `safetensors.torch.save` builds each
+                 file in memory and holds it twice at its peak (its Rust buffer, then the Python
+                 `bytes` copy of it; measured: a 256 MiB file peaks at +512 MiB RSS). The largest
+                 file is, under DDP, AdamW's states on rank 0 (8 bytes per trained parameter);
+                 under FSDP, each rank's one DCP shard (`HuggingFaceStorageWriter` saves the
+                 rank's student, EMA, AdamW states and target together: 16 bytes per trained
+                 parameter, plus the target, over N). So 2x that file (measured on the CPU,
+                 where it adds to the peak: tests/bench/train_memory.py, docs/benchmarks.md).
+                 On GPUs it is RAM, and the tensors' CPU copy may add one more file (not
+                 measured: no GPU here; not counted).
 
 `per-expert` students (Wan 2.2) hold two students' states; a sample runs through one of them, so
 activations count once. The sum is a peak bound: on a GPU, gradients and activations overlap in
@@ -222,7 +228,8 @@ def rank_memory(
         weights -= 4 * (trained + frozen) // shard
         grads = optimizer = ema = 0
     overhead = CUDA_OVERHEAD if device == "cuda" else 0
-    checkpoint = 8 * trained // shard
+    largest_file = (16 * trained // shard + target) if fsdp else 8 * trained
+    checkpoint = 2 * largest_file
     return RankMemory(
         choice, world, weights, grads, optimizer, ema, target, act, other, overhead, offloaded,
         checkpoint, device, room, ram,
