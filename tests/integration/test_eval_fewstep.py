@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from wandistill.eval import grid as gridmod
+from wandistill.eval.equivalent import place
 from wandistill.eval.run import evaluate
 from wandistill.student.folders import read_run
 from wandistill.teacher.folder import TeacherFolder
@@ -94,9 +95,31 @@ def test_eval_sets_the_k_step_student_beside_the_teacher_at_k_and_a_step_imitati
     assert result.baseline_r_k == pytest.approx(
         by["baseline@2"].latent_mse / by["teacher@2"].latent_mse
     )
+    # equivalent steps: the teacher re-sampled at 2..N from the same noise, the student placed
+    curve = {int(s): m for s, m in result.teacher_curve.items()}
+    assert sorted(curve) == [2, 3, 4]
+    assert curve[2] == pytest.approx(by["teacher@2"].latent_mse)
+    assert curve[4] < 1e-10 < min(curve[2], curve[3])  # teacher@N again lands on the cache
+    for name in ("student@2", "baseline@2", "baseline@4"):
+        where = place(curve, by[name].latent_mse)
+        assert (by[name].equivalent, by[name].equivalent_steps) == (where.text, where.steps)
+    student = by["student@2"]
+    if student.equivalent_steps is not None:  # on the curve (this untrained teacher's curve
+        assert 2 <= student.equivalent_steps <= 4  # need not fall monotonically)
     table = (tmp_path / "a" / "eval.md").read_text()
-    for text in ("| student@2 | 2 | 2 |", "| teacher@2 | 2 | 4 |", "R_2 = MSE(student@2"):
+    for text in (
+        "| student@2 | 2 | 2 |",
+        "| teacher@2 | 2 | 4 |",
+        "R_2 = MSE(student@2",
+        f"student@2 ~ {student.equivalent} on the teacher's own curve",
+        f" {student.equivalent} |",
+    ):
         assert text in table
+    assert json.loads((tmp_path / "a" / "eval.json").read_text())["teacher_curve"].keys() == {
+        "2",
+        "3",
+        "4",
+    }
     assert _figures(tmp_path / "a" / "eval.json") == _figures(tmp_path / "b" / "eval.json")
     rows = result.records
     with Image.open(tmp_path / "a" / "grid.png") as img:
