@@ -35,6 +35,8 @@ quality figures are those of a teacher that draws noise (no structure to learn).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import platform
 import statistics
@@ -103,27 +105,64 @@ def build_caches(
     return work / "cache-train", work / "cache-eval"
 
 
+def run_identity(cfg: Any, work: Path) -> dict[str, Any]:
+    """Everything that makes a run's student: its whole resolved train config but the output
+    folder (so --train-steps, --set train.* and recipe changes all count), and the training
+    cache's content (the prompt/seed lines precompute ran, and the precompute.* overrides, via
+    the cache's manifest settings)."""
+    from wandistill.cache.reader import CacheStore
+
+    config = dataclasses.asdict(cfg)
+    config.pop("out", None)
+    with CacheStore(work / "cache-train") as store:
+        cache = {"settings": store.manifest.settings, "records": len(store)}
+    lines = hashlib.sha256((work / "train.jsonl").read_bytes()).hexdigest()
+    identity = {"train": config, "cache": cache, "train_prompts_sha256": lines}
+    return json.loads(json.dumps(identity, default=str))  # as bench-run.json will hold it
+
+
+def _digest(identity: dict[str, Any]) -> str:
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def train_one(work: Path, name: str, teacher: Path, extra: list[str], sets: list[str]) -> Path:
+    """The run `name` for these settings: runs/NAME-DIGEST, the digest of `run_identity`, so a
+    rerun with other settings (more --train-steps, another cache) trains a new student instead
+    of reporting the old one; only a finished run with the very same identity is reused (its
+    identity is kept beside it in bench-run.json and checked)."""
     from wandistill.config import load_recipe
     from wandistill.demo import baseline_config
+    from wandistill.fsutil import atomic_write_json
     from wandistill.train import run as train
 
-    out = work / "runs" / name
-    if (out / "sampling.json").is_file():
-        return out  # a finished run from an earlier invocation
-    cfg = load_recipe(
-        RECIPE,
-        [
-            f'train.cache="{work / "cache-train"}"',
-            f'train.out="{out}"',
-            f'train.student.init_from_teacher.path="{teacher}"',
-            "train.tensorboard=false",
-            *(s if s.startswith("train.") else f"train.{s}" for s in extra),
-            *(s for s in sets if s.startswith("train.")),
-        ],
-    ).train
-    if name == "baseline":
-        cfg = baseline_config(cfg, out)
+    def config(out: Path) -> Any:
+        cfg = load_recipe(
+            RECIPE,
+            [
+                f'train.cache="{work / "cache-train"}"',
+                f'train.out="{out}"',
+                f'train.student.init_from_teacher.path="{teacher}"',
+                "train.tensorboard=false",
+                *(s if s.startswith("train.") else f"train.{s}" for s in extra),
+                *(s for s in sets if s.startswith("train.")),
+            ],
+        ).train
+        return baseline_config(cfg, out) if name == "baseline" else cfg
+
+    identity = run_identity(config(work / "runs" / name), work)
+    out = work / "runs" / f"{name}-{_digest(identity)}"
+    cfg = config(out)
+    marker = out / "bench-run.json"
+    if marker.is_file():
+        kept = json.loads(marker.read_text())
+        if _digest(kept) != _digest(identity):  # a digest collision: never report another run
+            raise SystemExit(f"error: {out} holds a run of other settings; fix: remove it")
+        if (out / "sampling.json").is_file():
+            print(f"  reusing finished run {out} (same settings)", flush=True)
+            return out
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(marker, identity)
     t0 = time.perf_counter()
     train(cfg, resume=(out / "checkpoints" / "latest").exists())
     print(f"  trained {name} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -237,11 +276,13 @@ def main() -> None:
     print(f"# teacher + caches: {time.perf_counter() - t0:.1f} s", flush=True)
     baseline = train_one(args.work, "baseline", teacher, ["loss.output=1.0"], sets)
     results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Path] = {}
     for k in (int(x) for x in args.ks.split(",")):
         for obj in args.objectives.split(","):
             extra = [f"student.num_inference_steps={k}", *OBJECTIVES[obj]]
             run = train_one(args.work, f"k{k}-{obj}", teacher, extra, sets)
-            results[run.name] = evaluate_one(args.work, run, teacher, baseline)
+            results[f"k{k}-{obj}"] = evaluate_one(args.work, run, teacher, baseline)
+            runs[f"k{k}-{obj}"] = run
     for line in table(results):
         print(line)
     best = min(
@@ -252,7 +293,7 @@ def main() -> None:
     timing = {}
     if best is not None:
         held_out = (args.work / "eval.txt").read_text().splitlines()[:8]
-        timing = speed(args.work, args.work / "runs" / best, teacher, held_out)
+        timing = speed(args.work, runs[best], teacher, held_out)
         for name, t in timing.items():
             print(f"{name}: {t['seconds_per_sample']:.4f} s/sample, {t['forwards_per_sample']} fwd")
     if args.json:
