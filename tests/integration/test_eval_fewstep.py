@@ -276,3 +276,43 @@ def test_eval_and_sample_refuse_bad_inputs_in_one_line_writing_nothing(
         assert code == 2 and message in err and "Traceback" not in err, (args, err)
         assert err.count("error:") == 1, err
         assert not (tmp_path / "o").exists()
+
+
+def test_unroll_alone_trains_the_k_step_sampler_from_the_cached_noise(
+    world: dict[str, Path], tmp_path: Path
+) -> None:
+    """loss.unroll: one sample per record (at the student's first step), the student's K-step
+    sampler from its cached noise matched to its final latent; no forward at recorded x_t."""
+    from wandistill.config import load_recipe
+    from wandistill.train import run as train
+    from wandistill.train.metrics import read_metrics
+
+    out = tmp_path / "unroll"
+    sets = [*COMMON, "steps=8", "student.num_inference_steps=2", "loss.output=0.0"]
+    sets += ["loss.final_latent=0.0"]
+    sets += ["loss.unroll=1.0", f'cache="{world["cache"]}"', f'out="{out}"']
+    train(load_recipe("tiny", sets, stage="train").train)
+    assert json.loads((out / "sampling.json").read_text())["objectives"] == {"unroll": [0]}
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    assert rows and all("loss_output" not in r and r["loss_unroll"] == r["loss"] for r in rows)
+    result = evaluate(world["cache"], read_run(out), tmp_path / "e")
+    assert result.student.name == "student@2" and result.latent_mse > 0
+
+
+def test_an_unroll_whose_k_steps_do_not_fit_is_refused_naming_the_checkpoint_lever(
+    world: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import wandistill.student.unroll as unroll
+
+    monkeypatch.setattr(unroll, "device_memory", lambda device: 1 << 10)  # a 1 KiB device
+    args = ["train", "--cache", str(world["cache"]), "--out", str(tmp_path / "run")]
+    for s in ("loss.output=0.0", "loss.final_latent=0.0", "loss.unroll=1.0"):
+        args += ["--set", s]
+    args += ["--set", "loss.unroll_checkpoint=false", "--set", "student.num_inference_steps=4"]
+    code, _, err = _cli(capsys, *args)
+    assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert "K = 4 student steps" in err and "set loss.unroll_checkpoint = true" in err
+    assert not (tmp_path / "run").exists()
