@@ -14,9 +14,10 @@ recorded):
 2. an eval cache of the held-out prompts with FRESH noise (sampler seed 1_000_000: no noise the
    training cache holds), split "all";
 3. one student per (K, objective), trained with the recipe's student and budget: `trajectory`,
-   `consistency`, `reflow`, `trajreflow` (trajectory 1 + reflow 1) and `both` (trajectory 1 +
-   consistency 0.5); and the step-imitating baseline (`output`
-   loss, K unset = N, the teacher's own scheduler), the same student and budget;
+   `consistency`, `reflow`, `unroll` (backpropagation through the K-step sampler), `trajreflow`
+   (trajectory 1 + reflow 1) and `both` (trajectory 1 + consistency 0.5); and the
+   step-imitating baseline (`output` loss, K unset = N, the teacher's own scheduler), the same
+   student and budget;
 4. `wandistill.eval.run.evaluate` of each on the eval cache, with the teacher (teacher@K: the
    teacher's own scheduler at K steps, same noise, same prompts, CFG as cached) and the baseline:
    R_K = MSE(student@K, teacher@N) / MSE(teacher@K, teacher@N), and the baseline's ratio at K;
@@ -54,6 +55,7 @@ OBJECTIVES = {
     "reflow": ["loss.trajectory=0.0", "loss.consistency=0.0", "loss.reflow=1.0"],
     "trajreflow": ["loss.trajectory=1.0", "loss.consistency=0.0", "loss.reflow=1.0"],
     "both": ["loss.trajectory=1.0", "loss.consistency=0.5", "loss.reflow=0.0"],
+    "unroll": ["loss.trajectory=0.0", "loss.consistency=0.0", "loss.reflow=0.0", "loss.unroll=1.0"],
 }
 
 
@@ -227,8 +229,8 @@ def speed(work: Path, run: Path, teacher: Path, prompts: list[str]) -> dict[str,
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "| K | objective | R_K student | baseline@K ratio | student MSE | teacher@K MSE | "
-        "student s/sample | teacher@K s/sample |",
-        "|---|---|---|---|---|---|---|---|",
+        "student s/sample | teacher@K s/sample | student ~ teacher steps |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         cols = {c["name"]: c for c in r["columns"]}
@@ -237,7 +239,7 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {k} | {name.split('-', 1)[1]} | {r['r_k']:.3f} | {r['baseline_r_k']:.3f} | "
             f"{st['latent_mse']:.4f} | {tk['latent_mse']:.4f} | {st['seconds_per_sample']:.4f} | "
-            f"{tk['seconds_per_sample']:.4f} |"
+            f"{tk['seconds_per_sample']:.4f} | {st.get('equivalent') or '-'} |"
         )
     return lines
 
