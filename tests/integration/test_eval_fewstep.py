@@ -316,3 +316,20 @@ def test_an_unroll_whose_k_steps_do_not_fit_is_refused_naming_the_checkpoint_lev
     assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
     assert "K = 4 student steps" in err and "set loss.unroll_checkpoint = true" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_teacher_curve_beyond_the_caches_n_is_refused_before_writing(
+    world: dict[str, Path], tmp_path: Path
+) -> None:
+    from wandistill.errors import UsageError
+
+    teacher = TeacherFolder.open(world["teacher"])
+    with pytest.raises(UsageError, match=r"teacher curve steps \[2, 9\] leave 1..4"):
+        evaluate(world["cache"], read_run(world["fewstep"]), tmp_path / "x", teacher=teacher,
+                 curve=[2, 9])  # fmt: skip
+    assert not (tmp_path / "x").exists()
+    few = evaluate(
+        world["cache"], read_run(world["fewstep"]), tmp_path / "y", teacher=teacher, curve=[]
+    )
+    assert few.teacher_curve == {} and few.student.equivalent is None
+    assert "~ teacher steps" not in (tmp_path / "y" / "eval.md").read_text()

@@ -304,6 +304,11 @@ def evaluate(
             legs.insert(0, _teacher_leg(teacher, settings, k, placement))
             n = int(settings["num_inference_steps"])
             points = equivalent.curve_steps(n) if curve is None else sorted(set(curve))
+            if any(not 1 <= s <= n for s in points):
+                raise UsageError(
+                    f"teacher curve steps {points} leave 1..{n} (the cache's N)",
+                    fix=f"choose step counts between 1 and {n}",
+                )
             steps_curve = Curve(points, legs[0].sample) if points else None
         inputs = {"--cache": cache, "--teacher": teacher.path if teacher else None}
         inputs |= {student.flag: student.path, "--baseline": baseline.path if baseline else None}
