@@ -132,7 +132,7 @@ def train_one(work: Path, name: str, teacher: Path, extra: list[str], sets: list
     """The run `name` for these settings: runs/NAME-DIGEST, the digest of `run_identity`, so a
     rerun with other settings (more --train-steps, another cache) trains a new student instead
     of reporting the old one; only a finished run with the very same identity is reused (its
-    identity is kept beside it in bench-run.json and checked)."""
+    identity is kept beside it in runs/NAME-DIGEST.json, outside the folder train claims)."""
     from wandistill.config import load_recipe
     from wandistill.demo import baseline_config
     from wandistill.fsutil import atomic_write_json
@@ -155,7 +155,7 @@ def train_one(work: Path, name: str, teacher: Path, extra: list[str], sets: list
     identity = run_identity(config(work / "runs" / name), work)
     out = work / "runs" / f"{name}-{_digest(identity)}"
     cfg = config(out)
-    marker = out / "bench-run.json"
+    marker = out.with_name(out.name + ".json")
     if marker.is_file():
         kept = json.loads(marker.read_text())
         if _digest(kept) != _digest(identity):  # a digest collision: never report another run
@@ -163,7 +163,7 @@ def train_one(work: Path, name: str, teacher: Path, extra: list[str], sets: list
         if (out / "sampling.json").is_file():
             print(f"  reusing finished run {out} (same settings)", flush=True)
             return out
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(marker, identity)
     t0 = time.perf_counter()
     train(cfg, resume=(out / "checkpoints" / "latest").exists())

@@ -27,6 +27,7 @@ def test_a_rerun_with_other_train_steps_trains_a_new_student_and_the_same_settin
 
     def fake_train(cfg: Any, resume: bool = False) -> None:  # a finished run, as train leaves it
         trained.append({"out": Path(cfg.out), "steps": cfg.steps})
+        Path(cfg.out).mkdir()  # train claims its --out: nothing of the bench's may be in it
         (Path(cfg.out) / "sampling.json").write_text("{}")
 
     monkeypatch.setattr(train_pkg, "run", fake_train)
@@ -37,7 +38,7 @@ def test_a_rerun_with_other_train_steps_trains_a_new_student_and_the_same_settin
     longer = bench.train_one(tmp_path, "k4-reflow", teacher, extra, ["train.steps=2000"])
     assert again == short != longer
     assert [(t["out"], t["steps"]) for t in trained] == [(short, 400), (longer, 2000)]
-    kept = json.loads((longer / "bench-run.json").read_text())
+    kept = json.loads(longer.with_name(longer.name + ".json").read_text())
     assert kept["train"]["steps"] == 2000 and "out" not in kept["train"]
     # another training cache (more trajectories per prompt) is another run too
     (tmp_path / "train.jsonl").write_text('{"prompt": "a red cat", "seed": 1}\n')
