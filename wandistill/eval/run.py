@@ -18,6 +18,10 @@ teacher@N): below 1 the student does in K steps better than the teacher does in 
 column also reports its forwards per sample (CFG doubles the teacher's) and wall time per sample
 (the batched pipeline call divided by the batch, after one untimed warm-up call per column).
 
+With --teacher, the teacher is also sampled at every step count of `equivalent.curve_steps(N)`
+and each student and baseline column is placed on that error curve ("student@4 ~ teacher@6.1",
+`equivalent.place`), beside R_K.
+
 Streams: records are read `batch_size` at a time, every column samples the batch, every figure
 goes into a running sum, and the batch is dropped (`Stream`, `_run`); only the grid's first rows
 and the per-record figures are kept, so memory does not grow with the held-out records.
