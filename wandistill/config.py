@@ -440,6 +440,13 @@ class LossConfig:
     when its earlier estimates were right (the recorded x_t of the teacher's curved trajectory
     are not), so it trains the student where it samples. Needs the noise and final latent only
     (and the K steps recorded, which are its samples' slots)."""
+    unroll: float = num(0.0, ge=0, le=1e6)
+    """Weight of the unroll objective (`wandistill.student.unroll`): the student's own K-step
+    sampler runs from each record's cached noise and its final latent matches the cached one,
+    backpropagated through all K steps. One sample per record (at the student's first step)."""
+    unroll_checkpoint: bool = True
+    """Make each unrolled step an activation checkpoint: hold K latents instead of K steps'
+    activations, for one more forward per step (the lever when a large K does not fit)."""
     consistency_target_decay: float = num(0.95, ge=0, lt=1)
     """EMA decay of the consistency target network (updated after every optimizer step; 0 makes
     the target a stop-gradient copy of the current student). 0.95 as in Song et al. 2023 (CD)."""
@@ -453,6 +460,7 @@ class LossConfig:
             "trajectory": self.trajectory,
             "consistency": self.consistency,
             "reflow": self.reflow,
+            "unroll": self.unroll,
         }
 
     @property
@@ -465,12 +473,13 @@ class LossConfig:
     def at_recorded_points(self) -> bool:
         """Does any weighted objective run the student at the recorded x_t (all but reflow, which
         builds its own inputs): if none does, the x_t forward is skipped."""
-        return any(w > 0 for name, w in self.weights().items() if name != "reflow")
+        own = ("reflow", "unroll")
+        return any(w > 0 for name, w in self.weights().items() if name not in own)
 
     @property
     def few_step(self) -> bool:
         """Does any weighted objective train a K-step student (first-order sampler)."""
-        return self.trajectory > 0 or self.consistency > 0 or self.reflow > 0
+        return self.trajectory > 0 or self.consistency > 0 or self.reflow > 0 or self.unroll > 0
 
     def __post_init__(self) -> None:
         _problems(

@@ -14,9 +14,10 @@ recorded):
 2. an eval cache of the held-out prompts with FRESH noise (sampler seed 1_000_000: no noise the
    training cache holds), split "all";
 3. one student per (K, objective), trained with the recipe's student and budget: `trajectory`,
-   `consistency`, `reflow`, `trajreflow` (trajectory 1 + reflow 1) and `both` (trajectory 1 +
-   consistency 0.5); and the step-imitating baseline (`output`
-   loss, K unset = N, the teacher's own scheduler), the same student and budget;
+   `consistency`, `reflow`, `unroll` (backpropagation through the K-step sampler), `trajreflow`
+   (trajectory 1 + reflow 1) and `both` (trajectory 1 + consistency 0.5); and the
+   step-imitating baseline (`output` loss, K unset = N, the teacher's own scheduler), the same
+   student and budget;
 4. `wandistill.eval.run.evaluate` of each on the eval cache, with the teacher (teacher@K: the
    teacher's own scheduler at K steps, same noise, same prompts, CFG as cached) and the baseline:
    R_K = MSE(student@K, teacher@N) / MSE(teacher@K, teacher@N), and the baseline's ratio at K;
@@ -35,6 +36,8 @@ quality figures are those of a teacher that draws noise (no structure to learn).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import platform
 import statistics
@@ -52,6 +55,7 @@ OBJECTIVES = {
     "reflow": ["loss.trajectory=0.0", "loss.consistency=0.0", "loss.reflow=1.0"],
     "trajreflow": ["loss.trajectory=1.0", "loss.consistency=0.0", "loss.reflow=1.0"],
     "both": ["loss.trajectory=1.0", "loss.consistency=0.5", "loss.reflow=0.0"],
+    "unroll": ["loss.trajectory=0.0", "loss.consistency=0.0", "loss.reflow=0.0", "loss.unroll=1.0"],
 }
 
 
@@ -103,27 +107,64 @@ def build_caches(
     return work / "cache-train", work / "cache-eval"
 
 
+def run_identity(cfg: Any, work: Path) -> dict[str, Any]:
+    """Everything that makes a run's student: its whole resolved train config but the output
+    folder (so --train-steps, --set train.* and recipe changes all count), and the training
+    cache's content (the prompt/seed lines precompute ran, and the precompute.* overrides, via
+    the cache's manifest settings)."""
+    from wandistill.cache.reader import CacheStore
+
+    config = dataclasses.asdict(cfg)
+    config.pop("out", None)
+    with CacheStore(work / "cache-train") as store:
+        cache = {"settings": store.manifest.settings, "records": len(store)}
+    lines = hashlib.sha256((work / "train.jsonl").read_bytes()).hexdigest()
+    identity = {"train": config, "cache": cache, "train_prompts_sha256": lines}
+    return json.loads(json.dumps(identity, default=str))  # as bench-run.json will hold it
+
+
+def _digest(identity: dict[str, Any]) -> str:
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def train_one(work: Path, name: str, teacher: Path, extra: list[str], sets: list[str]) -> Path:
+    """The run `name` for these settings: runs/NAME-DIGEST, the digest of `run_identity`, so a
+    rerun with other settings (more --train-steps, another cache) trains a new student instead
+    of reporting the old one; only a finished run with the very same identity is reused (its
+    identity is kept beside it in runs/NAME-DIGEST.json, outside the folder train claims)."""
     from wandistill.config import load_recipe
     from wandistill.demo import baseline_config
+    from wandistill.fsutil import atomic_write_json
     from wandistill.train import run as train
 
-    out = work / "runs" / name
-    if (out / "sampling.json").is_file():
-        return out  # a finished run from an earlier invocation
-    cfg = load_recipe(
-        RECIPE,
-        [
-            f'train.cache="{work / "cache-train"}"',
-            f'train.out="{out}"',
-            f'train.student.init_from_teacher.path="{teacher}"',
-            "train.tensorboard=false",
-            *(s if s.startswith("train.") else f"train.{s}" for s in extra),
-            *(s for s in sets if s.startswith("train.")),
-        ],
-    ).train
-    if name == "baseline":
-        cfg = baseline_config(cfg, out)
+    def config(out: Path) -> Any:
+        cfg = load_recipe(
+            RECIPE,
+            [
+                f'train.cache="{work / "cache-train"}"',
+                f'train.out="{out}"',
+                f'train.student.init_from_teacher.path="{teacher}"',
+                "train.tensorboard=false",
+                *(s if s.startswith("train.") else f"train.{s}" for s in extra),
+                *(s for s in sets if s.startswith("train.")),
+            ],
+        ).train
+        return baseline_config(cfg, out) if name == "baseline" else cfg
+
+    identity = run_identity(config(work / "runs" / name), work)
+    out = work / "runs" / f"{name}-{_digest(identity)}"
+    cfg = config(out)
+    marker = out.with_name(out.name + ".json")
+    if marker.is_file():
+        kept = json.loads(marker.read_text())
+        if _digest(kept) != _digest(identity):  # a digest collision: never report another run
+            raise SystemExit(f"error: {out} holds a run of other settings; fix: remove it")
+        if (out / "sampling.json").is_file():
+            print(f"  reusing finished run {out} (same settings)", flush=True)
+            return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(marker, identity)
     t0 = time.perf_counter()
     train(cfg, resume=(out / "checkpoints" / "latest").exists())
     print(f"  trained {name} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -188,8 +229,8 @@ def speed(work: Path, run: Path, teacher: Path, prompts: list[str]) -> dict[str,
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "| K | objective | R_K student | baseline@K ratio | student MSE | teacher@K MSE | "
-        "student s/sample | teacher@K s/sample |",
-        "|---|---|---|---|---|---|---|---|",
+        "student s/sample | teacher@K s/sample | student ~ teacher steps |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         cols = {c["name"]: c for c in r["columns"]}
@@ -198,7 +239,7 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {k} | {name.split('-', 1)[1]} | {r['r_k']:.3f} | {r['baseline_r_k']:.3f} | "
             f"{st['latent_mse']:.4f} | {tk['latent_mse']:.4f} | {st['seconds_per_sample']:.4f} | "
-            f"{tk['seconds_per_sample']:.4f} |"
+            f"{tk['seconds_per_sample']:.4f} | {st.get('equivalent') or '-'} |"
         )
     return lines
 
@@ -237,11 +278,13 @@ def main() -> None:
     print(f"# teacher + caches: {time.perf_counter() - t0:.1f} s", flush=True)
     baseline = train_one(args.work, "baseline", teacher, ["loss.output=1.0"], sets)
     results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Path] = {}
     for k in (int(x) for x in args.ks.split(",")):
         for obj in args.objectives.split(","):
             extra = [f"student.num_inference_steps={k}", *OBJECTIVES[obj]]
             run = train_one(args.work, f"k{k}-{obj}", teacher, extra, sets)
-            results[run.name] = evaluate_one(args.work, run, teacher, baseline)
+            results[f"k{k}-{obj}"] = evaluate_one(args.work, run, teacher, baseline)
+            runs[f"k{k}-{obj}"] = run
     for line in table(results):
         print(line)
     best = min(
@@ -252,7 +295,7 @@ def main() -> None:
     timing = {}
     if best is not None:
         held_out = (args.work / "eval.txt").read_text().splitlines()[:8]
-        timing = speed(args.work, args.work / "runs" / best, teacher, held_out)
+        timing = speed(args.work, runs[best], teacher, held_out)
         for name, t in timing.items():
             print(f"{name}: {t['seconds_per_sample']:.4f} s/sample, {t['forwards_per_sample']} fwd")
     if args.json:

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from wandistill.eval import grid as gridmod
+from wandistill.eval.equivalent import place
 from wandistill.eval.run import evaluate
 from wandistill.student.folders import read_run
 from wandistill.teacher.folder import TeacherFolder
@@ -94,9 +95,31 @@ def test_eval_sets_the_k_step_student_beside_the_teacher_at_k_and_a_step_imitati
     assert result.baseline_r_k == pytest.approx(
         by["baseline@2"].latent_mse / by["teacher@2"].latent_mse
     )
+    # equivalent steps: the teacher re-sampled at 2..N from the same noise, the student placed
+    curve = {int(s): m for s, m in result.teacher_curve.items()}
+    assert sorted(curve) == [2, 3, 4]
+    assert curve[2] == pytest.approx(by["teacher@2"].latent_mse)
+    assert curve[4] < 1e-10 < min(curve[2], curve[3])  # teacher@N again lands on the cache
+    for name in ("student@2", "baseline@2", "baseline@4"):
+        where = place(curve, by[name].latent_mse)
+        assert (by[name].equivalent, by[name].equivalent_steps) == (where.text, where.steps)
+    student = by["student@2"]
+    if student.equivalent_steps is not None:  # on the curve (this untrained teacher's curve
+        assert 2 <= student.equivalent_steps <= 4  # need not fall monotonically)
     table = (tmp_path / "a" / "eval.md").read_text()
-    for text in ("| student@2 | 2 | 2 |", "| teacher@2 | 2 | 4 |", "R_2 = MSE(student@2"):
+    for text in (
+        "| student@2 | 2 | 2 |",
+        "| teacher@2 | 2 | 4 |",
+        "R_2 = MSE(student@2",
+        f"student@2 ~ {student.equivalent} on the teacher's own curve",
+        f" {student.equivalent} |",
+    ):
         assert text in table
+    assert json.loads((tmp_path / "a" / "eval.json").read_text())["teacher_curve"].keys() == {
+        "2",
+        "3",
+        "4",
+    }
     assert _figures(tmp_path / "a" / "eval.json") == _figures(tmp_path / "b" / "eval.json")
     rows = result.records
     with Image.open(tmp_path / "a" / "grid.png") as img:
@@ -253,3 +276,60 @@ def test_eval_and_sample_refuse_bad_inputs_in_one_line_writing_nothing(
         assert code == 2 and message in err and "Traceback" not in err, (args, err)
         assert err.count("error:") == 1, err
         assert not (tmp_path / "o").exists()
+
+
+def test_unroll_alone_trains_the_k_step_sampler_from_the_cached_noise(
+    world: dict[str, Path], tmp_path: Path
+) -> None:
+    """loss.unroll: one sample per record (at the student's first step), the student's K-step
+    sampler from its cached noise matched to its final latent; no forward at recorded x_t."""
+    from wandistill.config import load_recipe
+    from wandistill.train import run as train
+    from wandistill.train.metrics import read_metrics
+
+    out = tmp_path / "unroll"
+    sets = [*COMMON, "steps=8", "student.num_inference_steps=2", "loss.output=0.0"]
+    sets += ["loss.final_latent=0.0"]
+    sets += ["loss.unroll=1.0", f'cache="{world["cache"]}"', f'out="{out}"']
+    train(load_recipe("tiny", sets, stage="train").train)
+    assert json.loads((out / "sampling.json").read_text())["objectives"] == {"unroll": [0]}
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    assert rows and all("loss_output" not in r and r["loss_unroll"] == r["loss"] for r in rows)
+    result = evaluate(world["cache"], read_run(out), tmp_path / "e")
+    assert result.student.name == "student@2" and result.latent_mse > 0
+
+
+def test_an_unroll_whose_k_steps_do_not_fit_is_refused_naming_the_checkpoint_lever(
+    world: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import wandistill.student.unroll as unroll
+
+    monkeypatch.setattr(unroll, "device_memory", lambda device: 1 << 10)  # a 1 KiB device
+    args = ["train", "--cache", str(world["cache"]), "--out", str(tmp_path / "run")]
+    for s in ("loss.output=0.0", "loss.final_latent=0.0", "loss.unroll=1.0"):
+        args += ["--set", s]
+    args += ["--set", "loss.unroll_checkpoint=false", "--set", "student.num_inference_steps=4"]
+    code, _, err = _cli(capsys, *args)
+    assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert "K = 4 student steps" in err and "set loss.unroll_checkpoint = true" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_teacher_curve_beyond_the_caches_n_is_refused_before_writing(
+    world: dict[str, Path], tmp_path: Path
+) -> None:
+    from wandistill.errors import UsageError
+
+    teacher = TeacherFolder.open(world["teacher"])
+    with pytest.raises(UsageError, match=r"teacher curve steps \[2, 9\] leave 1..4"):
+        evaluate(world["cache"], read_run(world["fewstep"]), tmp_path / "x", teacher=teacher,
+                 curve=[2, 9])  # fmt: skip
+    assert not (tmp_path / "x").exists()
+    few = evaluate(
+        world["cache"], read_run(world["fewstep"]), tmp_path / "y", teacher=teacher, curve=[]
+    )
+    assert few.teacher_curve == {} and few.student.equivalent is None
+    assert "~ teacher steps" not in (tmp_path / "y" / "eval.md").read_text()

@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from wandistill.cache.reader import CacheStore
 from wandistill.eval import run as ev
+from wandistill.eval.equivalent import curve_steps, place
 from wandistill.eval.metrics import mse, psnr
 
 from cachefixtures import write_cache
@@ -75,3 +77,67 @@ def test_records_are_read_a_batch_at_a_time_and_the_sums_give_the_full_means(
     step = [mse(r.xt.float() * 0.5, r.teacher_out) for r in records]
     assert np.isclose(result.step_loss, np.mean(step))
     assert len(stream.grid.cells) == 6 and stream.grid.prompts == [r.prompt for r in records[:6]]
+
+
+def test_the_teacher_curve_is_sampled_per_batch_and_places_the_student_between_its_points(
+    tmp_path: Path,
+) -> None:
+    """A stand-in teacher whose error falls with steps: the curve's means are the per-record
+    means, and the student is placed by log-MSE interpolation between the points around it."""
+    write_cache(tmp_path / "c", range(10), shard_records=4)
+    with CacheStore(tmp_path / "c") as store:
+        records = [store.read_record(*w) for w in ev.held_out(store, "all", None)]
+
+        def teacher(batch: ev.Batch, steps: int) -> torch.Tensor:
+            ref = torch.stack([r.final_latent for r in batch.records]).float()
+            return ref + (batch.noise - ref) * 2.0 ** (-steps)
+
+        def student(batch: ev.Batch, steps: int) -> torch.Tensor:  # between teacher@3 and @4
+            ref = torch.stack([r.final_latent for r in batch.records]).float()
+            return ref + (batch.noise - ref) * 2.0 ** (-3.5)
+
+        legs = [
+            ev.Leg(ev.Column("teacher@2", "teacher", 2, 4, 0.0), teacher),
+            ev.Leg(ev.Column("student@2", "student", 2, 2, 0.0), student),
+        ]
+        settings = store.manifest.settings
+        stream = ev.Stream(
+            legs=legs,
+            batches=ev._batches(store, ev.held_out(store, "all", None), settings, {}, 3),
+            model=_Half(),
+            device=torch.device("cpu"),
+            grid=ev._Grid(rows=2),
+            curve=ev.Curve([2, 3, 4, 5], teacher),
+        )
+        result = ev._run(stream, settings)
+    for s in (2, 3, 4, 5):
+        refs = [r.final_latent.float() for r in records]
+        want = np.mean(
+            [
+                mse(f + (r.noise.float() - f) * 2.0**-s, f)
+                for r, f in zip(records, refs, strict=True)
+            ]
+        )
+        assert np.isclose(result.teacher_curve[str(s)], want)
+    assert all(len(row["teacher_curve"]) == 4 for row in result.per_record)
+    # MSE scales by 4 per step, the student's error sits half a step past teacher@3 in log MSE
+    assert result.student.equivalent_steps == pytest.approx(3.5)
+    assert result.student.equivalent == "teacher@3.5"
+    assert "student@2 ~ teacher@3.5 on the teacher's own curve" in result.table()
+
+
+def test_a_student_off_the_curve_is_named_below_its_first_or_above_its_last_point() -> None:
+    curve = {2: 0.1, 4: 0.01, 8: 0.001}
+    assert place(curve, 0.5).text == "< teacher@2" and place(curve, 0.5).steps is None
+    assert place(curve, 1e-4).text == "> teacher@8" and place(curve, 1e-4).steps is None
+    assert place(curve, 0.1).steps == 2 and place(curve, 0.001).text == "teacher@8"
+    assert place(curve, 10**-1.5).steps == pytest.approx(3.0)  # log-linear: halfway in log
+    assert place({2: 0.1, 3: 0.0}, 0.05).steps == pytest.approx(2.5)  # a zero point: linear
+    assert place({}, 0.1) is None
+
+
+def test_the_curve_has_every_step_up_to_16_and_a_half_octave_subset_beyond() -> None:
+    assert curve_steps(4) == [2, 3, 4]
+    assert curve_steps(16) == list(range(2, 17))
+    assert curve_steps(50) == [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 50]
+    assert curve_steps(1) == []

@@ -18,6 +18,10 @@ teacher@N): below 1 the student does in K steps better than the teacher does in 
 column also reports its forwards per sample (CFG doubles the teacher's) and wall time per sample
 (the batched pipeline call divided by the batch, after one untimed warm-up call per column).
 
+With --teacher, the teacher is also sampled at every step count of `equivalent.curve_steps(N)`
+and each student and baseline column is placed on that error curve ("student@4 ~ teacher@6.1",
+`equivalent.place`), beside R_K.
+
 Streams: records are read `batch_size` at a time, every column samples the batch, every figure
 goes into a running sum, and the batch is dropped (`Stream`, `_run`); only the grid's first rows
 and the per-record figures are kept, so memory does not grow with the held-out records.
@@ -41,6 +45,7 @@ from wandistill import outputs
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import Record, is_holdout, pad_embeds
 from wandistill.errors import UsageError
+from wandistill.eval import equivalent
 from wandistill.eval import grid as gridmod
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.fsutil import atomic_write_bytes, atomic_write_json
@@ -73,6 +78,10 @@ class Column:
     ratio: float | None = None
     """latent_mse / latent_mse of teacher@K (None without --teacher)."""
     image_psnr: float | None = None
+    equivalent_steps: float | None = None
+    """Where latent_mse sits on the teacher's step curve (students, baselines; --teacher)."""
+    equivalent: str | None = None
+    """The same in words: 'teacher@6.4', '< teacher@2', '> teacher@16'."""
 
 
 @dataclass(slots=True)
@@ -89,6 +98,9 @@ class EvalResult:
     r_k: float | None = None
     """MSE(student@K, teacher@N) / MSE(teacher@K, teacher@N); None without --teacher."""
     baseline_r_k: float | None = None
+    teacher_curve: dict[str, float] = field(default_factory=dict)
+    """Teacher steps (a string: JSON keys) -> the teacher's MSE vs teacher@N from the same noise
+    (`equivalent.curve_steps`; empty without --teacher)."""
     view: str = "latents"
     per_record: list[dict[str, Any]] = field(default_factory=list)
     grid: str | None = None
@@ -138,6 +150,8 @@ class EvalResult:
         images = any(c.image_psnr is not None for c in self.columns)
         if images:
             head.append("image PSNR (dB)")
+        if self.teacher_curve:
+            head.append("~ teacher steps")
         rows = [head]
         for c in self.columns:
             row = [
@@ -151,6 +165,8 @@ class EvalResult:
             ]
             if images:
                 row.append("-" if c.image_psnr is None else f"{c.image_psnr:.2f}")
+            if self.teacher_curve:
+                row.append(c.equivalent or "-")
             rows.append(row)
         return rows
 
@@ -163,6 +179,13 @@ class EvalResult:
             lines.append(
                 f"R_{k} = MSE(student@{k}, teacher@{n}) / MSE(teacher@{k}, teacher@{n}) = "
                 f"{self.r_k:.3f}: in {k} steps the student lands {verdict} the teacher does."
+            )
+        if self.teacher_curve:
+            lines.append(
+                f"student@{k} ~ {self.student.equivalent} on the teacher's own curve (MSE vs "
+                f"teacher@{n} at each step count: "
+                + ", ".join(f"@{s} {m:.5f}" for s, m in self.teacher_curve.items())
+                + "; interpolated in log MSE)."
             )
         elif k >= n:
             lines.append(
@@ -193,9 +216,11 @@ class EvalResult:
         k, n = self.num_inference_steps, self.teacher_steps
         _, *rows = self.rows()
         short = ["column", "steps", "fwd", "s/sample", f"MSE vs teacher@{n}", "PSNR dB", "ratio"]
-        table = Table(*short[: len(rows[0])], show_lines=False)
-        if len(rows[0]) > len(short):
+        table = Table(*short, show_lines=False)
+        if any(c.image_psnr is not None for c in self.columns):
             table.add_column("image PSNR")
+        if self.teacher_curve:
+            table.add_column("~ teacher")
         table.columns[0].no_wrap = True  # the column names are what a reader looks for
         for row in rows:
             table.add_row(*row)
@@ -247,13 +272,16 @@ def evaluate(
     decode: bool = False,
     device: Placement | None = None,
     warn: Callable[[str], None] | None = None,
+    curve: list[int] | None = None,
 ) -> EvalResult:
     """Check every input (nothing written on a problem), claim OUT, sample, score, write.
 
     `device` (`--device`, parsed by `placement.parse.parse_device`): where the students, the
     teacher's experts and VAE run, through the placement objects precompute uses; default CPU.
     `warn`: where a warning goes once the inputs checked out, before sampling (default: a
-    `warning:` line on stderr); it is also kept in the result and its table."""
+    `warning:` line on stderr); it is also kept in the result and its table.
+    `curve`: the teacher step counts of the equivalent-steps curve (with `teacher` only;
+    default `equivalent.curve_steps(N)`, [] for none)."""
     k = student.check_steps(steps)
     if decode and teacher is None:
         raise UsageError("--decode needs the teacher's VAE", fix="pass --teacher TEACHER")
@@ -275,8 +303,17 @@ def evaluate(
         legs = [_student_leg(f"student@{k}", "student", model, student, k)]
         if baseline is not None:
             legs += _baseline_legs(baseline, k, dims, cache, where)
+        steps_curve = None
         if teacher is not None:
             legs.insert(0, _teacher_leg(teacher, settings, k, placement))
+            n = int(settings["num_inference_steps"])
+            points = equivalent.curve_steps(n) if curve is None else sorted(set(curve))
+            if any(not 1 <= s <= n for s in points):
+                raise UsageError(
+                    f"teacher curve steps {points} leave 1..{n} (the cache's N)",
+                    fix=f"choose step counts between 1 and {n}",
+                )
+            steps_curve = Curve(points, legs[0].sample) if points else None
         inputs = {"--cache": cache, "--teacher": teacher.path if teacher else None}
         inputs |= {student.flag: student.path, "--baseline": baseline.path if baseline else None}
         for note in notes:  # once every input checked out: a refused eval shows only its error
@@ -290,6 +327,7 @@ def evaluate(
                 device=where,
                 grid=_Grid(grid_records),
                 decoder=_decoder(*vae) if vae is not None else None,
+                curve=steps_curve,
             )
             result = _run(stream, settings)
             result.warnings = notes
@@ -535,6 +573,14 @@ class _Sums:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """The teacher re-sampled at each of `steps` for the equivalent-steps curve (--teacher)."""
+
+    steps: list[int]
+    sample: Callable[[Batch, int], torch.Tensor]
+
+
 @dataclass(slots=True)
 class Stream:
     """One pass over the records: every leg samples each batch, every figure is summed, then
@@ -547,6 +593,7 @@ class Stream:
     device: torch.device
     grid: _Grid
     decoder: Decoder | None = None
+    curve: Curve | None = None
 
 
 def _run(stream: Stream, settings: dict[str, Any]) -> EvalResult:
@@ -561,6 +608,7 @@ def _run(stream: Stream, settings: dict[str, Any]) -> EvalResult:
     names = [c.name for c in columns]
     sums = {c: _Sums() for c in names}
     per_record: list[dict[str, Any]] = []
+    curve_sums: dict[int, float] = {}
     loss = 0.0
     for i, b in enumerate(stream.batches):
         if i == 0:
@@ -583,6 +631,10 @@ def _run(stream: Stream, settings: dict[str, Any]) -> EvalResult:
                     for a, r in zip(frames[c], frames[names[1]], strict=True)
                 )
         stream.grid.add(b, names, finals, frames)
+        if stream.curve is not None:
+            teacher = [leg.column for leg in stream.legs if leg.column.role == "teacher"]
+            known = {c.steps: finals[c.name] for c in teacher}
+            _curve_batch(stream.curve, known, b, ref, rows, curve_sums)
         per_record += rows
     count = len(per_record)
     for c in columns:
@@ -591,7 +643,38 @@ def _run(stream: Stream, settings: dict[str, Any]) -> EvalResult:
             c.seconds_per_sample = sums[c.name].seconds / count
         if stream.decoder is not None:
             c.image_psnr = sums[c.name].image_psnr / count
-    return _summary(columns, count, n, loss / count, per_record)
+    result = _summary(columns, count, n, loss / count, per_record)
+    _place_on_curve(result, {s: m / count for s, m in sorted(curve_sums.items())})
+    return result
+
+
+def _curve_batch(
+    curve: Curve,
+    known: dict[int, torch.Tensor],
+    batch: Batch,
+    ref: torch.Tensor,
+    rows: list[dict[str, Any]],
+    sums: dict[int, float],
+) -> None:
+    """The teacher at every curve step count for one batch (`known`: the teacher@K column's
+    finals, reused at K), each record's MSE vs teacher@N summed; the finals are then dropped."""
+    for s in curve.steps:
+        finals = known[s] if s in known else curve.sample(batch, s)
+        for row, a, r in zip(rows, finals, ref, strict=True):
+            row.setdefault("teacher_curve", {})[str(s)] = m = mse(a, r)
+            sums[s] = sums.get(s, 0.0) + m
+
+
+def _place_on_curve(result: EvalResult, curve: dict[int, float]) -> None:
+    """Each student and baseline column placed on the teacher's curve (`equivalent.place`)."""
+    if not curve:
+        return
+    result.teacher_curve = {str(s): m for s, m in curve.items()}
+    for c in result.columns:
+        if c.role in ("student", "baseline"):
+            where = equivalent.place(curve, c.latent_mse)
+            if where is not None:
+                c.equivalent_steps, c.equivalent = where.steps, where.text
 
 
 def _sample_batch(

@@ -143,13 +143,15 @@ def distill_losses(
     masks: dict[str, torch.Tensor] | None = None,
     consistency_x0: torch.Tensor | None = None,
     reflow_x0: torch.Tensor | None = None,
+    unrolled: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every weighted term (the mean over the samples it covers; absent if it covers none of
     this batch, `output` always when it covers any and the student ran at the recorded x_t:
     `pred` has no rows when only reflow is weighted) and `loss`, the weighted sum of each term's
     per-sample errors over the batch size. `masks`: objective -> [B] bool (default: all).
     `reflow_x0`: [B, ...] the student's x0 at each sample's `reflow_input` (rows outside the
-    reflow mask are ignored)."""
+    reflow mask are ignored). `unrolled`: [B, ...] the student's K-step final latent from each
+    sample's noise (`student.unroll`; rows outside the unroll mask are ignored)."""
     batch_size = batch["xt"].shape[0]
     per: dict[str, torch.Tensor] = {}
     pred = pred.float()
@@ -158,6 +160,9 @@ def distill_losses(
     if weights.reflow > 0:
         assert reflow_x0 is not None, "reflow needs the student's x0 on the straight line"
         per["reflow"] = per_sample_mse(reflow_x0, batch["final_latent"])
+    if weights.unroll > 0:
+        assert unrolled is not None, "unroll needs the student's K-step final latent"
+        per["unroll"] = per_sample_mse(unrolled, batch["final_latent"])
     if pred.shape[0] and (
         weights.final_latent > 0 or weights.trajectory > 0 or weights.consistency > 0
     ):

@@ -429,6 +429,16 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
                     [f"re-run precompute with {fix_k}"],
                 )
             )
+    if loss.unroll > 0:  # one sample per record: its slot at the student's first step
+        steps["unroll"] = student.steps[:1]
+        if student.steps[0] not in recorded:
+            problems.append(
+                (
+                    f"loss.unroll samples each record once, at the student's first step "
+                    f"{student.steps[0]}, which the cache did not record",
+                    [f"re-run precompute with {fix_k}"],
+                )
+            )
     if loss.consistency > 0:
         span = tuple(range(student.steps[0], teacher.num_inference_steps))
         steps["consistency"] = span

@@ -288,8 +288,10 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     fields = list(DEFAULT_FIELDS)
     if cfg.loss.x0_terms:
         fields.append("final_latent")
-    if cfg.loss.reflow > 0:
+    if cfg.loss.reflow > 0 or cfg.loss.unroll > 0:
         fields.append("noise")
+    if cfg.loss.unroll > 0 and objectives is not None:
+        problems += unroll_problems(cfg, manifest, student_config, objectives)
     if cfg.loss.feature > 0:
         recorded = sorted(n.removeprefix("feature.") for n in cached if n.startswith("feature."))
         for name in cfg.loss.feature_map:
@@ -332,6 +334,38 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     teacher_width = width(tconf) if tconf else width(student_config)
     cache = location(primary)
     return Plan(cache, out, manifest, student_config, teacher_width, fields, objectives)
+
+
+def unroll_problems(
+    cfg: TrainConfig, manifest: Manifest, student_config: dict[str, Any], plan: ObjectivePlan
+) -> list[str]:
+    """loss.unroll: one process only (K forwards per backward are not put through DDP/FSDP
+    yet), and K steps' activations must fit the device (`unroll.unroll_memory_problem`)."""
+    from wandistill.placement.train_size import StudentSize, TrainShape
+    from wandistill.student.unroll import device_memory, unroll_memory_problem
+
+    problems = []
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        problems.append(
+            "loss.unroll runs K student forwards per backward, which this trainer does not put "
+            "through DDP/FSDP yet; train it on one process (no torchrun), or set loss.unroll = 0"
+        )
+    dims = manifest.dims.get("latent_shape") or []
+    if len(dims) == 4:
+        _, f, h, w = (int(v) for v in dims)
+        text = int(manifest.settings.get("max_sequence_length", 512))
+        shape = TrainShape(f, h, w, text, cfg.batch_size)
+        problem = unroll_memory_problem(
+            plan.student.num_inference_steps,
+            StudentSize.from_config(student_config),
+            shape,
+            device_memory(cfg.device),
+            checkpointed=cfg.loss.unroll_checkpoint,
+            blocks=cfg.gradient_checkpointing,
+            bf16=cfg.mixed_precision == "bf16",
+        )
+        problems += [problem] if problem else []
+    return problems
 
 
 def objective_plan(cfg: TrainConfig, manifest: Manifest | None = None) -> ObjectivePlan:
@@ -760,7 +794,10 @@ def forward(
             x = torch.cat([x, xr[rows]])
             timesteps = torch.cat([timesteps, on["timesteps"][rows]])
             cond = torch.cat([cond, embeds[rows]])
-        pred, feats = t.ddp(x, timesteps.float(), cond)
+        if x.shape[0]:
+            pred, feats = t.ddp(x, timesteps.float(), cond)
+        else:  # unroll alone: no forward at single points
+            pred, feats = x.new_zeros((0, *on["xt"].shape[1:])), {}
         if loss.reflow > 0:
             vr = torch.zeros_like(xr).index_copy(0, rows, pred[size:].float())
             reflow_x0 = flow_x0(xr, vr, sigma)
@@ -770,8 +807,36 @@ def forward(
             target_x0 = consistency_target(
                 t.target.module, on, embeds, sigma_next, masks["consistency"]
             )
-    terms = distill_losses(pred, feats, on, loss, sigma, masks, target_x0, reflow_x0)
+        unrolled = _unroll(t, on, embeds, masks["unroll"]) if loss.unroll > 0 else None
+    terms = distill_losses(pred, feats, on, loss, sigma, masks, target_x0, reflow_x0, unrolled)
     return terms, {n: m.sum() for n, m in masks.items()}
+
+
+def _unroll(
+    t: Trainer, on: dict[str, Any], embeds: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """[B, ...] the student's K-step final latent from each covered sample's noise (rows outside
+    `mask` are the cached final latent, ignored by the loss)."""
+    from wandistill.student.unroll import unroll_final
+
+    out = on["final_latent"].float().clone()
+    rows = mask.nonzero().flatten()
+    if rows.numel():
+        s = t.plan.objectives.student
+
+        def step(x: torch.Tensor, ts: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+            return t.ddp(x, ts, cond)[0]
+
+        final = unroll_final(
+            step,
+            on["noise"][rows],
+            embeds[rows],
+            s.sigmas,
+            s.timesteps,
+            checkpointed=t.cfg.loss.unroll_checkpoint,
+        )
+        out = out.index_put((rows,), final.float())
+    return out
 
 
 # --------------------------------------------------------------------------- logging

@@ -1,0 +1,46 @@
+"""tests/bench/steps.py: a run folder is reused only for the very settings that made it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cachefixtures import write_cache
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+import steps as bench  # noqa: E402
+
+
+def test_a_rerun_with_other_train_steps_trains_a_new_student_and_the_same_settings_reuse_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bug: a rerun with more --train-steps reported the old finished student."""
+    import wandistill.train as train_pkg
+
+    write_cache(tmp_path / "cache-train", range(4))
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a red cat", "seed": 0}\n')
+    trained: list[dict[str, Any]] = []
+
+    def fake_train(cfg: Any, resume: bool = False) -> None:  # a finished run, as train leaves it
+        trained.append({"out": Path(cfg.out), "steps": cfg.steps})
+        Path(cfg.out).mkdir()  # train claims its --out: nothing of the bench's may be in it
+        (Path(cfg.out) / "sampling.json").write_text("{}")
+
+    monkeypatch.setattr(train_pkg, "run", fake_train)
+    teacher = tmp_path / "teacher"
+    extra = ["student.num_inference_steps=4", *bench.OBJECTIVES["reflow"]]
+    short = bench.train_one(tmp_path, "k4-reflow", teacher, extra, ["train.steps=400"])
+    again = bench.train_one(tmp_path, "k4-reflow", teacher, extra, ["train.steps=400"])
+    longer = bench.train_one(tmp_path, "k4-reflow", teacher, extra, ["train.steps=2000"])
+    assert again == short != longer
+    assert [(t["out"], t["steps"]) for t in trained] == [(short, 400), (longer, 2000)]
+    kept = json.loads(longer.with_name(longer.name + ".json").read_text())
+    assert kept["train"]["steps"] == 2000 and "out" not in kept["train"]
+    # another training cache (more trajectories per prompt) is another run too
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a red cat", "seed": 1}\n')
+    other = bench.train_one(tmp_path, "k4-reflow", teacher, extra, ["train.steps=400"])
+    assert other not in (short, longer) and len(trained) == 3
