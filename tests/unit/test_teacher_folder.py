@@ -596,10 +596,10 @@ def test_every_weight_load_in_the_package_is_safetensors_only() -> None:
     [("transformer/config.json", "ffn_dim"), ("text_encoder/config.json", "d_ff")],
 )
 def test_a_config_whose_dims_do_not_match_its_weights_is_one_line_before_any_load(
-    wan21: Path, tmp_path: Path, rel: str, key: str
+    tiny_teacher: Path, tmp_path: Path, rel: str, key: str
 ) -> None:
-    value = json.loads((wan21 / rel).read_text())[key]
-    teacher = _copy(wan21, tmp_path, _set(rel, key, value * 2))
+    value = json.loads((tiny_teacher / rel).read_text())[key]
+    teacher = _copy(tiny_teacher, tmp_path, _set(rel, key, value * 2))
     with pytest.raises(UsageError, match="does not match its weights") as e:
         TeacherFolder.open(teacher)
     assert str(teacher / rel) in e.value.message and "the config makes it" in e.value.message
