@@ -429,36 +429,19 @@ def write_device_map(ctx: Ctx) -> Path:
 
 
 def placement_api() -> SimpleNamespace:
-    """The package's placement functions, wherever this checkout keeps them: the
-    `wandistill.placement` package, or (before it) `wandistill.placements` + `teacher/`."""
-    try:
-        from wandistill.placement import devices, estimate, inventory, load, plan, strategies
+    """The package's placement functions (wandistill/placement/), in one namespace."""
+    from wandistill.placement import devices, estimate, inventory, load, plan, strategies
 
-        return SimpleNamespace(
-            CPU_OVERHEAD=devices.CPU_OVERHEAD,
-            Auto=strategies.Auto,
-            Cpu=strategies.Cpu,
-            Cuda=strategies.Cuda,
-            Inventory=inventory.Inventory,
-            SamplerSizes=estimate.SamplerSizes,
-            make_plan=plan.make_plan,
-            load=load,
-        )
-    except ImportError:
-        from wandistill import placements
-        from wandistill.teacher import placement as load
-        from wandistill.teacher import plan
-
-        return SimpleNamespace(
-            CPU_OVERHEAD=placements.CPU_OVERHEAD,
-            Auto=placements.Auto,
-            Cpu=placements.Cpu,
-            Cuda=placements.Cuda,
-            Inventory=plan.Inventory,
-            SamplerSizes=plan.SamplerSizes,
-            make_plan=plan.make_plan,
-            load=load,
-        )
+    return SimpleNamespace(
+        CPU_OVERHEAD=devices.CPU_OVERHEAD,
+        Auto=strategies.Auto,
+        Cpu=strategies.Cpu,
+        Cuda=strategies.Cuda,
+        Inventory=inventory.Inventory,
+        SamplerSizes=estimate.SamplerSizes,
+        make_plan=plan.make_plan,
+        load=load,
+    )
 
 
 def plan_estimate(ctx: Ctx, cfg: Any) -> tuple[str, dict[str, int]]:
