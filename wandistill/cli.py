@@ -616,14 +616,19 @@ def train_cmd(
     ] = None,
     steps: Annotated[
         int | None,
-        typer.Option(help="Optimizer steps.", show_default=_recipe_key("steps")),
+        typer.Option(
+            help="Total optimizer steps of the run: --resume trains up to it, not that many "
+            "more (at 100 steps, --steps 150 --resume trains 50).",
+            show_default=_recipe_key("steps"),
+        ),
     ] = None,
     resume: Annotated[
         bool,
         typer.Option(
             "--resume/--no-resume",
-            help="Continue from the newest checkpoint in --out (after a crash, a stop or to "
-            "train longer); without it a run folder with checkpoints is refused.",
+            help="Continue from the newest checkpoint in --out up to --steps in total (after "
+            "a crash, a stop or to train longer: raise --steps); without it a run folder with "
+            "checkpoints is refused.",
         ),
     ] = False,
     follow: Annotated[
@@ -679,6 +684,8 @@ def train_cmd(
         for line in objective_plan(cfg).describe():
             out.print(line, highlight=False, soft_wrap=True)
         return
+    if resume and cfg.out and _already_trained(Path(cfg.out), cfg.steps):
+        return
     from wandistill.train import run
 
     r = run(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
@@ -695,6 +702,26 @@ def train_cmd(
             err.print(f"  {line}", highlight=False)
     for line in r.lines():
         out.print(line, highlight=False, soft_wrap=True)
+
+
+def _already_trained(run_dir: Path, steps: int) -> bool:
+    """--resume of a run already at or past --steps (a total): say so and touch nothing, so
+    re-running a finished command is harmless and the way on is named."""
+    from wandistill.train.checkpoint import PREFIX, resolve_latest
+
+    latest = resolve_latest(run_dir / "checkpoints")
+    if latest is None:
+        return False
+    at = int(latest.name[len(PREFIX) :])
+    if at < steps:
+        return False
+    if os.environ.get("RANK", "0") == "0":
+        out.print(
+            f"train: already at {at} steps; pass --steps {at + max(steps, 1)} to continue "
+            f"(--steps is the run's total, here {steps})",
+            highlight=False,
+        )
+    return True
 
 
 def _show_recording(recipe: Recipe) -> None:
@@ -1151,7 +1178,7 @@ def demo_cmd(
 
     Trained tiny teacher -> precompute (16 steps, CFG) -> a 4-step student -> eval against the
     teacher at 4 steps; prints the table, writes grid.png, loss.png and metrics.png."""
-    from wandistill.demo import run_demo
+    from wandistill.demo import run_demo, short_path
 
     result = run_demo(root, recipe, overrides, baseline=baseline, teacher=teacher)
     out.print()
@@ -1169,8 +1196,9 @@ def demo_cmd(
         f"loss curve: {result.loss_plot}",
         f"metrics: {result.metrics_plot}",
         "export it:",
-        f"  wandistill export --run {result.root / 'run'} --teacher {result.teacher} \\",
-        f"    --out {result.root / 'pipeline'}",
+        f"  wandistill export --run {short_path(result.root / 'run')} \\",
+        f"    --teacher {short_path(result.teacher)} \\",
+        f"    --out {short_path(result.root / 'pipeline')}",
     ]
     for line in lines:
         out.print(line, highlight=False, soft_wrap=True)
@@ -1502,10 +1530,13 @@ _PATH_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EIS
 """OSErrors that mean a path given on the command line is wrong: usage errors (exit 2)."""
 
 
+_NO_FIX = "see `wandistill COMMAND --help` and docs/troubleshooting.md"
+"""The fix line of an error raised without one: every error has an `error:` and a `fix:`."""
+
+
 def _fail(message: str, code: int, fix: str | None = None) -> None:
     err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
-    if fix:
-        err.print(f"  [bold]fix:[/bold] {escape(fix)}", highlight=False, soft_wrap=True)
+    err.print(f"  [bold]fix:[/bold] {escape(fix or _NO_FIX)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -1518,27 +1549,51 @@ def _command() -> Any:
     return hide_flag_types(typer.main.get_command(app))
 
 
+def _stopped(e: WandistillError) -> bool:
+    """A `failures.Stopped` (checked without importing torch, which failures needs: only a
+    stage that imported it can raise one)."""
+    failures = sys.modules.get("wandistill.failures")
+    return failures is not None and isinstance(e, failures.Stopped)
+
+
+def _rerun(argv: list[str], add: str = "") -> str:
+    """The command that was run, exactly, plus `add` (an interruption hint names it)."""
+    import shlex
+
+    args = [*argv, add] if add and add not in argv else list(argv)
+    world = os.environ.get("WORLD_SIZE", "1")
+    launcher = "torchrun (the same launch flags) -m wandistill" if world != "1" else "wandistill"
+    return f"{launcher} {shlex.join(args)}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point; see the module docstring for the exit-code contract."""
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        code = _command()(args=argv, standalone_mode=False)
+        code = _command()(args=args, standalone_mode=False)
     except WandistillError as e:
+        if _stopped(e):  # a graceful stop: the fix is the exact command that resumes it
+            _fail(e.message, e.exit_code, f"to resume, run: {_rerun(args, e.resume_flag)}")
         if _debug:
             raise
+        if e.same_on_every_rank and os.environ.get("RANK", "0") != "0":
+            # rank 0 says it once for all ranks; torchrun stops every rank as soon as one
+            # exits, so this one waits a moment for rank 0 to print first
+            import time
+
+            time.sleep(2.0)
+            sys.exit(e.exit_code)
         _fail(e.message, e.exit_code, e.fix)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
         _fail("interrupted", 130)
     except typer.TyperException as e:  # click usage errors: unknown command, bad option
-        show = getattr(e, "show", None)
-        if callable(show):
-            show()
-        else:
-            err.print(f"error: {e}", highlight=False, soft_wrap=True)
-        sys.exit(int(getattr(e, "exit_code", 2)))
+        if not str(e):  # a group run without a command: click printed its help
+            sys.exit(int(getattr(e, "exit_code", 2)))
+        _fail(*_click_error(e))
     except KeyboardInterrupt:
-        _fail("interrupted; re-run the same command to resume", 130)
+        _fail("interrupted", 130, f"to resume, run: {_rerun(args)}")
     except OSError as e:
         if _debug:
             raise
@@ -1575,6 +1630,21 @@ def main(argv: list[str] | None = None) -> None:
         _crash(e)
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+def _click_error(e: Exception) -> tuple[str, int, str]:
+    """A click usage error as our two lines: click's message (with its "Did you mean"), and
+    the --help of the command it was parsing as the fix."""
+    # (typer vendors its own click: read the exception by its attributes, not its class)
+    message = e.format_message() if hasattr(e, "format_message") else str(e)
+    opts = getattr(getattr(e, "param", None), "opts", None)
+    if opts and opts[0] not in message:
+        message = f"{'/'.join(opts)}: {message}"
+    ctx = getattr(e, "ctx", None)
+    path = ctx.command_path if ctx is not None else "wandistill"
+    group = ctx is not None and hasattr(ctx.command, "commands")
+    what = "its commands" if group else "its arguments and flags"
+    return message, int(getattr(e, "exit_code", 2)), f"`{path} --help` lists {what}"
 
 
 def _crash(e: Exception) -> None:

@@ -646,12 +646,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
     name = f"{where}.{key}" if where else key
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = (
-        f"did you mean {(where + '.' if where else '')}{close[0]}?"
-        if close
-        else (f"valid keys here: {', '.join(valid)}")
+    prefix = where + "." if where else ""
+    if close:
+        return ConfigError(
+            f"unknown key {name!r}: did you mean {prefix}{close[0]}?",
+            fix=f"spell it {prefix}{close[0]}",
+        )
+    return ConfigError(
+        f"unknown key {name!r}: valid keys here: {', '.join(valid)}",
+        fix=f"use one of the keys of [{where or 'the recipe'}] listed above",
     )
-    return ConfigError(f"unknown key {name!r}: {hint}")
 
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:

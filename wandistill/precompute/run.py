@@ -51,7 +51,7 @@ from wandistill.placement.estimate import SamplerSizes
 from wandistill.placement.strategies import Placement
 from wandistill.precompute import parts
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
-from wandistill.precompute.numerics import record_numerics
+from wandistill.precompute.numerics import follow_recorded_threads, record_numerics
 from wandistill.precompute.parts import Part
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.precompute.table import KeyTable, PromptTable
@@ -287,16 +287,16 @@ def _plan(
 
     dtype = DTYPES[cfg.teacher.dtype]
     settings = sampler_settings(teacher, cfg)
-    header = _header(cfg, teacher, info, settings)
     cache = storage.describe(cfg.cache.path)
+    if not null_sink:
+        _follow_cache_threads(cache, info)
+    header = _header(cfg, teacher, info, settings)
     if part is not None and not null_sink:  # before anything of the part is read or written
         _check_part(cfg, teacher, header, part, root)
-    if storage.is_url(cache) and cfg.previews > 0:
-        raise UsageError(
-            f"precompute.previews = {cfg.previews}: previews are PNG files written next to a "
-            f"local cache, and {cache!r} is an object store",
-            fix="set precompute.previews=0 for a cache at a URL",
-        )
+    if storage.is_url(cache) and cfg.previews > 0:  # PNG previews need a local folder
+        if info.is_main and not quiet:
+            print(f"precompute: previews off: {cache} is not a local folder (PNG previews are)")
+        cfg = dataclasses.replace(cfg, previews=0)
     done = set() if null_sink else _committed_keys(cache, header)
     keys = KeyTable(_key(p, settings) for p in prompts)
     bs = cfg.sampler.batch_size
@@ -364,6 +364,19 @@ def _header(
             )
         ),
     )
+
+
+def _follow_cache_threads(cache: str, info: dist.DistInfo) -> None:
+    """A cache with records fixes the CPU thread count new records are computed with
+    (numerics.follow_recorded_threads); rank 0 says so once."""
+    if not mf.has_manifest(cache):
+        return
+    existing = mf.load_committed(cache)
+    if not existing.shards:
+        return
+    note = follow_recorded_threads(existing.numerics or {}, info.device)
+    if note and info.is_main:
+        print(note)
 
 
 def _committed_keys(cache: str, header: mf.Manifest) -> set[str]:
