@@ -435,7 +435,8 @@ def recipes_copy(
 RecipeArg = Annotated[
     str | None,
     typer.Argument(
-        help="TOML recipe file or shipped recipe name (`wandistill recipes`); flags override it."
+        help="A recipe: a path has a slash or ends in .toml (./my.toml); a name has "
+        "neither and is a shipped recipe (tiny; `wandistill recipes`). Flags override it."
     ),
 ]
 SetOpt = Annotated[
@@ -1152,7 +1153,8 @@ def demo_cmd(
     recipe: Annotated[
         str,
         typer.Option(
-            help="Recipe file or shipped name (`wandistill recipes`); its paths are set under "
+            help="Recipe: a path (a slash or .toml) or a shipped name (`wandistill recipes`); "
+            "its paths are set under "
             "--root. tiny-fewstep: a 4-step student of the trained tiny teacher."
         ),
     ] = "tiny-fewstep",
