@@ -262,9 +262,18 @@ def cache_info(
     out.print(fields)
     _print_footprint(path, tuple(records or (10_000, 100_000)))
     settings = Table(title="sampler settings", show_header=False)
+    below: dict[str, Any] = {}  # long JSON (the scheduler's config) goes under the table
     for k, v in m.settings.items():
-        settings.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
+        text = v if isinstance(v, str) else json.dumps(v)
+        if isinstance(v, dict) and len(text) > 40:
+            below[k] = v
+            settings.add_row(k, "(below)")
+        else:
+            settings.add_row(k, text)
     out.print(settings)
+    for k, v in below.items():
+        out.print(f"{k}:", highlight=False)
+        out.print_json(json.dumps(v))
     shards = Table(title="shards")
     for col in ("name", "records", "bytes", "sha256"):
         shards.add_column(col)
@@ -1437,7 +1446,7 @@ def plan_cmd(
             full, recipe, inventory, gpus_needed=cfg.teacher.placement.needs_cuda
         )
         if line:
-            err.print(f"[yellow]note:[/yellow] {line}", highlight=False, soft_wrap=True)
+            err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
             what_if = True
     # Validated as precompute would (custom code, pickles, bad configs); weights may be absent.
     source = (
@@ -1491,7 +1500,7 @@ def _plan_train(
         wants_gpu = full.train.device != "cpu"
         inventory, line = machine_for(full, recipe, here, gpus_needed=wants_gpu)
         if line:
-            err.print(f"[yellow]note:[/yellow] {line}", highlight=False, soft_wrap=True)
+            err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
     tconf, label = _teacher_transformer_config(teacher, config, full)
     inputs = train_inputs(full, tconf, label)
     plan = make_train_plan(
