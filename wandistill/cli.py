@@ -1069,7 +1069,9 @@ def sample_cmd(
         int | None,
         typer.Option(help=f"Text padding length >= 1; keep it the cache's. {_SAMPLE_DEFAULT}."),
     ] = None,
-    limit: Annotated[int, typer.Option(help="Sample at most N prompts (>= 1).")] = 16,
+    limit: Annotated[
+        int, typer.Option(help="Sample the first N prompts of the file (>= 1); the rest are left.")
+    ] = 16,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Images from prompts through WanPipeline, from a student or the teacher.
@@ -1116,7 +1118,12 @@ def sample_cmd(
         options=options,
         device=where,
     )
-    out.print(f"wrote {len(paths)} images and {out_dir / 'grid.png'}")
+    why = f" (--limit {limit}; pass --limit {len(items)} for all)" if len(items) > limit else ""
+    out.print(
+        f"wrote {len(paths)} images for {len(paths)} of {len(items)} prompts{why} and "
+        f"{out_dir / 'grid.png'}",
+        highlight=False,
+    )
 
 
 def _teacher_defaults(
@@ -1336,9 +1343,9 @@ def plan_cmd(
         str | None,
         typer.Option(
             "--config",
-            metavar=f"[{'|'.join(TEACHER_CONFIGS)}]",  # checked, with its fix, by the loader
+            metavar="NAME",  # checked, with its fix, by the loader
             help="A published teacher's shipped configs, no folder at all: to size a machine "
-            "before downloading. Not with --teacher.",
+            f"before downloading ({', '.join(TEACHER_CONFIGS)}). Not with --teacher.",
             show_default="none",
         ),
     ] = None,

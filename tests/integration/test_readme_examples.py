@@ -7,6 +7,7 @@ do for a person following the README."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run_in_order(lines: list[str], cwd: Path) -> None:
+def _run_in_order(lines: list[str], cwd: Path) -> dict[str, str]:
+    """Each line's output (stdout + stderr), after asserting it exited 0 without a traceback."""
+    outputs: dict[str, str] = {}
     for line in lines:
         p = subprocess.run(
             ["bash", "-c", f"set -o pipefail; {line}"],
@@ -40,12 +43,18 @@ def _run_in_order(lines: list[str], cwd: Path) -> None:
         text = p.stdout + p.stderr
         assert p.returncode == 0, f"{line}\nexit {p.returncode}\n{text}"
         assert "Traceback" not in text, f"{line}\n{text}"
+        outputs[line] = text
+    return outputs
 
 
 def test_the_readme_examples_run_as_written_in_an_empty_folder(tmp_path: Path) -> None:
     (cwd := tmp_path / "empty").mkdir()
     (scratch := tmp_path / "tmp").mkdir()
-    _run_in_order(commands(readme_examples(), scratch), cwd)
+    said = " ".join(_run_in_order(commands(readme_examples(), scratch), cwd).values())
+    said = " ".join(said.split())
+    if (os.cpu_count() or 1) > 1:  # the 1-process cache has more threads than a torchrun rank
+        assert re.search(r"precompute: \d+ intra-op threads per process \(was 1\)", said), said
+    assert "(--limit 4; pass --limit 32 for all)" in said  # sample says what it left out
     assert (scratch / "pipeline" / "model_index.json").is_file()
     assert (scratch / "eval" / "eval.json").is_file()
     assert len(list((scratch / "png").glob("*.png"))) >= 4

@@ -203,6 +203,7 @@ def test_resuming_with_the_same_numerics_adds_nothing_and_changes_nothing(
     before = tree_digest(cache)
     code, text = _precompute(real, cache)
     assert code == 0 and "0 records written" in text, text
+    assert "prompts/s" not in text and "s/prompts" not in text  # nothing computed, no rate
     assert tree_digest(cache) == before
 
 

@@ -481,10 +481,13 @@ def _denoise_and_write(w: Work, enc: Encoded, stop: StopSignals) -> None:
     it finishes. A stop drops the group being computed and commits every complete record."""
     writer, info = enc.writer, w.info
     total = sum(len(b) for b in w.mine)
-    progress = Progress(
-        total=total, description="precompute", enabled=info.is_main and not w.quiet, unit="prompts"
+    progress = Progress(  # records of an earlier run count towards the total, not the rate
+        total=total,
+        description="precompute",
+        enabled=info.is_main and not w.quiet,
+        unit="prompts",
+        initial=total - sum(len(b) for b in w.todo),
     )
-    progress.advance(total - sum(len(b) for b in w.todo))
     # Batches per expert swap (Wan 2.2); one expert: one batch at a time, written as it finishes.
     group = max(1, w.cfg.sampler.expert_group_batches) if len(w.teacher.experts) > 1 else 1
     denoiser = _Denoiser(w)
