@@ -1611,7 +1611,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(int(getattr(e, "exit_code", 2)))
         _fail(*_click_error(e))
     except KeyboardInterrupt:
-        _fail("interrupted", 130, f"to resume, run: {_rerun(args)}")
+        again = "--resume" if "train" in args[:3] else ""  # (after --debug / -v at most)
+        _fail("interrupted", 130, f"to resume, run: {_rerun(args, again)}")
     except OSError as e:
         if _debug:
             raise
