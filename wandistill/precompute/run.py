@@ -288,8 +288,7 @@ def _plan(
     dtype = DTYPES[cfg.teacher.dtype]
     settings = sampler_settings(teacher, cfg)
     cache = storage.describe(cfg.cache.path)
-    if not null_sink:
-        _follow_cache_threads(cache, info)
+    threads_note = None if null_sink else _follow_cache_threads(cache, info.device)
     header = _header(cfg, teacher, info, settings)
     if part is not None and not null_sink:  # before anything of the part is read or written
         _check_part(cfg, teacher, header, part, root)
@@ -298,6 +297,8 @@ def _plan(
             print(f"precompute: previews off: {cache} is not a local folder (PNG previews are)")
         cfg = dataclasses.replace(cfg, previews=0)
     done = set() if null_sink else _committed_keys(cache, header)
+    if threads_note and info.is_main and not quiet:  # said once the cache accepted this run
+        print(threads_note, flush=True)
     keys = KeyTable(_key(p, settings) for p in prompts)
     bs = cfg.sampler.batch_size
     batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
@@ -366,17 +367,15 @@ def _header(
     )
 
 
-def _follow_cache_threads(cache: str, info: dist.DistInfo) -> None:
+def _follow_cache_threads(cache: str, device: torch.device) -> str | None:
     """A cache with records fixes the CPU thread count new records are computed with
-    (numerics.follow_recorded_threads); rank 0 says so once."""
+    (numerics.follow_recorded_threads); returns the note to print, if it changed."""
     if not mf.has_manifest(cache):
-        return
+        return None
     existing = mf.load_committed(cache)
     if not existing.shards:
-        return
-    note = follow_recorded_threads(existing.numerics or {}, info.device)
-    if note and info.is_main:
-        print(note)
+        return None
+    return follow_recorded_threads(existing.numerics or {}, device)
 
 
 def _committed_keys(cache: str, header: mf.Manifest) -> set[str]:
