@@ -262,9 +262,18 @@ def cache_info(
     out.print(fields)
     _print_footprint(path, tuple(records or (10_000, 100_000)))
     settings = Table(title="sampler settings", show_header=False)
+    below: dict[str, Any] = {}  # long JSON (the scheduler's config) goes under the table
     for k, v in m.settings.items():
-        settings.add_row(k, json.dumps(v) if not isinstance(v, str) else v)
+        text = v if isinstance(v, str) else json.dumps(v)
+        if isinstance(v, dict) and len(text) > 40:
+            below[k] = v
+            settings.add_row(k, "(below)")
+        else:
+            settings.add_row(k, text)
     out.print(settings)
+    for k, v in below.items():
+        out.print(f"{k}:", highlight=False)
+        out.print_json(json.dumps(v))
     shards = Table(title="shards")
     for col in ("name", "records", "bytes", "sha256"):
         shards.add_column(col)
@@ -435,7 +444,8 @@ def recipes_copy(
 RecipeArg = Annotated[
     str | None,
     typer.Argument(
-        help="TOML recipe file or shipped recipe name (`wandistill recipes`); flags override it."
+        help="A recipe: a path has a slash or ends in .toml (./my.toml); a name has "
+        "neither and is a shipped recipe (tiny; `wandistill recipes`). Flags override it."
     ),
 ]
 SetOpt = Annotated[
@@ -618,14 +628,19 @@ def train_cmd(
     ] = None,
     steps: Annotated[
         int | None,
-        typer.Option(help="Optimizer steps.", show_default=_recipe_key("steps")),
+        typer.Option(
+            help="Total optimizer steps of the run: --resume trains up to it, not that many "
+            "more (at 100 steps, --steps 150 --resume trains 50).",
+            show_default=_recipe_key("steps"),
+        ),
     ] = None,
     resume: Annotated[
         bool,
         typer.Option(
             "--resume/--no-resume",
-            help="Continue from the newest checkpoint in --out (after a crash, a stop or to "
-            "train longer); without it a run folder with checkpoints is refused.",
+            help="Continue from the newest checkpoint in --out up to --steps in total (after "
+            "a crash, a stop or to train longer: raise --steps); without it a run folder with "
+            "checkpoints is refused.",
         ),
     ] = False,
     follow: Annotated[
@@ -683,6 +698,8 @@ def train_cmd(
         for line in objective_plan(cfg).describe():
             out.print(line, highlight=False, soft_wrap=True)
         return
+    if resume and cfg.out and _already_trained(Path(cfg.out), cfg.steps):
+        return
     from wandistill.train import run
 
     r = run(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
@@ -699,6 +716,26 @@ def train_cmd(
             err.print(f"  {line}", highlight=False)
     for line in r.lines():
         out.print(line, highlight=False, soft_wrap=True)
+
+
+def _already_trained(run_dir: Path, steps: int) -> bool:
+    """--resume of a run already at or past --steps (a total): say so and touch nothing, so
+    re-running a finished command is harmless and the way on is named."""
+    from wandistill.train.checkpoint import PREFIX, resolve_latest
+
+    latest = resolve_latest(run_dir / "checkpoints")
+    if latest is None:
+        return False
+    at = int(latest.name[len(PREFIX) :])
+    if at < steps:
+        return False
+    if os.environ.get("RANK", "0") == "0":
+        out.print(
+            f"train: already at {at} steps; pass --steps {at + max(steps, 1)} to continue "
+            f"(--steps is the run's total, here {steps})",
+            highlight=False,
+        )
+    return True
 
 
 def _show_recording(recipe: Recipe) -> None:
@@ -1036,7 +1073,9 @@ def sample_cmd(
         int | None,
         typer.Option(help=f"Text padding length >= 1; keep it the cache's. {_SAMPLE_DEFAULT}."),
     ] = None,
-    limit: Annotated[int, typer.Option(help="Sample at most N prompts (>= 1).")] = 16,
+    limit: Annotated[
+        int, typer.Option(help="Sample the first N prompts of the file (>= 1); the rest are left.")
+    ] = 16,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Images from prompts through WanPipeline, from a student or the teacher.
@@ -1083,7 +1122,12 @@ def sample_cmd(
         options=options,
         device=where,
     )
-    out.print(f"wrote {len(paths)} images and {out_dir / 'grid.png'}")
+    why = f" (--limit {limit}; pass --limit {len(items)} for all)" if len(items) > limit else ""
+    out.print(
+        f"wrote {len(paths)} images for {len(paths)} of {len(items)} prompts{why} and "
+        f"{out_dir / 'grid.png'}",
+        highlight=False,
+    )
 
 
 def _teacher_defaults(
@@ -1129,7 +1173,8 @@ def demo_cmd(
     recipe: Annotated[
         str,
         typer.Option(
-            help="Recipe file or shipped name (`wandistill recipes`); its paths are set under "
+            help="Recipe: a path (a slash or .toml) or a shipped name (`wandistill recipes`); "
+            "its paths are set under "
             "--root. tiny-fewstep: a 4-step student of the trained tiny teacher."
         ),
     ] = "tiny-fewstep",
@@ -1155,7 +1200,7 @@ def demo_cmd(
 
     Trained tiny teacher -> precompute (16 steps, CFG) -> a 4-step student -> eval against the
     teacher at 4 steps; prints the table, writes grid.png, loss.png and metrics.png."""
-    from wandistill.demo import run_demo
+    from wandistill.demo import run_demo, short_path
 
     result = run_demo(root, recipe, overrides, baseline=baseline, teacher=teacher)
     out.print()
@@ -1173,8 +1218,9 @@ def demo_cmd(
         f"loss curve: {result.loss_plot}",
         f"metrics: {result.metrics_plot}",
         "export it:",
-        f"  wandistill export --run {result.root / 'run'} --teacher {result.teacher} \\",
-        f"    --out {result.root / 'pipeline'}",
+        f"  wandistill export --run {short_path(result.root / 'run')} \\",
+        f"    --teacher {short_path(result.teacher)} \\",
+        f"    --out {short_path(result.root / 'pipeline')}",
     ]
     for line in lines:
         out.print(line, highlight=False, soft_wrap=True)
@@ -1301,9 +1347,9 @@ def plan_cmd(
         str | None,
         typer.Option(
             "--config",
-            metavar=f"[{'|'.join(TEACHER_CONFIGS)}]",  # checked, with its fix, by the loader
+            metavar="NAME",  # checked, with its fix, by the loader
             help="A published teacher's shipped configs, no folder at all: to size a machine "
-            "before downloading. Not with --teacher.",
+            f"before downloading ({', '.join(TEACHER_CONFIGS)}). Not with --teacher.",
             show_default="none",
         ),
     ] = None,
@@ -1411,7 +1457,7 @@ def plan_cmd(
             full, recipe, inventory, gpus_needed=cfg.teacher.placement.needs_cuda
         )
         if line:
-            err.print(f"[yellow]note:[/yellow] {line}", highlight=False, soft_wrap=True)
+            err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
             what_if = True
     # Validated as precompute would (custom code, pickles, bad configs); weights may be absent.
     source = (
@@ -1465,7 +1511,7 @@ def _plan_train(
         wants_gpu = full.train.device != "cpu"
         inventory, line = machine_for(full, recipe, here, gpus_needed=wants_gpu)
         if line:
-            err.print(f"[yellow]note:[/yellow] {line}", highlight=False, soft_wrap=True)
+            err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
     tconf, label = _teacher_transformer_config(teacher, config, full)
     inputs = train_inputs(full, tconf, label)
     plan = make_train_plan(
@@ -1506,10 +1552,13 @@ _PATH_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EIS
 """OSErrors that mean a path given on the command line is wrong: usage errors (exit 2)."""
 
 
+_NO_FIX = "see `wandistill COMMAND --help` and docs/troubleshooting.md"
+"""The fix line of an error raised without one: every error has an `error:` and a `fix:`."""
+
+
 def _fail(message: str, code: int, fix: str | None = None) -> None:
     err.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True)
-    if fix:
-        err.print(f"  [bold]fix:[/bold] {escape(fix)}", highlight=False, soft_wrap=True)
+    err.print(f"  [bold]fix:[/bold] {escape(fix or _NO_FIX)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -1522,27 +1571,52 @@ def _command() -> Any:
     return hide_flag_types(typer.main.get_command(app))
 
 
+def _stopped(e: WandistillError) -> bool:
+    """A `failures.Stopped` (checked without importing torch, which failures needs: only a
+    stage that imported it can raise one)."""
+    failures = sys.modules.get("wandistill.failures")
+    return failures is not None and isinstance(e, failures.Stopped)
+
+
+def _rerun(argv: list[str], add: str = "") -> str:
+    """The command that was run, exactly, plus `add` (an interruption hint names it)."""
+    import shlex
+
+    args = [*argv, add] if add and add not in argv else list(argv)
+    world = os.environ.get("WORLD_SIZE", "1")
+    launcher = "torchrun (the same launch flags) -m wandistill" if world != "1" else "wandistill"
+    return f"{launcher} {shlex.join(args)}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point; see the module docstring for the exit-code contract."""
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        code = _command()(args=argv, standalone_mode=False)
+        code = _command()(args=args, standalone_mode=False)
     except WandistillError as e:
+        if _stopped(e):  # a graceful stop: the fix is the exact command that resumes it
+            _fail(e.message, e.exit_code, f"to resume, run: {_rerun(args, e.resume_flag)}")
         if _debug:
             raise
+        if e.same_on_every_rank and os.environ.get("RANK", "0") != "0":
+            # rank 0 says it once for all ranks; torchrun stops every rank as soon as one
+            # exits, so this one waits a moment for rank 0 to print first
+            import time
+
+            time.sleep(2.0)
+            sys.exit(e.exit_code)
         _fail(e.message, e.exit_code, e.fix)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
         _fail("interrupted", 130)
     except typer.TyperException as e:  # click usage errors: unknown command, bad option
-        show = getattr(e, "show", None)
-        if callable(show):
-            show()
-        else:
-            err.print(f"error: {e}", highlight=False, soft_wrap=True)
-        sys.exit(int(getattr(e, "exit_code", 2)))
+        if not str(e):  # a group run without a command: click printed its help
+            sys.exit(int(getattr(e, "exit_code", 2)))
+        _fail(*_click_error(e))
     except KeyboardInterrupt:
-        _fail("interrupted; re-run the same command to resume", 130)
+        again = "--resume" if "train" in args[:3] else ""  # (after --debug / -v at most)
+        _fail("interrupted", 130, f"to resume, run: {_rerun(args, again)}")
     except OSError as e:
         if _debug:
             raise
@@ -1579,6 +1653,21 @@ def main(argv: list[str] | None = None) -> None:
         _crash(e)
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+def _click_error(e: Exception) -> tuple[str, int, str]:
+    """A click usage error as our two lines: click's message (with its "Did you mean"), and
+    the --help of the command it was parsing as the fix."""
+    # (typer vendors its own click: read the exception by its attributes, not its class)
+    message = e.format_message() if hasattr(e, "format_message") else str(e)
+    opts = getattr(getattr(e, "param", None), "opts", None)
+    if opts and opts[0] not in message:
+        message = f"{'/'.join(opts)}: {message}"
+    ctx = getattr(e, "ctx", None)
+    path = ctx.command_path if ctx is not None else "wandistill"
+    group = ctx is not None and hasattr(ctx.command, "commands")
+    what = "its commands" if group else "its arguments and flags"
+    return message, int(getattr(e, "exit_code", 2)), f"`{path} --help` lists {what}"
 
 
 def _crash(e: Exception) -> None:

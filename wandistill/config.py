@@ -675,12 +675,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
     name = f"{where}.{key}" if where else key
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = (
-        f"did you mean {(where + '.' if where else '')}{close[0]}?"
-        if close
-        else (f"valid keys here: {', '.join(valid)}")
+    prefix = where + "." if where else ""
+    if close:
+        return ConfigError(
+            f"unknown key {name!r}: did you mean {prefix}{close[0]}?",
+            fix=f"spell it {prefix}{close[0]}",
+        )
+    return ConfigError(
+        f"unknown key {name!r}: valid keys here: {', '.join(valid)}",
+        fix=f"use one of the keys of [{where or 'the recipe'}] listed above",
     )
-    return ConfigError(f"unknown key {name!r}: {hint}")
 
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
@@ -812,20 +816,30 @@ def shipped_recipe(name: str) -> Traversable:
     )
 
 
+def is_recipe_path(text: str) -> bool:
+    """How a RECIPE argument is read (stated in --help): a path has a slash or ends in .toml,
+    a name has neither and is a shipped recipe. By its spelling alone, so a file or folder that
+    shares a shipped recipe's name (a teacher folder called `tiny`) never hides it."""
+    return text.endswith(".toml") or "/" in text or os.sep in text
+
+
 def resolve_recipe(arg: str | Path) -> Traversable:
-    """What every command's RECIPE argument means: an existing TOML file, else the name of a
-    shipped recipe. A file wins, so a local edit shadows the shipped copy it was made from."""
+    """What every command's RECIPE argument means (is_recipe_path): a path is a TOML file, a
+    name is a shipped recipe; the filesystem is never asked which it is."""
     text = str(arg)
+    if not is_recipe_path(text):
+        if text in shipped_recipe_names():
+            return shipped_recipe(text)
+        local = f" (for the file {text!r} here, pass ./{text})" if Path(text).exists() else ""
+        raise _no_such_recipe(
+            text, f"recipe {text!r} is not a shipped recipe name{local}", "a shipped name"
+        )
     p = Path(text)
     if p.is_file():
         return p
     if p.is_dir():
         raise ConfigError(f"recipe {text!r} is a directory", fix="pass a TOML file inside it")
-    looks_like_path = text.endswith(".toml") or "/" in text or os.sep in text
-    if not looks_like_path and text in shipped_recipe_names():
-        return shipped_recipe(text)
-    what = "does not exist" if looks_like_path else "is neither a file nor a shipped recipe"
-    raise _no_such_recipe(text, f"recipe {text!r} {what}", "a TOML file or a shipped recipe name")
+    raise _no_such_recipe(text, f"recipe {text!r} does not exist", "a TOML file")
 
 
 def load_recipe(

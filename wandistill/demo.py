@@ -78,7 +78,13 @@ def run_demo(
         seconds[stage] = time.perf_counter() - clock
         clock = time.perf_counter()
 
+    say = (lambda line: None) if quiet else _announce
     load_recipe(recipe, overrides)  # a bad recipe or --set fails before a minute of teacher
+    say(
+        "demo 1/5 teacher: the trained tiny teacher (built once, about a minute)"
+        if teacher is None
+        else f"demo 1/5 teacher: {short_path(teacher)}"
+    )
     if teacher is None:
         from wandistill.teacher.trained import ensure_trained_teacher
 
@@ -95,14 +101,24 @@ def run_demo(
     ]
     cfg = load_recipe(recipe, [*paths, *(overrides or [])])
     write_prompts(Path(cfg.precompute.prompts))
+    n = cfg.precompute.sampler.num_inference_steps
+    say(f"demo 2/5 cache: the teacher's {n}-step samples of each prompt (reused if there)")
     precompute(cfg.precompute, quiet=quiet)
     lap("precompute")
+    k = cfg.train.student.num_inference_steps
     runs = {"student": cfg.train}
     if baseline:
         runs["baseline"] = baseline_config(cfg.train, root / "baseline")
+    lines = {
+        "student": f"demo 3/5 student: a {k}-step student, {cfg.train.steps} steps (resumed if "
+        "there)",
+        "baseline": f"demo 4/5 baseline: a step-imitating student, {cfg.train.steps} steps",
+    }
     for name, train_cfg in runs.items():
+        say(lines[name])
         _train(train_cfg)
         lap(f"train {name}")
+    say("demo 5/5 eval: student, teacher and baseline on the held-out prompts")
     ev = _evaluate(cfg.train.cache, root, teacher, baseline)
     lap("eval")
     grid = root / "grid.png"
@@ -120,11 +136,29 @@ def run_demo(
     )
 
 
+def _announce(line: str) -> None:
+    """One line per stage, before it starts (each fits 80 columns)."""
+    print(line, flush=True)
+
+
+def short_path(path: str | Path) -> str:
+    """A path as a person would type it here: relative to the cwd when it is under it."""
+    p = Path(path).absolute()
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
 def _train(cfg: TrainConfig) -> None:
     """Train, resuming from the latest checkpoint a previous demo left."""
+    from wandistill.failures import Stopped
     from wandistill.train import run as train
 
-    train(cfg, resume=(Path(cfg.out) / "checkpoints" / "latest").exists())
+    try:
+        train(cfg, resume=(Path(cfg.out) / "checkpoints" / "latest").exists())
+    except Stopped as e:  # the demo resumes its runs itself: re-running it is the way on
+        raise Stopped(e.signum, e.progress, e.info, "re-run the demo to resume") from None
 
 
 def _evaluate(cache: str, root: Path, teacher: Path, baseline: bool) -> EvalResult:

@@ -12,6 +12,9 @@ class WandistillError(Exception):
     """Base class: `str(err)` is the whole message shown to the user."""
 
     exit_code = 1
+    same_on_every_rank = False
+    """Raised from the inputs alone (flags, recipe, cache header), so under torchrun every
+    rank raises it alike: rank 0 alone prints it (cli.main)."""
 
     def __init__(self, message: str, *, fix: str | None = None) -> None:
         self.message = message
@@ -37,6 +40,7 @@ class CacheMismatchError(CacheError):
     """Writing into a cache made by another teacher or other sampler settings."""
 
     exit_code = 2
+    same_on_every_rank = True
 
 
 class CorruptRecordError(CacheError):

@@ -91,11 +91,24 @@ class Stopped(WandistillError):
 
     `progress` says how far it got ("after 12 records", "at step 40"), `resume` how to go on."""
 
-    def __init__(self, signum: int, progress: str, info: dist.DistInfo | None, resume: str) -> None:
+    def __init__(
+        self,
+        signum: int,
+        progress: str,
+        info: dist.DistInfo | None,
+        resume: str,
+        *,
+        resume_flag: str = "",
+    ) -> None:
         where = f" (rank {info.rank} of {info.world_size})" if info and info.distributed else ""
         super().__init__(f"stopped by {signal.Signals(signum).name} {progress}{where}; {resume}")
         self.signum = signum
         self.exit_code = 128 + signum
+        self.progress = progress
+        self.info = info
+        self.resume_flag = resume_flag
+        """What the interrupted command needs added to resume ("--resume" for train, nothing
+        for precompute and the demo, which resume themselves): the CLI prints the command."""
 
 
 class StopRequested(BaseException):

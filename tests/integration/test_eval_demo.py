@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -126,14 +127,29 @@ DEMO_SETS = [  # the demo's recipe, made cheap: 4 teacher steps, a K = 2 student
 def test_demo_runs_end_to_end_and_a_rerun_reuses_everything(tmp_path: Path) -> None:
     """The demo's whole path (teacher and prompts given: the tiny random teacher, so no minute
     of teacher training): precompute -> few-step student + baseline -> eval with teacher@K."""
-    teacher = make_tiny_teacher(tmp_path / "teacher")
+    make_tiny_teacher(tmp_path / "teacher")
     prompts = tmp_path / "prompts.txt"  # given: the trained teacher's grammar is not needed
     prompts.write_text("\n".join(f"a cat number {i}" for i in range(40)) + "\n")
     sets = [*DEMO_SETS, f'precompute.prompts="{prompts}"']
-    cmd = [sys.executable, "-m", "wandistill", "demo", "--root", str(tmp_path / "demo")]
-    cmd += ["--teacher", str(teacher), *(x for s in sets for x in ("--set", s))]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
+    cmd = [sys.executable, "-m", "wandistill", "demo", "--root", "demo"]  # as a person types it
+    cmd += ["--teacher", "teacher", *(x for s in sets for x in ("--set", s))]
+    run = functools.partial(
+        subprocess.run, cwd=tmp_path, capture_output=True, text=True, timeout=900
+    )
+    first = run(cmd, env={**_env(), "COLUMNS": "80"})
     assert first.returncode == 0, first.stderr[-3000:]
+    lines = (first.stdout + first.stderr).splitlines()
+    wide = [line for line in lines if len(line.rstrip()) > 80]
+    assert not wide, "\n".join(wide)  # every line of demo output fits 80 columns
+    stages = [line.split(":")[0] for line in lines if line.startswith("demo ")]
+    assert stages == [
+        "demo 1/5 teacher",
+        "demo 2/5 cache",
+        "demo 3/5 student",
+        "demo 4/5 baseline",
+        "demo 5/5 eval",
+    ], first.stdout
+    assert "wandistill export --run demo/run" in first.stdout
     assert "warning: only" in first.stderr  # 40 prompts hold out too few records to trust
     cells = [re.sub(r"\s+", " ", c).strip() for c in re.split(r"[│┃|]", first.stdout)]
     for row in (["student@2", "2", "2"], ["teacher@2", "2", "4"], ["baseline@4"]):
@@ -145,7 +161,7 @@ def test_demo_runs_end_to_end_and_a_rerun_reuses_everything(tmp_path: Path) -> N
     for name in made:
         assert (tmp_path / "demo" / name).is_file(), name
     manifest = json.loads((tmp_path / "demo" / "cache" / "manifest.json").read_text())
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env())
+    again = run(cmd, env=_env())
     assert again.returncode == 0, again.stderr[-3000:]
     after = json.loads((tmp_path / "demo" / "cache" / "manifest.json").read_text())
     assert after["shards"] == manifest["shards"]  # the cache was reused, not rewritten

@@ -93,7 +93,9 @@ def test_plan_config_choices_are_the_shipped_teacher_configs() -> None:
     from wandistill.teacher.folder import CONFIG_NAMES
 
     assert cli.TEACHER_CONFIGS == CONFIG_NAMES
-    assert _option("plan", "--config").metavar == f"[{'|'.join(CONFIG_NAMES)}]"
+    option = _option("plan", "--config")  # listed in the help (wrapped at words), not the
+    assert option.metavar == "NAME"  # metavar column, where a narrow terminal cut the names
+    assert all(name in (option.help or "") for name in CONFIG_NAMES)
 
 
 def test_the_no_form_switches_a_boolean_back_off(

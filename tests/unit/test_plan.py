@@ -218,8 +218,13 @@ def test_render_shows_every_phase_every_device_and_auto() -> None:
     for r in render_plan(p):
         console.print(r)
     text = console.export_text()
-    for needle in ("denoise (transformer_2)", "cuda:3 GiB", "disk GiB", "auto -> cuda:0"):
+    for needle in (
+        "denoise (transformer_2)",
+        "phase denoise (transformer) (GiB)",
+        "auto -> cuda:0",
+    ):
         assert needle in text
+    assert "┃ cuda:3 ┃" in text and "┃ disk ┃" in text
 
 
 def test_plan_json_is_plain_json() -> None:

@@ -35,24 +35,25 @@ def test_a_name_loads_the_same_recipe_as_its_path_from_any_directory(
     assert resolve_recipe("tiny").read_bytes() == (REPO / "pipelines" / "tiny.toml").read_bytes()
 
 
-def test_a_local_file_wins_over_the_shipped_name(
+def test_a_local_file_named_like_a_shipped_recipe_is_read_by_its_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     Path("tiny").write_text('name = "mine"\n')
-    assert load_recipe("tiny").name == "mine"
+    assert load_recipe("./tiny").name == "mine"
+    assert load_recipe("tiny").name == "tiny"
 
 
 @pytest.mark.parametrize(
     ("arg", "message"),
     [
-        ("tinyy", "recipe 'tinyy' is neither a file nor a shipped recipe (nearest shipped: tiny)"),
+        ("tinyy", "recipe 'tinyy' is not a shipped recipe name (nearest shipped: tiny)"),
         (
             "pipelines/tiny.toml",
             "recipe 'pipelines/tiny.toml' does not exist (nearest shipped: tiny, tiny-fewstep)",
         ),
         ("tiny.toml", "recipe 'tiny.toml' does not exist (nearest shipped: tiny, tiny-fewstep)"),
-        ("zzz", "recipe 'zzz' is neither a file nor a shipped recipe"),
+        ("zzz", "recipe 'zzz' is not a shipped recipe name"),
     ],
 )
 def test_an_unknown_recipe_is_one_line_naming_the_nearest_shipped_names(
@@ -145,3 +146,20 @@ def test_every_package_folder_is_in_the_wheel_package_list() -> None:
     assert set(setuptools["packages"]) == on_disk | {"wandistill.recipes"}
     assert setuptools["package-dir"] == {"wandistill.recipes": "pipelines"}
     assert setuptools["package-data"]["wandistill.recipes"] == ["*.toml"]
+
+
+def test_a_name_is_never_shadowed_by_a_file_or_folder_of_that_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path has a slash or ends in .toml, a name has neither: the README's teacher folder
+    `tiny` in the working directory does not hide the shipped recipe `tiny`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "mine").write_text('name = "mine"\n')
+    shipped = (REPO / "pipelines" / "tiny.toml").read_bytes()
+    assert resolve_recipe("tiny").read_bytes() == shipped
+    with pytest.raises(ConfigError, match="is a directory"):
+        resolve_recipe("./tiny")
+    with pytest.raises(ConfigError, match=r"pass \./mine"):
+        resolve_recipe("mine")
+    assert Path(str(resolve_recipe("./mine"))).name == "mine"

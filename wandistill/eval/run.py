@@ -378,9 +378,19 @@ def few_records(store: CacheStore, split: str, count: int, limit: int | None) ->
 
 
 def _stderr_warning(message: str) -> None:
+    import shutil
     import sys
+    import textwrap
 
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    width = min(shutil.get_terminal_size().columns, 100)  # a log gets 80 (COLUMNS honoured)
+    text = textwrap.fill(
+        f"warning: {message}",
+        width=width,
+        subsequent_indent="  ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    print(text, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- checks

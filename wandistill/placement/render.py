@@ -38,7 +38,9 @@ def render_plan(plan: Plan) -> list[RenderableType]:
         "largest block GiB",
         "sizes from",
     ):
-        comps.add_column(col, justify="right" if "GiB" in col or col == "params" else "left")
+        comps.add_column(
+            col, justify="right" if "GiB" in col or col == "params" else "left", overflow="fold"
+        )
     for c in plan.components:
         comps.add_row(
             c.name,
@@ -53,42 +55,50 @@ def render_plan(plan: Plan) -> list[RenderableType]:
     devices = plan.inventory.devices()
     inv = Table(title=f"inventory ({plan.inventory.source})")
     for col in ("device", "name", "total GiB", "available GiB"):
-        inv.add_column(col)
+        inv.add_column(col, overflow="fold")
     for i, g in enumerate(plan.inventory.gpus):
         inv.add_row(f"cuda:{i}", g.name, _gib(g.total_bytes), _gib(g.free_bytes))
     inv.add_row("cpu", "RAM", "", _gib(plan.inventory.cpu_bytes))
     inv.add_row("disk", "offload folder", "", _gib(plan.inventory.disk_bytes))
 
     out: list[RenderableType] = [head, comps, inv]
+    name_width = max(len(s.strategy) for s in plan.strategies)  # names are never cut
     for phase in plan.phases:
         t = Table(
-            title=f"phase {phase.name}: {', '.join(phase.components)} "
+            title=f"phase {phase.name} (GiB): {', '.join(phase.components)} "
             f"(activations ~{_gib(phase.activation_bytes)} GiB est.)"
         )
-        t.add_column("strategy")
+        t.add_column("strategy", min_width=name_width, overflow="fold")
         for d in devices:
-            t.add_column(f"{d} GiB", justify="right")
+            t.add_column(d, justify="right", overflow="fold")
         for s in plan.strategies:
             need = s.needs[phase.name]
             t.add_row(s.strategy, *[_gib(need[d]) if d in need else "-" for d in devices])
         out.append(t)
 
-    summary = Table(title="peak over phases, fastest first")
-    for col in ("rank", "strategy", *[f"{d} GiB" for d in devices], "fits", "note"):
-        summary.add_column(col, justify="right" if "GiB" in col else "left")
+    summary = Table(title="peak GiB over phases, fastest first (notes below)")
+    summary.add_column("#")
+    summary.add_column("strategy", min_width=name_width, overflow="fold")
+    for d in devices:
+        summary.add_column(d, justify="right", overflow="fold")
+    summary.add_column("fits", overflow="fold")
+    notes: list[Text] = []
     for s in plan.strategies:
-        mark = " <- auto" if s.placement == plan.auto.placement else ""
+        marks = ["auto"] if s.placement == plan.auto.placement else []
         if plan.requested is not None and same_strategy(s.placement, plan.requested):
-            mark += " <- requested"
-        fits = Text("yes", style="green") if s.fits else Text("no", style="red")
+            marks.append("requested")
+        fits = Text("yes" if s.fits else "no", style="green" if s.fits else "red")
         summary.add_row(
             str(s.speed_rank),
-            s.strategy + mark,
+            s.strategy,
             *[_gib(s.peak[d]) if d in s.peak else "-" for d in devices],
             fits,
-            s.note,
         )
+        mark = f" ({', '.join(marks)})" if marks else ""
+        if s.note or mark:
+            notes.append(Text(f"{s.speed_rank} {s.strategy}{mark}: {s.note}"))
     out.append(summary)
+    out.extend(notes)
     budgets = _budget_table(plan, devices)
     if budgets is not None:
         out.append(budgets)
@@ -107,10 +117,10 @@ def _budget_table(plan: Plan, devices: list[str]) -> RenderableType | None:
     if not rows:
         return None
     t = Table(title="max_memory passed to accelerate (GiB; activation headroom reserved)")
-    t.add_column("strategy")
-    t.add_column("component")
+    t.add_column("strategy", min_width=max(len(s.strategy) for s, _, _ in rows), overflow="fold")
+    t.add_column("component", overflow="fold")
     for d in devices[:-1]:  # GPUs and the CPU; never the disk
-        t.add_column(d, justify="right")
+        t.add_column(d, justify="right", overflow="fold")
     for s, component, mm in rows:
         cells = [_gib(mm[device_key(d)]) if device_key(d) in mm else "-" for d in devices[:-1]]
         t.add_row(s.strategy, component, *cells)

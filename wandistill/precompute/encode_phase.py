@@ -110,10 +110,10 @@ def encode_phase(
     error the complete embeddings already made are committed first."""
     todo = missing_batches(job, store)
     total = sum(len(b) for b in job.batches)
+    done = total - sum(len(b) for b in todo)  # encoded by an earlier run: not in the rate
     with Progress(
-        total=total, description="encode", enabled=job.show_progress, unit="prompts"
+        total=total, description="encode", enabled=job.show_progress, unit="prompts", initial=done
     ) as bar:
-        bar.advance(total - sum(len(b) for b in todo))
         try:
             for batch in todo:
                 _encode_batch(job, store, encoder, batch)

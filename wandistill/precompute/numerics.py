@@ -67,3 +67,23 @@ def record_numerics(*, batch_size: int, device: torch.device) -> dict[str, Any]:
             **{f"env.{k}": os.environ.get(k, "") for k in CUDA_ENV},
         }
     return out
+
+
+def follow_recorded_threads(recorded: dict[str, Any], device: torch.device) -> str | None:
+    """Run with the intra-op thread count a cache's records were computed with.
+
+    A CPU record's bits depend on how many threads split each reduction, and torchrun starts
+    every rank with OMP_NUM_THREADS=1 while a single process takes every core: without this a
+    2-rank resume of a 1-process cache (the README's own sequence) would be refused although
+    the same bits are one `torch.set_num_threads` away. Returns the note to print, or None
+    when nothing changed. Every other numerics entry cannot be changed from inside the process
+    (device, versions, math flags) and stays a refusal (`manifest.check_compatible`)."""
+    want = recorded.get("intra_op_threads")
+    have = torch.get_num_threads()
+    if device.type != "cpu" or not isinstance(want, int) or want < 1 or want == have:
+        return None
+    torch.set_num_threads(want)
+    return (
+        f"precompute: {want} intra-op threads per process (was {have}), as the cache's records "
+        "were computed, so new records match them bit for bit"
+    )

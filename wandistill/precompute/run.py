@@ -51,7 +51,7 @@ from wandistill.placement.estimate import SamplerSizes
 from wandistill.placement.strategies import Placement
 from wandistill.precompute import parts
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
-from wandistill.precompute.numerics import record_numerics
+from wandistill.precompute.numerics import follow_recorded_threads, record_numerics
 from wandistill.precompute.parts import Part
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.precompute.table import KeyTable, PromptTable
@@ -287,17 +287,18 @@ def _plan(
 
     dtype = DTYPES[cfg.teacher.dtype]
     settings = sampler_settings(teacher, cfg)
-    header = _header(cfg, teacher, info, settings)
     cache = storage.describe(cfg.cache.path)
+    threads_note = None if null_sink else _follow_cache_threads(cache, info.device)
+    header = _header(cfg, teacher, info, settings)
     if part is not None and not null_sink:  # before anything of the part is read or written
         _check_part(cfg, teacher, header, part, root)
-    if storage.is_url(cache) and cfg.previews > 0:
-        raise UsageError(
-            f"precompute.previews = {cfg.previews}: previews are PNG files written next to a "
-            f"local cache, and {cache!r} is an object store",
-            fix="set precompute.previews=0 for a cache at a URL",
-        )
+    if storage.is_url(cache) and cfg.previews > 0:  # PNG previews need a local folder
+        if info.is_main and not quiet:
+            print(f"precompute: previews off: {cache} is not a local folder (PNG previews are)")
+        cfg = dataclasses.replace(cfg, previews=0)
     done = set() if null_sink else _committed_keys(cache, header)
+    if threads_note and info.is_main and not quiet:  # said once the cache accepted this run
+        print(threads_note, flush=True)
     keys = KeyTable(_key(p, settings) for p in prompts)
     bs = cfg.sampler.batch_size
     batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
@@ -364,6 +365,17 @@ def _header(
             )
         ),
     )
+
+
+def _follow_cache_threads(cache: str, device: torch.device) -> str | None:
+    """A cache with records fixes the CPU thread count new records are computed with
+    (numerics.follow_recorded_threads); returns the note to print, if it changed."""
+    if not mf.has_manifest(cache):
+        return None
+    existing = mf.load_committed(cache)
+    if not existing.shards:
+        return None
+    return follow_recorded_threads(existing.numerics or {}, device)
 
 
 def _committed_keys(cache: str, header: mf.Manifest) -> set[str]:
@@ -468,10 +480,13 @@ def _denoise_and_write(w: Work, enc: Encoded, stop: StopSignals) -> None:
     it finishes. A stop drops the group being computed and commits every complete record."""
     writer, info = enc.writer, w.info
     total = sum(len(b) for b in w.mine)
-    progress = Progress(
-        total=total, description="precompute", enabled=info.is_main and not w.quiet, unit="prompts"
+    progress = Progress(  # records of an earlier run count towards the total, not the rate
+        total=total,
+        description="precompute",
+        enabled=info.is_main and not w.quiet,
+        unit="prompts",
+        initial=total - sum(len(b) for b in w.todo),
     )
-    progress.advance(total - sum(len(b) for b in w.todo))
     # Batches per expert swap (Wan 2.2); one expert: one batch at a time, written as it finishes.
     group = max(1, w.cfg.sampler.expert_group_batches) if len(w.teacher.experts) > 1 else 1
     denoiser = _Denoiser(w)

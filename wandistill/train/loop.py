@@ -217,7 +217,7 @@ def run(
 
 def stopped(signum: int, step: int, info: dist.DistInfo) -> Stopped:
     """Training stopped on SIGTERM / SIGINT after saving a checkpoint at `step`."""
-    return Stopped(signum, f"at step {step}", info, "resume with --resume")
+    return Stopped(signum, f"at step {step}", info, "resume with --resume", resume_flag="--resume")
 
 
 def run_inputs(cfg: TrainConfig) -> dict[str, str]:
