@@ -526,7 +526,7 @@ class TrainConfig:
     """Cache directory written by `wandistill precompute` (the only input besides this recipe),
     or a list of caches of one teacher and settings trained on as one dataset (docs/training.md,
     "Several caches")."""
-    cache_weights: list[float] = field(default_factory=list)
+    cache_weights: list[float] = num(list_of=(), gt=0, le=1e6)
     """With several caches: each cache's share of every epoch's samples, relative (mosaicml
     streaming's stream `proportion`); empty: every sample of every cache once an epoch."""
     out: str = ""
