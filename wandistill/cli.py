@@ -29,7 +29,7 @@ from wandistill.errors import CacheError, ConfigError, UsageError, WandistillErr
 from wandistill.location import option as loc
 
 if TYPE_CHECKING:
-    from wandistill.config import Recipe, TrainConfig
+    from wandistill.config import Recipe
 
 app = typer.Typer(
     name="wandistill",
@@ -698,9 +698,17 @@ def train_cmd(
         for line in objective_plan(cfg).describe():
             out.print(line, highlight=False, soft_wrap=True)
         return
-    if resume and cfg.out and _already_trained(cfg):
-        return
     from wandistill.train import run
+    from wandistill.train.loop import finished_at
+
+    if resume and cfg.out and (at := finished_at(cfg)) is not None:
+        if os.environ.get("RANK", "0") == "0":
+            out.print(
+                f"train: already at {at} steps; pass --steps {at + max(cfg.steps, 1)} to "
+                f"continue (--steps is the run's total, here {cfg.steps})",
+                highlight=False,
+            )
+        return
 
     r = run(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
     if not r.is_main:
@@ -716,33 +724,6 @@ def train_cmd(
             err.print(f"  {line}", highlight=False)
     for line in r.lines():
         out.print(line, highlight=False, soft_wrap=True)
-
-
-def _already_trained(cfg: TrainConfig) -> bool:
-    """--resume of a finished run already at or past --steps (a total): say so and touch
-    nothing, so re-running a finished command is harmless and the way on is named. The recipe
-    is still checked against the run first (a resume that changes the parallel mode, the LoRA
-    or the cache is refused as always), and a run killed after its last checkpoint but before
-    its student was written is not finished: `train` completes it."""
-    from wandistill.train.checkpoint import PREFIX, resolve_latest
-    from wandistill.train.export import SAMPLING
-    from wandistill.train.loop import validate
-
-    run_dir, steps = Path(cfg.out), cfg.steps
-    latest = resolve_latest(run_dir / "checkpoints")
-    if latest is None or not (run_dir / SAMPLING).is_file():
-        return False
-    at = int(latest.name[len(PREFIX) :])
-    if at < steps:
-        return False
-    validate(cfg, resume=True)
-    if os.environ.get("RANK", "0") == "0":
-        out.print(
-            f"train: already at {at} steps; pass --steps {at + max(steps, 1)} to continue "
-            f"(--steps is the run's total, here {steps})",
-            highlight=False,
-        )
-    return True
 
 
 def _show_recording(recipe: Recipe) -> None:

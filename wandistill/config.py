@@ -566,13 +566,11 @@ class TrainConfig:
     dist_timeout: float | None = num(None, gt=TIMEOUT_S.gt, le=TIMEOUT_S.le)
     """Seconds a rank waits for the others (rendezvous, collectives, a checkpoint being saved)
     before it exits naming the missing rank. None: WANDISTILL_DIST_TIMEOUT, else 300."""
-    parallel: str = "ddp"
-    """ddp (every rank holds the whole student) or fsdp (FSDP2 `fully_shard` per block)."""
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    """[train.fsdp]: mixed precision and CPU offload of `parallel = "fsdp"`."""
     student: StudentConfig = field(default_factory=StudentConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
 
     @property
     def caches(self) -> list[str]:
@@ -603,10 +601,6 @@ class TrainConfig:
             (
                 self.mixed_precision in ("no", "bf16"),
                 f"train.mixed_precision={self.mixed_precision!r} must be 'no' or 'bf16'",
-            ),
-            (
-                self.parallel in ("ddp", "fsdp"),
-                f"train.parallel={self.parallel!r} must be 'ddp' or 'fsdp'",
             ),
         )
 

@@ -304,14 +304,20 @@ def seal_and_publish(
     return final
 
 
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint folder's name says (`checkpoint-<step>`), or None for another name."""
+    m = _NAME.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints (those with state.json), oldest first."""
     found = []
     if root.is_dir():
         for p in root.glob(f"{PREFIX}*"):
-            suffix = p.name[len(PREFIX) :]
-            if suffix.isdigit() and (p / STATE).is_file():
-                found.append((int(suffix), p))
+            step = step_of(p)
+            if step is not None and (p / STATE).is_file():
+                found.append((step, p))
     return sorted(found)
 
 
@@ -366,8 +372,7 @@ def check_state(path: Path) -> tuple[CheckpointState, dict[str, Any], dict[str, 
     )
     obj = parse_json(data, where, fix=FIX, error=_Error)
     state = check(CheckpointState, obj, where, fix=FIX, error=_Error)
-    m = _NAME.fullmatch(path.name)
-    if m is None or int(m.group(1)) != state.step:
+    if step_of(path) != state.step:
         raise _Error(f"{where}: step = {state.step} but the folder is {path.name!r}", fix=FIX)
     if state.sha256 is not None:
         body = {k: v for k, v in obj.items() if k != "sha256"}

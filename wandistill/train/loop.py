@@ -78,7 +78,7 @@ from wandistill.train import checkpoint as ckpt_io
 from wandistill.train import dcp as sharded
 from wandistill.train import parallel
 from wandistill.train.ema import EMA, TargetNetwork
-from wandistill.train.export import export_pretrained
+from wandistill.train.export import SAMPLING, export_pretrained
 from wandistill.train.metrics import MetricsLog, peak_memory, truncate_after
 from wandistill.train.oom import oom_error
 from wandistill.train.optim import build_optimizer, build_scheduler
@@ -336,6 +336,23 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     return Plan(cache, out, manifest, student_config, teacher_width, fields, objectives)
 
 
+def finished_at(cfg: TrainConfig) -> int | None:
+    """The step of a finished run in `cfg.out` that is already at or past `cfg.steps` (a total),
+    else None. Re-running a finished command with --resume is then a no-op that names the way
+    on. The recipe is still checked against the run first (a resume that changes the parallel
+    mode, the LoRA or the cache is refused as always); a run killed after its last checkpoint
+    but before its student was written (no sampling.json) is not finished: `run` completes it."""
+    out = Path(cfg.out)
+    latest = ckpt_io.resolve_latest(out / "checkpoints")
+    if latest is None or not (out / SAMPLING).is_file():
+        return None
+    at = ckpt_io.step_of(latest)
+    if at is None or at < cfg.steps:
+        return None
+    validate(cfg, resume=True)
+    return at
+
+
 def unroll_problems(
     cfg: TrainConfig, manifest: Manifest, student_config: dict[str, Any], plan: ObjectivePlan
 ) -> list[str]:
@@ -496,7 +513,11 @@ def restore(
     reader: TrainingReader,
     target: TargetNetwork | None,
 ) -> int:
-    """Load the newest checkpoint (rank 0 picks it, every rank reads it); return its step."""
+    """Load the newest checkpoint (rank 0 picks it, every rank reads it); return its step.
+
+    One flow for both checkpoint formats: only loading the tensors differs (one set of
+    safetensors files under DDP, DCP shards under FSDP, `_load_files` / `_load_sharded`); the
+    schedule, data position, RNG and metrics rows are restored the same way."""
     root = plan.out / "checkpoints"
     latest = ckpt_io.resolve_latest(root)
     name = dist.broadcast_json(info, latest.name if latest else None)
@@ -505,11 +526,33 @@ def restore(
             truncate_after(plan.out, 0)  # rows of a run killed before its first checkpoint
             console.print(f"train: no checkpoint in {root}, starting at step 0")
         return 0
-    if meta["parallel"] == "fsdp":
-        return restore_sharded(
-            root / name, info, meta, model, ema, optimizer, scheduler, reader, target
-        )
-    ck = ckpt_io.load_checkpoint(root / name)
+    load = _load_sharded if meta["parallel"] == "fsdp" else _load_files
+    step, state, rng = load(root / name, info, meta, model, ema, optimizer, scheduler, target)
+    scheduler.load_state_dict(state["scheduler"])
+    reader.load_state_dict(state["reader"])
+    set_rng(rng, info)
+    if info.is_main:
+        truncate_after(plan.out, step)
+        console.print(f"train: resumed from {root / name} at step {step}")
+    return step
+
+
+Loaded = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
+"""A checkpoint's step, its state.json as read (scheduler, reader) and this rank's RNG states."""
+
+
+def _load_files(
+    path: Path,
+    info: dist.DistInfo,
+    meta: dict[str, Any],
+    model: DistillModule,
+    ema: EMA,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    target: TargetNetwork | None,
+) -> Loaded:
+    """A DDP checkpoint (whole tensors in safetensors files) into the live modules."""
+    ck = ckpt_io.load_checkpoint(path)
     parts = {
         "student.safetensors": lora.trainable_state_dict(model.student),
         "ema.safetensors": ema.state_dict(),
@@ -517,8 +560,8 @@ def restore(
     }
     if target is not None and ck.target:
         parts["target.safetensors"] = target.state_dict()
-    ckpt_io.check_restorable(ck, root / name, parts, optimizer, scheduler)
-    check_same_run(ck.state.get("meta", {}), meta, root / name)
+    ckpt_io.check_restorable(ck, path, parts, optimizer, scheduler)
+    check_same_run(ck.state.get("meta", {}), meta, path)
     lora.load_trainable_state_dict(model.student, ck.student)
     model.projections.load_state_dict(
         {k.removeprefix("projections."): v for k, v in ck.projections.items()}
@@ -527,13 +570,25 @@ def restore(
     if target is not None:  # a run that starts consistency on resume starts it from the student
         target.load_state_dict(ck.target or ck.student)
     optimizer.load_state_dict(ck.optimizer)
-    scheduler.load_state_dict(ck.state["scheduler"])
-    reader.load_state_dict(ck.state["reader"])
-    set_rng(ck.rng, info)
-    if info.is_main:
-        truncate_after(plan.out, ck.step)
-        console.print(f"train: resumed from {root / name} at step {ck.step}")
-    return ck.step
+    return ck.step, ck.state, ck.rng
+
+
+def _load_sharded(
+    path: Path,
+    info: dist.DistInfo,
+    meta: dict[str, Any],
+    model: DistillModule,
+    ema: EMA,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    target: TargetNetwork | None,
+) -> Loaded:
+    """A sharded (FSDP) checkpoint, on any number of ranks (train/dcp.py)."""
+    state, raw, _ = ckpt_io.check_state(path)
+    check_same_run(raw.get("meta", {}), meta, path)
+    rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer, info)
+    ckpt_io.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
+    return state.step, raw, rng
 
 
 def check_same_run(saved: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
@@ -548,31 +603,6 @@ def check_same_run(saved: dict[str, Any], meta: dict[str, Any], path: Path) -> N
             f"checkpoint {str(path)!r} was trained on a cache of another teacher",
             fix="resume with the same --cache, or choose a new --out",
         )
-
-
-def restore_sharded(
-    path: Path,
-    info: dist.DistInfo,
-    meta: dict[str, Any],
-    model: DistillModule,
-    ema: EMA,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    reader: TrainingReader,
-    target: TargetNetwork | None,
-) -> int:
-    """`restore` for a sharded (FSDP) checkpoint, on any number of ranks (train/dcp.py)."""
-    state, raw, _ = ckpt_io.check_state(path)
-    check_same_run(raw.get("meta", {}), meta, path)
-    rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer, info)
-    ckpt_io.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
-    scheduler.load_state_dict(raw["scheduler"])
-    reader.load_state_dict(raw["reader"])
-    set_rng(rng, info)
-    if info.is_main:
-        truncate_after(path.parent.parent, state.step)
-        console.print(f"train: resumed from {path} at step {state.step}")
-    return state.step
 
 
 def checkpoint_parts(
