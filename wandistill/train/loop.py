@@ -406,62 +406,17 @@ def setup(
     follow: bool,
     skip_corrupt: bool,
 ) -> Trainer:
+    """Build the run in the order its parts depend on: student (LoRA, sharding) -> optimizer and
+    EMA over the weights as placed -> reader -> restore -> DDP (which broadcasts rank 0's
+    restored weights) -> metrics and the run's settings file."""
     plan.out.mkdir(parents=True, exist_ok=True)
-    student = experts.build(cfg.student, plan.student_config, plan.manifest.settings, seed=cfg.seed)
-    if cfg.student.lora.enabled:  # before any wrapper (DDP here, FSDP2's fully_shard) sees it
-        lora.add_lora(student, cfg.student.lora)
-    if cfg.gradient_checkpointing:
-        student.enable_gradient_checkpointing()
-    target = None
-    if cfg.loss.consistency > 0:  # copied before DistillModule hooks the student's blocks
-        target = TargetNetwork(student, cfg.loss.consistency_target_decay)
-    feature_map = cfg.loss.feature_map if cfg.loss.feature > 0 else {}
-    model = DistillModule(student, feature_map, width(plan.student_config), plan.teacher_width)
-    model.train()
-    modules = [model] + ([target.module] if target is not None else [])
-    if cfg.parallel == "fsdp":  # before the optimizer and EMA: they hold the sharded weights
-        # fully_shard moves each block to the device as it shards it: no rank's device ever
-        # holds the whole student
-        parallel.shard(model, cfg, info, extra=modules[1:])
-    else:
-        for m in modules:
-            m.to(info.device)
+    model, target = build_model(cfg, plan, info)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     ema = EMA(model.student, cfg.optim.ema_decay)
-
     store = CacheStore(plan.cache)
-    reader = TrainingReader(
-        [store, *(CacheStore(location(c)) for c in cfg.caches[1:])],
-        weights=cfg.cache_weights,
-        batch_size=cfg.batch_size,
-        rank=info.rank,
-        world_size=info.world_size,
-        grad_accum=cfg.grad_accum,
-        seed=cfg.seed,
-        fields=plan.fields,
-        slots=plan.objectives.slots,
-        with_next=plan.objectives.needs_next,
-        follow=follow,
-        poll_interval=cfg.follow_poll_interval,
-        follow_timeout=cfg.follow_timeout or None,
-        sync=dist.follow_sync(info) if follow and info.distributed else None,
-        agree=dist.all_agree(info) if follow and info.distributed else None,
-        num_threads=cfg.data_threads,
-        skip_corrupt=skip_corrupt,
-        pad="batch",  # padded to max_sequence_length on the device, in forward()
-    )
-    meta = {
-        "student_config": plan.student_config,
-        "teacher_fingerprint": plan.manifest.teacher.get("fingerprint"),
-        "world_size": info.world_size,
-        "batch_size": cfg.batch_size,
-        "grad_accum": cfg.grad_accum,
-        "student_schedule": plan.objectives.student.to_json(),
-        "experts": cfg.student.experts,
-        "lora": lora.run_record(cfg.student),
-        "parallel": cfg.parallel,
-    }
+    reader = build_reader(cfg, plan, info, store, follow=follow, skip_corrupt=skip_corrupt)
+    meta = run_meta(cfg, plan, info)
     start = 0
     if resume:
         start = restore(plan, info, meta, model, ema, optimizer, scheduler, reader, target)
@@ -491,6 +446,81 @@ def setup(
         )
         announce(trainer, store, follow)
     return trainer
+
+
+def build_model(
+    cfg: TrainConfig, plan: Plan, info: dist.DistInfo
+) -> tuple[DistillModule, TargetNetwork | None]:
+    """The student (LoRA added, checkpointing on), its consistency target and the distillation
+    wrapper, placed on the device or sharded over the ranks (FSDP2)."""
+    student = experts.build(cfg.student, plan.student_config, plan.manifest.settings, seed=cfg.seed)
+    if cfg.student.lora.enabled:  # before any wrapper (DDP here, FSDP2's fully_shard) sees it
+        lora.add_lora(student, cfg.student.lora)
+    if cfg.gradient_checkpointing:
+        student.enable_gradient_checkpointing()
+    target = None
+    if cfg.loss.consistency > 0:  # copied before DistillModule hooks the student's blocks
+        target = TargetNetwork(student, cfg.loss.consistency_target_decay)
+    feature_map = cfg.loss.feature_map if cfg.loss.feature > 0 else {}
+    model = DistillModule(student, feature_map, width(plan.student_config), plan.teacher_width)
+    model.train()
+    modules = [model] + ([target.module] if target is not None else [])
+    if cfg.parallel == "fsdp":  # before the optimizer and EMA: they hold the sharded weights
+        # fully_shard moves each block to the device as it shards it: no rank's device ever
+        # holds the whole student
+        parallel.shard(model, cfg, info, extra=modules[1:])
+    else:
+        for m in modules:
+            m.to(info.device)
+    return model, target
+
+
+def build_reader(
+    cfg: TrainConfig,
+    plan: Plan,
+    info: dist.DistInfo,
+    store: CacheStore,
+    *,
+    follow: bool,
+    skip_corrupt: bool,
+) -> TrainingReader:
+    """This rank's equal share of every epoch over the run's caches (`store` is the first)."""
+    return TrainingReader(
+        [store, *(CacheStore(location(c)) for c in cfg.caches[1:])],
+        weights=cfg.cache_weights,
+        batch_size=cfg.batch_size,
+        rank=info.rank,
+        world_size=info.world_size,
+        grad_accum=cfg.grad_accum,
+        seed=cfg.seed,
+        fields=plan.fields,
+        slots=plan.objectives.slots,
+        with_next=plan.objectives.needs_next,
+        follow=follow,
+        poll_interval=cfg.follow_poll_interval,
+        follow_timeout=cfg.follow_timeout or None,
+        sync=dist.follow_sync(info) if follow and info.distributed else None,
+        agree=dist.all_agree(info) if follow and info.distributed else None,
+        num_threads=cfg.data_threads,
+        skip_corrupt=skip_corrupt,
+        pad="batch",  # padded to max_sequence_length on the device, in forward()
+    )
+
+
+def run_meta(cfg: TrainConfig, plan: Plan, info: dist.DistInfo) -> dict[str, Any]:
+    """What identifies the run: stored in every checkpoint and run.json, and compared on
+    --resume (a resume that changes any of it is refused or handled explicitly)."""
+    return {
+        "student_config": plan.student_config,
+        "teacher_fingerprint": plan.manifest.teacher.get("fingerprint"),
+        "world_size": info.world_size,
+        "batch_size": cfg.batch_size,
+        "grad_accum": cfg.grad_accum,
+        "student_schedule": plan.objectives.student.to_json(),
+        "experts": cfg.student.experts,
+        "lora": lora.run_record(cfg.student),
+        "parallel": cfg.parallel,
+    }
 
 
 def write_run_settings(out: Path, settings: dict[str, Any]) -> None:
