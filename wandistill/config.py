@@ -368,10 +368,6 @@ class StudentConfig:
                 "(Wan's RoPE splits each head over frames, height and width)",
             ),
             (
-                self.experts in ("one", "per-expert"),
-                f"student.experts={self.experts!r} must be 'one' or 'per-expert'",
-            ),
-            (
                 self.num_inference_steps is None or self.num_inference_steps > 0,
                 f"student.num_inference_steps={self.num_inference_steps} must be positive",
             ),
