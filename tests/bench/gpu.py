@@ -19,7 +19,8 @@ device's used memory (total - free), which no in-process reset clears, so a sect
 inherit an earlier one's CUDA context, cached blocks or loaded teacher; and a hung kernel or a
 long compile is cut off at that section's budget. With `--smoke` all sections run, one after
 the other, in a single child: a CPU has no such state to isolate, and each interpreter with
-torch and diffusers costs seconds. Inside a section the legs run in-process in both modes,
+torch and diffusers costs seconds (`--isolate section|run` overrides either default; the CI
+test runs both). Inside a section the legs run in-process in both modes,
 through the same functions: precompute (`wandistill.precompute.run`), `wandistill train`
 (`cli.main`, one call per leg) and the storage benches (`main(argv)`). A train leg's figures
 stay its own: `torch.cuda.reset_peak_memory_stats()` before it makes metrics.jsonl's CUDA peak
@@ -1113,10 +1114,10 @@ def section_budget(name: str, smoke: bool, run_left: float) -> tuple[float, str 
     return budget, None
 
 
-def groups(names: list[str], smoke: bool) -> list[list[str]]:
-    """The sections each child runs: one each on a GPU, all in one in smoke mode (see the
-    module docstring for why)."""
-    return [names] if smoke else [[n] for n in names]
+def groups(names: list[str], isolate: str) -> list[list[str]]:
+    """The sections each child runs: `section`, one each (the GPU's default); `run`, all in
+    one (the smoke's default). See the module docstring for why."""
+    return [names] if isolate == "run" else [[n] for n in names]
 
 
 def child(args: argparse.Namespace) -> None:
@@ -1139,6 +1140,7 @@ def child(args: argparse.Namespace) -> None:
             continue
         print(f"[{name}] start, budget {budget:.0f} s", flush=True)
         sec = Section(name, report, budget, t_start + budget)
+        sec.data["pid"] = os.getpid()  # which sections shared a process
         sec.save()
         try:
             if name != "setup" and not (ctx.teacher / "model_index.json").exists():
@@ -1169,7 +1171,7 @@ def parent(args: argparse.Namespace) -> int:
     total = sum(BUDGETS_S[n] for n in names) * slack
     print(f"budget: run {args.budget * slack:.0f} s; sections {total:.0f} s ({each})", flush=True)
     start = time.time()
-    for group in groups(names, args.smoke):
+    for group in groups(names, args.isolate):
         run_left = args.budget * slack - (time.time() - start)
         runs = []
         for name in group:
@@ -1238,6 +1240,12 @@ def main() -> int:
     )
     p.add_argument("--smoke", action="store_true", help="toy sizes: the CI check, on a CPU")
     p.add_argument(
+        "--isolate",
+        choices=("section", "run"),
+        default=None,
+        help="a process per section (default on a GPU) or one for the run (default with --smoke)",
+    )
+    p.add_argument(
         "--budget",
         type=float,
         default=float(sum(BUDGETS_S.values())),
@@ -1256,6 +1264,7 @@ def main() -> int:
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
         p.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
+    args.isolate = args.isolate or ("run" if args.smoke else "section")
     args.out = args.out.absolute()
     args.work = (args.work or args.out / "work").absolute()
     if args.child:

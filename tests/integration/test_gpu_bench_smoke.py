@@ -36,8 +36,8 @@ def _gpu_module() -> Any:
 def test_the_gpu_run_isolates_each_section_and_the_smoke_shares_one_process() -> None:
     gpu = _gpu_module()
     names = ["setup", *gpu.SECTIONS]
-    assert gpu.groups(names, smoke=False) == [[n] for n in names]
-    assert gpu.groups(names, smoke=True) == [names]
+    assert gpu.groups(names, "section") == [[n] for n in names]
+    assert gpu.groups(names, "run") == [names]
     assert sum(gpu.BUDGETS_S.values()) <= 8 * 60  # the 8 minutes on one H100
 
 
@@ -95,6 +95,8 @@ def test_smoke_run_writes_every_section_with_figures_or_the_reason_it_skipped(
         assert all(isinstance(why, str) and len(why) > 10 for why in section["skipped"])
         assert f"## {name}" in md
 
+    assert len({data["sections"][name]["pid"] for name in SECTIONS}) == 1  # one child in all
+
     placed = _rows(data, "placements", "placement")
     assert {"cpu", "disk-offload", "device-map.json", "auto"} <= set(placed)
     for row in placed.values():  # one device, one dtype: placements must agree bit for bit
@@ -143,3 +145,14 @@ def test_a_run_budget_too_small_for_a_section_skips_it_with_the_reason(tmp_path:
         assert section["skipped"][0].startswith("run budget:"), section
         assert "skipped: run budget:" in md
     assert "placements" not in data["sections"]
+
+
+@pytest.mark.slow
+def test_isolated_sections_each_run_in_a_process_of_their_own(tmp_path: Path) -> None:
+    # the GPU run's default, at smoke sizes: setup then oom, each in its own child
+    data, md = _bench(tmp_path, "--sections", "oom", "--isolate", "section", timeout=900)
+    setup, oom = data["sections"]["setup"], data["sections"]["oom"]
+    assert setup["status"] == "done" and setup["rows"][0]["safetensors_GiB"] > 0
+    assert "--dry-run: exit 0" in " ".join(oom["skipped"])
+    assert setup["pid"] != oom["pid"]
+    assert "placements" not in data["sections"] and "## oom" in md
