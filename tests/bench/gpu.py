@@ -13,20 +13,20 @@ Every section has its own time budget (printed at the start with the run's, 475 
 a GPU); a section that cannot run on this device, or whose budget is spent, says so in a
 `skipped:` line, and one killed at its budget keeps the rows it finished.
 
-Processes. The parent imports no torch; it starts the children and kills one (with its
-session) past its budget. On a GPU each section runs in a child of its own: `gpu_used` is the
-device's used memory (total - free), which no in-process reset clears, so a section must not
-inherit an earlier one's CUDA context, cached blocks or loaded teacher; and a hung kernel or a
-long compile is cut off at that section's budget. With `--smoke` all sections run, one after
-the other, in a single child: a CPU has no such state to isolate, and each interpreter with
-torch and diffusers costs seconds (`--isolate section|run` overrides either default; the CI
-test runs both). Inside a section the legs run in-process in both modes,
-through the same functions: precompute (`wandistill.precompute.run`), `wandistill train`
-(`cli.main`, one call per leg) and the storage benches (`main(argv)`). A train leg's figures
-stay its own: `torch.cuda.reset_peak_memory_stats()` before it makes metrics.jsonl's CUDA peak
-the leg's, and host and device-wide memory are sampled around it (`Peak`) rather than read
-from the process's lifetime `ru_maxrss`. The one leg still in a process of its own is the
-forced OOM through the CLI on a GPU: its memory cap is per process.
+Processes. The parent imports no torch; it starts the children and kills one (with its session)
+past its budget. On a GPU each section runs in a child of its own: `gpu_used` is the device's
+used memory (total - free), which no in-process reset clears, so a section must not inherit an
+earlier one's CUDA context, cached blocks or loaded teacher; and a hung kernel or a long
+compile is cut off at that section's budget. With `--smoke` all sections run, one after the
+other, in a single child: a CPU has no such state to isolate, and each interpreter with torch
+and diffusers costs seconds (`--isolate section|run` overrides either default; the CI test runs
+both). Inside a section the legs run in-process in both modes, through the same functions:
+precompute (`wandistill.precompute.run`), `wandistill train` (`cli.main`, one call per leg) and
+the storage benches (`main(argv)`). A train leg's figures stay its own:
+`torch.cuda.reset_peak_memory_stats()` before it makes metrics.jsonl's CUDA peak the leg's, and
+host and device-wide memory are sampled around it (`Peak`) rather than read from the process's
+lifetime `ru_maxrss`. The one leg still in a process of its own is the forced OOM through the
+CLI on a GPU: its memory cap is per process.
 
   setup       the machine and versions; build the teacher (kept in SCRATCH, default DIR/work,
               and reused by a rerun with the same SCRATCH)
