@@ -102,8 +102,8 @@ def precompute(teacher: Path, prompts: Path, args: argparse.Namespace, cache: Pa
             f'cache.path="{cache}"',
             f"sampler.num_inference_steps={args.steps}",
             f"sampler.batch_size={args.batch_size}",
-            "sampler.height=480",
-            "sampler.width=832",
+            f"sampler.height={args.height}",
+            f"sampler.width={args.width}",
             f"sampler.num_frames={args.frames}",
             f"sampler.guidance_scale={args.guidance}",
             "sampler.max_sequence_length=32",
@@ -180,11 +180,13 @@ def bootstrap_interval(ratios: list[float], n: int = 10_000) -> tuple[float, flo
     return float(np.quantile(medians, 0.025)) - 1, float(np.quantile(medians, 0.975)) - 1
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--frames", type=int, default=5)
+    p.add_argument("--height", type=int, default=480, help="480p-shaped latents by default")
+    p.add_argument("--width", type=int, default=832, help="(gpu.py --smoke: toy sizes)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--guidance", type=float, default=1.0, help="1.0: no CFG, half the compute")
     p.add_argument("--shard-records", type=int, default=8)
@@ -217,7 +219,7 @@ def main() -> None:
         help="precompute legs to run (null_sink and background are needed; synchronous and "
         "cache_only are for reference)",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)  # argv: gpu.py calls it in its own process
     run_legs = tuple(args.legs.split(","))
     if not {"null_sink", "background"} <= set(run_legs) or not set(run_legs) <= set(WRITERS):
         p.error(f"--legs: null_sink and background, plus any of {', '.join(WRITERS)}")
@@ -273,8 +275,9 @@ def main() -> None:
         print(
             f"# {args.prompts} prompts, {args.steps} steps, guidance {args.guidance}, "
             f"batch {args.batch_size}, backend {args.backend}, store {args.store_dtype}, "
-            f"480x832x{args.frames}, {nbytes / len(records) / 2**20:.1f} MiB of tensors per "
-            f"record, shard_records {args.shard_records}, best of {args.repeats}"
+            f"{args.height}x{args.width}x{args.frames}, "
+            f"{nbytes / len(records) / 2**20:.1f} MiB of tensors per record, "
+            f"shard_records {args.shard_records}, best of {args.repeats}"
         )
         print(f"{'leg':<20}{'best s':>10}{'median s':>10}{'minor faults':>14}  runs (s)")
         for name, ts in runs.items():

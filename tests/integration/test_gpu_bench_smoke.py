@@ -21,6 +21,37 @@ BENCH = ROOT / "tests" / "bench" / "gpu.py"
 SECTIONS = ("setup", "placements", "speed", "oom", "train", "storage")
 
 
+def _gpu_module() -> Any:
+    """tests/bench/gpu.py as a module (it imports no torch at the top)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_run_isolates_each_section_and_the_smoke_shares_one_process() -> None:
+    gpu = _gpu_module()
+    names = ["setup", *gpu.SECTIONS]
+    assert gpu.groups(names, "section") == [[n] for n in names]
+    assert gpu.groups(names, "run") == [names]
+    assert sum(gpu.BUDGETS_S.values()) <= 8 * 60  # the issue's 8 minutes on one H100
+
+
+def test_a_section_gets_its_budget_or_the_run_budget_line_when_too_little_is_left() -> None:
+    gpu = _gpu_module()
+    want = gpu.BUDGETS_S["train"]
+    assert gpu.section_budget("train", False, 1000.0) == (want, None)
+    assert gpu.section_budget("train", False, want * 0.7) == (want * 0.7, None)
+    budget, why = gpu.section_budget("train", False, want * 0.5)
+    assert budget == 0 and why.startswith("run budget: ") and f"needs {want} s" in why
+    smoke, _ = gpu.section_budget("train", True, 1e6)
+    assert smoke == want * gpu.SMOKE_SLACK
+
+
 def _bench(out: Path, *args: str, timeout: float) -> tuple[dict[str, Any], str]:
     env = {
         **os.environ,
@@ -64,6 +95,8 @@ def test_smoke_run_writes_every_section_with_figures_or_the_reason_it_skipped(
         assert all(isinstance(why, str) and len(why) > 10 for why in section["skipped"])
         assert f"## {name}" in md
 
+    assert len({data["sections"][name]["pid"] for name in SECTIONS}) == 1  # one child in all
+
     placed = _rows(data, "placements", "placement")
     assert {"cpu", "disk-offload", "device-map.json", "auto"} <= set(placed)
     for row in placed.values():  # one device, one dtype: placements must agree bit for bit
@@ -85,6 +118,8 @@ def test_smoke_run_writes_every_section_with_figures_or_the_reason_it_skipped(
     for label in ("fp32", "bf16 autocast + checkpointing"):
         assert trained[label]["exit"] == 0 and trained[label]["steps_per_s"] > 0
         assert 0 <= trained[label]["data_wait"] <= 1
+        assert trained[label]["host_rss_above_start_GiB"] >= 0  # sampled around the leg
+        assert "peak_rss_GiB" not in trained[label]  # the process's lifetime peak: not the leg's
     for label in ("FSDP2, bf16 + checkpointing", "LoRA rank 16 on the teacher, bf16"):
         said = [why for why in data["sections"]["train"]["skipped"] if why.startswith(label)]
         assert label in trained or said, label  # run where the config takes the key
@@ -97,6 +132,8 @@ def test_smoke_run_writes_every_section_with_figures_or_the_reason_it_skipped(
             assert benches[name]["exit"] == 0, benches[name]
     if "cache_io" in benches:
         assert math.isfinite(benches["cache_io"]["webdataset.read_vs_raw"])
+    if "precompute_write" in benches:  # its verdict lines, parsed from its captured output
+        assert "overhead_vs_null_sink" in benches["precompute_write"]
 
 
 @pytest.mark.slow
@@ -108,3 +145,14 @@ def test_a_run_budget_too_small_for_a_section_skips_it_with_the_reason(tmp_path:
         assert section["skipped"][0].startswith("run budget:"), section
         assert "skipped: run budget:" in md
     assert "placements" not in data["sections"]
+
+
+@pytest.mark.slow
+def test_isolated_sections_each_run_in_a_process_of_their_own(tmp_path: Path) -> None:
+    # the GPU run's default, at smoke sizes: setup then oom, each in its own child
+    data, md = _bench(tmp_path, "--sections", "oom", "--isolate", "section", timeout=900)
+    setup, oom = data["sections"]["setup"], data["sections"]["oom"]
+    assert setup["status"] == "done" and setup["rows"][0]["safetensors_GiB"] > 0
+    assert "--dry-run: exit 0" in " ".join(oom["skipped"])
+    assert setup["pid"] != oom["pid"]
+    assert "placements" not in data["sections"] and "## oom" in md
