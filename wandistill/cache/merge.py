@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,32 @@ def _files(store: CacheStore, entry: dict[str, Any]) -> list[str]:
     return [f"{ZARR_DATA_NAME}/{rel}" for rel in entry.get("sha256", {})]
 
 
+def _verify(store: CacheStore, entry: dict[str, Any]) -> list[str]:
+    """`cache verify`'s checks of one shard. A webdataset shard on an object store is first
+    streamed once into a local temp file (TMPDIR) and checked there: checked in place, its
+    frame digest, member walk and per-record reads would fetch every byte about three times
+    (docs/benchmarks.md, "cache merge on S3")."""
+    if not store.storage.remote or store.manifest.backend != "webdataset":
+        return store.source.verify(entry)
+    from wandistill.cache.wds import WebDatasetSource
+
+    try:
+        rel = store.source.rel(entry)  # type: ignore[attr-defined]
+    except CacheError as e:
+        return [e.message]
+    if store.storage.size(rel) is None:
+        return store.source.verify(entry)  # names the missing file
+    with tempfile.TemporaryDirectory(prefix="wandistill-merge-") as tmp:
+        local = LocalStorage(Path(tmp))
+        Transfer(local).put(store.storage, rel, rel)
+        source = WebDatasetSource(local)
+        try:
+            return source.verify(entry)
+        finally:
+            source.close()
+            local.close()
+
+
 Stamps = dict[tuple[int, str], Any]
 """(input index, file) -> its `Storage.stamp` when it was verified."""
 
@@ -171,7 +198,7 @@ def corrupt_shards(
                 for rel in _files(store, entry):
                     stamps[(n, rel)] = store.storage.stamp(rel)
             problems = [p for p in (mf.digest_problem(entry),) if p]
-            problems += problems or store.source.verify(entry)
+            problems += problems or _verify(store, entry)
             if problems:
                 bad[(n, entry["name"])] = problems[0]
     return bad
