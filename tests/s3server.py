@@ -2,6 +2,10 @@
 
 The caller's environment is what a user sets (docs/cache-format.md): AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION and AWS_ENDPOINT_URL. Subprocesses inherit it.
+
+`traffic` counts, at the server, every request by S3 operation and the body bytes that went to
+and from clients: how a test tells a server-side copy (CopyObject, no body) from a download and
+upload, without timing anything.
 """
 
 from __future__ import annotations
@@ -9,17 +13,66 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
+import threading
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 BUCKET = "wandistill-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _operation(environ: dict[str, Any]) -> str:
+    """The S3 operation of a request, from its method, query and headers (enough for tests)."""
+    method, query = environ["REQUEST_METHOD"], environ.get("QUERY_STRING", "")
+    if method == "PUT" and environ.get("HTTP_X_AMZ_COPY_SOURCE"):
+        return "UploadPartCopy" if "partNumber" in query else "CopyObject"
+    if method == "PUT":
+        return "UploadPart" if "partNumber" in query else "PutObject"
+    if method == "POST":
+        if "uploads" in query.split("&"):
+            return "CreateMultipartUpload"
+        return "CompleteMultipartUpload" if "uploadId" in query else "DeleteObjects"
+    if method == "GET" and ("list-type" in query or "prefix" in query or "delimiter" in query):
+        return "ListObjects"
+    return {"GET": "GetObject", "HEAD": "HeadObject", "DELETE": "DeleteObject"}.get(method, method)
+
+
+class Traffic:
+    """Requests by operation, and body bytes received from / sent to clients, since `reset`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.calls: Counter[str] = Counter()
+        self.uploaded = 0
+        """Request body bytes (what clients sent)."""
+        self.downloaded = 0
+        """Response body bytes (what clients got)."""
+
+    def reset(self) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.uploaded = self.downloaded = 0
+
+    def wrap(self, app: Any) -> Any:
+        def counted(environ: dict[str, Any], start_response: Any) -> Iterator[bytes]:
+            with self._lock:
+                self.calls[_operation(environ)] += 1
+                self.uploaded += int(environ.get("CONTENT_LENGTH") or 0)
+            result = app(environ, start_response)
+            try:
+                for chunk in result:
+                    with self._lock:
+                        self.downloaded += len(chunk)
+                    yield chunk
+            finally:
+                if hasattr(result, "close"):
+                    result.close()
+
+        return counted
+
+
+traffic = Traffic()
 
 
 def s3_env(endpoint: str) -> dict[str, str]:
@@ -43,13 +96,21 @@ def forget_clients() -> None:
 def s3_server() -> Iterator[dict[str, str]]:
     """Start moto's S3 server on a free port, point this process's environment at it (with an
     empty bucket BUCKET), and give back that environment; stop and restore on exit."""
-    from moto.server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = s3_env(f"http://127.0.0.1:{port}")
+    # What moto's ThreadedMotoServer does, with the traffic counter around the app; port 0:
+    # the kernel picks a free port as the server binds (no race with another test's server).
+    app = traffic.wrap(DomainDispatcherApplication(create_backend_app))
+    server = make_server("127.0.0.1", 0, app, True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    env = s3_env(f"http://127.0.0.1:{server.port}")
     # moto keeps its buckets in process-wide state: a server started after another one in the
     # same test process would see that one's buckets and objects. Start from an empty account.
     reset = urllib.request.Request(f"{env['AWS_ENDPOINT_URL']}/moto-api/reset", method="POST")
@@ -61,6 +122,7 @@ def s3_server() -> Iterator[dict[str, str]]:
         import fsspec
 
         fsspec.filesystem("s3").mkdir(BUCKET)
+        traffic.reset()
         yield env
     finally:
         for k, v in saved.items():
@@ -69,4 +131,5 @@ def s3_server() -> Iterator[dict[str, str]]:
             else:
                 os.environ[k] = v
         forget_clients()
-        server.stop()
+        server.shutdown()
+        thread.join()

@@ -318,11 +318,18 @@ def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -
 def cache_merge(
     inputs: Annotated[
         list[str],
-        typer.Argument(help="Input cache directories (2 or more).", **loc("INPUT", url=False)),
+        typer.Argument(
+            help="Input caches (2 or more): directories or object-store URLs.",
+            **loc("INPUT", url=True),
+        ),
     ],
     out_dir: Annotated[
         str,
-        typer.Option("--out", help="The merged cache (new or empty).", **loc("--out", url=False)),
+        typer.Option(
+            "--out",
+            help="The merged cache (new or empty): a directory or URL.",
+            **loc("--out", url=True),
+        ),
     ],
     skip_corrupt: Annotated[
         bool,
@@ -336,7 +343,9 @@ def cache_merge(
     """Join finished caches of one teacher and settings into one.
 
     Every input shard is verified first (checksums of every record); shards are then
-    hard-linked, not copied, where the disk allows; see docs/cache-format.md."""
+    hard-linked where the disk allows, copied by the object store itself where inputs and
+    output share one (S3 CopyObject), streamed otherwise; see docs/cache-format.md and
+    docs/distributed.md."""
     from wandistill.cache.merge import MergeConfig, merge
 
     _out_dir(out_dir)
@@ -358,8 +367,10 @@ def cache_merge(
         return
     out.print(
         f"merged {s.records} records ({' + '.join(map(str, s.per_input))}) into {s.shards} "
-        f"shards of {out_dir}: {s.linked} hard-linked, {s.copied} copied, {s.rewritten} "
-        f"re-written; {s.duplicates} duplicate record(s) dropped (first input kept)",
+        f"shards of {out_dir}: {s.linked} hard-linked, "
+        + (f"{s.server_copied} copied by the object store, " if s.server_copied else "")
+        + f"{s.copied} copied, {s.rewritten} re-written; {s.duplicates} duplicate record(s) "
+        "dropped (first input kept)",
         highlight=False,
         soft_wrap=True,
     )

@@ -19,6 +19,7 @@ from wandistill.cache.wds import safe_decoder
 
 from cachefixtures import SETTINGS, write_cache
 from clirun import run_cli as _run
+from s3server import forget_clients
 
 HOLDOUT = {**SETTINGS, "holdout_fraction": 0.3}
 
@@ -168,13 +169,22 @@ def test_whole_zarr_entries_are_hard_links_read_by_stock_zarr(tmp_path: Path) ->
             assert torch.equal(torch.from_numpy(np.asarray(group["noise"][row])), want.noise)
 
 
-def test_a_cache_at_a_url_is_refused_naming_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_an_input_on_an_unusable_object_store_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """URLs merge now (tests/unit/test_cache_merge_s3.py); one whose store cannot be used (here:
+    no credentials at all) is one line naming the URL and the fix, before anything is written."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    forget_clients()  # a client made with another test's credentials would be reused
     a, m = tmp_path / "a", tmp_path / "m"
     write_cache(a, range(2))
     code, _, err = _run(capsys, "cache", "merge", str(a), "s3://bucket/b", "--out", str(m))
-    assert code == 2 and "'s3://bucket/b'" in err and "fix:" in err and "Traceback" not in err
+    assert code == 2 and "s3://bucket/b" in err and "fix:" in err and "Traceback" not in err
+    assert err.count("error:") == 1
     assert not m.exists()
 
 

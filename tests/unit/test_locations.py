@@ -34,7 +34,7 @@ LOCATION_PARAMS = {
 }
 """Parameter names that hold a place on a filesystem or an object store."""
 URL_OK = {("precompute", "out_dir"), ("train", "cache"), ("eval", "cache"), ("sample", "cache")}
-URL_OK |= {("info", "path"), ("verify", "path")}
+URL_OK |= {("info", "path"), ("verify", "path"), ("merge", "inputs"), ("merge", "out_dir")}
 """Where a URL is read or written end to end (everything else refuses one)."""
 
 
@@ -81,7 +81,7 @@ def test_every_location_parameter_of_every_command_goes_through_the_one_parser()
         ["sample", "--prompts", "{tmp}/p.txt", "--out", "s3://b/sample"],
         ["export", "--run", "{tmp}/r", "--teacher", "{tmp}/t", "--out", "s3://b/pipe"],
         ["export", "--run", "s3://b/run", "--teacher", "{tmp}/t", "--out", "{tmp}/pipe"],
-        ["cache", "merge", "{tmp}/a", "{tmp}/b", "--out", "s3://b/m"],
+        ["cache", "merge", "{tmp}/a", "{tmp}/b", "--out", "s3:/b/m"],
         ["precompute", "--out", "gs:b", "--teacher", "{tmp}/t"],
         ["precompute", "--set", 'cache.path="s3:/b/c"', "--teacher", "{tmp}/t"],
         ["recipes", "copy", "tiny", "s3://b/tiny.toml"],

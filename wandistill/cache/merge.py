@@ -5,32 +5,36 @@ by several inputs is kept from the first input that holds it, argument order), w
 header (teacher, settings, numerics, fields, dims, shared tensors) unchanged. Keys, and so the
 held-out split (a function of the key and `settings.holdout_fraction`), are those of the inputs.
 
-No copy where the disk allows. A shard whose records are all kept is hard-linked into M: a
+No copy where the store allows. A shard whose records are all kept is put into M whole: a
 webdataset tar into `M/shards/` under a new name (`r00000-<seq>`), a zarr entry's zarr shard
-files into M's `data.zarr` at shifted whole-shard coordinates (`zarr_merge.py`). Same inodes, no
-bytes copied, and M stays a self-contained folder that stock webdataset/zarr, `cache verify` and
-`train` read like any other (a relative path out of M would break those, and a symlink would
-follow its target's fate). Across filesystems, where a hard link cannot be made, files are
-copied. A shard that holds a key an earlier input already brought, and a zarr entry whose layout
-differs from M's, are re-written record by record through the backend's own writer, bytes as
-stored (no decode, no re-encode).
+files into M's `data.zarr` at shifted whole-shard coordinates (`zarr_merge.py`). On one local
+filesystem that is a hard link (same inode, no byte copied); on one object store a copy the
+store makes itself (S3 CopyObject: no byte through this machine); otherwise (across
+filesystems or stores: local -> S3, S3 -> local) a copy streamed through this process
+(`transfer.py`). M stays a self-contained folder or prefix that stock webdataset/zarr,
+`cache verify` and `train` read like any other (a relative path or a URL out of M would break
+those, and would break when an input is deleted). A shard that holds a key an earlier input
+already brought, and a zarr entry whose layout differs from M's, are re-written record by record
+through the backend's own writer, bytes as stored (no decode, no re-encode).
 
 Safety. Every input is checked before anything is written: each must be a complete cache
 (`complete` in its manifest, no journal left), and all must agree on every sealed block but
 `created`/`wandistill_version`; a difference names the key and both caches. M is claimed like
 any output (`wandistill.outputs.claim`): never a folder wandistill did not write, never inside
-an input. M's manifest is written last, so an interrupted merge leaves no cache, and re-running
-it redoes the same plan to the same bytes. An M that already is a cache is refused unless it is
+an input; on an object store one writer through the lease lock object precompute uses. Every
+input shard is verified (`cache verify`'s checks, read through this process: an object store
+gives no sha256 of an object to compare) before anything is linked or copied, and a file changed
+between its check and its copy is refused. M's manifest is written last (one whole-object PUT on
+an object store: the commit point), so an interrupted merge leaves no cache, and re-running it
+redoes the same plan to the same bytes. An M that already is a cache is refused unless it is
 exactly this merge's result (then nothing is done).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import json
-import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,9 +44,11 @@ from wandistill.cache.encoding import compression_of
 from wandistill.cache.formats import SEALED
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import SHARED_NAME, ZARR_DATA_NAME
+from wandistill.cache.transfer import COPIED, LINKED, SERVER, Transfer
 from wandistill.cache.writer import SHARD_DIR, shard_name
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.fsutil import fsync_dir, temp_name, writing
+from wandistill.fsutil import fsync_dir
+from wandistill.storage import LocalStorage, Storage, is_url, open_storage
 
 ZARR_LOCK = "data.zarr.lock"
 """zarr_backend.LOCK_NAME (not imported: merging webdataset caches needs no zarr)."""
@@ -55,19 +61,25 @@ _INFORMATIONAL = ("created", "wandistill_version")
 
 @dataclass(frozen=True, slots=True)
 class MergeConfig:
-    inputs: tuple[Path, ...]
-    out: Path
+    inputs: tuple[str | Path, ...]
+    """Local folders or object-store URLs (`s3://bucket/prefix`)."""
+    out: str | Path
     skip_corrupt: bool = False
     """Drop (and count) an input shard that fails verification instead of refusing the merge."""
 
 
 @dataclass(slots=True)
 class MergeSummary:
-    out: Path
+    out: str | Path
     records: int = 0
     shards: int = 0
     linked: int = 0
+    server_copied: int = 0
+    """Shards the object store copied itself (no byte through this process)."""
     copied: int = 0
+    """Shards copied through this process (across filesystems or stores)."""
+    client_bytes: int = 0
+    """Bytes of whole shards copied through this process (verification reads not counted)."""
     rewritten: int = 0
     duplicates: int = 0
     """Records dropped because an earlier input holds their key."""
@@ -89,7 +101,7 @@ class _Step:
     rows: tuple[int, ...] | None
 
 
-def _open_input(path: Path) -> CacheStore:
+def _open_input(path: str | Path) -> CacheStore:
     manifest = mf.read_manifest(path)  # not a cache / corrupt: one clear error
     pending = mf.read_journals(path, manifest.backend)
     if not manifest.complete or pending:
@@ -130,16 +142,63 @@ def _check_same(stores: list[CacheStore]) -> None:
             )
 
 
-def corrupt_shards(stores: list[CacheStore]) -> dict[tuple[int, str], str]:
+def _files(store: CacheStore, entry: dict[str, Any]) -> list[str]:
+    """The files of a shard entry that merge may link or copy, relative to the cache."""
+    if store.manifest.backend == "webdataset":
+        try:
+            return [store.source.rel(entry)]  # type: ignore[attr-defined]
+        except CacheError:
+            return []  # verify names it
+    return [f"{ZARR_DATA_NAME}/{rel}" for rel in entry.get("sha256", {})]
+
+
+def _verify(store: CacheStore, entry: dict[str, Any]) -> list[str]:
+    """`cache verify`'s checks of one shard. A webdataset shard on an object store is first
+    streamed once into a local temp file (TMPDIR) and checked there: checked in place, its
+    frame digest, member walk and per-record reads would fetch every byte about three times
+    (docs/benchmarks.md, "cache merge on S3")."""
+    if not store.storage.remote or store.manifest.backend != "webdataset":
+        return store.source.verify(entry)
+    from wandistill.cache.wds import WebDatasetSource
+
+    try:
+        rel = store.source.rel(entry)  # type: ignore[attr-defined]
+    except CacheError as e:
+        return [e.message]
+    if store.storage.size(rel) is None:
+        return store.source.verify(entry)  # names the missing file
+    with tempfile.TemporaryDirectory(prefix="wandistill-merge-") as tmp:
+        local = LocalStorage(Path(tmp))
+        Transfer(local).put(store.storage, rel, rel)
+        source = WebDatasetSource(local)
+        try:
+            return source.verify(entry)
+        finally:
+            source.close()
+            local.close()
+
+
+Stamps = dict[tuple[int, str], Any]
+"""(input index, file) -> its `Storage.stamp` when it was verified."""
+
+
+def corrupt_shards(
+    stores: list[CacheStore], stamps: Stamps | None = None
+) -> dict[tuple[int, str], str]:
     """(input index, shard name) -> the first problem, for every input shard that fails its
     checks (`cache verify`'s: the entry's seal, the shard's checksums, every record's crc32c).
-    Merge runs it before it links or copies anything: a hard link would pass a flipped byte
-    into M with a fresh seal, and only a later verify of M would find it."""
+    Merge runs it before it links or copies anything: a hard link or a server-side copy would
+    pass a flipped byte into M with a fresh seal, and only a later verify of M would find it.
+    On an object store the checks read every byte through this process (no store gives the
+    sha256 of an object). `stamps` gets each file's stamp, taken before its check."""
     bad: dict[tuple[int, str], str] = {}
     for n, store in enumerate(stores):
         for entry in store.entries:
+            if stamps is not None:
+                for rel in _files(store, entry):
+                    stamps[(n, rel)] = store.storage.stamp(rel)
             problems = [p for p in (mf.digest_problem(entry),) if p]
-            problems += problems or store.source.verify(entry)
+            problems += problems or _verify(store, entry)
             if problems:
                 bad[(n, entry["name"])] = problems[0]
     return bad
@@ -171,57 +230,63 @@ def plan(
     return steps, dropped
 
 
-def _link_or_copy(src: Path, dst: Path) -> bool:
-    """Hard-link `src` to `dst` atomically (via a temp name); copy across filesystems. True if
-    linked."""
-    tmp = temp_name(dst)
-    try:
-        os.link(src, tmp)
-        linked = True
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-        with writing(dst, partial=tmp):  # a full disk names M's file, not the input shard
-            shutil.copyfile(src, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        linked = False
-    os.replace(tmp, dst)
-    return linked
-
-
 class _Merger:
-    def __init__(self, stores: list[CacheStore], out: Path) -> None:
+    def __init__(self, stores: list[CacheStore], out: Storage, stamps: Stamps) -> None:
         self.stores = stores
         self.out = out
+        self.stamps = stamps
+        self.transfer = Transfer(out)
         self.backend = stores[0].manifest.backend
-        self.summary = MergeSummary(out=out, per_input=[0] * len(stores))
+        self.summary = MergeSummary(out=out.url, per_input=[0] * len(stores))
         self._linker: Any = None
+
+    def put(self, store: CacheStore, rel: str, dst: str) -> tuple[str, int]:
+        """Input `store`'s file `rel` as M's `dst` (transfer.py), refused if changed since
+        its check."""
+        source = self.stores.index(store)
+        stamp = self.stamps.get((source, rel))
+        return self.transfer.put(store.storage, rel, dst, stamp=stamp)
+
+    def _count(self, ways: set[str]) -> None:
+        """One shard put whole into M, counted by the slowest way one of its files took."""
+        self.summary.copied += COPIED in ways
+        self.summary.server_copied += SERVER in ways and COPIED not in ways
+        self.summary.linked += ways == {LINKED}
 
     def _sink(self) -> Any:
         if self.backend == "webdataset":
             from wandistill.cache.wds import WebDatasetSink
-            from wandistill.storage import open_storage
 
-            return WebDatasetSink(open_storage(self.out))
-        from wandistill.cache.zarr_backend import BLOCK_RECORDS, ZarrSink
+            return WebDatasetSink(self.out)
+        from wandistill.cache.zarr_backend import BLOCK_RECORDS, MAX_META_BYTES, ZarrSink
 
         first = self.stores[0]
-        meta = Path(first.path) / ZARR_DATA_NAME / "zarr.json"
-        attrs = json.loads(meta.read_text())["attributes"]
+        meta = first.storage.read(
+            f"{ZARR_DATA_NAME}/zarr.json",
+            max_bytes=MAX_META_BYTES,
+            what="zarr group metadata",
+            fix="restore the input cache's data.zarr/zarr.json",
+            error=CacheError,
+        )
+        attrs = json.loads(meta)["attributes"]
         block = int(attrs.get("wandistill", {}).get("block_records", BLOCK_RECORDS))
         fields = first.manifest.fields
         return ZarrSink(self.out, block_records=block, compression=compression_of(fields))
 
     def _link_zarr(self, store: CacheStore, src: dict[str, Any]) -> Any:
-        """(M's entry, hard-linked) for a whole zarr entry linked into M; None to re-write."""
+        """(M's entry, how its files got there) for a whole zarr entry put into M; None to
+        re-write."""
         if self.backend != "zarr":
             return None
         if self._linker is None:
             from wandistill.cache.zarr_merge import ZarrLinker
 
-            self._linker = ZarrLinker(self.out, _link_or_copy)
-        return self._linker.add(Path(store.path), src)
+            self._linker = ZarrLinker(self.out, self._put_any)
+        return self._linker.add(store.storage, src)
+
+    def _put_any(self, storage: Storage, rel: str, dst: str) -> tuple[str, int]:
+        store = next(s for s in self.stores if s.storage is storage)
+        return self.put(store, rel, dst)
 
     def shard(self, seq: int, step: _Step) -> dict[str, Any]:
         """Write M's shard `seq` from `step`; its committed (sealed) entry."""
@@ -230,18 +295,16 @@ class _Merger:
         src = step.entry
         linked_entry = self._link_zarr(store, src) if step.rows is None else None
         if linked_entry is not None:
-            entry, linked = linked_entry
-            self.summary.linked += linked
-            self.summary.copied += not linked
+            entry, ways = linked_entry
+            self._count(ways)
             keys = list(src["keys"])
             entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
         elif step.rows is None and self.backend == "webdataset":
-            dst = self.out / SHARD_DIR / f"{name}.tar"
-            linked = _link_or_copy(Path(store.source.path(src)), dst)
-            self.summary.linked += linked
-            self.summary.copied += not linked
+            dst = f"{SHARD_DIR}/{name}.tar"
+            how, _ = self.put(store, store.source.rel(src), dst)  # type: ignore[attr-defined]
+            self._count({how})
             entry = {k: v for k, v in src.items() if k != mf.ENTRY_DIGEST}
-            entry.update(name=name, rank=MERGE_RANK, file=f"{SHARD_DIR}/{dst.name}")
+            entry.update(name=name, rank=MERGE_RANK, file=dst)
             keys = list(src["keys"])
         else:
             rows = step.rows if step.rows is not None else range(int(src["records"]))
@@ -276,9 +339,9 @@ class _Merger:
         )
 
 
-def _existing(out: Path, header: mf.Manifest, steps: list[_Step]) -> bool:
+def _existing(out: str | Path, header: mf.Manifest, steps: list[_Step]) -> bool:
     """True if M already is this merge's result; refuse any other cache at M."""
-    if not mf.manifest_path(out).is_file():
+    if not mf.has_manifest(out):
         return False
     have = mf.read_manifest(out)
     if [e["keys"] for e in have.shards] == [_keys(s) for s in steps] and not _differences(
@@ -288,47 +351,59 @@ def _existing(out: Path, header: mf.Manifest, steps: list[_Step]) -> bool:
     raise UsageError(
         f"--out {str(out)!r} already is a cache ({have.num_records} records) that is not this "
         "merge's result; merge never adds to or replaces a cache",
-        fix="choose a new --out directory",
+        fix="choose a new --out " + ("prefix" if is_url(out) else "directory"),
+    )
+
+
+def _location(path: str | Path) -> str | Path:
+    """A URL stays text (a Path would fold its `//`); anything else is a local Path."""
+    return str(path).rstrip("/") if is_url(path) else Path(path)
+
+
+def _identity(path: str | Path) -> str:
+    return str(path) if is_url(path) else str(Path(path).resolve())
+
+
+def _refuse_corrupt(cfg: MergeConfig, bad: dict[tuple[int, str], str]) -> None:
+    if not bad or cfg.skip_corrupt:
+        return
+    (n, name), problem = next(iter(bad.items()))
+    more = f" (and {len(bad) - 1} more corrupt shard(s))" if len(bad) > 1 else ""
+    raise CacheError(
+        f"input cache {str(cfg.inputs[n])!r}: shard {name} fails verification, "
+        f"nothing merged: {problem}{more}",
+        fix="repair that input (re-run its precompute after `cache verify` names the "
+        "damage), or pass --skip-corrupt to merge without the corrupt shard(s)",
     )
 
 
 def merge(cfg: MergeConfig) -> MergeSummary:
-    """Check every input, claim M, then link or rewrite each shard and write M's manifest."""
+    """Check every input, claim M, then link or copy or rewrite each shard and write M's
+    manifest."""
     from wandistill import outputs
 
     if len(cfg.inputs) < 2:
         raise UsageError("cache merge needs at least two input caches", fix="pass A B ... --out M")
-    from wandistill.storage import is_url
-
-    remote = [str(p) for p in (*cfg.inputs, cfg.out) if is_url(p)]
-    if remote:
-        raise UsageError(
-            f"cache merge links shard files on one filesystem; {remote[0]!r} is an object store",
-            fix="merge local (or network-mounted) caches; on S3 merge a local copy and upload M",
-        )
-    cfg = dataclasses.replace(cfg, inputs=tuple(Path(p) for p in cfg.inputs), out=Path(cfg.out))
-    named = {str(p.resolve()): p for p in cfg.inputs}
-    if len(named) != len(cfg.inputs):
+    cfg = MergeConfig(
+        inputs=tuple(_location(p) for p in cfg.inputs),
+        out=_location(cfg.out),
+        skip_corrupt=cfg.skip_corrupt,
+    )
+    if len({_identity(p) for p in cfg.inputs}) != len(cfg.inputs):
         raise UsageError("an input cache is given twice", fix="pass each cache once")
     stores: list[CacheStore] = []
     try:
         for path in cfg.inputs:
             stores.append(_open_input(path))
         _check_same(stores)
-        bad = corrupt_shards(stores)
-        if bad and not cfg.skip_corrupt:
-            (n, name), problem = next(iter(bad.items()))
-            more = f" (and {len(bad) - 1} more corrupt shard(s))" if len(bad) > 1 else ""
-            raise CacheError(
-                f"input cache {str(cfg.inputs[n])!r}: shard {name} fails verification, "
-                f"nothing merged: {problem}{more}",
-                fix="repair that input (re-run its precompute after `cache verify` names the "
-                "damage), or pass --skip-corrupt to merge without the corrupt shard(s)",
-            )
+        stamps: Stamps = {}
+        bad = corrupt_shards(stores, stamps)
+        _refuse_corrupt(cfg, bad)
         steps, dropped = plan(stores, frozenset(bad))
         inputs = {f"input cache {i + 1}": p for i, p in enumerate(cfg.inputs)}
         with outputs.claim(cfg.out, "cache", inputs=inputs) as folder:
-            merger = _Merger(stores, folder.path)
+            out = open_storage(folder.path)
+            merger = _Merger(stores, out, stamps)
             header = merger.header()
             merger.summary.duplicates = dropped
             merger.summary.corrupt = [
@@ -346,15 +421,17 @@ def merge(cfg: MergeConfig) -> MergeSummary:
                 merger.summary.records = sum(len(_keys(s)) for s in steps)
                 merger.summary.shards = len(steps)
                 return merger.summary
-            _clear_unfinished(folder.path)
-            (folder.path / SHARD_DIR).mkdir()
+            _clear_unfinished(out)
+            out.makedirs(SHARD_DIR)
             if stores[0].manifest.shared:
-                _link_or_copy(Path(stores[0].path) / SHARED_NAME, folder.path / SHARED_NAME)
+                merger.put(stores[0], SHARED_NAME, SHARED_NAME)
             header.shards = [merger.shard(seq, step) for seq, step in enumerate(steps)]
-            fsync_dir(folder.path / SHARD_DIR)
+            if isinstance(out, LocalStorage):
+                fsync_dir(out.path(SHARD_DIR))
             mf.write_manifest(folder.path, header)
             merger.summary.records = header.num_records
             merger.summary.shards = len(header.shards)
+            merger.summary.client_bytes = merger.transfer.moved.client_bytes
             return merger.summary
     finally:
         for store in stores:
@@ -366,11 +443,16 @@ def _keys(step: _Step) -> list[str]:
     return list(keys) if step.rows is None else [keys[i] for i in step.rows]
 
 
-def _clear_unfinished(out: Path) -> None:
+def _clear_unfinished(out: Storage) -> None:
     """Drop what an interrupted merge left in M (no manifest: nothing in it is committed), so a
     re-run writes the same bytes as an uninterrupted one. M is claimed: only we wrote there."""
-    for name in (SHARD_DIR, ZARR_DATA_NAME):
-        if (out / name).is_dir():
-            shutil.rmtree(out / name)
+    if isinstance(out, LocalStorage):
+        for name in (SHARD_DIR, ZARR_DATA_NAME):
+            if out.path(name).is_dir():
+                shutil.rmtree(out.path(name))
+    else:
+        for name in (SHARD_DIR, ZARR_DATA_NAME):
+            for rel in out.find(name):  # type: ignore[attr-defined]
+                out.rm(rel)
     for name in (SHARED_NAME, ZARR_LOCK):
-        (out / name).unlink(missing_ok=True)
+        out.rm(name)

@@ -1,4 +1,4 @@
-"""Hard-link committed zarr shard entries of other caches into a merged cache's `data.zarr`.
+"""Link (or copy) committed zarr shard entries of other caches into a merged cache's `data.zarr`.
 
 Why this works. Every writer shard of the zarr backend owns whole zarr shard files: its rows
 [start, start + reserved) are whole zarr shards of `block_records` rows, its embedding tokens
@@ -12,14 +12,15 @@ those are written anew through zarr. Array metadata is created through zarr from
 for the shape; an input whose layout differs (another `cache.shard_records`) is not linked, and
 the caller re-writes its records instead.
 
-The merged entry lists every file it uses with its sha256: a linked file keeps its input's
-digest (same bytes), a new offsets file gets its own (hashed as zarr writes it).
+How a file gets there (hard link, a copy by the object store, a copy through this process) is
+`transfer.Transfer.put`'s choice. The merged entry lists every file it uses with its sha256: a
+linked or copied file keeps its input's digest (same bytes), a new offsets file gets its own
+(hashed as zarr writes it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from wandistill.cache.zarr_backend import (
     _SealingStore,
     zarr_store,
 )
+from wandistill.storage import Storage
 
 LAYOUT = ("block_records", "token_chunk", "token_block")
 
@@ -49,10 +51,10 @@ def _shape_free(arr: Any) -> dict[str, Any]:
 class ZarrLinker:
     """Adds whole zarr shard entries of input caches to the merged cache at `out`."""
 
-    def __init__(self, out: Path, link: Callable[[Path, Path], bool]) -> None:
-        self.root = out / DATA_NAME
-        self.link = link
-        """link(src, dst) -> True if hard-linked (False: copied)."""
+    def __init__(self, out: Storage, put: Callable[[Storage, str, str], tuple[str, int]]) -> None:
+        self.put = put
+        """put(input store, its file, M's file) -> (how it got there, its size): a hard link,
+        a copy by the object store or through this process (`transfer.Transfer.put`)."""
         self.store = _SealingStore(zarr_store(out))
         self._group: Any = None
 
@@ -85,9 +87,9 @@ class ZarrLinker:
         arr = group[path]
         return arr.with_config(_WRITE_CONFIG) if _shape_free(arr) == _shape_free(src) else None
 
-    def add(self, cache: Path, data: dict[str, Any]) -> tuple[dict[str, Any], bool] | None:
-        """Link entry `data` of input `cache` into M: (M's entry without name/keys, all files
-        hard-linked), or None when the layouts differ (nothing was linked)."""
+    def add(self, cache: Storage, data: dict[str, Any]) -> tuple[dict[str, Any], set[str]] | None:
+        """Link (or copy) entry `data` of input `cache` into M: (M's entry without name/keys,
+        how its files got there), or None when the layouts differ (nothing was linked)."""
         e = ZarrShardEntry.from_json(data)
         src_group = zarr.open_group(
             store=zarr_store(cache, read_only=True), mode="r", zarr_format=3
@@ -123,18 +125,17 @@ class ZarrLinker:
                 values.resize((t0 + _ceil_to(t1 - t0, tblock), *values.shape[1:]))
         arrays = {p: group[p].with_config(_WRITE_CONFIG) for p in paths}  # the new shapes
         sha: dict[str, str] = {}
-        nbytes, linked = 0, True
+        nbytes, ways = 0, set()
         for rel, digest in e.sha256.items():
             path, _, coords = rel.partition("/c/")
             if path.endswith("/offsets"):
                 continue  # absolute token starts: written anew below
             first, _, rest = coords.partition("/")
             new = f"{path}/c/{int(first) + shift[path]}" + (f"/{rest}" if rest else "")
-            dst = self.root / new
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            linked &= self.link(cache / DATA_NAME / rel, dst)
+            how, size = self.put(cache, f"{DATA_NAME}/{rel}", f"{DATA_NAME}/{new}")
+            ways.add(how)
             sha[new] = digest
-            nbytes += dst.stat().st_size
+            nbytes += size
         self.store.sealed.clear()  # from here on: this entry's offsets files only
         n = e.records
         for r in ragged:
@@ -155,4 +156,4 @@ class ZarrLinker:
             sha256=dict(sorted(sha.items())),
             nbytes=nbytes,
         )
-        return entry.to_json(), linked
+        return entry.to_json(), ways
