@@ -232,7 +232,7 @@ def predicted(cache: Path, sets: list[str], world: int) -> dict[str, int]:
 def run_leg(
     args: argparse.Namespace, cache: Path, work: Path, leg: str, world: int
 ) -> dict[str, Any]:
-    sets = leg_sets(args, leg, work / "teacher")
+    sets = leg_sets(args, leg, cache.parent / "teacher")  # built beside the cache
     report = work / f"report-{leg}-{world}"
     report.mkdir()
     out = work / f"run-{leg}-{world}"
@@ -270,6 +270,15 @@ def run_leg(
     }
 
 
+def _work(args: argparse.Namespace, tmp: Path) -> tuple[Path, Path]:
+    """(where the teacher and cache live, where this invocation's runs go): --work keeps the
+    first (built once, same sizes assumed), the runs always go to a fresh temporary folder."""
+    if args.work is None:
+        return tmp, tmp
+    args.work.mkdir(parents=True, exist_ok=True)
+    return args.work, tmp
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
@@ -284,6 +293,9 @@ def main() -> None:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--frames", type=int, default=1)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--legs", nargs="+", default=["ddp", "fsdp", "lora"],
+                   choices=["ddp", "fsdp", "lora"])  # fmt: skip
+    p.add_argument("--work", type=Path, help="keep the teacher and cache here (reused if there)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--calibrate", action="store_true", help="re-measure the activation constants")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -299,14 +311,16 @@ def main() -> None:
         return calibrate()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="train-memory-") as tmp:
-        work = Path(tmp)
-        cache = build_cache(args, work)
+        work, runs = _work(args, Path(tmp))
+        cache = work / "cache"
+        if not (cache / "manifest.json").exists():
+            build_cache(args, work)
         results = []
         print(f"{'leg':<6}{'ranks':>6}{'measured MiB':>14}{'plan MiB':>10}{'plan/meas':>10}"
               f"{'params':>12}{'steps/s':>9}")  # fmt: skip
-        for leg in ("ddp", "fsdp", "lora"):
+        for leg in args.legs:
             for world in args.ranks:
-                r = run_leg(args, cache, work, leg, world)
+                r = run_leg(args, cache, runs, leg, world)
                 results.append(r)
                 print(
                     f"{leg:<6}{world:>6}{r['measured_peak_minus_baseline'] / MiB:>14.1f}"
