@@ -21,12 +21,13 @@ per rank on an `Inventory` (detected, or described with `--gpus --gpu-mem --cpu-
                  file in memory and holds it twice at its peak (its Rust buffer, then the Python
                  `bytes` copy of it; measured: a 256 MiB file peaks at +512 MiB RSS). The largest
                  file is, under DDP, AdamW's states on rank 0 (8 bytes per trained parameter);
-                 under FSDP, each rank's one DCP shard (`HuggingFaceStorageWriter` saves the
-                 rank's student, EMA, AdamW states and target together: 16 bytes per trained
-                 parameter, plus the target, over N). So 2x that file (measured on the CPU,
-                 where it adds to the peak: tests/bench/train_memory.py, docs/benchmarks.md).
-                 On GPUs it is RAM, and the tensors' CPU copy may add one more file (not
-                 measured: no GPU here; not counted).
+                 under FSDP, a file of the rank's DCP shard: the shard (the rank's student, EMA,
+                 AdamW states and target: 16 bytes per trained parameter, plus the target, over
+                 N) split into files of at most SHARD_FILE_BYTES (`train/dcp.py`), or one
+                 tensor's shard where that is larger. So 2x that file (measured on the CPU, where
+                 it adds to the peak: tests/bench/train_memory.py, docs/benchmarks.md). On GPUs
+                 it is RAM, and the tensors' CPU copy may add one more file (not measured: no GPU
+                 here; not counted).
 
 `per-expert` students (Wan 2.2) hold two students' states; a sample runs through one of them, so
 activations count once. The sum is a peak bound: on a GPU, gradients and activations overlap in
@@ -60,6 +61,10 @@ __all__ = [
 
 #: LoRA rank a plan proposes when the recipe trains a full student.
 PROPOSED_LORA_RANK = 64
+
+#: Largest file of a rank's sharded checkpoint (`train/dcp.py` splits a rank's shard into files
+#: of at most this many bytes, so the host RAM a checkpoint write takes is bounded by it).
+SHARD_FILE_BYTES = GiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +199,18 @@ def _room(inventory: Inventory, world: int) -> tuple[str, int, int]:
     return "cpu", ram, ram
 
 
+def _largest_checkpoint_file(
+    size: StudentSize, trained: int, target: int, shard: int, fsdp: bool
+) -> int:
+    """Bytes of the largest file a rank writes in a checkpoint (module docstring): DDP, AdamW's
+    states (rank 0); FSDP, the rank's shard (16 bytes per trained parameter and the target, over
+    N) in files of at most SHARD_FILE_BYTES, or one tensor's shard where that is larger."""
+    if not fsdp:
+        return 8 * trained
+    whole = 16 * trained // shard + target
+    return min(whole, max(SHARD_FILE_BYTES, 4 * size.largest_param // shard))
+
+
 def rank_memory(
     size: StudentSize, shape: TrainShape, choice: Choice, inventory: Inventory, world: int
 ) -> RankMemory:
@@ -228,8 +245,7 @@ def rank_memory(
         weights -= 4 * (trained + frozen) // shard
         grads = optimizer = ema = 0
     overhead = CUDA_OVERHEAD if device == "cuda" else 0
-    largest_file = (16 * trained // shard + target) if fsdp else 8 * trained
-    checkpoint = 2 * largest_file
+    checkpoint = 2 * _largest_checkpoint_file(size, trained, target, shard, fsdp)
     return RankMemory(
         choice, world, weights, grads, optimizer, ema, target, act, other, overhead, offloaded,
         checkpoint, device, room, ram,
