@@ -7,7 +7,9 @@ per rank on an `Inventory` (detected, or described with `--gpus --gpu-mem --cpu-
     weights      DDP: every parameter, fp32 (autocast computes in bf16, the weights stay fp32).
                  FSDP: a 1/N fp32 shard, plus the unsharded copies being computed with (the
                  blocks' root parameters and two blocks: the current one and the prefetched one)
-                 at `fsdp.param_dtype`. LoRA: the frozen base as above, plus the adapter.
+                 at `fsdp.param_dtype`. LoRA: the frozen base as above, plus the adapter (under
+                 DDP nothing more: `train.parallel.wrap_ddp` broadcasts the adapter alone, so
+                 DDP's start-up copy of the base, +1 base per rank, never happens).
     gradients    fp32 per trained parameter; DDP keeps a second copy in its all-reduce buckets
                  (`gradient_as_bucket_view` is off) once there are 2+ ranks; FSDP: a 1/N shard.
     optimizer    AdamW's exp_avg + exp_avg_sq, fp32: 8 bytes per trained parameter (FSDP: 1/N).
@@ -16,7 +18,13 @@ per rank on an `Inventory` (detected, or described with `--gpus --gpu-mem --cpu-
                  loss.consistency > 0).
     activations  `train_size.activation_bytes` (calibrated, stated there), plus autocast's cache
                  of bf16 copies of the trained fp32 weights (2 bytes each) under bf16 autocast.
-    overhead     CUDA context + allocator slack per GPU (1 GiB), the process on the CPU (2 GiB).
+    overhead     CUDA context + allocator slack per GPU (1 GiB). The process itself (the
+                 interpreter and the libraries train imports: torch, diffusers, transformers,
+                 peft) is not in a row's total: its RAM is reserved per rank from the node's
+                 before anything is priced (`devices.CPU_OVERHEAD`, 2 GiB; measured beside the
+                 plan: the libraries beyond torch are 102 MiB resident per rank, torch and the
+                 interpreter ~285 MiB; tests/bench/train_memory.py, which takes its baseline
+                 after those imports for that reason).
     checkpoint   host RAM while a checkpoint is written: `safetensors.torch.save` builds each
                  file in memory and holds it twice at its peak (its Rust buffer, then the Python
                  `bytes` copy of it; measured: a 256 MiB file peaks at +512 MiB RSS). The largest
