@@ -5,6 +5,9 @@
     python tests/bench/train_memory.py --layers 2 --heads 2 --head-dim 32 --ffn 128 --steps 2
                                                             # a smoke run of the harness
     python tests/bench/train_memory.py --calibrate          # re-measure the activation constants
+    python tests/bench/train_memory.py --legs lora --ranks 2 --work /tmp/tm
+                                                            # one leg; teacher + cache kept in
+                                                            # /tmp/tm and reused next time
 
 One teacher and a small cache (precompute at --height x --width) are built once: the tiny
 teacher's components (`build_components`) with its transformer replaced by one of the sizes given
