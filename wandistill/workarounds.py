@@ -29,6 +29,7 @@ __all__ = [
     "WORKAROUNDS",
     "Workaround",
     "ddp_no_buffer_sync",
+    "ddp_skip_init_sync",
     "dtype_kwarg",
     "group_offload_level",
     "hide_flag_types",
@@ -75,6 +76,22 @@ def ddp_no_buffer_sync() -> dict[str, bool]:
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
+
+
+def ddp_skip_init_sync() -> dict[str, bool]:
+    """DistributedDataParallel kwargs that skip its construction-time collectives (the shape
+    check and the broadcast of every parameter and buffer from rank 0), for a caller that makes
+    the ranks equal itself (`parallel.wrap_ddp` for a LoRA student: the frozen base is read from
+    the same file on every rank, the trainable tensors are broadcast explicitly).
+
+    `init_sync` came with torch 2.6 (pytorch#142824); pyproject allows torch >= 2.4, where this
+    returns {} and DDP broadcasts everything as before: correct, only a transient of the frozen
+    base's size per rank more (docs/benchmarks.md, train memory)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"init_sync": False}
+    return {}
 
 
 # --------------------------------------------------------------------------- transformers
@@ -378,6 +395,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "https://github.com/pytorch/pytorch/pull/178054 (the discussion that led to "
         "forward_sync_buffers; the merged PR itself was not found) and "
         "https://github.com/pytorch/pytorch/issues/111138",
+    ),
+    Workaround(
+        "ddp_skip_init_sync",
+        "torch",
+        "torch >=2.6 has DistributedDataParallel(init_sync=...); pyproject allows >=2.4",
+        "https://github.com/pytorch/pytorch/pull/142824",
     ),
     Workaround(
         "dtype_kwarg",

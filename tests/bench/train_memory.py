@@ -5,6 +5,9 @@
     python tests/bench/train_memory.py --layers 2 --heads 2 --head-dim 32 --ffn 128 --steps 2
                                                             # a smoke run of the harness
     python tests/bench/train_memory.py --calibrate          # re-measure the activation constants
+    python tests/bench/train_memory.py --legs lora --ranks 2 --work /tmp/tm
+                                                            # one leg; teacher + cache kept in
+                                                            # /tmp/tm and reused next time
 
 One teacher and a small cache (precompute at --height x --width) are built once: the tiny
 teacher's components (`build_components`) with its transformer replaced by one of the sizes given
@@ -13,11 +16,11 @@ student's state dominates the RSS. Every leg trains that transformer's config (t
 student sizes are set to the teacher's, as a LoRA student demands): DDP and FSDP2 from random
 weights, LoRA on the teacher's transformer itself (`init_from_teacher.path`), so all legs price
 one model. Each leg runs `wandistill train` on the CPU (gloo) under `torchrun --nproc_per_node N`;
-every rank writes its baseline RSS (torch, diffusers and wandistill imported, before `train`
-starts) and its VmHWM at exit. The figure is peak minus baseline, per rank, beside the train
-plan's prediction (`wandistill.placement.train_plan.make_train_plan` for the same student, choice,
-cache shape and world size: the `total` of its row; the CPU row carries no CUDA allowance).
-Target: within 15%.
+every rank writes its baseline RSS (torch, wandistill, diffusers and peft imported, before
+`train` starts: `child`) and its VmHWM at exit. The figure is peak minus baseline, per rank,
+beside the train plan's prediction (`wandistill.placement.train_plan.make_train_plan` for the
+same student, choice, cache shape and world size: the `total` of its row; the CPU row carries
+no CUDA allowance). Target: within 15%.
 
 Legs: DDP, FSDP2 (`train.parallel = "fsdp"`) and LoRA (`[train.student.lora]`, rank
 --lora-rank, DDP) at 1 and 2 ranks, one after another (never two legs at once). Steps/s of
@@ -54,11 +57,22 @@ def _status(key: str) -> int:
 
 
 def child(args: argparse.Namespace) -> None:
-    """One torchrun rank: `wandistill train` in-process, then baseline and peak RSS to a file."""
-    import torch  # noqa: F401  (the baseline includes the libraries every rank imports)
+    """One torchrun rank: `wandistill train` in-process, then baseline and peak RSS to a file.
+
+    The baseline is the process with the libraries train runs on imported (torch, wandistill,
+    diffusers' Wan transformer, peft and the transformers they pull in): the plan leaves their
+    code and module state to its per-process CPU allowance (`devices.CPU_OVERHEAD`, "torch,
+    diffusers, transformers imported") and prices what training allocates. wandistill imports
+    diffusers lazily, so they are imported here by name; `baseline_torch` (before them) is
+    recorded too, to show the libraries' share."""
+    import torch  # noqa: F401
 
     import wandistill.cli
     import wandistill.train.loop  # noqa: F401
+
+    base_torch = _status("VmRSS")
+    import peft  # noqa: F401
+    from diffusers import WanTransformer3DModel  # noqa: F401
 
     base = _status("VmRSS")
     code = 0
@@ -68,7 +82,8 @@ def child(args: argparse.Namespace) -> None:
         code = int(e.code or 0)
     rank = os.environ.get("RANK", "0")
     out = Path(args.report) / f"rank{rank}.json"
-    out.write_text(json.dumps({"baseline": base, "peak": _status("VmHWM"), "exit": code}))
+    report = {"baseline": base, "baseline_torch": base_torch, "peak": _status("VmHWM")}
+    out.write_text(json.dumps(report | {"exit": code}))
 
 
 CALIBRATION = [  # (blocks, ffn_dim, checkpointing, bf16): width 512, 1,024 tokens
@@ -232,7 +247,7 @@ def predicted(cache: Path, sets: list[str], world: int) -> dict[str, int]:
 def run_leg(
     args: argparse.Namespace, cache: Path, work: Path, leg: str, world: int
 ) -> dict[str, Any]:
-    sets = leg_sets(args, leg, work / "teacher")
+    sets = leg_sets(args, leg, cache.parent / "teacher")  # built beside the cache
     report = work / f"report-{leg}-{world}"
     report.mkdir()
     out = work / f"run-{leg}-{world}"
@@ -252,6 +267,7 @@ def run_leg(
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         raise SystemExit(f"leg {leg} x{world} failed ({proc.returncode}): {' | '.join(tail)}")
     measured = max(r["peak"] - r["baseline"] for r in ranks)
+    libraries = max(r["baseline"] - r["baseline_torch"] for r in ranks)
     times = [json.loads(x)["time"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     stepping = times[-1] - times[0] if len(times) > 1 else float("nan")
     latest = max((out / "checkpoints").glob("checkpoint-*"))
@@ -262,12 +278,23 @@ def run_leg(
         "ranks": world,
         "measured_peak_minus_baseline": measured,
         "baseline": max(r["baseline"] for r in ranks),
+        "libraries": libraries,
+        "measured_peak_minus_torch_baseline": max(r["peak"] - r["baseline_torch"] for r in ranks),
         "plan": plan,
         "plan_over_measured": plan["total"] / measured,
         "seconds": seconds,
         "steps_per_s": (len(times) - 1) / stepping,  # between logged steps: no startup, no save
         "checkpoint_files": files,
     }
+
+
+def _work(args: argparse.Namespace, tmp: Path) -> tuple[Path, Path]:
+    """(where the teacher and cache live, where this invocation's runs go): --work keeps the
+    first (built once, same sizes assumed), the runs always go to a fresh temporary folder."""
+    if args.work is None:
+        return tmp, tmp
+    args.work.mkdir(parents=True, exist_ok=True)
+    return args.work, tmp
 
 
 def main() -> None:
@@ -284,6 +311,9 @@ def main() -> None:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--frames", type=int, default=1)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--legs", nargs="+", default=["ddp", "fsdp", "lora"],
+                   choices=["ddp", "fsdp", "lora"])  # fmt: skip
+    p.add_argument("--work", type=Path, help="keep the teacher and cache here (reused if there)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--calibrate", action="store_true", help="re-measure the activation constants")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -299,19 +329,22 @@ def main() -> None:
         return calibrate()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="train-memory-") as tmp:
-        work = Path(tmp)
-        cache = build_cache(args, work)
+        work, runs = _work(args, Path(tmp))
+        cache = work / "cache"
+        if not (cache / "manifest.json").exists():
+            build_cache(args, work)
         results = []
         print(f"{'leg':<6}{'ranks':>6}{'measured MiB':>14}{'plan MiB':>10}{'plan/meas':>10}"
-              f"{'params':>12}{'steps/s':>9}")  # fmt: skip
-        for leg in ("ddp", "fsdp", "lora"):
+              f"{'params':>12}{'steps/s':>9}{'libs MiB':>10}")  # fmt: skip
+        for leg in args.legs:
             for world in args.ranks:
-                r = run_leg(args, cache, work, leg, world)
+                r = run_leg(args, cache, runs, leg, world)
                 results.append(r)
                 print(
                     f"{leg:<6}{world:>6}{r['measured_peak_minus_baseline'] / MiB:>14.1f}"
                     f"{r['plan']['total'] / MiB:>10.1f}{r['plan_over_measured']:>10.2f}"
                     f"{r['plan']['params'] / 1e6:>11.1f}M{r['steps_per_s']:>9.2f}"
+                    f"{r['libraries'] / MiB:>10.1f}"
                 )
     env = {"python": platform.python_version(), "machine": platform.machine()}
     if args.json:

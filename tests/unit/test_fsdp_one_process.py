@@ -152,6 +152,43 @@ def test_one_process_fsdp_with_every_option_resumes_a_sharded_checkpoint_exactly
     assert losses[0] == losses[1] and len(losses[0]) == 8
 
 
+def test_a_shard_is_written_in_files_of_at_most_the_limit_and_resumes_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host RAM while a checkpoint is written is bounded by the file size (safetensors builds a
+    file in memory): a rank's shard goes into files of at most SHARD_FILE_BYTES, a tensor larger
+    than that alone, and a run resumed from them continues as if never stopped."""
+    from safetensors import safe_open
+
+    from wandistill.train import dcp
+
+    limit = 4096
+    monkeypatch.setattr(dcp, "SHARD_FILE_BYTES", limit)
+    write_cache(tmp_path / "c", range(4))
+    run(_cfg(tmp_path / "c", tmp_path / "whole"))
+    monkeypatch.setenv("WANDISTILL_FAIL_AT", "0:6")
+    with pytest.raises(WandistillError, match="injected failure on rank 0 at step 6"):
+        run(_cfg(tmp_path / "c", tmp_path / "cut"))
+    monkeypatch.delenv("WANDISTILL_FAIL_AT")
+    shards = sorted((tmp_path / "cut/checkpoints/checkpoint-4/shards").iterdir())
+    assert len(shards) > 3
+    n = len(shards)
+    assert shards[-1].name == f"shard-00001-model-{n:05d}-of-{n:05d}.safetensors"
+    for f in shards:
+        with safe_open(f, "pt") as fh:
+            nbytes = [fh.get_tensor(k).nbytes for k in fh.keys()]  # noqa: SIM118
+        assert sum(nbytes) <= limit or len(nbytes) == 1, (f.name, nbytes)
+    state = json.loads((tmp_path / "cut/checkpoints/checkpoint-4/state.json").read_text())
+    assert sorted(n for n in state["files"] if n.startswith("shards/")) == [
+        f"shards/{f.name}" for f in shards
+    ]
+    run(_cfg(tmp_path / "c", tmp_path / "cut"), resume=True)
+    for name in ("student", "student_ema"):
+        a = (tmp_path / "whole" / name / "diffusion_pytorch_model.safetensors").read_bytes()
+        b = (tmp_path / "cut" / name / "diffusion_pytorch_model.safetensors").read_bytes()
+        assert a == b, name
+
+
 def test_a_changed_or_stray_shard_is_refused_naming_the_file(tmp_path: Path) -> None:
     write_cache(tmp_path / "c", range(4))
     run(_cfg(tmp_path / "c", tmp_path / "run", "steps=4"))

@@ -54,6 +54,15 @@ def test_parameter_counts_equal_the_built_student() -> None:
     assert size.block_params == sum(p.numel() for p in model.blocks[0].parameters())
 
 
+def test_largest_param_is_the_built_students_largest_tensor() -> None:
+    from diffusers import WanTransformer3DModel
+
+    for config in (TINY, {**TINY, "ffn_dim": 8, "text_dim": 64}, {**TINY, "text_dim": 2}):
+        model = WanTransformer3DModel(**config)
+        largest = max(p.numel() for p in model.parameters())
+        assert StudentSize.from_config(config).largest_param == largest, config
+
+
 def test_lora_adapter_count_equals_what_peft_adds() -> None:
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig, inject_adapter_in_model
@@ -122,6 +131,28 @@ def test_lora_optimizer_state_is_the_adapters_size() -> None:
     adapter = StudentSize.from_config(c14, lora_rank=64).adapter_params
     assert row.optimizer == 8 * adapter and row.ema == 4 * adapter and row.gradients == 4 * adapter
     assert row.weights == 4 * (StudentSize.from_config(c14).params + adapter)
+
+
+def test_fsdp_checkpoint_ram_is_two_files_of_the_limit_not_the_whole_shard(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """train/dcp.py writes a rank's shard in files of at most SHARD_FILE_BYTES and safetensors
+    holds a file twice while writing it: 14B over 8 ranks needs 2 GiB of host RAM for it, not
+    twice its 28 GB shard."""
+    from wandistill.placement import train_plan
+
+    c14 = wan("wan2.1-14b")
+    size = StudentSize.from_config(c14)
+    fsdp = Choice(parallel="fsdp", param_dtype="bf16", bf16=True, checkpointing=True)
+    row = plan(c14, fsdp, gpus=8).requested
+    assert 16 * size.params // 8 > 25 * GiB
+    assert row.checkpoint == 2 * train_plan.SHARD_FILE_BYTES == 2 * GiB
+    small = plan(TINY, Choice(parallel="fsdp"), gpus=2).requested  # one file, under the limit
+    assert small.checkpoint == 2 * (16 * StudentSize.from_config(TINY).params // 2)
+    ddp = plan(c14, Choice(bf16=True), gpus=1).requested  # DDP: AdamW's one file, unchanged
+    assert ddp.checkpoint == 2 * 8 * size.params
+    monkeypatch.setattr(train_plan, "SHARD_FILE_BYTES", 1 << 20)  # a tensor over the limit
+    assert plan(c14, fsdp, gpus=8).requested.checkpoint == 2 * (4 * size.largest_param // 8)
 
 
 def test_the_first_lever_that_fits_is_offered_with_its_flags() -> None:

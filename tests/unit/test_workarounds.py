@@ -83,6 +83,15 @@ def test_ddp_no_buffer_sync_is_needed_while_torch_before_2_13_is_allowed() -> No
     assert set(workarounds.ddp_no_buffer_sync()) <= set(params)
 
 
+def test_ddp_skip_init_sync_is_needed_while_torch_before_2_6_is_allowed() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert _floor("torch") < Version("2.6"), "pyproject needs torch>=2.6: pass init_sync=False"
+    params = DistributedDataParallel.__init__.__code__.co_varnames
+    assert workarounds.ddp_skip_init_sync() == {"init_sync": False}
+    assert "init_sync" in params
+
+
 def test_dtype_kwarg_is_needed_while_transformers_before_4_56_is_allowed() -> None:
     from diffusers import WanTransformer3DModel
     from transformers import UMT5EncoderModel

@@ -7,7 +7,9 @@ per rank on an `Inventory` (detected, or described with `--gpus --gpu-mem --cpu-
     weights      DDP: every parameter, fp32 (autocast computes in bf16, the weights stay fp32).
                  FSDP: a 1/N fp32 shard, plus the unsharded copies being computed with (the
                  blocks' root parameters and two blocks: the current one and the prefetched one)
-                 at `fsdp.param_dtype`. LoRA: the frozen base as above, plus the adapter.
+                 at `fsdp.param_dtype`. LoRA: the frozen base as above, plus the adapter (under
+                 DDP nothing more: `train.parallel.wrap_ddp` broadcasts the adapter alone, so
+                 DDP's start-up copy of the base, +1 base per rank, never happens).
     gradients    fp32 per trained parameter; DDP keeps a second copy in its all-reduce buckets
                  (`gradient_as_bucket_view` is off) once there are 2+ ranks; FSDP: a 1/N shard.
     optimizer    AdamW's exp_avg + exp_avg_sq, fp32: 8 bytes per trained parameter (FSDP: 1/N).
@@ -16,17 +18,24 @@ per rank on an `Inventory` (detected, or described with `--gpus --gpu-mem --cpu-
                  loss.consistency > 0).
     activations  `train_size.activation_bytes` (calibrated, stated there), plus autocast's cache
                  of bf16 copies of the trained fp32 weights (2 bytes each) under bf16 autocast.
-    overhead     CUDA context + allocator slack per GPU (1 GiB), the process on the CPU (2 GiB).
+    overhead     CUDA context + allocator slack per GPU (1 GiB). The process itself (the
+                 interpreter and the libraries train imports: torch, diffusers, transformers,
+                 peft) is not in a row's total: its RAM is reserved per rank from the node's
+                 before anything is priced (`devices.CPU_OVERHEAD`, 2 GiB; measured beside the
+                 plan: the libraries beyond torch are 102 MiB resident per rank, torch and the
+                 interpreter ~285 MiB; tests/bench/train_memory.py, which takes its baseline
+                 after those imports for that reason).
     checkpoint   host RAM while a checkpoint is written: `safetensors.torch.save` builds each
                  file in memory and holds it twice at its peak (its Rust buffer, then the Python
                  `bytes` copy of it; measured: a 256 MiB file peaks at +512 MiB RSS). The largest
                  file is, under DDP, AdamW's states on rank 0 (8 bytes per trained parameter);
-                 under FSDP, each rank's one DCP shard (`HuggingFaceStorageWriter` saves the
-                 rank's student, EMA, AdamW states and target together: 16 bytes per trained
-                 parameter, plus the target, over N). So 2x that file (measured on the CPU,
-                 where it adds to the peak: tests/bench/train_memory.py, docs/benchmarks.md).
-                 On GPUs it is RAM, and the tensors' CPU copy may add one more file (not
-                 measured: no GPU here; not counted).
+                 under FSDP, a file of the rank's DCP shard: the shard (the rank's student, EMA,
+                 AdamW states and target: 16 bytes per trained parameter, plus the target, over
+                 N) split into files of at most SHARD_FILE_BYTES (`train/dcp.py`), or one
+                 tensor's shard where that is larger. So 2x that file (measured on the CPU, where
+                 it adds to the peak: tests/bench/train_memory.py, docs/benchmarks.md). On GPUs
+                 it is RAM, and the tensors' CPU copy may add one more file (not measured: no GPU
+                 here; not counted).
 
 `per-expert` students (Wan 2.2) hold two students' states; a sample runs through one of them, so
 activations count once. The sum is a peak bound: on a GPU, gradients and activations overlap in
@@ -60,6 +69,10 @@ __all__ = [
 
 #: LoRA rank a plan proposes when the recipe trains a full student.
 PROPOSED_LORA_RANK = 64
+
+#: Largest file of a rank's sharded checkpoint (`train/dcp.py` splits a rank's shard into files
+#: of at most this many bytes, so the host RAM a checkpoint write takes is bounded by it).
+SHARD_FILE_BYTES = GiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +207,18 @@ def _room(inventory: Inventory, world: int) -> tuple[str, int, int]:
     return "cpu", ram, ram
 
 
+def _largest_checkpoint_file(
+    size: StudentSize, trained: int, target: int, shard: int, fsdp: bool
+) -> int:
+    """Bytes of the largest file a rank writes in a checkpoint (module docstring): DDP, AdamW's
+    states (rank 0); FSDP, the rank's shard (16 bytes per trained parameter and the target, over
+    N) in files of at most SHARD_FILE_BYTES, or one tensor's shard where that is larger."""
+    if not fsdp:
+        return 8 * trained
+    whole = 16 * trained // shard + target
+    return min(whole, max(SHARD_FILE_BYTES, 4 * size.largest_param // shard))
+
+
 def rank_memory(
     size: StudentSize, shape: TrainShape, choice: Choice, inventory: Inventory, world: int
 ) -> RankMemory:
@@ -228,8 +253,7 @@ def rank_memory(
         weights -= 4 * (trained + frozen) // shard
         grads = optimizer = ema = 0
     overhead = CUDA_OVERHEAD if device == "cuda" else 0
-    largest_file = (16 * trained // shard + target) if fsdp else 8 * trained
-    checkpoint = 2 * largest_file
+    checkpoint = 2 * _largest_checkpoint_file(size, trained, target, shard, fsdp)
     return RankMemory(
         choice, world, weights, grads, optimizer, ema, target, act, other, overhead, offloaded,
         checkpoint, device, room, ram,

@@ -104,6 +104,18 @@ def _outside_params(config: Mapping[str, Any]) -> int:
     return n + 2 * d  # scale_shift_table
 
 
+def _largest_param(config: Mapping[str, Any]) -> int:
+    """Elements of the student's largest tensor: a block linear's weight, the text embedder's
+    first linear (text_dim x D), the time projection (6D x D) or the patch embedding's kernel."""
+    d, _, _ = _dims(config)
+    patch = math.prod(config.get("patch_size") or (1, 2, 2))
+    cin = int(config.get("in_channels", 16))
+    text = int(config.get("text_dim", 4096))
+    image = int(config.get("image_dim") or 0)
+    linears = [i * o for i, o in linear_shapes(config).values()]
+    return max(*linears, text * d, 6 * d * d, cin * d * patch, image * image, image * d)
+
+
 def _block_params(config: Mapping[str, Any]) -> int:
     d, f, _ = _dims(config)
     n = sum(i * o + o for i, o in linear_shapes(config).values())
@@ -134,6 +146,8 @@ class StudentSize:
     adapter_params: int = 0
     """LoRA adapter parameters (0: a full student, every parameter trained)."""
     lora_rank: int = 0
+    largest_param: int = 0
+    """Elements of the largest tensor (a checkpoint file holds at least that tensor's shard)."""
 
     @classmethod
     def from_config(
@@ -160,6 +174,7 @@ class StudentSize:
             head_dim=head,
             adapter_params=adapter,
             lora_rank=lora_rank,
+            largest_param=_largest_param(config),
         )
 
     @property

@@ -3,10 +3,12 @@
 Layout of a sharded `checkpoint-<step>/` (the same folder rules as train/checkpoint.py: built in
 a hidden temp folder, renamed into place once complete, `latest` rewritten after that):
 
-    shards/shard-<r+1>-model-00001-of-00001.safetensors
+    shards/shard-<r+1>-model-<i>-of-<n>.safetensors
                          rank r's shard of every tensor: student.*, ema.*, projections.*,
-                         target.*, optimizer.state.<param index>.<name>; the safetensors
-                         metadata (DCP_SHARDING_INFO, JSON) gives each shard's offsets
+                         target.*, optimizer.state.<param index>.<name>, in n files of at
+                         most SHARD_FILE_BYTES each (a tensor larger than that alone in its
+                         file); the safetensors metadata (DCP_SHARDING_INFO, JSON) gives each
+                         chunk's offsets
     optimizer.json       the optimizer state that is not a tensor (as for DDP checkpoints)
     rng.safetensors      every rank's RNG states
     state.json           step, scheduler, reader, meta (parallel = "fsdp", shards = N), and the
@@ -21,12 +23,21 @@ M ranks (resharding). The ranks agree through `wandistill.dist` (JSON in tensors
 the temp folder, every rank writes its shard and reports its file's size and crc32c, and rank 0
 seals state.json and publishes only when all have written. A kill -9 anywhere before that
 leaves a temp folder that is never read and the previous checkpoint in force.
+
+Why several files per rank: DCP writes each file with `safetensors.torch.save`, which builds the
+whole file in memory and holds it twice at its peak (its buffer, then the Python `bytes`; on a
+GPU the tensors' CPU copies too). One file per rank made that host RAM the rank's whole shard
+(~57 GB per rank for Wan 2.1 14B over 8 ranks); files of at most SHARD_FILE_BYTES bound it, and
+the train plan's checkpoint term follows (`placement.train_plan`). DCP's HF writer splits a plan
+into files by `fqn_to_index_mapping`; `file_of` packs this rank's tensors into it in order.
+Checkpoints written with one file per rank read the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,6 +53,7 @@ from wandistill import dist
 from wandistill.dist import DistInfo
 from wandistill.failures import at
 from wandistill.fsutil import fsync_dir
+from wandistill.placement.train_plan import SHARD_FILE_BYTES
 from wandistill.train import checkpoint as ckpt_io
 from wandistill.validate import MiB
 
@@ -49,17 +61,43 @@ SHARDS = "shards"
 OPT_PREFIX = "optimizer.state."
 
 
+def file_of(items: list[Any], limit: int) -> dict[str, int]:
+    """DCP write items (this rank's plan) -> the 1-based file each goes to: in plan order, a new
+    file once the next tensor would take the current one past `limit` bytes (a tensor larger
+    than `limit` gets a file of its own)."""
+    out: dict[str, int] = {}
+    index, used = 1, 0
+    for item in items:
+        chunk = item.tensor_data
+        size = math.prod(chunk.chunk.sizes) * chunk.properties.dtype.itemsize
+        if used and used + size > limit:
+            index, used = index + 1, 0
+        out[item.index.fqn] = index
+        used += size
+    return out
+
+
 class _ShardWriter(HuggingFaceStorageWriter):
-    """Writes this rank's shard as shard-<rank + 1>-...; under no_dist every rank is DCP's
-    coordinator of a 1-rank plan, so the shard index comes from the real rank."""
+    """Writes this rank's shard as shard-<rank + 1>-model-<i>-of-<n>, files of at most
+    SHARD_FILE_BYTES (module docstring); under no_dist every rank is DCP's coordinator of a
+    1-rank plan, so the shard index comes from the real rank."""
 
     def __init__(self, path: Path, rank: int) -> None:
         super().__init__(str(path), save_distributed=True)
         self._shard_rank = rank  # not `rank`: set_up_storage_writer sets that to DCP's own
+        self._file_bytes = SHARD_FILE_BYTES
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        data = {"shard_index": self._shard_rank + 1}
-        return [dataclasses.replace(p, storage_data=data) for p in plans]
+        return [
+            dataclasses.replace(
+                p,
+                storage_data={
+                    "shard_index": self._shard_rank + 1,
+                    "fqn_to_index_mapping": file_of(p.items, self._file_bytes),
+                },
+            )
+            for p in plans
+        ]
 
 
 def _quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:

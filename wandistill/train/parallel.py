@@ -43,18 +43,42 @@ from torch.nn.parallel import DistributedDataParallel
 from wandistill.config import TrainConfig
 from wandistill.dist import DistInfo, cuda_and_cpu
 from wandistill.student import experts
-from wandistill.workarounds import ddp_no_buffer_sync
+from wandistill.workarounds import ddp_no_buffer_sync, ddp_skip_init_sync
 
 
 def wrap_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
-    """DDP over the ranks (it broadcasts rank 0's weights), or `model` itself on one process."""
+    """DDP over the ranks, or `model` itself on one process. The ranks start from rank 0's
+    weights: DDP broadcasts them all when it wraps, except for a model with frozen parameters
+    (a LoRA student), where `broadcast_trained` sends only what is trained (see there)."""
     if not info.distributed:
         return model
+    skip = {}
+    if any(not p.requires_grad for p in model.parameters()):
+        broadcast_trained(model)
+        skip = ddp_skip_init_sync()
     return DistributedDataParallel(
         model,
         device_ids=[info.device.index] if info.device.type == "cuda" else None,
         **ddp_no_buffer_sync(),  # the only buffers are RoPE tables, equal on every rank
+        **skip,
     )
+
+
+@torch.no_grad()
+def broadcast_trained(model: nn.Module) -> None:
+    """Rank 0's trained parameters and buffers to every rank, one tensor at a time.
+
+    What DDP's construction-time sync does, without the frozen parameters: a LoRA student's
+    frozen base is the teacher's transformer, read from the same file on every rank, so it is
+    equal already, and DDP's broadcast of it (through flattened bucket copies) is a transient of
+    the base's size per rank, the peak of a LoRA run (docs/benchmarks.md, train memory). The
+    adapter (and a resumed checkpoint) is the same on every rank by seed and by file; this makes
+    it so by construction, as DDP would."""
+    for p in model.parameters():
+        if p.requires_grad:
+            torch_dist.broadcast(p.data, src=0)
+    for b in model.buffers():
+        torch_dist.broadcast(b, src=0)
 
 
 def _one_rank_group(info: DistInfo, cpu_backend: bool) -> None:
