@@ -583,10 +583,10 @@ def precompute_cmd(
         out.print_json(json.dumps(to_dict(cfg)))
         _show_recording(full)
         return
-    from wandistill.precompute import run
-    from wandistill.precompute.run import REPORT_NAME
+    from wandistill.precompute.job import launch
 
-    s = run(cfg, part=job_part)
+    s = launch(cfg, part=job_part)
+    from wandistill.precompute.run import REPORT_NAME
     from wandistill.storage import open_storage
 
     cache = open_storage(s.cache)
@@ -700,9 +700,9 @@ def train_cmd(
         return
     if resume and cfg.out and _already_trained(cfg):
         return
-    from wandistill.train import run
+    from wandistill.train.job import launch
 
-    r = run(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
+    r = launch(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
     if not r.is_main:
         return
     if r.corrupt:
@@ -725,16 +725,17 @@ def _already_trained(cfg: TrainConfig) -> bool:
     or the cache is refused as always), and a run killed after its last checkpoint but before
     its student was written is not finished: `train` completes it."""
     from wandistill.train.checkpoint import PREFIX, resolve_latest
-    from wandistill.train.export import SAMPLING
-    from wandistill.train.loop import validate
 
     run_dir, steps = Path(cfg.out), cfg.steps
     latest = resolve_latest(run_dir / "checkpoints")
-    if latest is None or not (run_dir / SAMPLING).is_file():
+    if latest is None or int(latest.name[len(PREFIX) :]) < steps:
+        return False  # (checked first: the training stack is imported after the job is joined)
+    from wandistill.train.export import SAMPLING
+    from wandistill.train.loop import validate
+
+    if not (run_dir / SAMPLING).is_file():
         return False
     at = int(latest.name[len(PREFIX) :])
-    if at < steps:
-        return False
     validate(cfg, resume=True)
     if os.environ.get("RANK", "0") == "0":
         out.print(
@@ -1428,6 +1429,7 @@ def plan_cmd(
     --cpu-mem and --disk; nothing is loaded. A recipe named for a machine (`*_1x80gb`) is planned
     for that machine where this one has no GPU. --train: per-rank weights, gradients, AdamW, EMA
     and activations of the recipe's student for DDP / FSDP / checkpointing / LoRA / batch."""
+    _machine_bounds(gpus, {"--gpu-mem": gpu_mem, "--cpu-mem": cpu_mem, "--disk": disk})
     from wandistill.config import load_recipe
     from wandistill.placement.estimate import SamplerSizes, dtype_from_name
     from wandistill.placement.inventory import Inventory
@@ -1453,7 +1455,6 @@ def plan_cmd(
             "no teacher to plan",
             fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
         )
-    _machine_bounds(gpus, {"--gpu-mem": gpu_mem, "--cpu-mem": cpu_mem, "--disk": disk})
     what_if = any(v is not None for v in (gpus, gpu_mem, cpu_mem, disk))
     if what_if:
         inventory = Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk)

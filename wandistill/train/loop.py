@@ -76,7 +76,7 @@ from wandistill.student.model import DistillModule
 from wandistill.student.schedule import ObjectivePlan, TeacherSchedule, plan_objectives
 from wandistill.train import checkpoint as ckpt_io
 from wandistill.train import dcp as sharded
-from wandistill.train import parallel
+from wandistill.train import job, parallel
 from wandistill.train.ema import EMA, TargetNetwork
 from wandistill.train.export import export_pretrained
 from wandistill.train.metrics import MetricsLog, peak_memory, truncate_after
@@ -161,13 +161,7 @@ def run(
     if follow:
         wait_for_manifest(cfg)
     plan = validate(cfg, resume=resume)
-    flags = {"resume": resume, "follow": follow, "skip_corrupt": skip_corrupt}
-    info = dist.init(
-        cfg.device,
-        timeout_s=cfg.dist_timeout,
-        config={"train": to_dict(cfg), "flags": flags},
-        cpu_backend=cfg.parallel == "fsdp" and cfg.fsdp.cpu_offload,
-    )
+    info = job.join(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
     started = time.perf_counter()
     trainer: Trainer | None = None
     folder: outputs.OutputFolder | None = None
