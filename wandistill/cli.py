@@ -718,6 +718,21 @@ def train_cmd(
         out.print(line, highlight=False, soft_wrap=True)
 
 
+@app.command(
+    "launch",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    options_metavar="[TORCHRUN FLAGS] {precompute|train} [ARGS]...",
+)
+def launch_cmd(ctx: typer.Context) -> None:
+    """Run precompute or train as a torchrun job: `wandistill launch [TORCHRUN FLAGS] COMMAND
+    ...` is `torchrun [TORCHRUN FLAGS] -m wandistill COMMAND ...` (same flags, e.g.
+    --standalone --nproc_per_node=2), except that a rank's refusal ends the job with that
+    rank's one error line and exit code, without torchrun's ChildFailedError traceback."""
+    from wandistill.launch import launch
+
+    launch(ctx.args, verbose=bool(ctx.find_root().params.get("verbose")))
+
+
 def _already_trained(cfg: TrainConfig) -> bool:
     """--resume of a finished run already at or past --steps (a total): say so and touch
     nothing, so re-running a finished command is harmless and the way on is named. The recipe
@@ -1593,6 +1608,7 @@ def _rerun(argv: list[str], add: str = "") -> str:
     args = [*argv, add] if add and add not in argv else list(argv)
     world = os.environ.get("WORLD_SIZE", "1")
     launcher = "torchrun (the same launch flags) -m wandistill" if world != "1" else "wandistill"
+    launcher = os.environ.get("WANDISTILL_LAUNCH", launcher)  # `wandistill launch ...` as typed
     return f"{launcher} {shlex.join(args)}"
 
 
