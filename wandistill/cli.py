@@ -724,10 +724,12 @@ def train_cmd(
     options_metavar="[TORCHRUN FLAGS] {precompute|train} [ARGS]...",
 )
 def launch_cmd(ctx: typer.Context) -> None:
-    """Run precompute or train as a torchrun job: `wandistill launch [TORCHRUN FLAGS] COMMAND
-    ...` is `torchrun [TORCHRUN FLAGS] -m wandistill COMMAND ...` (same flags, e.g.
-    --standalone --nproc_per_node=2), except that a rank's refusal ends the job with that
-    rank's one error line and exit code, without torchrun's ChildFailedError traceback."""
+    """Run precompute or train as a torchrun job, ending with a rank's own error, no traceback.
+
+    `wandistill launch [TORCHRUN FLAGS] COMMAND ...` is `torchrun [TORCHRUN FLAGS] -m wandistill
+    COMMAND ...` with the same flags (e.g. --standalone --nproc_per_node=2), except that a
+    rank's refusal ends the job with that rank's one error line and exit code, without
+    torchrun's ChildFailedError traceback."""
     from wandistill.launch import launch
 
     launch(ctx.args, verbose=bool(ctx.find_root().params.get("verbose")))
