@@ -49,6 +49,7 @@ def test_a_refused_two_rank_precompute_prints_one_error_and_no_traceback(
     )
     errors = [line for line in job.stderr.splitlines() if line.startswith("error:")]
     assert job.returncode == 2, job.stderr[-3000:]  # the rank's own exit code (a usage error)
-    assert len(errors) == 1 and "settings.guidance_scale: cache has 5.0" in errors[0], job.stderr
+    assert len(errors) == 1 and "written with a different" in errors[0], job.stderr
+    assert "settings.guidance_scale: cache has 5.0, this run has 3.0" in job.stderr
     assert "Traceback" not in job.stderr and "ChildFailedError" not in job.stderr, job.stderr
     assert "fix:" in job.stderr
