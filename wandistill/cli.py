@@ -594,10 +594,10 @@ def precompute_cmd(
         out.print_json(json.dumps(to_dict(cfg)))
         _show_recording(full)
         return
-    from wandistill.precompute import run
-    from wandistill.precompute.run import REPORT_NAME
+    from wandistill.precompute.job import launch
 
-    s = run(cfg, part=job_part)
+    s = launch(cfg, part=job_part)
+    from wandistill.precompute.run import REPORT_NAME
     from wandistill.storage import open_storage
 
     cache = open_storage(s.cache)
@@ -709,8 +709,7 @@ def train_cmd(
         for line in objective_plan(cfg).describe():
             out.print(line, highlight=False, soft_wrap=True)
         return
-    from wandistill.train import run
-    from wandistill.train.loop import finished_at
+    from wandistill.train.job import finished_at, launch
 
     if resume and cfg.out and (at := finished_at(cfg)) is not None:
         if os.environ.get("RANK", "0") == "0":
@@ -721,7 +720,7 @@ def train_cmd(
             )
         return
 
-    r = run(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
+    r = launch(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
     if not r.is_main:
         return
     if r.corrupt:
@@ -735,6 +734,23 @@ def train_cmd(
             err.print(f"  {line}", highlight=False)
     for line in r.lines():
         out.print(line, highlight=False, soft_wrap=True)
+
+
+@app.command(
+    "launch",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    options_metavar="[TORCHRUN FLAGS] {precompute|train} [ARGS]...",
+)
+def launch_cmd(ctx: typer.Context) -> None:
+    """Run precompute or train as a torchrun job, ending with a rank's own error, no traceback.
+
+    `wandistill launch [TORCHRUN FLAGS] COMMAND ...` is `torchrun [TORCHRUN FLAGS] -m wandistill
+    COMMAND ...` with the same flags (e.g. --standalone --nproc_per_node=2), except that a
+    rank's refusal ends the job with that rank's one error line and exit code, without
+    torchrun's ChildFailedError traceback."""
+    from wandistill.launch import launch
+
+    launch(ctx.args, verbose=bool(ctx.find_root().params.get("verbose")))
 
 
 def _show_recording(recipe: Recipe) -> None:
@@ -1420,6 +1436,7 @@ def plan_cmd(
     --cpu-mem and --disk; nothing is loaded. A recipe named for a machine (`*_1x80gb`) is planned
     for that machine where this one has no GPU. --train: per-rank weights, gradients, AdamW, EMA
     and activations of the recipe's student for DDP / FSDP / checkpointing / LoRA / batch."""
+    _machine_bounds(gpus, {"--gpu-mem": gpu_mem, "--cpu-mem": cpu_mem, "--disk": disk})
     from wandistill.config import load_recipe
     from wandistill.placement.estimate import SamplerSizes, dtype_from_name
     from wandistill.placement.inventory import Inventory
@@ -1445,7 +1462,6 @@ def plan_cmd(
             "no teacher to plan",
             fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
         )
-    _machine_bounds(gpus, {"--gpu-mem": gpu_mem, "--cpu-mem": cpu_mem, "--disk": disk})
     what_if = any(v is not None for v in (gpus, gpu_mem, cpu_mem, disk))
     if what_if:
         inventory = Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk)
@@ -1584,6 +1600,7 @@ def _rerun(argv: list[str], add: str = "") -> str:
     args = [*argv, add] if add and add not in argv else list(argv)
     world = os.environ.get("WORLD_SIZE", "1")
     launcher = "torchrun (the same launch flags) -m wandistill" if world != "1" else "wandistill"
+    launcher = os.environ.get("WANDISTILL_LAUNCH", launcher)  # `wandistill launch ...` as typed
     return f"{launcher} {shlex.join(args)}"
 
 

@@ -216,7 +216,7 @@ class CacheConfig:
     compression_level: int = num(3, ge=1, le=22)
 
     def __post_init__(self) -> None:
-        from wandistill.cache.encoding import COMPRESSIONS, STORE_DTYPES, TRAJECTORY, ZARR_ONLY
+        from wandistill.cache.choices import COMPRESSIONS, STORE_DTYPES, TRAJECTORY, ZARR_ONLY
 
         names = tuple(STORE_DTYPES)
         keys = f"keys are {', '.join(TRAJECTORY)}, values one of {', '.join(names)}"
@@ -575,7 +575,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.cache_weights:
-            from wandistill.cache.multi import check_weights
+            from wandistill.cache.choices import check_weights
 
             check_weights(self.cache_weights, len(self.caches))
         _problems(

@@ -67,7 +67,7 @@ def run_demo(
 ) -> DemoResult:
     """`teacher`: a Wan teacher folder to use instead of the trained tiny one (tests pass a
     random tiny teacher to skip the minute of teacher training)."""
-    from wandistill.precompute import run as precompute
+    from wandistill.precompute.run import run as precompute
 
     root = Path(root)
     seconds: dict[str, float] = {}

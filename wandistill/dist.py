@@ -23,6 +23,7 @@ Every rank exits; none waits forever:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -31,7 +32,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,11 @@ def init(
     CUDA, also gloo for collectives on CPU tensors (FSDP2 with CPU offload reduces the gradient
     norm and gathers the student from host memory), as torchtitan does for CPU offload.
     """
+    joined = _state.get("info")
+    if joined is not None and dist.is_initialized():  # joined early (`launch` of a stage)
+        if config is not None and _digest(config) != _state.get("checked"):
+            check_same_config(joined, config)
+        return joined
     timeout = resolve_timeout(timeout_s)
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -160,7 +166,23 @@ def init(
     info = DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
     if config is not None:
         check_same_config(info, config)
+    if backend is not None:
+        _state["info"] = info
     return info
+
+
+@contextlib.contextmanager
+def leaving_on_error(info: DistInfo) -> Iterator[None]:
+    """For a caller that joined the job before the stage that owns it (a stage's `launch`,
+    which joins before importing the stage): leave the job if the stage fails before it took
+    ownership (a check that fails before the stage's own `init`). As the stages do, never on the
+    nccl error path: an nccl rank exits at once instead of waiting on its peers."""
+    try:
+        yield
+    except BaseException:
+        if info.backend != "nccl":
+            cleanup()
+        raise
 
 
 def cuda_and_cpu(backend: str) -> str:
@@ -372,15 +394,21 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): json.dumps(obj, sort_keys=True, default=str)}
 
 
+def _digest(config: dict[str, Any]) -> str:
+    flat = _flatten({**config, "wandistill_version": __version__})
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+
+
 def check_same_config(info: DistInfo, config: dict[str, Any]) -> None:
     """Every rank runs the same resolved configuration, or every rank exits naming the keys that
     differ (and each rank's value). Two small collectives; the second only on a mismatch."""
     if not info.distributed:
         return
     flat = _flatten({**config, "wandistill_version": __version__})
-    digest = hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    digest = _digest(config)
     digests = all_gather_json(info, digest)
     if len(set(digests)) == 1:
+        _state["checked"] = digest
         return
     views: list[dict[str, str]] = all_gather_json(info, flat)
     keys = sorted({k for v in views for k in v})

@@ -50,7 +50,7 @@ def build(work: Path, n: int) -> tuple[Path, Path]:
     import torch
 
     from wandistill.config import load_recipe
-    from wandistill.precompute import run as precompute
+    from wandistill.precompute.run import run as precompute
     from wandistill.teacher.tiny import make_tiny_teacher
     from wandistill.train import run as train
 

@@ -502,7 +502,7 @@ def measured_precompute(ctx: Ctx, cfg: Any) -> tuple[Any, float, Peak, dict[str,
     """Run precompute with memory sampled: (summary, seconds, sampler, CUDA allocator peaks)."""
     import torch
 
-    from wandistill.precompute import run
+    from wandistill.precompute.run import run
 
     gc.collect()
     if ctx.cuda:
@@ -884,7 +884,7 @@ def train_cache(ctx: Ctx) -> Path:
     """The first placement's cache (made on this device); made here if that section did not."""
     cache = ctx.work / "placements" / ctx.device
     if not (cache / "manifest.json").exists():
-        from wandistill.precompute import run
+        from wandistill.precompute.run import run
 
         shutil.rmtree(cache, ignore_errors=True)
         run(precompute_config(ctx, cache, ctx.device), quiet=True)

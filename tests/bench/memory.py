@@ -78,7 +78,7 @@ def child(mode: str, n: int, teacher: Path, work: Path) -> dict:
     write_prompts(prompts, n)
     cfg = load_recipe(None, recipe(teacher, prompts, work / "cache"), stage="precompute").precompute
     if mode == "full":
-        from wandistill.precompute import run
+        from wandistill.precompute.run import run
 
         t0 = time.perf_counter()
         s = run(cfg, quiet=True)

@@ -81,7 +81,7 @@ def ours(
     """`wandistill.precompute.run` on the same prompts; `extra` overrides come last (gpu.py
     sets the device, dtype and sizes there)."""
     from wandistill.config import load_recipe
-    from wandistill.precompute import run
+    from wandistill.precompute.run import run
 
     cfg = load_recipe(
         None,

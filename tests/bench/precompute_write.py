@@ -86,7 +86,7 @@ PREFAULT_BYTES = 4 << 30
 def precompute(teacher: Path, prompts: Path, args: argparse.Namespace, cache: Path,
                null_sink: bool, leg: str = "background") -> float:  # fmt: skip
     from wandistill.config import load_recipe
-    from wandistill.precompute import run
+    from wandistill.precompute.run import run
 
     # The module itself: `import wandistill.precompute.run as module` gives the package's `run`
     # attribute, which is this function, not the module (an earlier version of this bench

@@ -50,7 +50,7 @@ if os.environ.get("NO_MKLDNN"):
 from pathlib import Path
 from wandistill.cache import open_cache
 from wandistill.config import load_recipe
-from wandistill.precompute import run
+from wandistill.precompute.run import run
 teacher, prompts, out, result = sys.argv[1:5]
 sets = [f'teacher.path="{teacher}"', f'prompts="{prompts}"', f'cache.path="{out}"',
         "sampler.num_inference_steps=4", "sampler.height=32", "sampler.width=32",

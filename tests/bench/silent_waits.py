@@ -3,7 +3,7 @@
 timestamped; a gap is the time between two lines (or from the start to the first line, or from
 the last line to the exit).
 
-    python tests/bench/silent_waits.py [--work DIR] [--json FILE] [--quick]
+    python tests/bench/silent_waits.py [--work DIR] [--json FILE] [--quick] [--only NAME ...]
 
 Cases (each `python -m wandistill ...` as its own process, default settings unless named):
 - `cache info` on an S3 endpoint that accepts connections and never answers (defaults: 5 s to
@@ -16,7 +16,8 @@ Cases (each `python -m wandistill ...` as its own process, default settings unle
 Two figures per case: the longest gap of all, and the longest gap before the first line that
 says what the command waits for (`waiting:`) or ends it (`error:`): the target is that no
 command is silent for over 10 s without such a line. Startup (imports) counts: it is part of
-what a user sees. `--quick`: WANDISTILL_STORAGE_TIMEOUT=5 for the stalled endpoint. Not a
+what a user sees. `--quick`: WANDISTILL_STORAGE_TIMEOUT=5 for the stalled endpoint. `--only`:
+run only the named cases (stalled, unreachable, not_s3, follow, rendezvous, plan). Not a
 pytest test: run once, its output goes to docs/reliability.md.
 """
 
@@ -36,6 +37,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
+CASES = ("stalled", "unreachable", "not_s3", "follow", "rendezvous", "plan")
+"""The cases' names, in the order they run (`--only`)."""
 sys.path.insert(0, str(ROOT / "tests"))
 
 
@@ -131,6 +134,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--real", type=Path, default=None, help="tests/realfiles.py output to reuse")
+    ap.add_argument("--only", nargs="+", choices=CASES, default=list(CASES))
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="silent-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -154,7 +158,8 @@ def main() -> None:
         ([*train, "--out", str(work / "solo")], solo),
         (["plan", "--config", "wan2.1-14b", "--gpus", "1000000", "--gpu-mem", "80GiB"], {}),
     ]
-    results = [timed(argv, env) for argv, env in cases]
+    chosen = [case for name, case in zip(CASES, cases, strict=True) if name in args.only]
+    results = [timed(argv, env) for argv, env in chosen]
     for r in results:
         print(json.dumps(r, indent=1))
     worst = max(results, key=lambda r: r["silent_before_told_s"])

@@ -82,7 +82,7 @@ def build_caches(
     base seed + its index, so every repeat is another trajectory of the same prompt) and eval
     cache (held-out, fresh noise)."""
     from wandistill.config import load_recipe
-    from wandistill.precompute import run as precompute
+    from wandistill.precompute.run import run as precompute
 
     split = {"train": prompts[n_eval:] * repeats, "eval": prompts[:n_eval]}
     seeds = {"train": 0, "eval": 1_000_000}

@@ -126,7 +126,7 @@ def train_overrides(args: argparse.Namespace, cache: Path, out: Path) -> list[st
 def build_cache(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Tiny teacher, prompt file and cache (precompute, timed). Returns what it measured."""
     from wandistill.config import load_recipe
-    from wandistill.precompute import run as precompute
+    from wandistill.precompute.run import run as precompute
     from wandistill.teacher.tiny import make_tiny_teacher
 
     make_tiny_teacher(work / "teacher")

@@ -179,7 +179,7 @@ def make_teacher(args: argparse.Namespace, path: Path) -> None:
 
 def build_cache(args: argparse.Namespace, work: Path) -> Path:
     from wandistill.config import load_recipe
-    from wandistill.precompute import run as precompute
+    from wandistill.precompute.run import run as precompute
 
     make_teacher(args, work / "teacher")
     words = "a red fox runs over the snowy hill at dusk".split()

@@ -175,7 +175,7 @@ def _pre_args(sets: list[str]) -> list[str]:
 
 
 def _pre_inprocess(sets: list[str]) -> None:
-    from wandistill.precompute import run
+    from wandistill.precompute.run import run
 
     with one_thread():
         run(load_recipe(REPO / "pipelines" / "tiny.toml", sets, stage="precompute").precompute)

@@ -18,7 +18,7 @@ from wandistill.errors import UsageError
 from wandistill.eval import grid as gridmod
 from wandistill.eval.run import evaluate
 from wandistill.eval.sample import SampleOptions, sample
-from wandistill.precompute import run as precompute
+from wandistill.precompute.run import run as precompute
 from wandistill.student.folders import read_student
 from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.tiny import make_tiny_teacher

@@ -39,7 +39,7 @@ FEWSTEP = [
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from wandistill.config import load_recipe
-    from wandistill.precompute import run as precompute
+    from wandistill.precompute.run import run as precompute
     from wandistill.teacher.tiny import make_tiny_teacher
     from wandistill.train import run as train
 

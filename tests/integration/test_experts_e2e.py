@@ -56,7 +56,7 @@ def _no_process_group() -> Iterator[None]:
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Wan 2.2 teacher, a cache of it (4 steps, all recorded) and a per-expert run."""
     from wandistill.config import load_recipe
-    from wandistill.precompute import run as precompute
+    from wandistill.precompute.run import run as precompute
     from wandistill.teacher.tiny import make_tiny_teacher
     from wandistill.train import run as train
 

@@ -25,7 +25,7 @@ MSL = 32  # the tiny recipe's max_sequence_length: the pipeline must pad the pro
 
 def _precompute(teacher: Path, prompts: Path, cache: Path, *extra: str) -> None:
     from wandistill.config import load_recipe
-    from wandistill.precompute import run
+    from wandistill.precompute.run import run
 
     sets = [
         f'teacher.path="{teacher}"',

@@ -44,7 +44,7 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Wan 2.2 teacher and a cache of it (4 steps, all recorded, 4 records)."""
     from wandistill.config import load_recipe
-    from wandistill.precompute import run as precompute
+    from wandistill.precompute.run import run as precompute
     from wandistill.teacher.tiny import make_tiny_teacher
 
     root = tmp_path_factory.mktemp("fsdp_experts")

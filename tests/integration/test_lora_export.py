@@ -47,7 +47,7 @@ def world(worlds: dict[str, dict[str, Path]]) -> dict[str, Path]:
 
 def _world(root: Path, prompts: Path, *, wan22: bool) -> dict[str, Path]:
     from wandistill.config import load_recipe
-    from wandistill.precompute import run as precompute
+    from wandistill.precompute.run import run as precompute
     from wandistill.teacher.tiny import make_tiny_teacher
     from wandistill.train import run as train
 

@@ -18,8 +18,8 @@ from wandistill.cache.merge import MergeConfig, merge
 from wandistill.cache.schema import tensor_bytes
 from wandistill.config import load_recipe
 from wandistill.errors import UsageError
-from wandistill.precompute import run
 from wandistill.precompute.parts import PARTS_NAME, Part
+from wandistill.precompute.run import run
 from wandistill.teacher.tiny import make_tiny_teacher
 
 REPO = Path(__file__).parents[2]

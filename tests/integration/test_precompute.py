@@ -17,7 +17,7 @@ from wandistill.cache import open_cache
 from wandistill.cache.manifest import read_manifest
 from wandistill.cache.schema import pad_embeds
 from wandistill.config import load_recipe
-from wandistill.precompute import run
+from wandistill.precompute.run import run
 from wandistill.teacher.tiny import make_tiny_teacher
 
 from zygote import Zygote, alive, kill

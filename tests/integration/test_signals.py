@@ -194,7 +194,7 @@ def _pre_argv(sets: list[str]) -> list[str]:
 
 
 def _pre_inprocess(sets: list[str]):  # noqa: ANN202 - the precompute Summary
-    from wandistill.precompute import run
+    from wandistill.precompute.run import run
 
     cfg = load_recipe(REPO / "pipelines" / "tiny.toml", sets, stage="precompute").precompute
     with one_thread():

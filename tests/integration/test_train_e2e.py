@@ -118,7 +118,7 @@ def test_train_needs_no_teacher_and_its_student_samples_in_wan_pipeline(tmp_path
     from diffusers import WanPipeline, WanTransformer3DModel
 
     from wandistill.config import load_recipe
-    from wandistill.precompute import run as precompute
+    from wandistill.precompute.run import run as precompute
     from wandistill.teacher.tiny import make_tiny_teacher
 
     teacher = make_tiny_teacher(tmp_path / "teacher")

@@ -122,7 +122,7 @@ def _poison(folder: Path, component: str) -> None:
 def test_precompute_refuses_a_teacher_that_makes_nan_naming_prompt_key_and_step(
     tmp_path: Path, component: str, message: str
 ) -> None:
-    from wandistill.precompute import run
+    from wandistill.precompute.run import run
     from wandistill.teacher.tiny import make_tiny_teacher
 
     teacher = make_tiny_teacher(tmp_path / "teacher")

@@ -45,3 +45,26 @@ def test_a_stopped_demo_says_to_re_run_the_demo(
     assert caught.value.resume_flag == ""  # `wandistill demo --resume` does not exist
     assert "re-run the demo to resume" in caught.value.message
     assert "--resume" not in caught.value.message
+
+
+def test_a_stopped_rank_of_wandistill_launch_names_the_launch_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from wandistill.dist import DistInfo
+
+    def stopped(*_: object, **__: object) -> None:
+        raise _stop("resume with --resume", "--resume")
+
+    alone = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), backend=None)
+    monkeypatch.setattr("wandistill.train.job.join", lambda *_, **__: alone)  # no rendezvous
+    monkeypatch.setattr("wandistill.train.run", stopped)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WANDISTILL_LAUNCH", "wandistill launch --standalone --nproc_per_node=2")
+    args = ["train", "tiny", "--cache", str(tmp_path / "c"), "--out", str(tmp_path / "r")]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 128 + signal.SIGTERM
+    fix = [line.strip() for line in err.splitlines() if "fix:" in line]
+    launch = "wandistill launch --standalone --nproc_per_node=2"
+    assert fix == [f"fix: to resume, run: {launch} {' '.join(args)} --resume"]

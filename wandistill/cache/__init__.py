@@ -1,10 +1,28 @@
 """The cache room: records <-> webdataset tar shards or zarr v3 arrays, with a manifest.
 
-Must not import diffusers: a cache is read by `train`, which never touches the teacher.
+Must not import diffusers: a cache is read by `train`, which never touches the teacher. The
+re-exports below load on first use (`wandistill.lazy`): a recipe check that needs one constant
+of this room (`cache.choices`) does not load torch, webdataset and zarr with it.
 """
 
-from wandistill.cache.reader import CacheStore, open_cache
-from wandistill.cache.schema import Record, record_key
-from wandistill.cache.writer import CacheWriter, open_writer
+from typing import TYPE_CHECKING
+
+from wandistill.lazy import exports
+
+if TYPE_CHECKING:
+    from wandistill.cache.reader import CacheStore, open_cache
+    from wandistill.cache.schema import Record, record_key
+    from wandistill.cache.writer import CacheWriter, open_writer
 
 __all__ = ["CacheStore", "CacheWriter", "Record", "open_cache", "open_writer", "record_key"]
+__getattr__, __dir__ = exports(
+    __name__,
+    {
+        "CacheStore": "wandistill.cache.reader",
+        "open_cache": "wandistill.cache.reader",
+        "Record": "wandistill.cache.schema",
+        "record_key": "wandistill.cache.schema",
+        "CacheWriter": "wandistill.cache.writer",
+        "open_writer": "wandistill.cache.writer",
+    },
+)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from wandistill.cache.choices import FP8, STORE_DTYPES, TRAJECTORY
 from wandistill.cache.schema import (
     DTYPE_BY_NAME,
     FEATURE_PREFIX,
@@ -30,24 +31,7 @@ from wandistill.cache.schema import (
     is_step_field,
 )
 
-FP8 = "float8_e4m3fn"
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
-STORE_DTYPES: dict[str, str | None] = {
-    "model": None,
-    "fp32": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "fp8": FP8,
-}
-"""Recipe name -> stored dtype (`model`: as computed, no conversion)."""
-TRAJECTORY = ("xt", "teacher_out", "final_latent", "features")
-"""Fields whose stored dtype the recipe chooses (`features`: every `feature.<name>`)."""
-COMPRESSIONS = ("none", "zstd")
-ZARR_ONLY = (
-    "needs cache.backend = 'zarr' (a webdataset record is read by byte range, one recorded step "
-    "at a time, which a compressed member would defeat)"
-)
-"""Why compression is refused for webdataset (the recipe check and the writer say the same)."""
 
 
 def _group(name: str) -> str | None:

@@ -29,32 +29,12 @@ import torch
 
 from wandistill.cache.merge import _differences
 from wandistill.cache.reader import CacheStore
-from wandistill.errors import CacheError, CacheMismatchError, ConfigError, UsageError
+from wandistill.errors import CacheError, CacheMismatchError, UsageError
 
 OWN_BLOCKS = ("backend", "numerics", "fields", "format", "schema_version")
 """Sealed blocks that may differ between caches trained together (how a cache is stored)."""
 OWN_SETTINGS = ("settings.holdout_fraction",)
 """Settings each cache keeps for itself."""
-
-
-def check_weights(weights: Sequence[Any], caches: int) -> list[float]:
-    """`train.cache_weights` as floats: empty (no weighting) or one positive number a cache."""
-    if not weights:
-        return []
-    if len(weights) != caches:
-        raise ConfigError(
-            f"train.cache_weights has {len(weights)} weights for {caches} caches",
-            fix="give one weight per --cache, in the same order, or none",
-        )
-    for i, w in enumerate(weights):
-        ok = isinstance(w, int | float) and not isinstance(w, bool)
-        if not ok or not math.isfinite(w) or w <= 0:
-            raise ConfigError(
-                f"train.cache_weights[{i}]={w!r} is not a positive number",
-                fix="give each cache a weight > 0 (its share of each epoch's samples), e.g. "
-                "--set 'train.cache_weights=[2, 1]'",
-            )
-    return [float(w) for w in weights]
 
 
 def differences(a: CacheStore, b: CacheStore) -> list[str]:

@@ -52,7 +52,8 @@ import torch
 
 from wandistill import waiting
 from wandistill.cache.batch import BatchBuffers, RowsOf
-from wandistill.cache.multi import check_compatible, check_unique_keys, check_weights, mix
+from wandistill.cache.choices import check_weights
+from wandistill.cache.multi import check_compatible, check_unique_keys, mix
 from wandistill.cache.reader import CacheStore
 from wandistill.cache.schema import is_holdout
 from wandistill.errors import CacheError, CorruptRecordError, UsageError

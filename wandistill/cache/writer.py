@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import save as st_save
 
 from wandistill.cache import manifest as mf
-from wandistill.cache.encoding import ZARR_ONLY, RecordCodec, compression_of
+from wandistill.cache.choices import ZARR_ONLY
+from wandistill.cache.encoding import RecordCodec, compression_of
 from wandistill.cache.keyindex import NameIndex
 from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name, plain
 from wandistill.errors import CacheError, UsageError

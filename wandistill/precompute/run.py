@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import shutil
 import signal
@@ -43,14 +42,14 @@ from wandistill.cache.background import BackgroundWriter
 from wandistill.cache.embeds import EmbedStore, own_negative_name
 from wandistill.cache.schema import Record, dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
-from wandistill.config import PrecomputeConfig, to_dict
+from wandistill.config import PrecomputeConfig
 from wandistill.errors import UsageError, WandistillError
 from wandistill.failures import Stopped, StopRequested, StopSignals, first_line
 from wandistill.finite import NonFiniteError
 from wandistill.placement.estimate import SamplerSizes
-from wandistill.placement.strategies import Placement
-from wandistill.precompute import parts
+from wandistill.precompute import job, parts
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
+from wandistill.precompute.job import prompt_sha256
 from wandistill.precompute.numerics import follow_recorded_threads, record_numerics
 from wandistill.precompute.parts import Part
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
@@ -162,15 +161,6 @@ def _key(p: Prompt, settings: dict[str, Any]) -> str:
     return record_key(p.text, p.seed, {**settings, **own})
 
 
-def _device_kind(placement: Placement) -> str:
-    """The device torchrun ranks bind to: CPU placements use gloo, the rest the rank's GPU."""
-    import torch
-
-    if placement.cpu_only or not torch.cuda.is_available():
-        return "cpu"
-    return "auto"
-
-
 def _stopped(signum: int | None, records: int, info: dist.DistInfo | None) -> Stopped:
     """Precompute stopped on SIGTERM / SIGINT; what it wrote is committed."""
     progress = f"after {records} records"
@@ -190,19 +180,12 @@ def run(
     its own under `cache.path` (wandistill/precompute/parts.py)."""
     t0 = time.perf_counter()
     root = storage.describe(cfg.cache.path)
-    if part is not None:
-        cfg = dataclasses.replace(
-            cfg, cache=dataclasses.replace(cfg.cache, path=parts.part_cache(root, part))
-        )
+    cfg = job.for_part(cfg, part)
     teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
     recorded_steps(teacher, cfg)  # a K off the teacher's schedule fails before any work
     prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed, into=PromptTable())
     with StopSignals.install() as stop, contextlib.ExitStack() as owned:
-        info = dist.init(
-            _device_kind(cfg.teacher.placement),
-            timeout_s=cfg.dist_timeout,
-            config=run_identity(cfg),
-        )
+        info = job.join(cfg)
         try:
             w = _plan(
                 cfg, teacher, prompts, info, null_sink=null_sink, quiet=quiet, part=part, root=root
@@ -662,21 +645,6 @@ def _earlier_truncations(store: storage.Storage) -> list[str]:
     except (OSError, ValueError, AttributeError, WandistillError):
         return []  # a report we cannot read is rewritten from what this run knows
     return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
-
-
-def run_identity(cfg: PrecomputeConfig) -> dict[str, Any]:
-    """What every rank must agree on: the resolved config and the prompt file's bytes (a
-    same-named but different file on another node would split the work inconsistently)."""
-    return {"precompute": to_dict(cfg), "prompt_file_sha256": prompt_sha256(cfg.prompts)}
-
-
-def prompt_sha256(path: str) -> str:
-    """The prompt file's sha256 (what ranks, and parts, must agree on)."""
-    sha = hashlib.sha256()
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 def _barrier(info: dist.DistInfo, stop: StopSignals, records: int) -> None:

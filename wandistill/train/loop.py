@@ -76,9 +76,9 @@ from wandistill.student.model import DistillModule
 from wandistill.student.schedule import ObjectivePlan, TeacherSchedule, plan_objectives
 from wandistill.train import checkpoint as ckpt_io
 from wandistill.train import dcp as sharded
-from wandistill.train import parallel
+from wandistill.train import job, parallel
 from wandistill.train.ema import EMA, TargetNetwork
-from wandistill.train.export import SAMPLING, export_pretrained
+from wandistill.train.export import export_pretrained
 from wandistill.train.metrics import MetricsLog, peak_memory, truncate_after
 from wandistill.train.oom import oom_error
 from wandistill.train.optim import build_optimizer, build_scheduler
@@ -161,13 +161,7 @@ def run(
     if follow:
         wait_for_manifest(cfg)
     plan = validate(cfg, resume=resume)
-    flags = {"resume": resume, "follow": follow, "skip_corrupt": skip_corrupt}
-    info = dist.init(
-        cfg.device,
-        timeout_s=cfg.dist_timeout,
-        config={"train": to_dict(cfg), "flags": flags},
-        cpu_backend=cfg.parallel == "fsdp" and cfg.fsdp.cpu_offload,
-    )
+    info = job.join(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
     started = time.perf_counter()
     trainer: Trainer | None = None
     folder: outputs.OutputFolder | None = None
@@ -334,23 +328,6 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     teacher_width = width(tconf) if tconf else width(student_config)
     cache = location(primary)
     return Plan(cache, out, manifest, student_config, teacher_width, fields, objectives)
-
-
-def finished_at(cfg: TrainConfig) -> int | None:
-    """The step of a finished run in `cfg.out` that is already at or past `cfg.steps` (a total),
-    else None. Re-running a finished command with --resume is then a no-op that names the way
-    on. The recipe is still checked against the run first (a resume that changes the parallel
-    mode, the LoRA or the cache is refused as always); a run killed after its last checkpoint
-    but before its student was written (no sampling.json) is not finished: `run` completes it."""
-    out = Path(cfg.out)
-    latest = ckpt_io.resolve_latest(out / "checkpoints")
-    if latest is None or not (out / SAMPLING).is_file():
-        return None
-    at = ckpt_io.step_of(latest)
-    if at is None or at < cfg.steps:
-        return None
-    validate(cfg, resume=True)
-    return at
 
 
 def unroll_problems(
