@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from wandistill.cache import CacheWriter, Record, record_key
+from wandistill.cache.contract import field_specs
 from wandistill.cache.encoding import Encoding
-from wandistill.cache.schema import field_specs
 from wandistill.teacher.tiny import TRANSFORMER_CONFIG
 
 SETTINGS = {"max_sequence_length": 24, "record_steps": [0, 2, 3], "num_inference_steps": 4}
@@ -107,7 +107,7 @@ def as_whole_file_sha256(cache: Path, manifest: dict[str, Any]) -> None:
 
 def without_tensor_checksums(monkeypatch: pytest.MonkeyPatch) -> None:
     """Write records as wandistill did before per-tensor checksums: no header metadata."""
-    import wandistill.cache.wds as wds
+    import wandistill.cache.wds_backend as wds
 
     header = wds.safetensors_header
     monkeypatch.setattr(wds, "safetensors_header", lambda tensors, metadata=None: header(tensors))

@@ -67,7 +67,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 
 from wandistill.cache import CacheWriter, Record, record_key
-from wandistill.cache.schema import field_specs, pad_embeds
+from wandistill.cache.contract import field_specs, pad_embeds
 from wandistill.cache.training import TrainingReader
 
 C, F, H, W = 16, 1, 60, 104  # Wan 2.1 VAE latent of one 480x832 frame (F: --latent-frames)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for cach
 
 from wandistill.cache import CacheWriter  # noqa: E402
 from wandistill.cache import manifest as mf  # noqa: E402
-from wandistill.cache.schema import field_specs  # noqa: E402
+from wandistill.cache.contract import field_specs  # noqa: E402
 
 from cachefixtures import SETTINGS, TEACHER, make_record  # noqa: E402
 

@@ -119,9 +119,9 @@ def precompute(teacher: Path, prompts: Path, args: argparse.Namespace, cache: Pa
 
 
 def read_records(cache: Path) -> list:
-    from wandistill.cache.reader import CacheStore
+    from wandistill.cache.reader import CacheReader
 
-    with CacheStore(cache) as store:
+    with CacheReader(cache) as store:
         return [store.read_record(*where) for where in store.locate().values()]
 
 

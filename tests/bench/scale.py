@@ -8,7 +8,7 @@ Each leg runs at n and at 4n in the same run and prints the ratio: ~4 is linear,
 keys, so no records are written for the manifest legs.
 
 manifest     `load_committed` of a finalized cache of n four-record shards
-follow       a `CacheStore` polling a running cache whose journal gains 50 shards per poll:
+follow       a `CacheReader` polling a running cache whose journal gains 50 shards per poll:
              total refresh time (n/50 polls: ~16 is linear per poll), and the last poll's
 keyindex     `NameIndex.add` of 100n record keys (the writer's and the embedding store's index)
 epoch plan   bytes a TrainingReader holds per (record, step) sample for an epoch's order
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for cach
 
 from wandistill.cache import manifest as mf  # noqa: E402
 from wandistill.cache.keyindex import NameIndex  # noqa: E402
-from wandistill.cache.reader import CacheStore  # noqa: E402
+from wandistill.cache.reader import CacheReader  # noqa: E402
 
 from cachefixtures import write_cache  # noqa: E402
 
@@ -86,7 +86,7 @@ def follow_leg(base: Path, work: Path, n: int, per_poll: int = 50) -> tuple[floa
         mf.write_journal_chunks(path, 0, chunks[start:upto], **kw)
         t = time.perf_counter()
         if store is None:
-            store = CacheStore(path)
+            store = CacheReader(path)
         else:
             store.refresh()
         last = time.perf_counter() - t
@@ -107,7 +107,7 @@ def keyindex_leg(n: int) -> float:
 def open_files_leg(work: Path, n: int) -> int:
     path = work / f"o{n}"
     write_cache(path, range(n), shard_records=1)
-    with CacheStore(path) as store:
+    with CacheReader(path) as store:
         before = len(os.listdir("/proc/self/fd"))
         for e in store.entries:
             store.read_sample(e, 0, 0, ["xt", "prompt_embeds"])

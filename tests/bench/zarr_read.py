@@ -7,7 +7,7 @@ Writes a zarr cache of Wan 2.1 480p-shaped records (tests/bench/cache_io.py's ge
 times `read_tensors(entry, i, {prompt_embeds, xt[step], teacher_out[step], timesteps[step]})`
 over shuffled (record, step) samples, on 1 thread and on a 4-thread pool, page cache warm:
 
-source     wandistill's ZarrSource (zarr-python: one gather per sample, CacheStore for shard
+source     wandistill's ZarrSource (zarr-python: one gather per sample, CacheReader for shard
            indexes, small per-record arrays read once per shard entry)
 sync       stock zarr-python, one synchronous `Array.__getitem__` per field (no caching)
 old        a ZarrSource loaded from --old-backend FILE (e.g. the hand-written shard reader:

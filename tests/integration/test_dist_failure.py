@@ -5,7 +5,7 @@ once; torchrun then SIGTERMs the others, which stop cleanly (precompute: each fl
 shards; train: a peer lost mid-collective is one line, never a wait), so every rank is gone
 within 60 s of the failure, and the output on disk resumes (1 process or 2) to exactly the result
 of an uninterrupted run. Failures are injected at exact points with `WANDISTILL_TEST_KILL_AT`
-(wandistill/failures.py) and train's `WANDISTILL_FAIL_AT`. 2 gloo ranks on CPU.
+(wandistill/runtime/failures.py) and train's `WANDISTILL_FAIL_AT`. 2 gloo ranks on CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 import wandistill
 from wandistill.cache.manifest import load_committed, read_manifest
-from wandistill.cache.wds import WebDatasetSource
+from wandistill.cache.wds_backend import WebDatasetSource
 from wandistill.config import load_recipe
 from wandistill.train.checkpoint import resolve_latest
 

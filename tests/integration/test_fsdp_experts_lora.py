@@ -236,7 +236,7 @@ def test_export_of_an_fsdp_per_expert_lora_run_in_the_stock_pipeline_equals_the_
     from diffusers import WanPipeline
 
     from wandistill.cache import open_cache
-    from wandistill.cache.schema import pad_embeds
+    from wandistill.cache.contract import pad_embeds
     from wandistill.student.folders import read_run
     from wandistill.student.sampler import sample_latents, student_pipeline
 

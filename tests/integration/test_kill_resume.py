@@ -1,6 +1,6 @@
 """kill -9 anywhere, resume, and get the very same cache / student as an uninterrupted run.
 
-Kill points are exact and seeded. `WANDISTILL_TEST_KILL_AT` (wandistill/failures.py) makes
+Kill points are exact and seeded. `WANDISTILL_TEST_KILL_AT` (wandistill/runtime/failures.py) makes
 a process SIGKILL itself right after its n-th record (precompute) or right after optimizer step n
 / checkpoint n (train); more kill the process from outside as soon as a progress marker shows up
 on disk (a shard's temp file, a journal entry, a checkpoint's temp folder, a metrics row, the
@@ -36,10 +36,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save as st_save
 
+from wandistill.cache.contract import Record
 from wandistill.cache.manifest import load_committed, manifest_path
 from wandistill.cache.reader import open_cache
-from wandistill.cache.schema import Record
-from wandistill.cache.wds import WebDatasetSource
+from wandistill.cache.wds_backend import WebDatasetSource
 from wandistill.train.checkpoint import resolve_latest
 from wandistill.train.metrics import read_metrics
 

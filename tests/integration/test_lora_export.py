@@ -133,7 +133,7 @@ def _stock(pipe, rec) -> torch.Tensor:
 
 def _ours(world: dict[str, Path], rec) -> torch.Tensor:
     """The project's sampler: the run's student (base + adapter) in `student_pipeline`."""
-    from wandistill.cache.schema import pad_embeds
+    from wandistill.cache.contract import pad_embeds
     from wandistill.student.folders import read_run
     from wandistill.student.sampler import sample_latents, student_pipeline
 

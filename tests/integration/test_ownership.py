@@ -19,7 +19,7 @@ import torch
 
 from wandistill.cache import open_cache
 from wandistill.cli import main
-from wandistill.outputs import LOCK, MARKER, claim
+from wandistill.io.outputs import LOCK, MARKER, claim
 
 from clirun import run_cli
 
@@ -218,7 +218,7 @@ def test_after_a_kill_9_mid_shard_the_next_run_owns_the_cache_and_clears_the_tem
 
 _HOLD = """
 import sys
-from wandistill.outputs import claim
+from wandistill.io.outputs import claim
 folder = claim(sys.argv[1], "run")
 print("holding", flush=True)
 sys.stdin.readline()

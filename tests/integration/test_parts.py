@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from wandistill.cache import open_cache
+from wandistill.cache.contract import tensor_bytes
 from wandistill.cache.manifest import read_manifest
 from wandistill.cache.merge import MergeConfig, merge
-from wandistill.cache.schema import tensor_bytes
 from wandistill.config import load_recipe
 from wandistill.errors import UsageError
 from wandistill.precompute import run

@@ -20,7 +20,7 @@ import torch
 
 from wandistill.cache import open_cache
 from wandistill.cache.manifest import read_manifest
-from wandistill.cache.reader import CacheStore
+from wandistill.cache.reader import CacheReader
 from wandistill.cache.training import TrainingReader
 from wandistill.errors import CacheError, CorruptRecordError
 
@@ -538,11 +538,11 @@ def test_zarr_a_flipped_byte_in_a_partially_read_chunk_is_refused(
 def test_a_copied_cache_verifies_and_a_corrupt_copy_does_not(cache: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(cache, copy)
-    with CacheStore(copy) as store:
+    with CacheReader(copy) as store:
         assert store.verify() == []
     entry = read_manifest(copy).shards[0]
     pos, n = _tensor_span(copy, entry, 2, "teacher_out")
     _flip(copy / entry["file"], pos + n - 1)  # last byte of the last step's row
-    with CacheStore(copy) as store:
+    with CacheReader(copy) as store:
         problems = store.verify()
     assert any(f"record {entry['keys'][2]}: 'teacher_out' step 2 fails" in p for p in problems)

@@ -21,9 +21,7 @@ import torch
 from pydantic import Field
 from safetensors.torch import load_file, save_file
 
-from wandistill.cli import main
-from wandistill.errors import CorruptRecordError, UsageError
-from wandistill.validate import (
+from wandistill.checks.validate import (
     Schema,
     check,
     inside,
@@ -32,6 +30,8 @@ from wandistill.validate import (
     read_capped,
     seal,
 )
+from wandistill.cli import main
+from wandistill.errors import CorruptRecordError, UsageError
 
 from cachefixtures import as_whole_file_sha256, without_tensor_checksums, write_cache
 from clirun import run_cli_text as _cli

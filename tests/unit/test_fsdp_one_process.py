@@ -13,8 +13,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from wandistill.config import StudentConfig, TrainConfig, load_recipe
-from wandistill.dist import DistInfo
 from wandistill.errors import ConfigError, WandistillError
+from wandistill.runtime.dist import DistInfo
 from wandistill.student import DistillModule, build_student, resolve_student_config
 from wandistill.train import parallel, run
 from wandistill.train.checkpoint import resolve_latest

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from wandistill.cache.formats import SEALED
+from wandistill.cache.contract import SCHEMA_VERSION
+from wandistill.cache.files import SEALED
 from wandistill.cache.manifest import HEADER_DIGEST, header_digests, read_manifest, seal_entry
-from wandistill.cache.schema import SCHEMA_VERSION
 from wandistill.precompute.numerics import record_numerics
 
 from cachefixtures import as_whole_file_sha256, write_cache

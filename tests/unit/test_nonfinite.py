@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from wandistill.cache.manifest import load_committed
+from wandistill.checks.finite import NonFiniteError, check_weights, is_finite
 from wandistill.config import load_recipe
-from wandistill.dist import DistInfo
-from wandistill.finite import NonFiniteError, check_weights, is_finite
+from wandistill.runtime.dist import DistInfo
 from wandistill.train import run as train_run
 from wandistill.train.checkpoint import list_checkpoints
 

@@ -10,7 +10,7 @@ import pytest
 
 from wandistill import demo
 from wandistill.config import TrainConfig
-from wandistill.failures import Stopped
+from wandistill.runtime.failures import Stopped
 
 from clirun import run_cli
 

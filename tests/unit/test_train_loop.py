@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from wandistill.cache import CacheWriter
+from wandistill.cache.contract import field_specs
 from wandistill.cache.manifest import read_manifest
-from wandistill.cache.schema import field_specs
 from wandistill.config import TrainConfig, load_recipe
 from wandistill.errors import CacheError, UsageError, WandistillError
 from wandistill.train import run

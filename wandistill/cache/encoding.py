@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from wandistill.cache.schema import (
+from wandistill.cache.contract import (
     DTYPE_BY_NAME,
     FEATURE_PREFIX,
     SCALE_PREFIX,

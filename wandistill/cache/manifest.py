@@ -9,7 +9,7 @@ rewrites only the last one, so what a commit writes stays bounded however long t
 committed shards are the manifest's list plus every journal's; `finalize` folds the journals into
 the manifest. Nothing ever trusts a directory listing or an array shape.
 
-Every manifest and journal is checked against its schema (`wandistill/cache/formats.py`) when
+Every manifest and journal is checked against its schema (`wandistill/cache/files.py`) when
 read, and is sealed: `header_sha256` holds a sha256 per block that defines what the records mean
 (teacher, settings, numerics, fields, dims, shared, ...), checked on every open, and each shard
 entry carries its own `entry_sha256`. A hand edit is one clear error, never records read under
@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from wandistill import __version__
-from wandistill.cache.formats import JOURNALS, MANIFESTS, SEALED
-from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
+from wandistill.cache.contract import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
+from wandistill.cache.files import JOURNALS, MANIFESTS, SEALED
+from wandistill.checks.validate import GiB, check, parse_json, seal
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.storage import Storage, join, open_storage
-from wandistill.validate import GiB, check, parse_json, seal
+from wandistill.io.storage import Storage, join, open_storage
 
 JOURNAL_DIR = "journal"
 _JOURNAL_NAME = re.compile(r"rank-(\d{5,7})(?:-(\d{6}))?\.json")

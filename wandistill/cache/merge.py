@@ -18,7 +18,7 @@ stored (no decode, no re-encode).
 Safety. Every input is checked before anything is written: each must be a complete cache
 (`complete` in its manifest, no journal left), and all must agree on every sealed block but
 `created`/`wandistill_version`; a difference names the key and both caches. M is claimed like
-any output (`wandistill.outputs.claim`): never a folder wandistill did not write, never inside
+any output (`wandistill.io.outputs.claim`): never a folder wandistill did not write, never inside
 an input. M's manifest is written last, so an interrupted merge leaves no cache, and re-running
 it redoes the same plan to the same bytes. An M that already is a cache is refused unless it is
 exactly this merge's result (then nothing is done).
@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.cache import manifest as mf
+from wandistill.cache.contract import SHARED_NAME, ZARR_DATA_NAME
 from wandistill.cache.encoding import compression_of
-from wandistill.cache.formats import SEALED
-from wandistill.cache.reader import CacheStore
-from wandistill.cache.schema import SHARED_NAME, ZARR_DATA_NAME
+from wandistill.cache.files import SEALED
+from wandistill.cache.reader import CacheReader
 from wandistill.cache.writer import SHARD_DIR, shard_name
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.fsutil import fsync_dir, temp_name, writing
+from wandistill.io.fsutil import fsync_dir, temp_name, writing
 
 ZARR_LOCK = "data.zarr.lock"
 """zarr_backend.LOCK_NAME (not imported: merging webdataset caches needs no zarr)."""
@@ -89,7 +89,7 @@ class _Step:
     rows: tuple[int, ...] | None
 
 
-def _open_input(path: Path) -> CacheStore:
+def _open_input(path: Path) -> CacheReader:
     manifest = mf.read_manifest(path)  # not a cache / corrupt: one clear error
     pending = mf.read_journals(path, manifest.backend)
     if not manifest.complete or pending:
@@ -98,7 +98,7 @@ def _open_input(path: Path) -> CacheStore:
             f"cache {str(path)!r} is incomplete ({why}); merge takes finished caches only",
             fix="re-run its `wandistill precompute` to the end (it resumes), then merge",
         )
-    return CacheStore(path)
+    return CacheReader(path)
 
 
 def _differences(a: mf.Manifest, b: mf.Manifest) -> list[str]:
@@ -116,7 +116,7 @@ def _differences(a: mf.Manifest, b: mf.Manifest) -> list[str]:
     return out
 
 
-def _check_same(stores: list[CacheStore]) -> None:
+def _check_same(stores: list[CacheReader]) -> None:
     first = stores[0]
     for other in stores[1:]:
         diffs = _differences(first.manifest, other.manifest)
@@ -130,7 +130,7 @@ def _check_same(stores: list[CacheStore]) -> None:
             )
 
 
-def corrupt_shards(stores: list[CacheStore]) -> dict[tuple[int, str], str]:
+def corrupt_shards(stores: list[CacheReader]) -> dict[tuple[int, str], str]:
     """(input index, shard name) -> the first problem, for every input shard that fails its
     checks (`cache verify`'s: the entry's seal, the shard's checksums, every record's crc32c).
     Merge runs it before it links or copies anything: a hard link would pass a flipped byte
@@ -146,7 +146,7 @@ def corrupt_shards(stores: list[CacheStore]) -> dict[tuple[int, str], str]:
 
 
 def plan(
-    stores: list[CacheStore], skip: frozenset[tuple[int, str]] = frozenset()
+    stores: list[CacheReader], skip: frozenset[tuple[int, str]] = frozenset()
 ) -> tuple[list[_Step], int]:
     """M's shards in order, and how many duplicate records were dropped (`skip`: input shards
     left out whole)."""
@@ -191,7 +191,7 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
 
 
 class _Merger:
-    def __init__(self, stores: list[CacheStore], out: Path) -> None:
+    def __init__(self, stores: list[CacheReader], out: Path) -> None:
         self.stores = stores
         self.out = out
         self.backend = stores[0].manifest.backend
@@ -200,8 +200,8 @@ class _Merger:
 
     def _sink(self) -> Any:
         if self.backend == "webdataset":
-            from wandistill.cache.wds import WebDatasetSink
-            from wandistill.storage import open_storage
+            from wandistill.cache.wds_backend import WebDatasetSink
+            from wandistill.io.storage import open_storage
 
             return WebDatasetSink(open_storage(self.out))
         from wandistill.cache.zarr_backend import BLOCK_RECORDS, ZarrSink
@@ -213,7 +213,7 @@ class _Merger:
         fields = first.manifest.fields
         return ZarrSink(self.out, block_records=block, compression=compression_of(fields))
 
-    def _link_zarr(self, store: CacheStore, src: dict[str, Any]) -> Any:
+    def _link_zarr(self, store: CacheReader, src: dict[str, Any]) -> Any:
         """(M's entry, hard-linked) for a whole zarr entry linked into M; None to re-write."""
         if self.backend != "zarr":
             return None
@@ -294,11 +294,11 @@ def _existing(out: Path, header: mf.Manifest, steps: list[_Step]) -> bool:
 
 def merge(cfg: MergeConfig) -> MergeSummary:
     """Check every input, claim M, then link or rewrite each shard and write M's manifest."""
-    from wandistill import outputs
+    from wandistill.io import outputs
 
     if len(cfg.inputs) < 2:
         raise UsageError("cache merge needs at least two input caches", fix="pass A B ... --out M")
-    from wandistill.storage import is_url
+    from wandistill.io.storage import is_url
 
     remote = [str(p) for p in (*cfg.inputs, cfg.out) if is_url(p)]
     if remote:
@@ -310,7 +310,7 @@ def merge(cfg: MergeConfig) -> MergeSummary:
     named = {str(p.resolve()): p for p in cfg.inputs}
     if len(named) != len(cfg.inputs):
         raise UsageError("an input cache is given twice", fix="pass each cache once")
-    stores: list[CacheStore] = []
+    stores: list[CacheReader] = []
     try:
         for path in cfg.inputs:
             stores.append(_open_input(path))

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from wandistill.cache.schema import ZarrShardEntry
+from wandistill.cache.contract import ZarrShardEntry
 from wandistill.cache.zarr_backend import (
     _WRITE_CONFIG,
     DATA_NAME,

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from wandistill import failures
 from wandistill.cache.embeds import EmbedStore, negative_name, own_negative_name
-from wandistill.finite import check_batch
+from wandistill.checks.finite import check_batch
 from wandistill.precompute.prompts import Prompt
-from wandistill.progress import Progress
+from wandistill.runtime import failures
+from wandistill.runtime.progress import Progress
 from wandistill.teacher.folder import TeacherFolder
 
 

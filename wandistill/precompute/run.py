@@ -37,16 +37,15 @@ from typing import Any
 
 import torch
 
-from wandistill import dist, failures, outputs, storage
 from wandistill.cache import manifest as mf
 from wandistill.cache.background import BackgroundWriter
+from wandistill.cache.contract import Record, dtype_name, field_specs, record_key
 from wandistill.cache.embeds import EmbedStore, own_negative_name
-from wandistill.cache.schema import Record, dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
+from wandistill.checks.finite import NonFiniteError
 from wandistill.config import PrecomputeConfig, to_dict
 from wandistill.errors import UsageError, WandistillError
-from wandistill.failures import Stopped, StopRequested, StopSignals, first_line
-from wandistill.finite import NonFiniteError
+from wandistill.io import outputs, storage
 from wandistill.placement.estimate import SamplerSizes
 from wandistill.placement.strategies import Placement
 from wandistill.precompute import parts
@@ -55,7 +54,9 @@ from wandistill.precompute.numerics import follow_recorded_threads, record_numer
 from wandistill.precompute.parts import Part
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.precompute.table import KeyTable, PromptTable
-from wandistill.progress import SUMMARY_WIDTH, Progress, human_bytes, plural, summary_lines
+from wandistill.runtime import dist, failures
+from wandistill.runtime.failures import Stopped, StopRequested, StopSignals, first_line
+from wandistill.runtime.progress import SUMMARY_WIDTH, Progress, human_bytes, plural, summary_lines
 from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
 
@@ -749,13 +750,13 @@ def _previews(
     info: dist.DistInfo,
 ) -> None:
     """Decode the first `previews` prompts' final latents (whichever rank wrote them)."""
-    from wandistill.cache.reader import CacheStore
+    from wandistill.cache.reader import CacheReader
     from wandistill.placement import load as pl
     from wandistill.teacher.decode import decode_to_png
 
     out = Path(cfg.cache.path) / "previews"
     wanted = [k for k in keys[: cfg.previews] if not (out / f"{k}.png").exists()]
-    with CacheStore(cfg.cache.path) as store:
+    with CacheReader(cfg.cache.path) as store:
         located = store.locate()
         mine = [k for k in wanted if k in located and located[k][0]["rank"] == info.rank]
         if not mine:

@@ -43,9 +43,9 @@ import torch
 from pydantic import ConfigDict, Field
 from torch import nn
 
+from wandistill.checks.validate import Schema, load_json_file
 from wandistill.errors import UsageError
-from wandistill.fsutil import atomic_write_json
-from wandistill.validate import Schema, load_json_file
+from wandistill.io.fsutil import atomic_write_json
 
 if TYPE_CHECKING:
     from wandistill.config import LossConfig, StudentConfig, TeacherInitConfig

@@ -5,7 +5,7 @@ condition embedders, output norm and projection, modulation table) are copied to
 opened one at a time with `safetensors.safe_open` (memory-mapped, per-tensor reads), copied into
 the student's parameter and dropped, so peak memory is the student plus one teacher tensor, never
 the teacher. Headers (and a sharded checkpoint's index) are validated and shapes checked from
-them before anything is copied (`wandistill.modelfolder`, the checks the teacher folder uses).
+them before anything is copied (`wandistill.io.modelfolder`, the checks the teacher folder uses).
 This is the only path by which the student room reads teacher weights; no teacher module is
 imported.
 """
@@ -21,7 +21,7 @@ from torch import nn
 
 from wandistill.config import TeacherInitConfig
 from wandistill.errors import UsageError
-from wandistill.modelfolder import Reader, TensorInfo, read_safetensors, read_weights
+from wandistill.io.modelfolder import Reader, TensorInfo, read_safetensors, read_weights
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from wandistill.validate import canonical_json
+from wandistill.checks.validate import canonical_json
 
 SCHEMA_VERSION = 3
 """3: a webdataset shard entry lists `frame_sha256` (every byte but the tensor data, which the

@@ -38,9 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wandistill import __version__, failures, waiting
-from wandistill.bounds import TIMEOUT_S
+from wandistill import __version__
+from wandistill.checks.bounds import TIMEOUT_S
 from wandistill.errors import UsageError, WandistillError
+from wandistill.runtime import failures, waiting
 
 TIMEOUT_ENV = "WANDISTILL_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -273,7 +274,7 @@ def _start_heartbeat(store: Any, rank: int, timeout: float) -> None:
     step, an encoded batch, a training step, a model load) bumps `beat/<rank>` in the store, at
     most every `period` seconds. `wait_for_all` reads it: a rank that makes no progress for the
     timeout is named, whether it died, froze or hangs."""
-    from wandistill import progress
+    from wandistill.runtime import progress
 
     period = max(0.05, min(2.0, timeout / 10))
     last = [0.0]
@@ -300,7 +301,7 @@ def wait_for_all(
     caller checks why) once `interrupted()` is true, e.g. a stop signal arrived."""
     if not info.distributed or "store" not in _state:
         return
-    from wandistill import progress
+    from wandistill.runtime import progress
 
     store, timeout = _state["store"], _state["timeout"]
     store.set(f"{name}/{info.rank}", "1")
@@ -397,7 +398,7 @@ def check_same_config(info: DistInfo, config: dict[str, Any]) -> None:
 
 
 def cleanup() -> None:
-    from wandistill import progress
+    from wandistill.runtime import progress
 
     beat = _state.pop("heartbeat", None)
     if beat is not None:

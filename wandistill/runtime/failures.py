@@ -67,8 +67,8 @@ from typing import Any
 
 import torch
 
-from wandistill import dist
 from wandistill.errors import UsageError, WandistillError
+from wandistill.runtime import dist
 
 __all__ = [
     "Stopped",

@@ -1,4 +1,4 @@
-"""Typed schemas of every file a cache holds, declared once (pydantic, via `wandistill.validate`).
+"""Typed schemas of every file a cache holds, declared once (pydantic, via `checks.validate`).
 
 `manifest.json`, `journal/rank-<r>[-<s>].json`, the shard entries inside both (webdataset and zarr),
 each record's `.json` member and safetensors header, and the zarr metadata (`zarr.json`) the zarr
@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, JsonValue, StringConstraints, model_validator
 
-from wandistill.cache.schema import DTYPES, DTYPES_BY_NAME, FORMAT_NAME
-from wandistill.validate import OpenSchema, Schema, rel_path_problem
+from wandistill.cache.contract import DTYPES, DTYPES_BY_NAME, FORMAT_NAME
+from wandistill.checks.validate import OpenSchema, Schema, rel_path_problem
 
 # ----------------------------------------------------------------------------- scalar types
 

@@ -44,8 +44,7 @@ from pydantic import StringConstraints
 from safetensors.torch import load as st_load
 
 from wandistill.cache.batch import BatchBuffers, empty
-from wandistill.cache.formats import Name, OwnMeta, RecordMeta, TensorInfo
-from wandistill.cache.schema import (
+from wandistill.cache.contract import (
     DTYPE_NAMES,
     DTYPE_NAMES_BY_SAFETENSORS,
     DTYPES_BY_NAME,
@@ -54,10 +53,11 @@ from wandistill.cache.schema import (
     is_step_field,
     tensor_bytes,
 )
+from wandistill.cache.files import Name, OwnMeta, RecordMeta, TensorInfo
+from wandistill.checks.validate import MiB, check, inside, parse_json, rel_path_problem
 from wandistill.errors import CacheError, CorruptRecordError
-from wandistill.storage import LocalStorage, Storage, is_transient, open_storage
-from wandistill.validate import MiB, check, inside, parse_json, rel_path_problem
-from wandistill.workarounds import safetensors_header
+from wandistill.io.storage import LocalStorage, Storage, is_transient, open_storage
+from wandistill.runtime.workarounds import safetensors_header
 
 BLOCK = tarfile.BLOCKSIZE
 META_KEY = "wandistill"
@@ -307,7 +307,7 @@ def _describe(e: BaseException) -> str:
 
 class WebDatasetSource:
     """Random access into published tar shards: positioned reads at manifest offsets
-    (`os.pread` locally, ranged GETs on an object store; `wandistill.storage`).
+    (`os.pread` locally, ranged GETs on an object store; `wandistill.io.storage`).
 
     Thread-safe: `pread` has no shared file position, and releases the GIL while it waits on the
     disk, so a thread pool reads at close to the device's speed. Every read is checked against
