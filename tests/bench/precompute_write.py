@@ -209,7 +209,7 @@ def main() -> None:
         help="torch intra-op threads for the teacher (default 1: on a GPU box the teacher's "
         "compute leaves the host's cores to the writer; on a 2-core CPU box one core models "
         "that; with every core in the teacher's OpenMP pool the writer thread's wakeups stall "
-        "its barriers, see docs/benchmarks.md)",
+        "its barriers, see docs/benchmarks-history.md)",
     )
     p.add_argument(
         "--legs",
