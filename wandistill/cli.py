@@ -286,7 +286,7 @@ def cache_info(
 
 def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -> None:
     """Bytes per record per field, here and at real Wan sizes, for this cache's settings."""
-    from wandistill.cache.encoding import WAN_SIZES, footprint
+    from wandistill.cache.footprint import WAN_SIZES, footprint
 
     try:
         fp = footprint(path)

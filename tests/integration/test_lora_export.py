@@ -265,7 +265,7 @@ def test_two_ddp_ranks_train_the_same_adapter_as_one_rank_with_twice_the_accumul
         *[a for s in sets for a in ("--set", s)],
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WANDISTILL_FAIL_AT", None)
+    env.pop("WANDISTILL_FAULT", None)
     proc = subprocess.Popen(
         cmd,
         cwd=Path(__file__).parents[2],

@@ -125,10 +125,10 @@ def test_one_process_fsdp_with_every_option_resumes_a_sharded_checkpoint_exactly
         "loss.final_latent=0.5",
     )
     run(_cfg(tmp_path / "c", tmp_path / "whole", *sets))
-    monkeypatch.setenv("WANDISTILL_FAIL_AT", "0:6")
-    with pytest.raises(WandistillError, match="injected failure on rank 0 at step 6"):
+    monkeypatch.setenv("WANDISTILL_FAULT", "train:step:6:0:raise")
+    with pytest.raises(WandistillError, match="injected failure on rank 0 at train step 6"):
         run(_cfg(tmp_path / "c", tmp_path / "cut", *sets))
-    monkeypatch.delenv("WANDISTILL_FAIL_AT")
+    monkeypatch.delenv("WANDISTILL_FAULT")
     latest = resolve_latest(tmp_path / "cut" / "checkpoints")
     assert latest is not None and latest.name == "checkpoint-4"
     assert sorted(p.name for p in latest.iterdir()) == [

@@ -21,7 +21,7 @@ import torch
 from wandistill.cache.embeds import EmbedStore, negative_name, own_negative_name
 from wandistill.checks.finite import check_batch
 from wandistill.precompute.prompts import Prompt
-from wandistill.runtime import failures
+from wandistill.runtime import faults
 from wandistill.runtime.progress import Progress
 from wandistill.teacher.folder import TeacherFolder
 
@@ -149,4 +149,4 @@ def _encode_batch(
         if p.negative_prompt is not None:
             store.add(own_negative_name(job.keys[i]), negs[p.negative_prompt])
         store.encoded += 1
-        failures.at("precompute", "encoded", store.encoded, job.rank)
+        faults.at("precompute", "encoded", store.encoded, job.rank)

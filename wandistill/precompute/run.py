@@ -54,7 +54,7 @@ from wandistill.precompute.numerics import follow_recorded_threads, record_numer
 from wandistill.precompute.parts import Part
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.precompute.table import KeyTable, PromptTable
-from wandistill.runtime import dist, failures
+from wandistill.runtime import dist, faults
 from wandistill.runtime.failures import Stopped, StopRequested, StopSignals, first_line
 from wandistill.runtime.progress import SUMMARY_WIDTH, Progress, human_bytes, plural, summary_lines
 from wandistill.teacher.folder import TeacherFolder
@@ -492,7 +492,7 @@ def _denoise_and_write(w: Work, enc: Encoded, stop: StopSignals) -> None:
     group = max(1, w.cfg.sampler.expert_group_batches) if len(w.teacher.experts) > 1 else 1
     denoiser = _Denoiser(w)
     handed = 0  # records handed to the writer by this run (the test hook counts them)
-    failures.at("precompute", "record", 0, info.rank)
+    faults.at("precompute", "record", 0, info.rank)
     try:
         with progress:
             for g0 in range(0, len(w.todo), group):
@@ -531,9 +531,9 @@ def _hand_over(
             if writer is not None:
                 writer.write(rec)
             handed += 1
-            if writer is not None and failures.wants("precompute", "record", handed, rank):
+            if writer is not None and faults.wants("precompute", "record", handed, rank):
                 writer.drain()  # a test point acts on what is written by then
-            failures.at("precompute", "record", handed, rank)
+            faults.at("precompute", "record", handed, rank)
         progress.advance(len(batch), bytes_total=writer.bytes_written if writer else 0)
     return handed
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from wandistill import __version__
 from wandistill.checks.bounds import TIMEOUT_S
 from wandistill.errors import UsageError, WandistillError
-from wandistill.runtime import failures, waiting
+from wandistill.runtime import faults, waiting
 
 TIMEOUT_ENV = "WANDISTILL_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -148,7 +148,7 @@ def init(
     if world > 1:
         backend = "nccl" if want_cuda else "gloo"
         if not dist.is_initialized():
-            failures.at("dist", "init", 0, rank)  # test-only: a rank that never arrives
+            faults.at("dist", "init", 0, rank)  # test-only: a rank that never arrives
             store = _join(rank, world, timeout)
             dist.init_process_group(
                 backend=cuda_and_cpu(backend) if cpu_backend and want_cuda else backend,

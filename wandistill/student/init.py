@@ -12,14 +12,16 @@ imported.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from wandistill.config import TeacherInitConfig
+from wandistill.config import StudentConfig, TeacherInitConfig
 from wandistill.errors import UsageError
 from wandistill.io.modelfolder import Reader, TensorInfo, read_safetensors, read_weights
 
@@ -92,3 +94,12 @@ def init_from_teacher(student: nn.Module, cfg: TeacherInitConfig) -> int:
             with safe_open(where[theirs][0], framework="pt") as sf:
                 params[mine].copy_(sf.get_tensor(theirs))
     return len(plan)
+
+
+def base_init(student: StudentConfig, student_config: dict[str, Any]) -> TeacherInitConfig:
+    """What `init_from_teacher` copies: as the recipe says; a LoRA student's base is every
+    teacher block."""
+    init = student.init_from_teacher
+    if not student.lora.enabled:
+        return init
+    return dataclasses.replace(init, blocks=list(range(int(student_config["num_layers"]))))

@@ -42,7 +42,7 @@ from wandistill.checks.validate import MiB
 from wandistill.io.fsutil import fsync_dir
 from wandistill.runtime import dist
 from wandistill.runtime.dist import DistInfo
-from wandistill.runtime.failures import at
+from wandistill.runtime.faults import at
 from wandistill.train import checkpoint as ckpt_io
 
 SHARDS = "shards"

@@ -51,12 +51,11 @@ from wandistill.runtime import dist
 from wandistill.runtime.failures import (
     Stopped,
     StopSignals,
-    at,
     collective_error,
-    injected_failure,
     is_collective_failure,
     is_oom,
 )
+from wandistill.runtime.faults import at
 from wandistill.runtime.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
 from wandistill.student import experts, lora
 from wandistill.student.config import (
@@ -753,7 +752,6 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
             if t.target is not None:
                 t.target.update(t.model.student)
             step += 1
-            injected_failure(info.rank, step)
             at("train", "step", step, info.rank)
 
             window.add(grad_norm, lr, time.perf_counter() - t0, wait)
