@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -95,14 +93,6 @@ def write_cache(
         writer.write(make_record(i, **record_kw))  # type: ignore[arg-type]
     writer.close(finalize=finalize, complete=complete)
     return writer
-
-
-def as_whole_file_sha256(cache: Path, manifest: dict[str, Any]) -> None:
-    """Webdataset entries as schema 1 and 2 wrote them: the whole shard file's sha256 in place
-    of schema 3's `frame_sha256`."""
-    for e in manifest["shards"]:
-        e.pop("frame_sha256", None)
-        e["sha256"] = hashlib.sha256((cache / e["file"]).read_bytes()).hexdigest()
 
 
 def without_tensor_checksums(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,7 @@ from wandistill.cache.reader import CacheReader
 from wandistill.cache.training import TrainingReader
 from wandistill.errors import CacheError, CorruptRecordError
 
-from cachefixtures import as_whole_file_sha256, make_record, without_tensor_checksums, write_cache
+from cachefixtures import make_record, write_cache
 from clirun import run_cli as _cli
 
 STEP_FIELDS = ("xt", "teacher_out", "timesteps")
@@ -428,35 +428,21 @@ def test_an_edited_journal_of_a_running_cache_is_caught_too(tmp_path: Path, caps
 # ----------------------------------------------------------------------------- compatibility
 
 
-def test_a_cache_written_before_checksums_is_still_read_and_verified(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_cache_written_before_checksums_is_refused_naming_the_rebuild(tmp_path: Path) -> None:
     import wandistill.cache.manifest as mf
 
-    without_tensor_checksums(monkeypatch)
     write_cache(tmp_path, range(4), shard_records=2)
 
-    def strip(m: dict[str, Any]) -> None:  # what a schema 1 wandistill wrote
-        as_whole_file_sha256(tmp_path, m)
+    def strip(m: dict[str, Any]) -> None:  # what a schema 1 (pre-release) wandistill wrote
         for s in m["shards"]:
             del s["crc32c"], s[mf.ENTRY_DIGEST]
         del m["numerics"], m[mf.HEADER_DIGEST]
         m["schema_version"] = 1
 
     _edit_manifest(tmp_path, strip)
-    monkeypatch.undo()
-    with open_cache(tmp_path) as store:
-        assert "entry_sha256" not in store.entries[0] and "crc32c" not in store.entries[0]
-        rec = store.read_key(make_record(3).key)
-        assert torch.equal(rec.xt, make_record(3).xt)
-    assert _verify(capsys, tmp_path)[0] == 0
-    assert len(_one_epoch(_reader(tmp_path))) == 4
-    # Without per-record checksums only the shard sha256 can catch a flipped data byte.
-    entry = read_manifest(tmp_path).shards[0]
-    pos, n = _tensor_span(tmp_path, entry, 0, "xt")
-    _flip(tmp_path / entry["file"], pos + 1)
-    code, err = _verify(capsys, tmp_path)
-    assert code == 1 and "r00000-000000: sha256 mismatch" in err
+    with pytest.raises(CacheError, match="has cache schema 1, this wandistill reads schema 3") as e:
+        open_cache(tmp_path)
+    assert "rebuild the cache" in (e.value.fix or "")
 
 
 # ----------------------------------------------------------------------------- zarr
