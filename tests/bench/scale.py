@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Costs that must grow linearly (or not at all) with the size of a cache: n against 4n.
 
-    python tests/bench/scale.py --shards 1000 --work /tmp/scale
+    python tests/bench/scale.py --shards 1000 --work /tmp/scale [--out DIR]
 
 Each leg runs at n and at 4n in the same run and prints the ratio: ~4 is linear, ~16 quadratic,
 ~1 bounded. Synthetic caches: the entries of a real 8-record cache copied under new names and
@@ -15,6 +15,7 @@ epoch plan   bytes a TrainingReader holds per (record, step) sample for an epoch
              (tracemalloc; the permutation tensor counted too)
 open files   file descriptors left open after reading one sample from each of n/4 shards
 
+With --out, `results.json` / `results.md` with the machine go there (tests/bench/harness.py).
 Timed legs: best of --repeats (the heap's garbage collections make single runs noisy). The
 script also runs on a checkout from before the 2026-11-27 fixes (`git worktree add`), for the
 before/after table in docs/benchmarks.md.
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for cachefixtures
+
+from harness import Report, environment  # noqa: E402
 
 from wandistill.cache import manifest as mf  # noqa: E402
 from wandistill.cache.keyindex import NameIndex  # noqa: E402
@@ -145,7 +148,9 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1000, help="n (the legs also run at 4n)")
     p.add_argument("--work", type=Path, default=Path("/tmp/wandistill-scale"))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, help="also write results.json / results.md here")
     args = p.parse_args()
+    env = environment()
     shutil.rmtree(args.work, ignore_errors=True)
     base = write_cache(args.work / "base", range(8), shard_records=4).path
     n = args.shards
@@ -168,6 +173,14 @@ def main() -> None:
         ratio = f"{b / a:8.1f}" if a else "       -"
         print(f"{name:30} {a:10.3f} {b:10.3f} {ratio}")
     print("(~4: linear, ~16: quadratic, ~1: bounded)")
+    if args.out:
+        table = [
+            {"leg": name, "n": a, "4n": b, "4n / n": b / a if a else None} for name, a, b in rows
+        ]
+        Report(args.out, "Scale: n against 4n").update(
+            {"command": " ".join(sys.argv), "environment": env},
+            scale={"status": "ok", "rows": table, "notes": [f"n = {n} shards"]},
+        )
 
 
 if __name__ == "__main__":
