@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from wandistill.cache import CacheWriter, Record, record_key
+from wandistill.cache.contract import field_specs
 from wandistill.cache.encoding import Encoding
-from wandistill.cache.schema import field_specs
 from wandistill.teacher.tiny import TRANSFORMER_CONFIG
 
 SETTINGS = {"max_sequence_length": 24, "record_steps": [0, 2, 3], "num_inference_steps": 4}
@@ -97,17 +95,9 @@ def write_cache(
     return writer
 
 
-def as_whole_file_sha256(cache: Path, manifest: dict[str, Any]) -> None:
-    """Webdataset entries as schema 1 and 2 wrote them: the whole shard file's sha256 in place
-    of schema 3's `frame_sha256`."""
-    for e in manifest["shards"]:
-        e.pop("frame_sha256", None)
-        e["sha256"] = hashlib.sha256((cache / e["file"]).read_bytes()).hexdigest()
-
-
 def without_tensor_checksums(monkeypatch: pytest.MonkeyPatch) -> None:
     """Write records as wandistill did before per-tensor checksums: no header metadata."""
-    import wandistill.cache.wds as wds
+    import wandistill.cache.wds_backend as wds
 
     header = wds.safetensors_header
     monkeypatch.setattr(wds, "safetensors_header", lambda tensors, metadata=None: header(tensors))

@@ -41,6 +41,7 @@ settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
 )
 
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """How pytest-xdist (`-n auto --dist loadgroup`, pyproject.toml) shares the tests out.
 

@@ -123,7 +123,7 @@ class Zygote:
     def __init__(self) -> None:
         rfd, wfd = os.pipe()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120", "PYTHONUNBUFFERED": "1"}
-        for k in ("WANDISTILL_FAIL_AT", "WANDISTILL_TEST_KILL_AT", "RANK", "WORLD_SIZE"):
+        for k in ("WANDISTILL_FAULT", "RANK", "WORLD_SIZE"):
             env.pop(k, None)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ZYGOTE, str(wfd)],

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from wandistill import __version__
 from wandistill.errors import CacheError, ConfigError, UsageError, WandistillError
-from wandistill.location import option as loc
+from wandistill.io.location import option as loc
 
 if TYPE_CHECKING:
     from wandistill.config import Recipe
@@ -95,7 +95,7 @@ def _root(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
-    from wandistill.quiet import configure
+    from wandistill.runtime.quiet import configure
 
     global _debug
     _debug = _debug or debug
@@ -137,7 +137,7 @@ def teacher_make_tiny(
     ] = False,
 ) -> None:
     """Write a tiny random-weight Wan teacher that WanPipeline loads and runs on CPU."""
-    from wandistill.bounds import SEED, flag_problem
+    from wandistill.checks.bounds import SEED, flag_problem
     from wandistill.teacher.tiny import make_tiny_teacher
 
     if (problem := flag_problem("--seed", seed, SEED)) is not None:
@@ -177,7 +177,7 @@ def teacher_make_trained(
 
     Prompts like "a red circle at the top" give matching patterns: its samples have structure
     and few-step sampling visibly degrades."""
-    from wandistill.bounds import SEED, flag_problem
+    from wandistill.checks.bounds import SEED, flag_problem
     from wandistill.teacher.trained import make_trained_teacher
 
     if (problem := flag_problem("--seed", seed, SEED)) is not None:
@@ -211,7 +211,7 @@ def _teacher_target(path: Path) -> Iterator[None]:
 
 
 def _human(n: float) -> str:
-    from wandistill.progress import human_bytes
+    from wandistill.runtime.progress import human_bytes
 
     return human_bytes(n)
 
@@ -286,7 +286,7 @@ def cache_info(
 
 def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -> None:
     """Bytes per record per field, here and at real Wan sizes, for this cache's settings."""
-    from wandistill.cache.encoding import WAN_SIZES, footprint
+    from wandistill.cache.footprint import WAN_SIZES, footprint
 
     try:
         fp = footprint(path)
@@ -433,7 +433,7 @@ def recipes_copy(
 ) -> None:
     """Copy a shipped recipe out for editing; commands take the copy's path as their RECIPE."""
     from wandistill.config import shipped_recipe
-    from wandistill.fsutil import atomic_write_bytes
+    from wandistill.io.fsutil import atomic_write_bytes
 
     source = shipped_recipe(name)
     target = Path(f"{name}.toml") if dest is None else dest
@@ -597,8 +597,8 @@ def precompute_cmd(
     from wandistill.precompute.job import launch
 
     s = launch(cfg, part=job_part)
+    from wandistill.io.storage import open_storage
     from wandistill.precompute.run import REPORT_NAME
-    from wandistill.storage import open_storage
 
     cache = open_storage(s.cache)
     if cache.exists(REPORT_NAME):  # rank 0 wrote it: what in the prompt file was skipped or cut
@@ -748,7 +748,7 @@ def launch_cmd(ctx: typer.Context) -> None:
     COMMAND ...` with the same flags (e.g. --standalone --nproc_per_node=2), except that a
     rank's refusal ends the job with that rank's one error line and exit code, without
     torchrun's ChildFailedError traceback."""
-    from wandistill.launch import launch
+    from wandistill.runtime.launch import launch
 
     launch(ctx.args, verbose=bool(ctx.find_root().params.get("verbose")))
 
@@ -794,7 +794,7 @@ def _positive(**values: int | None) -> None:
 
 def _out_dir(path: str | Path, flag: str = "--out") -> None:
     """An output directory that is (or is under) a file is a usage error, named as such."""
-    from wandistill.storage import is_url
+    from wandistill.io.storage import is_url
 
     if is_url(path):
         return  # an object-store prefix: `outputs.claim_remote` checks it
@@ -1220,7 +1220,7 @@ def demo_cmd(
     result = run_demo(root, recipe, overrides, baseline=baseline, teacher=teacher)
     out.print()
     out.print(result.eval.console_table(), highlight=False)
-    from wandistill.progress import summary_lines
+    from wandistill.runtime.progress import summary_lines
 
     total = sum(result.seconds.values())
     stages = [f"{k} {v:.0f} s" for k, v in result.seconds.items()]
@@ -1581,7 +1581,7 @@ def _fail(message: str, code: int, fix: str | None = None) -> None:
 def _command() -> Any:
     """The click command tree, built once: typer rebuilds it on every `app()` call (~0.1 s of
     signature inspection), which in-process callers (tests, the demo) would pay each time."""
-    from wandistill.workarounds import hide_flag_types
+    from wandistill.runtime.workarounds import hide_flag_types
 
     return hide_flag_types(typer.main.get_command(app))
 
@@ -1589,7 +1589,7 @@ def _command() -> Any:
 def _stopped(e: WandistillError) -> bool:
     """A `failures.Stopped` (checked without importing torch, which failures needs: only a
     stage that imported it can raise one)."""
-    failures = sys.modules.get("wandistill.failures")
+    failures = sys.modules.get("wandistill.runtime.failures")
     return failures is not None and isinstance(e, failures.Stopped)
 
 

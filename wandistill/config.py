@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from wandistill.bounds import SEED, TIMEOUT_S, checked, num
+from wandistill.checks.bounds import SEED, TIMEOUT_S, checked, num
+from wandistill.checks.validate import MiB, read_capped
 from wandistill.errors import ConfigError, UsageError
 from wandistill.placement.parse import GROUP_LEVELS, parse_placement
 from wandistill.placement.strategies import Cpu, Placement
-from wandistill.validate import MiB, read_capped
 
 if typing.TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -42,9 +42,9 @@ BACKENDS = ("webdataset", "zarr")
 
 def _locations(**given: tuple[str, bool]) -> tuple[bool, str]:
     """The recipe's locations (key -> (value, URL supported)) through the CLI's one parser
-    (`wandistill.location`): a URL only where the stage reads or writes it end to end, never
+    (`wandistill.io.location`): a URL only where the stage reads or writes it end to end, never
     a local path named like a URL. A (passed, message) check for `_problems`."""
-    from wandistill.location import problem
+    from wandistill.io.location import problem
 
     bad = [p for k, (v, url) in given.items() if (p := problem(v, k, url=url))]
     return not bad, "; ".join(bad)
@@ -651,7 +651,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
     if tp in (int, float) and isinstance(value, int) and not isinstance(value, bool):
         # Widen to float only where it cannot overflow; every numeric field declares its range
-        # (wandistill/bounds.py), which refuses a huge int or a NaN / inf with the range named.
+        # (checks/bounds.py), which refuses a huge int or a NaN / inf with the range named.
         return float(value) if tp is float and -(1 << 63) <= value < 1 << 63 else value
     if tp is Any:
         return value

@@ -152,7 +152,7 @@ def short_path(path: str | Path) -> str:
 
 def _train(cfg: TrainConfig) -> None:
     """Train, resuming from the latest checkpoint a previous demo left."""
-    from wandistill.failures import Stopped
+    from wandistill.runtime.failures import Stopped
     from wandistill.train import run as train
 
     try:

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from wandistill.fsutil import atomic_write_bytes
+from wandistill.io.fsutil import atomic_write_bytes
 
 LOSS_PNG = "loss.png"
 """What `train` writes next to metrics.jsonl when it ends."""

@@ -67,7 +67,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
 
 from wandistill.cache import CacheWriter, Record, record_key
-from wandistill.cache.schema import field_specs, pad_embeds
+from wandistill.cache.contract import field_specs, pad_embeds
 from wandistill.cache.training import TrainingReader
 
 C, F, H, W = 16, 1, 60, 104  # Wan 2.1 VAE latent of one 480x832 frame (F: --latent-frames)
@@ -338,7 +338,7 @@ def prefault(nbytes: int) -> int:
     touch of such a page costs a host fault. After `drop_caches` the page cache of a read leg
     is filled from those pages, so the same `cat` of 1.35 GB took 0.65-2.4 s (0.15-2.1 s of
     system time) depending on how long the memory had been free, whichever leg it was
-    (docs/benchmarks.md, "The VM's memory taken out of the cold legs"). Touching the memory
+    (docs/benchmarks-history.md, "The VM's memory taken out of the cold legs"). Touching the memory
     first puts every leg on memory the host backs, as on a machine without a balloon; the page
     cache stays empty."""
     with open("/proc/meminfo") as f:
@@ -1047,7 +1047,8 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.repeats):
             print(f"\nround {rnd + 1}/{args.repeats}: write", flush=True)
             # Each round starts with another leg: on a VM, whichever leg writes first into page
-            # cache memory the guest has not touched lately pays for it (docs/benchmarks.md).
+            # cache memory the guest has not touched lately pays for it
+            # (docs/benchmarks-history.md).
             k = rnd % len(writers)
             for write in writers[k:] + writers[:k]:
                 write()

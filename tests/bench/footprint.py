@@ -39,9 +39,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from wandistill.cache.encoding import STORE_DTYPES, WAN_SIZES, Encoding, projected_bytes
+from wandistill.cache.contract import Record, field_specs, record_key
+from wandistill.cache.encoding import STORE_DTYPES, Encoding
+from wandistill.cache.footprint import WAN_SIZES, projected_bytes
 from wandistill.cache.reader import open_cache
-from wandistill.cache.schema import Record, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
 
 STEPS = 50

@@ -486,9 +486,9 @@ def plan_estimate(ctx: Ctx, cfg: Any) -> tuple[str, dict[str, int]]:
 
 def first_record(cache: Path) -> dict[str, Any]:
     """The floating-point tensors of the cache's first record (by key)."""
-    from wandistill.cache.reader import CacheStore
+    from wandistill.cache.reader import CacheReader
 
-    with CacheStore(cache) as store:
+    with CacheReader(cache) as store:
         where = store.locate()
         record = store.read_record(*where[sorted(where)[0]])
     return {k: v.float() for k, v in record.tensors().items() if v.is_floating_point()}

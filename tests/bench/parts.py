@@ -53,7 +53,7 @@ def precompute(args: list[str], part: str | None) -> float:
 
 def records(cache: Path) -> dict[str, tuple[tuple[str, bytes], ...]]:
     from wandistill.cache import open_cache
-    from wandistill.cache.schema import tensor_bytes
+    from wandistill.cache.contract import tensor_bytes
 
     with open_cache(cache) as store:
         return {

@@ -119,9 +119,9 @@ def precompute(teacher: Path, prompts: Path, args: argparse.Namespace, cache: Pa
 
 
 def read_records(cache: Path) -> list:
-    from wandistill.cache.reader import CacheStore
+    from wandistill.cache.reader import CacheReader
 
-    with CacheStore(cache) as store:
+    with CacheReader(cache) as store:
         return [store.read_record(*where) for where in store.locate().values()]
 
 
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         help="torch intra-op threads for the teacher (default 1: on a GPU box the teacher's "
         "compute leaves the host's cores to the writer; on a 2-core CPU box one core models "
         "that; with every core in the teacher's OpenMP pool the writer thread's wakeups stall "
-        "its barriers, see docs/benchmarks.md)",
+        "its barriers, see docs/benchmarks-history.md)",
     )
     p.add_argument(
         "--legs",

@@ -31,8 +31,8 @@ REPO = Path(__file__).parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from wandistill.cache import CacheWriter, Record, record_key  # noqa: E402
+from wandistill.cache.contract import field_specs  # noqa: E402
 from wandistill.cache.merge import MergeConfig, merge  # noqa: E402
-from wandistill.cache.schema import field_specs  # noqa: E402
 
 from cachefixtures import SETTINGS, TEACHER  # noqa: E402
 from s3server import BUCKET, s3_server, traffic  # noqa: E402

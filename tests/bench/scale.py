@@ -1,20 +1,21 @@
 #!/usr/bin/env python
 """Costs that must grow linearly (or not at all) with the size of a cache: n against 4n.
 
-    python tests/bench/scale.py --shards 1000 --work /tmp/scale
+    python tests/bench/scale.py --shards 1000 --work /tmp/scale [--out DIR]
 
 Each leg runs at n and at 4n in the same run and prints the ratio: ~4 is linear, ~16 quadratic,
 ~1 bounded. Synthetic caches: the entries of a real 8-record cache copied under new names and
 keys, so no records are written for the manifest legs.
 
 manifest     `load_committed` of a finalized cache of n four-record shards
-follow       a `CacheStore` polling a running cache whose journal gains 50 shards per poll:
+follow       a `CacheReader` polling a running cache whose journal gains 50 shards per poll:
              total refresh time (n/50 polls: ~16 is linear per poll), and the last poll's
 keyindex     `NameIndex.add` of 100n record keys (the writer's and the embedding store's index)
 epoch plan   bytes a TrainingReader holds per (record, step) sample for an epoch's order
              (tracemalloc; the permutation tensor counted too)
 open files   file descriptors left open after reading one sample from each of n/4 shards
 
+With --out, `results.json` / `results.md` with the machine go there (tests/bench/harness.py).
 Timed legs: best of --repeats (the heap's garbage collections make single runs noisy). The
 script also runs on a checkout from before the 2026-11-27 fixes (`git worktree add`), for the
 before/after table in docs/benchmarks.md.
@@ -32,9 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for cachefixtures
 
+from harness import Report, environment  # noqa: E402
+
 from wandistill.cache import manifest as mf  # noqa: E402
 from wandistill.cache.keyindex import NameIndex  # noqa: E402
-from wandistill.cache.reader import CacheStore  # noqa: E402
+from wandistill.cache.reader import CacheReader  # noqa: E402
 
 from cachefixtures import write_cache  # noqa: E402
 
@@ -86,7 +89,7 @@ def follow_leg(base: Path, work: Path, n: int, per_poll: int = 50) -> tuple[floa
         mf.write_journal_chunks(path, 0, chunks[start:upto], **kw)
         t = time.perf_counter()
         if store is None:
-            store = CacheStore(path)
+            store = CacheReader(path)
         else:
             store.refresh()
         last = time.perf_counter() - t
@@ -107,7 +110,7 @@ def keyindex_leg(n: int) -> float:
 def open_files_leg(work: Path, n: int) -> int:
     path = work / f"o{n}"
     write_cache(path, range(n), shard_records=1)
-    with CacheStore(path) as store:
+    with CacheReader(path) as store:
         before = len(os.listdir("/proc/self/fd"))
         for e in store.entries:
             store.read_sample(e, 0, 0, ["xt", "prompt_embeds"])
@@ -145,7 +148,9 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=1000, help="n (the legs also run at 4n)")
     p.add_argument("--work", type=Path, default=Path("/tmp/wandistill-scale"))
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, help="also write results.json / results.md here")
     args = p.parse_args()
+    env = environment()
     shutil.rmtree(args.work, ignore_errors=True)
     base = write_cache(args.work / "base", range(8), shard_records=4).path
     n = args.shards
@@ -168,6 +173,14 @@ def main() -> None:
         ratio = f"{b / a:8.1f}" if a else "       -"
         print(f"{name:30} {a:10.3f} {b:10.3f} {ratio}")
     print("(~4: linear, ~16: quadratic, ~1: bounded)")
+    if args.out:
+        table = [
+            {"leg": name, "n": a, "4n": b, "4n / n": b / a if a else None} for name, a, b in rows
+        ]
+        Report(args.out, "Scale: n against 4n").update(
+            {"command": " ".join(sys.argv), "environment": env},
+            scale={"status": "ok", "rows": table, "notes": [f"n = {n} shards"]},
+        )
 
 
 if __name__ == "__main__":

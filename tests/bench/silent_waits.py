@@ -111,7 +111,7 @@ def _dead_writer_cache(work: Path, real: Path | None) -> tuple[Path, list[str]]:
     fit it."""
     import shutil
 
-    from wandistill import outputs
+    from wandistill.io import outputs
 
     from realfiles import TRAIN_SETS, RealFiles, real_files
 

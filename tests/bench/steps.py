@@ -112,11 +112,11 @@ def run_identity(cfg: Any, work: Path) -> dict[str, Any]:
     folder (so --train-steps, --set train.* and recipe changes all count), and the training
     cache's content (the prompt/seed lines precompute ran, and the precompute.* overrides, via
     the cache's manifest settings)."""
-    from wandistill.cache.reader import CacheStore
+    from wandistill.cache.reader import CacheReader
 
     config = dataclasses.asdict(cfg)
     config.pop("out", None)
-    with CacheStore(work / "cache-train") as store:
+    with CacheReader(work / "cache-train") as store:
         cache = {"settings": store.manifest.settings, "records": len(store)}
     lines = hashlib.sha256((work / "train.jsonl").read_bytes()).hexdigest()
     identity = {"train": config, "cache": cache, "train_prompts_sha256": lines}
@@ -135,7 +135,7 @@ def train_one(work: Path, name: str, teacher: Path, extra: list[str], sets: list
     identity is kept beside it in runs/NAME-DIGEST.json, outside the folder train claims)."""
     from wandistill.config import load_recipe
     from wandistill.demo import baseline_config
-    from wandistill.fsutil import atomic_write_json
+    from wandistill.io.fsutil import atomic_write_json
     from wandistill.train import run as train
 
     def config(out: Path) -> Any:
@@ -192,7 +192,7 @@ def speed(work: Path, run: Path, teacher: Path, prompts: list[str]) -> dict[str,
     from diffusers import WanPipeline
 
     from wandistill.config import load_recipe
-    from wandistill.modelfolder import load_pretrained
+    from wandistill.io.modelfolder import load_pretrained
     from wandistill.student.export import export
     from wandistill.teacher.folder import TeacherFolder
 

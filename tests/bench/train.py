@@ -135,10 +135,10 @@ def build_cache(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     summary = precompute(cfg, quiet=True)
     seconds = time.perf_counter() - t0
-    from wandistill.cache.reader import CacheStore
+    from wandistill.cache.reader import CacheReader
     from wandistill.cache.training import TrainingReader
 
-    with CacheStore(work / "cache") as store:
+    with CacheReader(work / "cache") as store:
         train_samples = TrainingReader(store, batch_size=1).batches_per_epoch()
         records = len(store)
     return {
@@ -242,7 +242,7 @@ class Online(_Source):
         started = time.perf_counter()
         from diffusers import WanPipeline
 
-        from wandistill.cache.schema import is_holdout
+        from wandistill.cache.contract import is_holdout
         from wandistill.teacher.encode import encode_trimmed
         from wandistill.teacher.sampler import RecordingSampler, SamplerSpec
 
@@ -369,7 +369,7 @@ def run_loop(cfg: Any, make_source: Callable[[Any], _Source] | None) -> dict[str
         t0 = time.perf_counter()
         run(cfg)
         return {"leg_seconds": time.perf_counter() - t0}
-    from wandistill import dist
+    from wandistill.runtime import dist
     from wandistill.train import loop
     from wandistill.train.export import export_pretrained
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from wandistill.quiet import QUIET_ENV
+from wandistill.runtime.quiet import QUIET_ENV
 
 pytestmark = pytest.mark.slow
 

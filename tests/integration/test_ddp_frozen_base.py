@@ -25,7 +25,7 @@ import json, os, sys
 import torch
 import torch.distributed as td
 from torch import nn
-from wandistill.dist import DistInfo
+from wandistill.runtime.dist import DistInfo
 from wandistill.train import parallel
 
 rank, frozen = int(os.environ["RANK"]), sys.argv[1] == "frozen"

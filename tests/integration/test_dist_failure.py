@@ -4,8 +4,8 @@ The contract (docs/distributed.md): a rank that raises prints its one-line error
 once; torchrun then SIGTERMs the others, which stop cleanly (precompute: each flushes its own
 shards; train: a peer lost mid-collective is one line, never a wait), so every rank is gone
 within 60 s of the failure, and the output on disk resumes (1 process or 2) to exactly the result
-of an uninterrupted run. Failures are injected at exact points with `WANDISTILL_TEST_KILL_AT`
-(wandistill/failures.py) and train's `WANDISTILL_FAIL_AT`. 2 gloo ranks on CPU.
+of an uninterrupted run. Failures are injected at exact points with `WANDISTILL_FAULT`
+(wandistill/runtime/failures.py) and train's `WANDISTILL_FAULT`. 2 gloo ranks on CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 import wandistill
 from wandistill.cache.manifest import load_committed, read_manifest
-from wandistill.cache.wds import WebDatasetSource
+from wandistill.cache.wds_backend import WebDatasetSource
 from wandistill.config import load_recipe
 from wandistill.train.checkpoint import resolve_latest
 
@@ -226,7 +226,7 @@ def test_precompute_rank_raising_stops_every_rank_and_one_process_resumes(
     job = Job(
         _pre_args(_pre_sets(pre, cache)),
         tmp_path / "run.err",
-        WANDISTILL_TEST_KILL_AT="precompute:record:3:1:raise",
+        WANDISTILL_FAULT="precompute:record:3:1:raise",
     )
     assert job.wait_failure() != 0
     err = job.err
@@ -244,7 +244,7 @@ def test_precompute_rank_killed_stops_every_rank_and_two_ranks_resume(
     job = Job(
         _pre_args(_pre_sets(pre, cache)),
         tmp_path / "run.err",
-        WANDISTILL_TEST_KILL_AT="precompute:record:4:0:kill",
+        WANDISTILL_FAULT="precompute:record:4:0:kill",
     )
     assert job.wait_failure() != 0
     err = job.err
@@ -295,9 +295,11 @@ def test_train_rank_raising_then_rank_killed_each_stop_the_job_and_resume_matche
     out = tmp_path / "run"
 
     # Rank 1 raises after step 5: rank 0 is left in a collective, says so in one line, exits.
-    one = Job(_train_args(cache, out), tmp_path / "one.err", WANDISTILL_FAIL_AT="1:5")
+    one = Job(
+        _train_args(cache, out), tmp_path / "one.err", WANDISTILL_FAULT="train:step:5:1:raise"
+    )
     assert one.wait_failure() != 0
-    assert one.err.count("error: injected failure on rank 1 at step 5") == 1, one.err[-3000:]
+    assert one.err.count("error: injected failure on rank 1 at train step 5") == 1, one.err[-3000:]
     assert other_rank_ended_cleanly(one.err, 0), one.err[-3000:]
     assert not rank_traceback(one.err)
     assert _latest(out) == "checkpoint-3" and not (out / "student").exists()
@@ -306,7 +308,7 @@ def test_train_rank_raising_then_rank_killed_each_stop_the_job_and_resume_matche
     two = Job(
         _train_args(cache, out, "--resume"),
         tmp_path / "two.err",
-        WANDISTILL_TEST_KILL_AT="train:step:8:0:kill",
+        WANDISTILL_FAULT="train:step:8:0:kill",
     )
     assert two.wait_failure() != 0
     assert "Signal 9 (SIGKILL) received by PID" in two.err or "exitcode  : -9" in two.err

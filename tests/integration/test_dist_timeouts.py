@@ -1,7 +1,7 @@
 """Every rank exits: a rank that never arrives, or ranks that run different configurations.
 
 torchrun starts 2 gloo ranks on CPU. A rank is made to never arrive with the test hook
-`WANDISTILL_TEST_KILL_AT=dist:init:0:<rank>:hang` (it sleeps before joining); the other rank must
+`WANDISTILL_FAULT=dist:init:0:<rank>:hang` (it sleeps before joining); the other rank must
 exit on its own within `WANDISTILL_DIST_TIMEOUT` (5 s here), naming the missing rank. Different
 configurations per rank come from a two-line launcher (`torchrun --no-python python -c ...`) that
 gives each rank its own argv; every rank must exit naming the differing keys. Each test prints
@@ -130,7 +130,7 @@ def test_a_rank_that_never_arrives_is_named_by_the_others_within_the_timeout(
     missing = 1  # under torchrun the agent hosts the store: rank 0 missing is the same path
     argv = train_argv(cache, tmp_path / "run")
     code, err = torchrun(
-        [argv, argv], tmp_path / "err", WANDISTILL_TEST_KILL_AT=f"dist:init:0:{missing}:hang"
+        [argv, argv], tmp_path / "err", WANDISTILL_FAULT=f"dist:init:0:{missing}:hang"
     )
     other = 1 - missing
     assert code != 0
@@ -201,9 +201,7 @@ def test_a_rank_that_hangs_mid_training_is_named_when_the_collective_times_out(
     cache: Path, tmp_path: Path
 ) -> None:
     argv = train_argv(cache, tmp_path / "run", "steps=6", "checkpoint_every=2")
-    code, err = torchrun(
-        [argv, argv], tmp_path / "err", WANDISTILL_TEST_KILL_AT="train:step:3:1:hang"
-    )
+    code, err = torchrun([argv, argv], tmp_path / "err", WANDISTILL_FAULT="train:step:3:1:hang")
     assert code != 0
     line = re.search(r"error: rank 0: a collective failed, rank 1 did not answer.*", err)
     assert line, err[-3000:]
@@ -243,7 +241,7 @@ def test_a_rank_that_hangs_mid_precompute_is_named_by_the_rank_waiting_at_the_en
         "sampler.num_inference_steps=2",
     ]
     code, err = torchrun(
-        [argv, argv], tmp_path / "err", WANDISTILL_TEST_KILL_AT="precompute:record:1:1:hang"
+        [argv, argv], tmp_path / "err", WANDISTILL_FAULT="precompute:record:1:1:hang"
     )
     assert code != 0
     line = re.search(r"error: rank 0 of 2: rank 1 has not finished \(precompute-done\).*", err)
@@ -260,9 +258,7 @@ def test_a_rank_that_hangs_mid_precompute_is_named_by_the_rank_waiting_at_the_en
 def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_step(cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = train_argv(cache, out, "steps=6", "checkpoint_every=2")
-    code, err = torchrun(
-        [argv, argv], tmp_path / "err", WANDISTILL_TEST_KILL_AT="train:loss:3:1:nan"
-    )
+    code, err = torchrun([argv, argv], tmp_path / "err", WANDISTILL_FAULT="train:loss:3:1:nan")
     assert code != 0
     for rank in (0, 1):
         assert re.search(rf"rank {rank} exit 1 at", err), err[-3000:]

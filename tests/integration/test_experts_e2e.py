@@ -138,7 +138,7 @@ def test_stock_wan_pipeline_of_the_export_equals_the_projects_sampler_and_uses_b
     from diffusers import WanPipeline
 
     from wandistill.cache import open_cache
-    from wandistill.cache.schema import pad_embeds
+    from wandistill.cache.contract import pad_embeds
     from wandistill.student.folders import read_run
     from wandistill.student.sampler import sample_latents, student_pipeline
 
@@ -309,7 +309,7 @@ def test_per_expert_lora_files_in_the_stock_teacher_pipeline_equal_the_projects_
     from diffusers import WanPipeline
 
     from wandistill.cache import open_cache
-    from wandistill.cache.schema import pad_embeds
+    from wandistill.cache.contract import pad_embeds
     from wandistill.student.folders import read_run
     from wandistill.student.sampler import sample_latents, student_pipeline
 

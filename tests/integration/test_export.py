@@ -113,7 +113,7 @@ def test_the_exported_folder_in_stock_wan_pipeline_equals_the_students_own_sampl
     from diffusers import WanPipeline, WanTransformer3DModel
 
     from wandistill.cache import open_cache
-    from wandistill.cache.schema import pad_embeds
+    from wandistill.cache.contract import pad_embeds
     from wandistill.student.sampler import sample_latents, student_pipeline
     from wandistill.student.schedule import StudentSchedule
 

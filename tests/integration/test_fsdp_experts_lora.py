@@ -149,7 +149,7 @@ def lora_runs(zygote: Zygote, world: dict[str, Path]) -> dict[str, Path]:  # noq
     root = world["root"]
     one, two, down = root / "lora_one", root / "lora_fsdp2", root / "lora_down"
     assert zygote.run(argv(world, one, 1), root / "one.log") == [0], logs(root / "one.log")
-    kill = {"WANDISTILL_TEST_KILL_AT": f"train:saved:{EVERY}:*"}
+    kill = {"WANDISTILL_FAULT": f"train:saved:{EVERY}:*"}
     fsdp = ("--parallel", "fsdp")
     codes = zygote.run(argv(world, two, 2, *fsdp), root / "k.log", nproc=2, **kill)
     assert codes == [-signal.SIGKILL] * 2, logs(root / "k.log", 2)
@@ -236,7 +236,7 @@ def test_export_of_an_fsdp_per_expert_lora_run_in_the_stock_pipeline_equals_the_
     from diffusers import WanPipeline
 
     from wandistill.cache import open_cache
-    from wandistill.cache.schema import pad_embeds
+    from wandistill.cache.contract import pad_embeds
     from wandistill.student.folders import read_run
     from wandistill.student.sampler import sample_latents, student_pipeline
 

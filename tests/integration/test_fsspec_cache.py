@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from wandistill.cache.manifest import has_manifest, load_committed
-from wandistill.cache.wds import WebDatasetSource
+from wandistill.cache.wds_backend import WebDatasetSource
 from wandistill.teacher.tiny import make_tiny_teacher
 
 from s3server import BUCKET, s3_server
@@ -97,9 +97,7 @@ def test_precompute_verify_train_eval_and_a_killed_precompute_resumes_on_s3(
     assert (world["root"] / "eval" / "eval.json").is_file()
 
     killed_url = f"s3://{BUCKET}/killed"
-    killed = _run(
-        world, *_precompute(world, killed_url), WANDISTILL_TEST_KILL_AT="precompute:record:3"
-    )
+    killed = _run(world, *_precompute(world, killed_url), WANDISTILL_FAULT="precompute:record:3")
     assert killed.returncode == -9, killed.stderr[-3000:]
     partial = load_committed(killed_url)
     assert not partial.complete and partial.num_records == 2  # the open shard was never named
@@ -116,7 +114,7 @@ def test_a_zarr_cache_on_s3_survives_a_kill_resumes_verifies_and_trains(
 ) -> None:
     url = f"s3://{BUCKET}/zarr"
     args = [*_precompute(world, url), "--set", 'cache.backend="zarr"']
-    killed = _run(world, *args, WANDISTILL_TEST_KILL_AT="precompute:record:3")
+    killed = _run(world, *args, WANDISTILL_FAULT="precompute:record:3")
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert load_committed(url).num_records == 2  # the open shard's rows were never named
     resumed = _run(world, *args)

@@ -2,7 +2,7 @@
 
 The encode phase commits text embeddings to `embeds/` as it goes (wandistill/cache/embeds.py).
 Kill points: right after the n-th prompt embedding of the run was handed to the embedding store
-(`WANDISTILL_TEST_KILL_AT=precompute:encoded:<n>`, counted by the process itself, so exact), and
+(`WANDISTILL_FAULT=precompute:encoded:<n>`, counted by the process itself, so exact), and
 from outside while an embedding shard's temp file exists (inside a flush). After each kill the
 same command runs again; it must encode exactly the prompts no committed embedding shard held
 (the run prints "<k> prompts encoded"), then finish the cache byte-identical to an uninterrupted
@@ -74,9 +74,7 @@ def sweep_encode(
     for n in points:
         cache = root / f"encoded-{n}"
         log = root / f"encoded-{n}.log"
-        codes = z.run(
-            precompute_argv(s, cache), log, WANDISTILL_TEST_KILL_AT=f"precompute:encoded:{n}"
-        )
+        codes = z.run(precompute_argv(s, cache), log, WANDISTILL_FAULT=f"precompute:encoded:{n}")
         assert codes == [-signal.SIGKILL], f"encoded {n}: {codes}\n{logs(log)}"
         assert not list((cache / "shards").glob("*.tar")), "killed while encoding: no records yet"
         kept = resume_without_reencoding(z, s, cache, t)
@@ -132,7 +130,7 @@ def test_precompute_2_ranks_killed_while_encoding_then_one_process_reuses_every_
             precompute_argv(pre, cache),
             log,
             nproc=2,
-            WANDISTILL_TEST_KILL_AT=f"precompute:encoded:{n}:{rank}",
+            WANDISTILL_FAULT=f"precompute:encoded:{n}:{rank}",
         )
         assert codes[rank] == -signal.SIGKILL, f"{codes}\n{logs(log, 2)}"
         kept = resume_without_reencoding(zygote, pre, cache, t, nproc=1)

@@ -1,6 +1,6 @@
 """kill -9 anywhere, resume, and get the very same cache / student as an uninterrupted run.
 
-Kill points are exact and seeded. `WANDISTILL_TEST_KILL_AT` (wandistill/failures.py) makes
+Kill points are exact and seeded. `WANDISTILL_FAULT` (wandistill/runtime/failures.py) makes
 a process SIGKILL itself right after its n-th record (precompute) or right after optimizer step n
 / checkpoint n (train); more kill the process from outside as soon as a progress marker shows up
 on disk (a shard's temp file, a journal entry, a checkpoint's temp folder, a metrics row, the
@@ -36,10 +36,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import save as st_save
 
+from wandistill.cache.contract import Record
 from wandistill.cache.manifest import load_committed, manifest_path
 from wandistill.cache.reader import open_cache
-from wandistill.cache.schema import Record
-from wandistill.cache.wds import WebDatasetSource
+from wandistill.cache.wds_backend import WebDatasetSource
 from wandistill.train.checkpoint import resolve_latest
 from wandistill.train.metrics import read_metrics
 
@@ -246,7 +246,7 @@ def sweep_precompute_1rank(
         codes = z.run(
             precompute_argv(s, cache),
             root / f"hook-{n}.log",
-            WANDISTILL_TEST_KILL_AT=f"precompute:record:{n}",
+            WANDISTILL_FAULT=f"precompute:record:{n}",
         )
         assert codes == [-signal.SIGKILL], f"record {n}: {codes}\n{logs(root / f'hook-{n}.log')}"
         before = check_partial(s, cache, t)
@@ -319,7 +319,7 @@ def sweep_precompute_2ranks(
             precompute_argv(s, cache),
             log,
             nproc=2,
-            WANDISTILL_TEST_KILL_AT=f"precompute:record:{n}:{r}",
+            WANDISTILL_FAULT=f"precompute:record:{n}:{r}",
         )
         # The killed rank dies; the other gets SIGTERM and stops cleanly (143), or had finished
         # and fails at the final barrier (1; if the SIGTERM comes after it restored the default
@@ -476,7 +476,7 @@ def sweep_train(
     for point, n in points:
         out = root / f"{point}-{n}"
         log = root / f"{point}-{n}.log"
-        codes = z.run(train_argv(s, out), log, WANDISTILL_TEST_KILL_AT=f"train:{point}:{n}")
+        codes = z.run(train_argv(s, out), log, WANDISTILL_FAULT=f"train:{point}:{n}")
         assert codes == [-signal.SIGKILL], f"{point} {n}: {codes}\n{logs(log)}"
         # After step n (before its checkpoint) the newest checkpoint is the one before it.
         want = n if point == "saved" else (n - 1) // EVERY * EVERY

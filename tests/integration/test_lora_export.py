@@ -133,7 +133,7 @@ def _stock(pipe, rec) -> torch.Tensor:
 
 def _ours(world: dict[str, Path], rec) -> torch.Tensor:
     """The project's sampler: the run's student (base + adapter) in `student_pipeline`."""
-    from wandistill.cache.schema import pad_embeds
+    from wandistill.cache.contract import pad_embeds
     from wandistill.student.folders import read_run
     from wandistill.student.sampler import sample_latents, student_pipeline
 
@@ -265,7 +265,7 @@ def test_two_ddp_ranks_train_the_same_adapter_as_one_rank_with_twice_the_accumul
         *[a for s in sets for a in ("--set", s)],
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WANDISTILL_FAIL_AT", None)
+    env.pop("WANDISTILL_FAULT", None)
     proc = subprocess.Popen(
         cmd,
         cwd=Path(__file__).parents[2],

@@ -19,7 +19,7 @@ import torch
 
 from wandistill.cache import open_cache
 from wandistill.cli import main
-from wandistill.outputs import LOCK, MARKER, claim
+from wandistill.io.outputs import LOCK, MARKER, claim
 
 from clirun import run_cli
 
@@ -160,7 +160,7 @@ def _env() -> dict[str, str]:
 def _spawn(args: list[str], hook: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "wandistill", *args],
-        env={**_env(), "WANDISTILL_TEST_KILL_AT": hook},
+        env={**_env(), "WANDISTILL_FAULT": hook},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -218,7 +218,7 @@ def test_after_a_kill_9_mid_shard_the_next_run_owns_the_cache_and_clears_the_tem
 
 _HOLD = """
 import sys
-from wandistill.outputs import claim
+from wandistill.io.outputs import claim
 folder = claim(sys.argv[1], "run")
 print("holding", flush=True)
 sys.stdin.readline()
@@ -266,11 +266,11 @@ def test_a_precompute_that_failed_before_its_first_record_leaves_a_folder_the_fi
 
     other = make_tiny_teacher(tmp_path / "other", seed=1)
     cache = tmp_path / "c"
-    monkeypatch.setenv("WANDISTILL_TEST_KILL_AT", "precompute:record:0:0:raise")
+    monkeypatch.setenv("WANDISTILL_FAULT", "precompute:record:0:0:raise")
     code, _, err = _cli(capsys, *_pre(world["teacher"], world["prompts"], cache))
     assert code == 1 and "injected failure" in err
     assert (cache / "manifest.json").is_file()  # the writer had opened the cache
-    monkeypatch.delenv("WANDISTILL_TEST_KILL_AT")
+    monkeypatch.delenv("WANDISTILL_FAULT")
     fixed = _pre(other, world["prompts"], cache, "--set", "sampler.guidance_scale=3.0")
     code, out, err = _cli(capsys, *fixed)
     assert code == 0 and f"{N_PROMPTS} records written" in out, err

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from wandistill.cache import open_cache
+from wandistill.cache.contract import tensor_bytes
 from wandistill.cache.manifest import read_manifest
 from wandistill.cache.merge import MergeConfig, merge
-from wandistill.cache.schema import tensor_bytes
 from wandistill.config import load_recipe
 from wandistill.errors import UsageError
 from wandistill.precompute.parts import PARTS_NAME, Part
@@ -86,7 +86,7 @@ def _kill_part(world: dict[str, Path], out: Path, part: str) -> subprocess.Compl
     sets = _sets(world["teacher"], world["prompts"], out)
     argv = [sys.executable, "-m", "wandistill", "precompute", "pipelines/tiny.toml"]
     argv += [a for s in sets for a in ("--set", s)] + ["--part", part]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDISTILL_TEST_KILL_AT": "precompute:record:1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDISTILL_FAULT": "precompute:record:1"}
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 

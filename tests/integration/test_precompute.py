@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from wandistill.cache import open_cache
+from wandistill.cache.contract import pad_embeds
 from wandistill.cache.manifest import read_manifest
-from wandistill.cache.schema import pad_embeds
 from wandistill.config import load_recipe
 from wandistill.precompute.run import run
 from wandistill.teacher.tiny import make_tiny_teacher
@@ -190,7 +190,7 @@ def test_a_second_run_skips_every_record_and_a_changed_setting_is_refused(
 
 
 def _blobs(cache: Path) -> dict[str, bytes]:
-    from wandistill.cache.wds import WebDatasetSource
+    from wandistill.cache.wds_backend import WebDatasetSource
 
     m = read_manifest(cache)
     src = WebDatasetSource(cache)

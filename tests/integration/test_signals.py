@@ -9,7 +9,7 @@ step, and nothing waits forever in a collective.
 
 Single-process runs are forks of a zygote that imported everything once (tests/zygote.py): real
 processes that really get the signal, without seconds of imports each; the torchrun runs are real
-torchrun jobs. Deterministic stops come from the test hook (`WANDISTILL_TEST_KILL_AT=...:term`:
+torchrun jobs. Deterministic stops come from the test hook (`WANDISTILL_FAULT=...:term`:
 the process sends itself a real SIGTERM at an exact point); the others come from outside, as soon
 as a progress marker shows up on disk. Every stop is then resumed and compared with an uninterrupted
 run: the same record bytes, the same student weights.
@@ -33,7 +33,7 @@ import torch
 
 import wandistill
 from wandistill.cache.manifest import load_committed, read_manifest
-from wandistill.cache.wds import WebDatasetSource
+from wandistill.cache.wds_backend import WebDatasetSource
 from wandistill.config import load_recipe
 from wandistill.train.checkpoint import resolve_latest
 
@@ -251,7 +251,7 @@ def test_precompute_sigterm_flushes_the_open_shard_and_a_rerun_completes(
         zygote,
         _pre_argv(_pre_sets(pre["teacher"], pre["prompts"], cache)),
         tmp_path / "run",
-        WANDISTILL_TEST_KILL_AT="precompute:record:4::term",
+        WANDISTILL_FAULT="precompute:record:4::term",
     )
     assert job.wait() == 143, job.err[-3000:]
     assert "stopped by SIGTERM after 4 records; re-run the same command to resume" in job.err
@@ -364,9 +364,7 @@ def test_train_sigterm_saves_a_checkpoint_and_resume_matches(
     _train_inprocess(_train_sets(tmp_path / "c", tmp_path / "ref", 10, 4))
     out = tmp_path / "run"
     sets = _train_sets(tmp_path / "c", out, 10, 4)
-    job = Forked(
-        zygote, _train_argv(sets), tmp_path / "run", WANDISTILL_TEST_KILL_AT="train:step:5::term"
-    )
+    job = Forked(zygote, _train_argv(sets), tmp_path / "run", WANDISTILL_FAULT="train:step:5::term")
     assert job.wait() == 143, job.err[-3000:]
     assert "stopped by SIGTERM at step 5; resume with --resume" in job.err
     assert "Traceback" not in job.err
@@ -412,7 +410,7 @@ def test_train_under_torchrun_every_rank_stops_at_the_same_step(tmp_path: Path) 
     one = Job(
         _torchrun(*_train_argv(sets)),
         tmp_path / "one",
-        WANDISTILL_TEST_KILL_AT="train:step:4:1:term",
+        WANDISTILL_FAULT="train:step:4:1:term",
     )
     assert one.wait() != 0
     for rank in (0, 1):

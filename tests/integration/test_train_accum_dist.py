@@ -39,7 +39,7 @@ SETS = [
 def _torchrun_train(cache: Path, out: Path) -> subprocess.CompletedProcess[str]:
     args = ["--cache", str(cache), "--out", str(out), *(x for s in SETS for x in ("--set", s))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {k: v for k, v in os.environ.items() if k != "WANDISTILL_FAIL_AT"}
+    env = {k: v for k, v in os.environ.items() if k != "WANDISTILL_FAULT"}
     proc = subprocess.Popen(
         [*cmd, "-m", "wandistill", "train", *args],
         cwd=REPO,

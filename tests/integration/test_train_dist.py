@@ -53,7 +53,7 @@ COMMON = (
 
 def _env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120", **extra}
-    env.pop("WANDISTILL_FAIL_AT", None)
+    env.pop("WANDISTILL_FAULT", None)
     env.update(extra)
     return env
 
@@ -130,9 +130,11 @@ def test_an_exception_on_one_rank_brings_every_rank_down(tmp_path: Path) -> None
     write_cache(tmp_path / "c", range(8))
     args = ("--cache", str(tmp_path / "c"), "--out", str(tmp_path / "run"), "--steps", "50")
     # The timeout is a hang guard; the contract (all ranks down well within 60 s) is not timed.
-    code, out, err = _launch(_torchrun(2, *args, *COMMON), _env(WANDISTILL_FAIL_AT="1:3"), 180)
+    code, out, err = _launch(
+        _torchrun(2, *args, *COMMON), _env(WANDISTILL_FAULT="train:step:3:1:raise"), 180
+    )
     assert code != 0
-    assert err.count("error: injected failure on rank 1 at step 3") == 1
+    assert err.count("error: injected failure on rank 1 at train step 3") == 1
     assert "[rank0]: Traceback" not in err and "[rank1]: Traceback" not in err
     assert not (tmp_path / "run" / "student").exists()
 

@@ -40,7 +40,7 @@ SMALL = [
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "WANDISTILL_FAIL_AT"}
+    env = {k: v for k, v in os.environ.items() if k != "WANDISTILL_FAULT"}
     return {**env, "OMP_NUM_THREADS": "1", "COLUMNS": "120", **extra}
 
 
@@ -70,7 +70,7 @@ def test_kill_9_mid_run_then_resume_gives_the_same_final_weights(
     # This run blocks forever after step 7 (the last checkpoint before it is step 6).
     cut = tmp_path / "cut"
     train_cut = ["train", *args, "--out", str(cut)]
-    pids = zygote.start(train_cut, tmp_path / "cut.log", WANDISTILL_FAIL_AT="0:7:hang")
+    pids = zygote.start(train_cut, tmp_path / "cut.log", WANDISTILL_FAULT="train:step:7:0:hang")
     try:
         deadline = time.monotonic() + 240  # hang guard only
         while time.monotonic() < deadline and alive(pids[0]):

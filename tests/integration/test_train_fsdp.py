@@ -136,7 +136,7 @@ def test_kill_9_while_a_sharded_checkpoint_is_written_then_resume(
     checkpoint is never used; --resume on 2 ranks continues from checkpoint 4."""
     out = tmp_path / "run"
     args = argv(refs["cache"], out, 2, "--parallel", "fsdp")
-    codes = run(zygote, args, tmp_path / "k.log", 2, WANDISTILL_TEST_KILL_AT="train:shard:8:1")
+    codes = run(zygote, args, tmp_path / "k.log", 2, WANDISTILL_FAULT="train:shard:8:1")
     assert codes[1] == -signal.SIGKILL, (codes, logs(tmp_path / "k.log", 2))
     assert latest_step(out) == EVERY and not (out / "student").exists()
     assert list((out / "checkpoints").glob(".checkpoint-8.*"))  # the unpublished one
@@ -154,7 +154,7 @@ def test_resume_a_2_rank_checkpoint_on_1_process_and_back(
     one process killed after checkpoint 4, resumed on 2 ranks, this time with CPU offload and
     activation checkpointing (neither changes the numbers in fp32). Both continue the run."""
     down, up = tmp_path / "down", tmp_path / "up"
-    kill = {"WANDISTILL_TEST_KILL_AT": f"train:saved:{EVERY}:*"}
+    kill = {"WANDISTILL_FAULT": f"train:saved:{EVERY}:*"}
     codes = run(
         zygote, argv(refs["cache"], down, 2, "--parallel", "fsdp"), tmp_path / "d.log", 2, **kill
     )

@@ -22,12 +22,13 @@ import pytest
 import torch
 import zarr
 
-from wandistill import outputs, storage, waiting
 from wandistill.cache.manifest import load_committed
 from wandistill.cache.reader import open_cache
 from wandistill.cache.training import TrainingReader
 from wandistill.cli import main
 from wandistill.errors import UsageError
+from wandistill.io import outputs, storage
+from wandistill.runtime import waiting
 
 from cachefixtures import make_record, write_cache
 from s3server import BUCKET, forget_clients, s3_server
@@ -381,12 +382,12 @@ def test_a_polling_reader_on_s3_rereads_only_the_journal_objects_that_changed(
     s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from wandistill.cache import manifest as mf
-    from wandistill.cache.reader import CacheStore
+    from wandistill.cache.reader import CacheReader
 
     monkeypatch.setattr(mf, "JOURNAL_SEGMENT_BYTES", 1200)  # a few shards per segment
     url = _url("follow-memo")
     write_cache(url, range(6), shard_records=1, finalize=False, complete=False)
-    store = CacheStore(url)
+    store = CacheReader(url)
     reads: list[str] = []
     real = storage.FsspecStorage.read
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from wandistill import fsutil
 from wandistill.cache import CacheWriter, open_cache
 from wandistill.cache import manifest as mf
+from wandistill.cache.contract import field_specs
 from wandistill.cache.manifest import read_manifest
-from wandistill.cache.schema import field_specs
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
+from wandistill.io import fsutil
 
 from cachefixtures import SETTINGS, make_record, write_cache
 
@@ -165,7 +165,7 @@ def test_each_safetensors_member_is_what_the_library_writes_streamed_in_any_read
 ) -> None:
     from safetensors.torch import load, save
 
-    import wandistill.cache.wds as wds
+    import wandistill.cache.wds_backend as wds
 
     write_cache(tmp_path / "a", range(3), shard_records=3)
     init = wds._DirectTarWriter.__init__
@@ -339,7 +339,7 @@ def test_a_bulk_file_starts_writeback_as_it_goes_and_keeps_every_byte(
 def test_a_descriptor_evicted_while_a_read_holds_it_closes_when_that_read_ends(
     tmp_path: Path,
 ) -> None:
-    from wandistill.storage import _Descriptors
+    from wandistill.io.storage import _Descriptors
 
     files = []
     for i in range(3):
@@ -368,8 +368,8 @@ def test_verify_out_of_file_descriptors_is_one_line_with_the_fix_not_a_damaged_r
     import contextlib
     import errno
 
-    from wandistill import storage
     from wandistill.cli import main
+    from wandistill.io import storage
 
     write_cache(tmp_path, range(4), shard_records=2)
 
@@ -396,12 +396,12 @@ def _segment_of(rel: str) -> int:
 def test_a_polling_reader_rereads_only_the_journal_files_that_changed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from wandistill.cache.reader import CacheStore
-    from wandistill.storage import LocalStorage
+    from wandistill.cache.reader import CacheReader
+    from wandistill.io.storage import LocalStorage
 
     monkeypatch.setattr(mf, "JOURNAL_SEGMENT_BYTES", 1200)  # a few shards per segment
     write_cache(tmp_path, range(6), shard_records=1, finalize=False, complete=False)
-    store = CacheStore(tmp_path)
+    store = CacheReader(tmp_path)
     reads: list[str] = []
     real = LocalStorage.read
 
@@ -454,8 +454,8 @@ def test_tensor_checksums_match_the_bytes_of_every_step_row(
 ) -> None:
     """One conversion per tensor, rows sliced in numpy: the same crc32c per step row (and per
     tensor) as the tensor's own bytes, whatever its layout, dtype or autograd state."""
-    from wandistill.cache.schema import is_step_field
-    from wandistill.cache.wds import crc32c, tensor_checksums
+    from wandistill.cache.contract import is_step_field
+    from wandistill.cache.wds_backend import crc32c, tensor_checksums
 
     got = tensor_checksums({name: tensor})[name]
     if is_step_field(name) and tensor.dim():
@@ -465,7 +465,7 @@ def test_tensor_checksums_match_the_bytes_of_every_step_row(
 
 
 def test_plain_keeps_a_plain_tensor_and_detaches_or_packs_the_rest() -> None:
-    from wandistill.cache.schema import plain
+    from wandistill.cache.contract import plain
 
     t = torch.randn(3, 4)
     assert plain(t) is t

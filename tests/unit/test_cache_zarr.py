@@ -1,4 +1,4 @@
-"""zarr v3 cache backend, through the public CacheWriter / CacheStore APIs with backend="zarr"."""
+"""zarr v3 cache backend, through the public CacheWriter / CacheReader APIs with backend="zarr"."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import zarr
 
 from wandistill.cache import open_cache, open_writer
 from wandistill.cache import zarr_backend as zb
-from wandistill.cache.schema import Record, field_specs, record_key
+from wandistill.cache.contract import Record, field_specs, record_key
 
 SETTINGS = {"steps": 8, "guidance": 5.0, "max_sequence_length": 24}
 C, F, H, W, S = 2, 1, 3, 4, 3
@@ -434,7 +434,7 @@ def _sink_entries(path: Path, records: list[Record], per_shard: int, **kw) -> li
 
 
 def _steps_of(name: str, t: torch.Tensor) -> list[int | None]:
-    from wandistill.cache.schema import is_step_field
+    from wandistill.cache.contract import is_step_field
 
     return [None, 0, t.shape[0] - 1, -1] if is_step_field(name) and t.dim() else [None]
 
@@ -511,7 +511,7 @@ def test_offsets_cover_every_record_whichever_shard_brings_a_negative(tmp_path: 
 
 
 def test_typed_entry_round_trips_and_names_a_malformed_field(tmp_path: Path) -> None:
-    from wandistill.cache.schema import ZarrShardEntry
+    from wandistill.cache.contract import ZarrShardEntry
     from wandistill.errors import CacheError
 
     _, entry = _written(tmp_path)
@@ -580,7 +580,7 @@ def test_one_index_read_per_shard_file_then_one_read_per_chunk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Reading one (record, step) reads that inner chunk; the zarr shard's index is read once
-    per shard file and then served from zarr's CacheStore."""
+    per shard file and then served from zarr's CacheReader."""
     monkeypatch.setattr(zb, "SMALL_ROW_BYTES", 0)  # these rows are tiny: read them one by one
     from zarr.abc.store import RangeByteRequest, SuffixByteRequest
     from zarr.storage import LocalStore

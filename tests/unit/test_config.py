@@ -104,8 +104,8 @@ def test_a_recipe_with_an_integer_over_python_s_digit_limit_is_one_line(tmp_path
 
 
 def test_environment_integers_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from wandistill import dist
     from wandistill.errors import UsageError
+    from wandistill.runtime import dist
 
     for value in ("9" * 5000, "two", "-1"):
         monkeypatch.setenv("WORLD_SIZE", value)

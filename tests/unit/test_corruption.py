@@ -20,11 +20,11 @@ import torch
 
 from wandistill.cache import open_cache
 from wandistill.cache.manifest import read_manifest
-from wandistill.cache.reader import CacheStore
+from wandistill.cache.reader import CacheReader
 from wandistill.cache.training import TrainingReader
 from wandistill.errors import CacheError, CorruptRecordError
 
-from cachefixtures import as_whole_file_sha256, make_record, without_tensor_checksums, write_cache
+from cachefixtures import make_record, write_cache
 from clirun import run_cli as _cli
 
 STEP_FIELDS = ("xt", "teacher_out", "timesteps")
@@ -428,35 +428,21 @@ def test_an_edited_journal_of_a_running_cache_is_caught_too(tmp_path: Path, caps
 # ----------------------------------------------------------------------------- compatibility
 
 
-def test_a_cache_written_before_checksums_is_still_read_and_verified(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_cache_written_before_checksums_is_refused_naming_the_rebuild(tmp_path: Path) -> None:
     import wandistill.cache.manifest as mf
 
-    without_tensor_checksums(monkeypatch)
     write_cache(tmp_path, range(4), shard_records=2)
 
-    def strip(m: dict[str, Any]) -> None:  # what a schema 1 wandistill wrote
-        as_whole_file_sha256(tmp_path, m)
+    def strip(m: dict[str, Any]) -> None:  # what a schema 1 (pre-release) wandistill wrote
         for s in m["shards"]:
             del s["crc32c"], s[mf.ENTRY_DIGEST]
         del m["numerics"], m[mf.HEADER_DIGEST]
         m["schema_version"] = 1
 
     _edit_manifest(tmp_path, strip)
-    monkeypatch.undo()
-    with open_cache(tmp_path) as store:
-        assert "entry_sha256" not in store.entries[0] and "crc32c" not in store.entries[0]
-        rec = store.read_key(make_record(3).key)
-        assert torch.equal(rec.xt, make_record(3).xt)
-    assert _verify(capsys, tmp_path)[0] == 0
-    assert len(_one_epoch(_reader(tmp_path))) == 4
-    # Without per-record checksums only the shard sha256 can catch a flipped data byte.
-    entry = read_manifest(tmp_path).shards[0]
-    pos, n = _tensor_span(tmp_path, entry, 0, "xt")
-    _flip(tmp_path / entry["file"], pos + 1)
-    code, err = _verify(capsys, tmp_path)
-    assert code == 1 and "r00000-000000: sha256 mismatch" in err
+    with pytest.raises(CacheError, match="has cache schema 1, this wandistill reads schema 3") as e:
+        open_cache(tmp_path)
+    assert "rebuild the cache" in (e.value.fix or "")
 
 
 # ----------------------------------------------------------------------------- zarr
@@ -538,11 +524,11 @@ def test_zarr_a_flipped_byte_in_a_partially_read_chunk_is_refused(
 def test_a_copied_cache_verifies_and_a_corrupt_copy_does_not(cache: Path, tmp_path: Path) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(cache, copy)
-    with CacheStore(copy) as store:
+    with CacheReader(copy) as store:
         assert store.verify() == []
     entry = read_manifest(copy).shards[0]
     pos, n = _tensor_span(copy, entry, 2, "teacher_out")
     _flip(copy / entry["file"], pos + n - 1)  # last byte of the last step's row
-    with CacheStore(copy) as store:
+    with CacheReader(copy) as store:
         problems = store.verify()
     assert any(f"record {entry['keys'][2]}: 'teacher_out' step 2 fails" in p for p in problems)

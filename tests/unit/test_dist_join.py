@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from wandistill import dist, waiting
 from wandistill.errors import UsageError
+from wandistill.runtime import dist, waiting
 
 
 @pytest.fixture(autouse=True)

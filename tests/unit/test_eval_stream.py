@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from wandistill.cache.reader import CacheStore
+from wandistill.cache.reader import CacheReader
 from wandistill.eval import run as ev
 from wandistill.eval.equivalent import curve_steps, place
 from wandistill.eval.metrics import mse, psnr
@@ -32,7 +32,7 @@ def test_records_are_read_a_batch_at_a_time_and_the_sums_give_the_full_means(
     tmp_path: Path,
 ) -> None:
     write_cache(tmp_path / "c", range(22), shard_records=5)
-    with CacheStore(tmp_path / "c") as store:
+    with CacheReader(tmp_path / "c") as store:
         reads: list[int] = []
         read = store.read_record
 
@@ -85,7 +85,7 @@ def test_the_teacher_curve_is_sampled_per_batch_and_places_the_student_between_i
     """A stand-in teacher whose error falls with steps: the curve's means are the per-record
     means, and the student is placed by log-MSE interpolation between the points around it."""
     write_cache(tmp_path / "c", range(10), shard_records=4)
-    with CacheStore(tmp_path / "c") as store:
+    with CacheReader(tmp_path / "c") as store:
         records = [store.read_record(*w) for w in ev.held_out(store, "all", None)]
 
         def teacher(batch: ev.Batch, steps: int) -> torch.Tensor:

@@ -8,10 +8,10 @@ import signal
 import pytest
 import torch
 
-from wandistill import dist
 from wandistill.config import TrainConfig
-from wandistill.failures import StopRequested, StopSignals, is_oom
 from wandistill.precompute.run import _stopped
+from wandistill.runtime import dist
+from wandistill.runtime.failures import StopRequested, StopSignals, is_oom
 from wandistill.train.loop import explain_failure, stopped
 
 SOLO = dist.DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)

@@ -21,9 +21,7 @@ import torch
 from pydantic import Field
 from safetensors.torch import load_file, save_file
 
-from wandistill.cli import main
-from wandistill.errors import CorruptRecordError, UsageError
-from wandistill.validate import (
+from wandistill.checks.validate import (
     Schema,
     check,
     inside,
@@ -32,8 +30,10 @@ from wandistill.validate import (
     read_capped,
     seal,
 )
+from wandistill.cli import main
+from wandistill.errors import CorruptRecordError, UsageError
 
-from cachefixtures import as_whole_file_sha256, without_tensor_checksums, write_cache
+from cachefixtures import without_tensor_checksums, write_cache
 from clirun import run_cli_text as _cli
 from realfiles import RealFiles, real_files, tree_digest
 
@@ -153,17 +153,18 @@ def test_inside_refuses_names_that_leave_their_folder_even_through_a_symlink(
 # ----------------------------------------------------------------------------- cache records
 
 
-def _schema_1_cache(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A cache as wandistill wrote it before checksums and the seal: nothing guards a header."""
+def _unchecked_cache(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache whose records carry no checksums (header metadata, the entry's crc32c): nothing
+    guards a header, so a hostile one reaches the parser."""
+    from wandistill.cache.manifest import seal_entry
+
     with monkeypatch.context() as m:
         without_tensor_checksums(m)
         write_cache(path, range(2), shard_records=2)
     manifest = json.loads((path / "manifest.json").read_text())
-    as_whole_file_sha256(path, manifest)
     for entry in manifest["shards"]:
-        del entry["crc32c"], entry["entry_sha256"]
-    del manifest["numerics"], manifest["header_sha256"]
-    manifest["schema_version"] = 1
+        del entry["crc32c"]
+        seal_entry(entry)
     (path / "manifest.json").write_text(json.dumps(manifest))
     return path
 
@@ -197,7 +198,7 @@ def test_a_hostile_safetensors_header_is_a_corrupt_record_never_a_crash(
 ) -> None:
     from wandistill.cache import open_cache
 
-    cache = _schema_1_cache(tmp_path / "c", monkeypatch)
+    cache = _unchecked_cache(tmp_path / "c", monkeypatch)
     tar, start, head = _header(cache, 0)
     assert old in head and len(old) == len(new)
     _overwrite(tar, start, head.replace(old, new, 1))
@@ -218,7 +219,7 @@ def test_a_hostile_json_member_is_a_corrupt_record_never_a_crash(
 ) -> None:
     from wandistill.cache import open_cache
 
-    cache = _schema_1_cache(tmp_path / "c", monkeypatch)
+    cache = _unchecked_cache(tmp_path / "c", monkeypatch)
     entry = json.loads((cache / "manifest.json").read_text())["shards"][0]
     joff, jlen = entry["offsets"][0][2:]
     with open(cache / entry["file"], "rb") as f:

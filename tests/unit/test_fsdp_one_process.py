@@ -13,8 +13,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from wandistill.config import StudentConfig, TrainConfig, load_recipe
-from wandistill.dist import DistInfo
 from wandistill.errors import ConfigError, WandistillError
+from wandistill.runtime.dist import DistInfo
 from wandistill.student import DistillModule, build_student, resolve_student_config
 from wandistill.train import parallel, run
 from wandistill.train.checkpoint import resolve_latest
@@ -125,10 +125,10 @@ def test_one_process_fsdp_with_every_option_resumes_a_sharded_checkpoint_exactly
         "loss.final_latent=0.5",
     )
     run(_cfg(tmp_path / "c", tmp_path / "whole", *sets))
-    monkeypatch.setenv("WANDISTILL_FAIL_AT", "0:6")
-    with pytest.raises(WandistillError, match="injected failure on rank 0 at step 6"):
+    monkeypatch.setenv("WANDISTILL_FAULT", "train:step:6:0:raise")
+    with pytest.raises(WandistillError, match="injected failure on rank 0 at train step 6"):
         run(_cfg(tmp_path / "c", tmp_path / "cut", *sets))
-    monkeypatch.delenv("WANDISTILL_FAIL_AT")
+    monkeypatch.delenv("WANDISTILL_FAULT")
     latest = resolve_latest(tmp_path / "cut" / "checkpoints")
     assert latest is not None and latest.name == "checkpoint-4"
     assert sorted(p.name for p in latest.iterdir()) == [
@@ -166,10 +166,10 @@ def test_a_shard_is_written_in_files_of_at_most_the_limit_and_resumes_exactly(
     monkeypatch.setattr(dcp, "SHARD_FILE_BYTES", limit)
     write_cache(tmp_path / "c", range(4))
     run(_cfg(tmp_path / "c", tmp_path / "whole"))
-    monkeypatch.setenv("WANDISTILL_FAIL_AT", "0:6")
-    with pytest.raises(WandistillError, match="injected failure on rank 0 at step 6"):
+    monkeypatch.setenv("WANDISTILL_FAULT", "train:step:6:0:raise")
+    with pytest.raises(WandistillError, match="injected failure on rank 0 at train step 6"):
         run(_cfg(tmp_path / "c", tmp_path / "cut"))
-    monkeypatch.delenv("WANDISTILL_FAIL_AT")
+    monkeypatch.delenv("WANDISTILL_FAULT")
     shards = sorted((tmp_path / "cut/checkpoints/checkpoint-4/shards").iterdir())
     assert len(shards) > 3
     n = len(shards)

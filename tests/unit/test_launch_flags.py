@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from wandistill.errors import UsageError
-from wandistill.launch import split
+from wandistill.runtime.launch import split
 
 from clirun import run_cli
 

@@ -1,4 +1,4 @@
-"""Every location a command takes goes through one parser (`wandistill.location`).
+"""Every location a command takes goes through one parser (`wandistill.io.location`).
 
 A URL is either supported by that command end to end or refused in one line naming the flag,
 before any work; a local path named like a URL (`s3:/b/run`: a URL that lost its `//`) is always
@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import typer
 
-from wandistill import cli, location
+from wandistill import cli
 from wandistill.errors import UsageError
+from wandistill.io import location
 
 from clirun import run_cli
 
@@ -57,7 +58,7 @@ def test_every_location_parameter_of_every_command_goes_through_the_one_parser()
                 continue
             info = next(m for m in hint.__metadata__ if isinstance(m, typer.models.ParameterInfo))
             parser = info.parser
-            assert parser is not None, f"{name} {pname} is not parsed by wandistill.location"
+            assert parser is not None, f"{name} {pname} is not parsed by wandistill.io.location"
             assert parser.__qualname__ == "option.<locals>.convert", (name, pname)
             flag = inspect.getclosurevars(parser).nonlocals["flag"]
             url = inspect.getclosurevars(parser).nonlocals["url"]

@@ -232,10 +232,12 @@ def test_a_killed_lora_run_resumes_exactly_and_refuses_another_rank_writing_noth
 ) -> None:
     write_cache(tmp_path / "c", range(4))
     run(_cfg(tmp_path / "c", tmp_path / "whole", base))
-    monkeypatch.setenv("WANDISTILL_FAIL_AT", "0:3")  # dies after step 3; last checkpoint: 2
+    monkeypatch.setenv(
+        "WANDISTILL_FAULT", "train:step:3:0:raise"
+    )  # dies after step 3; last checkpoint: 2
     with pytest.raises(WandistillError, match="injected failure"):
         run(_cfg(tmp_path / "c", tmp_path / "cut", base))
-    monkeypatch.delenv("WANDISTILL_FAIL_AT")
+    monkeypatch.delenv("WANDISTILL_FAULT")
     before = _snapshot(tmp_path / "cut")
     for change in (["student.lora.rank=8"], ["student.lora.rank=0"]):
         with pytest.raises(UsageError, match="LoRA rank 4.*recipe asks for") as e:

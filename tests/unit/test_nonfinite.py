@@ -3,7 +3,7 @@
 Precompute: a teacher whose weights hold a NaN is refused at the step it first shows, naming the
 prompt, its key and the step, with nothing of the batch written; the cache writer refuses any
 non-finite record whoever produced it. Train: a non-finite loss (injected at an exact step with
-the test hook `WANDISTILL_TEST_KILL_AT=train:loss:<n>:<rank>:nan`) stops the run before that
+the test hook `WANDISTILL_FAULT=train:loss:<n>:<rank>:nan`) stops the run before that
 step's update, the newest checkpoint stays the newest, no student is exported, and a resume
 without the fault finishes normally.
 """
@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from wandistill.cache.manifest import load_committed
+from wandistill.checks.finite import NonFiniteError, check_weights, is_finite
 from wandistill.config import load_recipe
-from wandistill.dist import DistInfo
-from wandistill.finite import NonFiniteError, check_weights, is_finite
+from wandistill.runtime.dist import DistInfo
 from wandistill.train import run as train_run
 from wandistill.train.checkpoint import list_checkpoints
 
@@ -177,7 +177,7 @@ def test_a_nan_loss_stops_training_before_the_update_and_keeps_the_last_good_che
 ) -> None:
     write_cache(tmp_path / "cache", range(4))
     out = tmp_path / "run"
-    monkeypatch.setenv("WANDISTILL_TEST_KILL_AT", "train:loss:5:0:nan")
+    monkeypatch.setenv("WANDISTILL_FAULT", "train:loss:5:0:nan")
     with pytest.raises(
         NonFiniteError,
         match=r"non-finite loss at step 5 \(rank 0: .*loss=nan.*grad_norm=nan\): training stopped "
@@ -189,7 +189,7 @@ def test_a_nan_loss_stops_training_before_the_update_and_keeps_the_last_good_che
     weights = load_file(out / "checkpoints" / "checkpoint-4" / "student.safetensors")
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())
 
-    monkeypatch.delenv("WANDISTILL_TEST_KILL_AT")
+    monkeypatch.delenv("WANDISTILL_FAULT")
     result = train_run(_train_cfg(tmp_path / "cache", out), resume=True)
     assert result.steps == 8 and (out / "student").is_dir()
 

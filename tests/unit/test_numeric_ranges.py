@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from wandistill.bounds import RANGE, Range
+from wandistill.checks.bounds import RANGE, Range
 from wandistill.cli import main
 from wandistill.config import Recipe, load_recipe
 from wandistill.errors import ConfigError

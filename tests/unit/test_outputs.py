@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from wandistill import outputs
-from wandistill.dist import DistInfo
 from wandistill.errors import UsageError, WandistillError
-from wandistill.outputs import HOLDER, LOCK, MARKER, claim
+from wandistill.io import outputs
+from wandistill.io.outputs import HOLDER, LOCK, MARKER, claim
+from wandistill.runtime.dist import DistInfo
 
 REPO = Path(__file__).parents[2]
 
@@ -237,7 +237,7 @@ def test_a_second_claim_is_refused_at_once_naming_the_holder(tmp_path: Path) -> 
 
 _HOLD = """
 import sys
-from wandistill.outputs import claim
+from wandistill.io.outputs import claim
 folder = claim(sys.argv[1], "run")
 print("holding", flush=True)
 sys.stdin.readline()
@@ -268,7 +268,7 @@ def test_a_kill_9_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
 def test_under_torchrun_rank_0_claims_and_every_rank_hears_the_outcome(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from wandistill import dist
+    from wandistill.runtime import dist
 
     sent: list[object] = []
 

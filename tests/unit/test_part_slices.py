@@ -9,8 +9,8 @@ import pytest
 
 from wandistill.cache.manifest import Manifest
 from wandistill.errors import UsageError
+from wandistill.io.storage import open_storage
 from wandistill.precompute.parts import PARTS_NAME, Part, check_and_record, parse, resolve
-from wandistill.storage import open_storage
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 7])

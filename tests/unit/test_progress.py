@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from wandistill.progress import Progress, clock
+from wandistill.runtime.progress import Progress, clock
 
 FIELDS = {"loss": 0.123456, "samples/s": 1024.5, "data_wait": 0.0123, "lr": 3e-4}
 

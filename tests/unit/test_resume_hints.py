@@ -10,7 +10,7 @@ import pytest
 
 from wandistill import demo
 from wandistill.config import TrainConfig
-from wandistill.failures import Stopped
+from wandistill.runtime.failures import Stopped
 
 from clirun import run_cli
 
@@ -52,7 +52,7 @@ def test_a_stopped_rank_of_wandistill_launch_names_the_launch_command(
 ) -> None:
     import torch
 
-    from wandistill.dist import DistInfo
+    from wandistill.runtime.dist import DistInfo
 
     def stopped(*_: object, **__: object) -> None:
         raise _stop("resume with --resume", "--resume")

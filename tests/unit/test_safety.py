@@ -29,7 +29,7 @@ import webdataset as wds
 
 from wandistill.cache import open_cache
 from wandistill.cache.manifest import read_manifest, seal_entry
-from wandistill.cache.wds import (
+from wandistill.cache.wds_backend import (
     UnsafeMemberError,
     WebDatasetSource,
     iter_members,

@@ -94,11 +94,11 @@ def test_a_torchrun_rank_joins_the_job_before_importing_the_stage(
         ],
     }[stage]
     body = f"""
-import wandistill.dist
+import wandistill.runtime.dist
 def at_rendezvous(*args, **kwargs):
     print("LOADED " + json.dumps(loaded()))
     sys.exit(0)
-wandistill.dist._join = at_rendezvous
+wandistill.runtime.dist._join = at_rendezvous
 from wandistill.cli import main
 main({args!r})
 """

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from wandistill import fsutil, quiet
+from wandistill.io import fsutil
 from wandistill.plots import _eval_bars, loss_curves, plot_eval_metrics, plot_loss
+from wandistill.runtime import quiet
 
 
 @pytest.fixture
@@ -135,7 +136,7 @@ def test_eval_bars_read_both_eval_json_layouts_and_leave_out_the_reference() -> 
 
 
 def test_a_legacy_runs_config_json_becomes_run_json(tmp_path: Path) -> None:
-    from wandistill import outputs
+    from wandistill.io import outputs
     from wandistill.train.loop import write_run_settings
 
     (tmp_path / "metrics.jsonl").write_text("")

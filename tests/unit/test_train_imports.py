@@ -51,10 +51,10 @@ SHARED = [
     "placement/train_size.py",
     "placement/train_plan.py",
     "placement/__init__.py",
-    "workarounds.py",
-    "modelfolder.py",
-    "dist.py",
-    "failures.py",
+    "runtime/workarounds.py",
+    "io/modelfolder.py",
+    "runtime/dist.py",
+    "runtime/failures.py",
 ]
 
 

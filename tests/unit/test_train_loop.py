@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from wandistill.cache import CacheWriter
+from wandistill.cache.contract import field_specs
 from wandistill.cache.manifest import read_manifest
-from wandistill.cache.schema import field_specs
 from wandistill.config import TrainConfig, load_recipe
 from wandistill.errors import CacheError, UsageError, WandistillError
 from wandistill.train import run
@@ -92,10 +92,12 @@ def test_resume_after_a_crash_gives_the_same_weights_and_losses(
     write_cache(tmp_path / "c", range(5))
     sets = ("steps=10", "log_every=1", "loss.final_latent=0.5")
     run(_cfg(tmp_path / "c", tmp_path / "whole", *sets))
-    monkeypatch.setenv("WANDISTILL_FAIL_AT", "0:7")  # dies after step 7; last checkpoint: 4
-    with pytest.raises(WandistillError, match="injected failure on rank 0 at step 7"):
+    monkeypatch.setenv(
+        "WANDISTILL_FAULT", "train:step:7:0:raise"
+    )  # dies after step 7; last checkpoint: 4
+    with pytest.raises(WandistillError, match="injected failure on rank 0 at train step 7"):
         run(_cfg(tmp_path / "c", tmp_path / "cut", *sets))
-    monkeypatch.delenv("WANDISTILL_FAIL_AT")
+    monkeypatch.delenv("WANDISTILL_FAULT")
     assert resolve_latest(tmp_path / "cut" / "checkpoints").name == "checkpoint-4"
     run(_cfg(tmp_path / "c", tmp_path / "cut", *sets), resume=True)
     for name in ("student", "student_ema"):
@@ -207,7 +209,7 @@ def test_out_of_memory_is_one_error_with_figures_and_levers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     write_cache(tmp_path / "c", range(4))
-    monkeypatch.setenv("WANDISTILL_FAIL_AT", "0:2:oom")
+    monkeypatch.setenv("WANDISTILL_FAULT", "train:step:2:0:oom")
     with pytest.raises(WandistillError) as info:
         run(_cfg(tmp_path / "c", tmp_path / "run"))
     text = str(info.value)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from wandistill import dist
 from wandistill.config import TrainConfig, load_recipe
 from wandistill.placement.devices import GiB
 from wandistill.placement.inventory import Inventory
 from wandistill.placement.train_plan import Choice, make_train_plan
 from wandistill.placement.train_size import DEFAULT_LORA_TARGETS, StudentSize, TrainShape
+from wandistill.runtime import dist
 from wandistill.train import oom as train_oom
 
 from clirun import run_cli

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from wandistill.cache.reader import CacheStore
+from wandistill.cache.reader import CacheReader
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader
 from wandistill.errors import CacheError
 
@@ -160,7 +160,7 @@ def test_follow_mode_keeps_only_the_generations_not_yet_trained_on(tmp_path: Pat
     assert len(gens) == 6 and len(got) == 36  # 12 records x 3 steps, batches of 3
     assert max(held) <= 2 * 6  # at most the generation being read and the next one
     ref = TrainingReader(tmp_path, batch_size=3, follow=True)  # the permutations it draws
-    store = CacheStore(tmp_path)
+    store = CacheReader(tmp_path)
     entries = {e["name"]: e for e in store.entries}
     want = []
     for k, names in enumerate(gens):
@@ -199,7 +199,7 @@ def test_a_corrupt_record_fails_loudly_or_is_skipped_and_counted(tmp_path: Path)
     assert skipping.corrupt and all(entry["keys"][1] in m for m in skipping.corrupt)
 
 
-def _check_rows(batch: dict, store: CacheStore, pad: str) -> None:
+def _check_rows(batch: dict, store: CacheReader, pad: str) -> None:
     """Every row of a batch is exactly its (record, step) as `read_sample` reads it alone."""
     where = store.locate()
     lengths = batch["prompt_len"].tolist()
@@ -277,7 +277,7 @@ def test_a_sample_that_cannot_share_its_batchs_tensors_gets_a_problem_not_a_row(
 def test_an_epoch_over_more_shards_than_open_files_keeps_only_that_many_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import wandistill.storage as storage
+    import wandistill.io.storage as storage
 
     monkeypatch.setattr(storage, "MAX_OPEN_FILES", 3)
     write_cache(tmp_path, range(12), shard_records=1)  # 12 shard files
@@ -292,7 +292,7 @@ def test_an_epoch_over_more_shards_than_open_files_keeps_only_that_many_open(
 def test_running_out_of_file_descriptors_is_an_error_not_a_corrupt_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from wandistill.storage import LocalStorage
+    from wandistill.io.storage import LocalStorage
 
     write_cache(tmp_path, range(4), shard_records=2)
 
@@ -312,7 +312,8 @@ def test_follow_mode_stops_in_one_line_when_the_caches_writer_is_gone(
     """An incomplete cache whose claim lock nobody holds (its precompute died) can never be
     completed: --follow says so instead of waiting out follow_timeout; while a writer holds
     the lock, it says what it waits for."""
-    from wandistill import outputs, waiting
+    from wandistill.io import outputs
+    from wandistill.runtime import waiting
 
     monkeypatch.setattr(waiting, "NOTICE_S", 0.001)  # look at the writer on the first idle poll
     write_cache(tmp_path, range(4), shard_records=4, finalize=False, complete=False)

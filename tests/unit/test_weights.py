@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from wandistill.errors import UsageError
-from wandistill.modelfolder import UNSAFE_SUFFIXES, require_safetensors
+from wandistill.io.modelfolder import UNSAFE_SUFFIXES, require_safetensors
 
 
 @pytest.mark.parametrize("suffix", UNSAFE_SUFFIXES)

@@ -1,4 +1,4 @@
-"""One test per entry of `wandistill.workarounds.WORKAROUNDS`.
+"""One test per entry of `wandistill.runtime.workarounds.WORKAROUNDS`.
 
 Each test fails when its workaround becomes unnecessary (the library bug is fixed, or
 pyproject's minimum version is past a rename) or stops applying (the private attribute, message
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from wandistill import workarounds
 from wandistill.placement.estimate import fp32_kept
+from wandistill.runtime import workarounds
 
 ROOT = Path(__file__).parents[2]
 _SPILLED = {

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from wandistill import outputs
+from wandistill.io import outputs
 
 from cachefixtures import write_cache
 from clirun import run_cli

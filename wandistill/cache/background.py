@@ -17,7 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from wandistill.cache.schema import Record
+from wandistill.cache.contract import Record
 from wandistill.cache.writer import CacheWriter
 
 _DONE = object()

@@ -34,10 +34,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
+from wandistill.cache.contract import tensor_bytes
 from wandistill.cache.keyindex import NameIndex
-from wandistill.cache.schema import tensor_bytes
 from wandistill.errors import CacheError
-from wandistill.fsutil import atomic_write_json, fsync_dir, temp_name, writing
+from wandistill.io.fsutil import atomic_write_json, fsync_dir, temp_name, writing
 
 EMBED_DIR = "embeds"
 META_KEY = "wandistill"

@@ -9,7 +9,7 @@ rewrites only the last one, so what a commit writes stays bounded however long t
 committed shards are the manifest's list plus every journal's; `finalize` folds the journals into
 the manifest. Nothing ever trusts a directory listing or an array shape.
 
-Every manifest and journal is checked against its schema (`wandistill/cache/formats.py`) when
+Every manifest and journal is checked against its schema (`wandistill/cache/files.py`) when
 read, and is sealed: `header_sha256` holds a sha256 per block that defines what the records mean
 (teacher, settings, numerics, fields, dims, shared, ...), checked on every open, and each shard
 entry carries its own `entry_sha256`. A hand edit is one clear error, never records read under
@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from wandistill import __version__
-from wandistill.cache.formats import JOURNALS, MANIFESTS, SEALED
-from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
+from wandistill.cache.contract import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
+from wandistill.cache.files import JOURNALS, MANIFESTS, SEALED
+from wandistill.checks.validate import GiB, check, parse_json, seal
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.storage import Storage, join, open_storage
-from wandistill.validate import GiB, check, parse_json, seal
+from wandistill.io.storage import Storage, join, open_storage
 
 JOURNAL_DIR = "journal"
 _JOURNAL_NAME = re.compile(r"rank-(\d{5,7})(?:-(\d{6}))?\.json")
@@ -40,8 +40,8 @@ JOURNAL_SEGMENT_BYTES = 256 << 10
 append); once that segment holds this many bytes of entries, the next commit starts a new one.
 One file per rank made a run of n shards write O(n^2) journal bytes (4,000 one-record shards:
 2.75 GB, each commit slower than the last); segments keep it O(n)."""
-READABLE_VERSIONS = (1, 2, SCHEMA_VERSION)
-"""Older schemas are still read; precompute refuses to add records to them."""
+FIX_REBUILD = "rebuild the cache: re-run `wandistill precompute` into a new --out directory"
+"""A cache of another schema (pre-release wandistill wrote 1 and 2) is rebuilt, not migrated."""
 HEADER_DIGEST = "header_sha256"
 MAX_MANIFEST_BYTES = GiB
 """Cap on manifest.json and each journal (~150 bytes per record: far beyond any real cache)."""
@@ -61,9 +61,9 @@ class Manifest:
     shards: list[dict[str, Any]] = field(default_factory=list)
     complete: bool = False
     shared: dict[str, Any] = field(default_factory=dict)
-    numerics: dict[str, Any] | None = field(default_factory=dict)
+    numerics: dict[str, Any] = field(default_factory=dict)
     """How the records' bits were computed beyond the settings (batch size, threads, library
-    versions, device, math flags; docs/cache-format.md). None in a schema 1 manifest."""
+    versions, device, math flags; docs/cache-format.md)."""
     schema_version: int = SCHEMA_VERSION
     wandistill_version: str = __version__
     created: str = ""
@@ -82,9 +82,8 @@ class Manifest:
             "dims": self.dims,
             "shared": self.shared,
         }
-        if self.schema_version >= 2:
-            data["numerics"] = self.numerics or {}
-            data[HEADER_DIGEST] = header_digests(data)
+        data["numerics"] = self.numerics
+        data[HEADER_DIGEST] = header_digests(data)
         data["shards"] = self.shards
         return data
 
@@ -102,11 +101,11 @@ class Manifest:
                 f"{where} is not a wandistill cache manifest (no format field)", fix=FIX_RESTORE
             )
         version = data.get("schema_version")
-        if type(version) is not int or version not in READABLE_VERSIONS:
+        if type(version) is not int or version != SCHEMA_VERSION:
             raise CacheError(
-                f"{where} has schema version {_shown(version)}, this wandistill reads versions "
-                f"{', '.join(map(str, READABLE_VERSIONS))}",
-                fix="re-run `wandistill precompute` into a new cache, or use a matching wandistill",
+                f"{where} has cache schema {_shown(version)}, this wandistill reads schema "
+                f"{SCHEMA_VERSION} only",
+                fix=FIX_REBUILD,
             )
         model = MANIFESTS.get(data.get("backend"))  # type: ignore[arg-type]
         if model is None:
@@ -115,8 +114,7 @@ class Manifest:
                 fix=FIX_RESTORE,
             )
         check(model, data, f"{where} is corrupt", fix=FIX_RESTORE, error=CacheError)
-        if version >= 2:
-            check_seal(data, where)
+        check_seal(data, where)
         return cls(
             backend=data["backend"],
             teacher=data["teacher"],
@@ -126,7 +124,7 @@ class Manifest:
             shards=list(data["shards"]),
             complete=data["complete"],
             shared=data["shared"],
-            numerics=data.get("numerics"),
+            numerics=data["numerics"],
             schema_version=version,
             wandistill_version=data["wandistill_version"],
             created=data["created"],
@@ -404,7 +402,7 @@ def load_committed(
         for n in sorted(n for n, times in listed.items() if times > 1)
     ]
     for where, rel, i, entry in sources:
-        if manifest.schema_version >= 2 and ENTRY_DIGEST not in entry:
+        if ENTRY_DIGEST not in entry:
             problems.append((where, f"shard {entry['name']}: entry has no {ENTRY_DIGEST}"))
         elif check_entries and (edited := memo.verdict(rel, i, entry)):
             problems.append((where, edited))
@@ -485,25 +483,11 @@ def _stored(spec: dict[str, Any]) -> str:
     return text
 
 
-_OLDER = {
-    1: "which does not record how its bits were computed",
-    2: "whose webdataset shards are checksummed whole (schema 3 checksums each byte once)",
-}
-"""Why a cache of an older schema takes no new records: what its manifest lacks."""
-
-
 def check_compatible(cache: str | Path, existing: Manifest, new: Manifest) -> None:
     """Refuse to mix records from another teacher, sampler settings, numerics or backend.
 
     The first line of the error names what differs; one line per difference follows.
     """
-    if existing.schema_version != new.schema_version:
-        raise CacheMismatchError(
-            f"cache {str(cache)!r} was written with cache schema {existing.schema_version}, "
-            f"{_OLDER[existing.schema_version]}; this wandistill writes schema "
-            f"{new.schema_version} and cannot add records to it without risking a mix",
-            fix="write to a new --out directory (the old cache stays readable for train/eval)",
-        )
     diffs: list[str] = []
     names: list[str] = []
     if existing.backend != new.backend:

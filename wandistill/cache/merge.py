@@ -20,7 +20,7 @@ through the backend's own writer, bytes as stored (no decode, no re-encode).
 Safety. Every input is checked before anything is written: each must be a complete cache
 (`complete` in its manifest, no journal left), and all must agree on every sealed block but
 `created`/`wandistill_version`; a difference names the key and both caches. M is claimed like
-any output (`wandistill.outputs.claim`): never a folder wandistill did not write, never inside
+any output (`wandistill.io.outputs.claim`): never a folder wandistill did not write, never inside
 an input; on an object store one writer through the lease lock object precompute uses. Every
 input shard is verified (`cache verify`'s checks, read through this process: an object store
 gives no sha256 of an object to compare) before anything is linked or copied, and a file changed
@@ -40,15 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.cache import manifest as mf
+from wandistill.cache.contract import SHARED_NAME, ZARR_DATA_NAME
 from wandistill.cache.encoding import compression_of
-from wandistill.cache.formats import SEALED
-from wandistill.cache.reader import CacheStore
-from wandistill.cache.schema import SHARED_NAME, ZARR_DATA_NAME
+from wandistill.cache.files import SEALED
+from wandistill.cache.reader import CacheReader
 from wandistill.cache.transfer import COPIED, LINKED, SERVER, Transfer
 from wandistill.cache.writer import SHARD_DIR, shard_name
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.fsutil import fsync_dir
-from wandistill.storage import LocalStorage, Storage, is_url, open_storage
+from wandistill.io.fsutil import fsync_dir
+from wandistill.io.storage import LocalStorage, Storage, is_url, open_storage
 
 ZARR_LOCK = "data.zarr.lock"
 """zarr_backend.LOCK_NAME (not imported: merging webdataset caches needs no zarr)."""
@@ -101,7 +101,7 @@ class _Step:
     rows: tuple[int, ...] | None
 
 
-def _open_input(path: str | Path) -> CacheStore:
+def _open_input(path: str | Path) -> CacheReader:
     manifest = mf.read_manifest(path)  # not a cache / corrupt: one clear error
     pending = mf.read_journals(path, manifest.backend)
     if not manifest.complete or pending:
@@ -110,7 +110,7 @@ def _open_input(path: str | Path) -> CacheStore:
             f"cache {str(path)!r} is incomplete ({why}); merge takes finished caches only",
             fix="re-run its `wandistill precompute` to the end (it resumes), then merge",
         )
-    return CacheStore(path)
+    return CacheReader(path)
 
 
 def _differences(a: mf.Manifest, b: mf.Manifest) -> list[str]:
@@ -128,7 +128,7 @@ def _differences(a: mf.Manifest, b: mf.Manifest) -> list[str]:
     return out
 
 
-def _check_same(stores: list[CacheStore]) -> None:
+def _check_same(stores: list[CacheReader]) -> None:
     first = stores[0]
     for other in stores[1:]:
         diffs = _differences(first.manifest, other.manifest)
@@ -142,7 +142,7 @@ def _check_same(stores: list[CacheStore]) -> None:
             )
 
 
-def _files(store: CacheStore, entry: dict[str, Any]) -> list[str]:
+def _files(store: CacheReader, entry: dict[str, Any]) -> list[str]:
     """The files of a shard entry that merge may link or copy, relative to the cache."""
     if store.manifest.backend == "webdataset":
         try:
@@ -152,14 +152,14 @@ def _files(store: CacheStore, entry: dict[str, Any]) -> list[str]:
     return [f"{ZARR_DATA_NAME}/{rel}" for rel in entry.get("sha256", {})]
 
 
-def _verify(store: CacheStore, entry: dict[str, Any]) -> list[str]:
+def _verify(store: CacheReader, entry: dict[str, Any]) -> list[str]:
     """`cache verify`'s checks of one shard. A webdataset shard on an object store is first
     streamed once into a local temp file (TMPDIR) and checked there: checked in place, its
     frame digest, member walk and per-record reads would fetch every byte about three times
     (docs/benchmarks.md, "cache merge on S3")."""
     if not store.storage.remote or store.manifest.backend != "webdataset":
         return store.source.verify(entry)
-    from wandistill.cache.wds import WebDatasetSource
+    from wandistill.cache.wds_backend import WebDatasetSource
 
     try:
         rel = store.source.rel(entry)  # type: ignore[attr-defined]
@@ -183,7 +183,7 @@ Stamps = dict[tuple[int, str], Any]
 
 
 def corrupt_shards(
-    stores: list[CacheStore], stamps: Stamps | None = None
+    stores: list[CacheReader], stamps: Stamps | None = None
 ) -> dict[tuple[int, str], str]:
     """(input index, shard name) -> the first problem, for every input shard that fails its
     checks (`cache verify`'s: the entry's seal, the shard's checksums, every record's crc32c).
@@ -205,7 +205,7 @@ def corrupt_shards(
 
 
 def plan(
-    stores: list[CacheStore], skip: frozenset[tuple[int, str]] = frozenset()
+    stores: list[CacheReader], skip: frozenset[tuple[int, str]] = frozenset()
 ) -> tuple[list[_Step], int]:
     """M's shards in order, and how many duplicate records were dropped (`skip`: input shards
     left out whole)."""
@@ -231,7 +231,7 @@ def plan(
 
 
 class _Merger:
-    def __init__(self, stores: list[CacheStore], out: Storage, stamps: Stamps) -> None:
+    def __init__(self, stores: list[CacheReader], out: Storage, stamps: Stamps) -> None:
         self.stores = stores
         self.out = out
         self.stamps = stamps
@@ -240,7 +240,7 @@ class _Merger:
         self.summary = MergeSummary(out=out.url, per_input=[0] * len(stores))
         self._linker: Any = None
 
-    def put(self, store: CacheStore, rel: str, dst: str) -> tuple[str, int]:
+    def put(self, store: CacheReader, rel: str, dst: str) -> tuple[str, int]:
         """Input `store`'s file `rel` as M's `dst` (transfer.py), refused if changed since
         its check."""
         source = self.stores.index(store)
@@ -255,7 +255,7 @@ class _Merger:
 
     def _sink(self) -> Any:
         if self.backend == "webdataset":
-            from wandistill.cache.wds import WebDatasetSink
+            from wandistill.cache.wds_backend import WebDatasetSink
 
             return WebDatasetSink(self.out)
         from wandistill.cache.zarr_backend import BLOCK_RECORDS, MAX_META_BYTES, ZarrSink
@@ -273,7 +273,7 @@ class _Merger:
         fields = first.manifest.fields
         return ZarrSink(self.out, block_records=block, compression=compression_of(fields))
 
-    def _link_zarr(self, store: CacheStore, src: dict[str, Any]) -> Any:
+    def _link_zarr(self, store: CacheReader, src: dict[str, Any]) -> Any:
         """(M's entry, how its files got there) for a whole zarr entry put into M; None to
         re-write."""
         if self.backend != "zarr":
@@ -380,7 +380,7 @@ def _refuse_corrupt(cfg: MergeConfig, bad: dict[tuple[int, str], str]) -> None:
 def merge(cfg: MergeConfig) -> MergeSummary:
     """Check every input, claim M, then link or copy or rewrite each shard and write M's
     manifest."""
-    from wandistill import outputs
+    from wandistill.io import outputs
 
     if len(cfg.inputs) < 2:
         raise UsageError("cache merge needs at least two input caches", fix="pass A B ... --out M")
@@ -391,7 +391,7 @@ def merge(cfg: MergeConfig) -> MergeSummary:
     )
     if len({_identity(p) for p in cfg.inputs}) != len(cfg.inputs):
         raise UsageError("an input cache is given twice", fix="pass each cache once")
-    stores: list[CacheStore] = []
+    stores: list[CacheReader] = []
     try:
         for path in cfg.inputs:
             stores.append(_open_input(path))

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from wandistill.cache.merge import _differences
-from wandistill.cache.reader import CacheStore
+from wandistill.cache.reader import CacheReader
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
 
 OWN_BLOCKS = ("backend", "numerics", "fields", "format", "schema_version")
@@ -37,7 +37,7 @@ OWN_SETTINGS = ("settings.holdout_fraction",)
 """Settings each cache keeps for itself."""
 
 
-def differences(a: CacheStore, b: CacheStore) -> list[str]:
+def differences(a: CacheReader, b: CacheReader) -> list[str]:
     """What two caches differ in that a student trained on both depends on (dotted keys)."""
     diffs = [
         d
@@ -51,7 +51,7 @@ def differences(a: CacheStore, b: CacheStore) -> list[str]:
     return diffs
 
 
-def check_compatible(stores: Sequence[CacheStore]) -> None:
+def check_compatible(stores: Sequence[CacheReader]) -> None:
     """Refuse caches a student cannot train on together, naming every difference."""
     paths = [str(s.path) for s in stores]
     twice = sorted({p for p in paths if paths.count(p) > 1})
@@ -78,7 +78,7 @@ def check_compatible(stores: Sequence[CacheStore]) -> None:
         )
 
 
-def check_unique_keys(stores: Sequence[CacheStore]) -> None:
+def check_unique_keys(stores: Sequence[CacheReader]) -> None:
     """Refuse record keys held by more than one cache, naming them."""
     owner: dict[str, int] = {}
     dups: list[str] = []
@@ -100,7 +100,7 @@ def check_unique_keys(stores: Sequence[CacheStore]) -> None:
 def check_caches(paths: Sequence[str]) -> None:
     """`train`'s check of its --cache list before anything is built or written: every cache
     readable, compatible with the first, no key in two of them."""
-    stores = [CacheStore(p) for p in paths]
+    stores = [CacheReader(p) for p in paths]
     try:
         check_compatible(stores)
         check_unique_keys(stores)

@@ -1,6 +1,6 @@
 """One reader interface for both backends: a cache's committed records, by index.
 
-`CacheStore` resolves the manifest (plus journals of a cache still being written), gives every
+`CacheReader` resolves the manifest (plus journals of a cache still being written), gives every
 committed record a stable place `(shard entry, row)`, and reads either a whole `Record` or just
 the tensors a training sample needs, with a single recorded step sliced out of the step axis.
 """
@@ -17,11 +17,11 @@ from safetensors.torch import load as st_load
 
 from wandistill.cache import manifest as mf
 from wandistill.cache.batch import BatchBuffers
+from wandistill.cache.contract import SHARED_NAME, Record, dtype_name, pad_embeds
 from wandistill.cache.encoding import RecordCodec
-from wandistill.cache.schema import SHARED_NAME, Record, dtype_name, pad_embeds
+from wandistill.checks.validate import MiB
 from wandistill.errors import CacheError, UsageError
-from wandistill.storage import Storage, describe, open_storage
-from wandistill.validate import MiB
+from wandistill.io.storage import Storage, describe, open_storage
 
 MAX_SHARED_BYTES = 256 * MiB
 """Cap on shared.safetensors (a negative-prompt embedding and a schedule: ~2 MB for Wan)."""
@@ -31,7 +31,7 @@ class RecordSource(Protocol):
     """What a backend provides for reading: positioned, thread-safe, partial reads.
 
     A backend may also offer `read_batch(samples, out: BatchBuffers)`, reading many samples
-    straight into the rows of one batch (both backends do; `CacheStore.read_batch`)."""
+    straight into the rows of one batch (both backends do; `CacheReader.read_batch`)."""
 
     def read_tensors(
         self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
@@ -53,7 +53,7 @@ class RecordSource(Protocol):
 
 def _make_source(backend: str, store: Storage) -> RecordSource:
     if backend == "webdataset":
-        from wandistill.cache.wds import WebDatasetSource
+        from wandistill.cache.wds_backend import WebDatasetSource
 
         return WebDatasetSource(store)
     if backend == "zarr":
@@ -63,7 +63,7 @@ def _make_source(backend: str, store: Storage) -> RecordSource:
     raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
 
 
-class CacheStore:
+class CacheReader:
     """Read side of a cache. `refresh()` picks up shards committed since it was opened."""
 
     def __init__(self, path: str | Path, *, check_entries: bool = True) -> None:
@@ -144,7 +144,7 @@ class CacheStore:
         With `pad`, `prompt_embeds` comes back re-padded to max_sequence_length (bit-exact with
         what the pipeline fed the teacher) plus `prompt_len`.
         """
-        from wandistill.cache.schema import is_step_field
+        from wandistill.cache.contract import is_step_field
 
         wanted = {n: (step if is_step_field(n) else None) for n in self.codec.wanted(names)}
         out = self.codec.decode(self.source.read_tensors(entry, i, wanted))
@@ -159,7 +159,7 @@ class CacheStore:
         """Read (entry, record, step) samples straight into the rows of `out`; each sample's
         error (None when read). None when this cache cannot be read in place (a backend without
         batch reads, or fields stored in another dtype: those go through `read_sample`)."""
-        from wandistill.cache.schema import is_step_field
+        from wandistill.cache.contract import is_step_field
 
         read = getattr(self.source, "read_batch", None)
         if read is None or not self.codec.identity:
@@ -269,12 +269,12 @@ class CacheStore:
         self.source.close()
         self.storage.close()
 
-    def __enter__(self) -> CacheStore:
+    def __enter__(self) -> CacheReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def open_cache(path: str | Path, *, check_entries: bool = True) -> CacheStore:
-    return CacheStore(path, check_entries=check_entries)
+def open_cache(path: str | Path, *, check_entries: bool = True) -> CacheReader:
+    return CacheReader(path, check_entries=check_entries)

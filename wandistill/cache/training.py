@@ -50,14 +50,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from wandistill import waiting
 from wandistill.cache.batch import BatchBuffers, RowsOf
 from wandistill.cache.choices import check_weights
+from wandistill.cache.contract import is_holdout
 from wandistill.cache.multi import check_compatible, check_unique_keys, mix
-from wandistill.cache.reader import CacheStore
-from wandistill.cache.schema import is_holdout
+from wandistill.cache.reader import CacheReader
 from wandistill.errors import CacheError, CorruptRecordError, UsageError
-from wandistill.storage import is_transient
+from wandistill.io.storage import is_transient
+from wandistill.runtime import waiting
 
 DEFAULT_FIELDS = ("prompt_embeds", "xt", "timesteps", "teacher_out")
 SyncFn = Callable[[list[str], bool], tuple[list[str], bool]]
@@ -155,7 +155,7 @@ class TrainingReader:
 
     def __init__(
         self,
-        cache: str | Path | CacheStore | Sequence[str | Path | CacheStore],
+        cache: str | Path | CacheReader | Sequence[str | Path | CacheReader],
         *,
         weights: Sequence[float] = (),
         batch_size: int,
@@ -183,7 +183,7 @@ class TrainingReader:
                 f"rank={rank}, world_size={world_size}"
             )
         caches = list(cache) if isinstance(cache, list | tuple) else [cache]
-        self.stores = [c if isinstance(c, CacheStore) else CacheStore(c) for c in caches]
+        self.stores = [c if isinstance(c, CacheReader) else CacheReader(c) for c in caches]
         self.store = self.stores[0]
         """The first cache: the manifest every cache agrees with (cache/multi.py)."""
         self.weights = check_weights(list(weights), len(self.stores))
@@ -297,7 +297,7 @@ class TrainingReader:
             return spaces[0]
         return mix(spaces, self.weights, self._permutation, epoch)
 
-    def _store_of(self, entry: dict[str, Any]) -> CacheStore:
+    def _store_of(self, entry: dict[str, Any]) -> CacheReader:
         return self.stores[self._owner.get(id(entry), 0)]
 
     def steps_per_epoch(self) -> int:
@@ -532,7 +532,7 @@ class TrainingReader:
         an incomplete cache any more (only its writer could complete it); else say what it waits
         for, once per idle spell. Every rank looks and all must agree (`agree`), so all stop
         together or none does."""
-        from wandistill.outputs import writer_gone
+        from wandistill.io.outputs import writer_gone
 
         gone, path, store = None, "", self.store
         for store in self.stores:
@@ -572,7 +572,7 @@ class TrainingReader:
         """(batch tensors, the sample in each row); runs in a pool thread. A skipped corrupt
         sample's row holds the batch's first good sample; no rows when none was good.
 
-        In place when the backend can (`CacheStore.read_batch`): every tensor is read straight
+        In place when the backend can (`CacheReader.read_batch`): every tensor is read straight
         into its row of the batch, with no per-sample tensor and no stacking copy. Otherwise
         (fields stored in another dtype, `with_next`) each sample is read and decoded on its own
         and copied into its row."""
@@ -605,7 +605,7 @@ class TrainingReader:
         return tensors, order
 
     def _read_rows(
-        self, store: CacheStore, samples: list[Sample], pad: int | None
+        self, store: CacheReader, samples: list[Sample], pad: int | None
     ) -> tuple[BatchBuffers, list[BaseException | None]]:
         """Samples of one cache into one batch, in place where the backend can."""
         out = BatchBuffers(len(samples), pad)

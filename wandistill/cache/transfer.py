@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.errors import CacheError
-from wandistill.fsutil import temp_name, writing
-from wandistill.storage import FsspecStorage, LocalStorage, Storage
+from wandistill.io.fsutil import temp_name, writing
+from wandistill.io.storage import FsspecStorage, LocalStorage, Storage
 
 CHUNK = 8 << 20
 """Bytes per read/write of a streamed copy (s3fs uploads parts of 5 MiB and more)."""

@@ -19,12 +19,12 @@ from safetensors.torch import save as st_save
 
 from wandistill.cache import manifest as mf
 from wandistill.cache.choices import ZARR_ONLY
+from wandistill.cache.contract import SHARED_NAME, STEP_FIELDS, Record, dtype_name, plain
 from wandistill.cache.encoding import RecordCodec, compression_of
 from wandistill.cache.keyindex import NameIndex
-from wandistill.cache.schema import SHARED_NAME, STEP_FIELDS, Record, dtype_name, plain
+from wandistill.checks.finite import refuse_nonfinite_record
 from wandistill.errors import CacheError, UsageError
-from wandistill.finite import refuse_nonfinite_record
-from wandistill.storage import Storage, describe, open_storage
+from wandistill.io.storage import Storage, describe, open_storage
 
 SHARD_DIR = "shards"
 _SHARD_RE = re.compile(r"r(\d{5})-(\d{6})")
@@ -62,7 +62,7 @@ def _make_sink(
 ) -> ShardSink:
     compression = compression_of(fields)
     if backend == "webdataset":
-        from wandistill.cache.wds import WebDatasetSink
+        from wandistill.cache.wds_backend import WebDatasetSink
 
         if compression is not None:
             raise UsageError(

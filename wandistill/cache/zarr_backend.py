@@ -100,10 +100,8 @@ from zarr.core.sync import sync
 from zarr.experimental.cache_store import CacheStore
 from zarr.storage import FsspecStore, LocalStore, MemoryStore, WrapperStore
 
-from wandistill import waiting
 from wandistill.cache.batch import BatchBuffers, Shape
-from wandistill.cache.formats import ZarrArrayMeta, ZarrGroupAttrs, ZarrGroupMeta, ZarrNodeMeta
-from wandistill.cache.schema import (
+from wandistill.cache.contract import (
     DTYPE_BY_NAME,
     DTYPE_NAMES,
     FORMAT_NAME,
@@ -114,9 +112,11 @@ from wandistill.cache.schema import (
     ZarrShardEntry,
     is_step_field,
 )
+from wandistill.cache.files import ZarrArrayMeta, ZarrGroupAttrs, ZarrGroupMeta, ZarrNodeMeta
+from wandistill.checks.validate import MiB, check, inside, parse_json
 from wandistill.errors import CacheError
-from wandistill.fsutil import drop_cached, fsync_dir
-from wandistill.storage import (
+from wandistill.io.fsutil import drop_cached, fsync_dir
+from wandistill.io.storage import (
     FsspecStorage,
     LeaseLock,
     LocalStorage,
@@ -127,7 +127,7 @@ from wandistill.storage import (
     open_storage,
     storage_error,
 )
-from wandistill.validate import MiB, check, inside, parse_json
+from wandistill.runtime import waiting
 
 DATA_NAME = ZARR_DATA_NAME
 LOCK_NAME = "data.zarr.lock"

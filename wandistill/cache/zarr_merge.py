@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from wandistill.cache.schema import ZarrShardEntry
+from wandistill.cache.contract import ZarrShardEntry
 from wandistill.cache.zarr_backend import (
     _WRITE_CONFIG,
     DATA_NAME,
@@ -37,7 +37,7 @@ from wandistill.cache.zarr_backend import (
     _SealingStore,
     zarr_store,
 )
-from wandistill.storage import Storage
+from wandistill.io.storage import Storage
 
 LAYOUT = ("block_records", "token_chunk", "token_block")
 

@@ -41,14 +41,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from wandistill import outputs
-from wandistill.cache.reader import CacheStore
-from wandistill.cache.schema import Record, is_holdout, pad_embeds
+from wandistill.cache.contract import Record, is_holdout, pad_embeds
+from wandistill.cache.reader import CacheReader
 from wandistill.errors import UsageError
 from wandistill.eval import equivalent
 from wandistill.eval import grid as gridmod
 from wandistill.eval.metrics import image_psnr, mse, psnr
-from wandistill.fsutil import atomic_write_bytes, atomic_write_json
+from wandistill.io import outputs
+from wandistill.io.fsutil import atomic_write_bytes, atomic_write_json
 from wandistill.placement.strategies import Auto, Cpu, Cuda, Placement
 from wandistill.student.folders import FinishedStudent
 from wandistill.student.sampler import sample_latents, student_pipeline
@@ -286,7 +286,7 @@ def evaluate(
     if decode and teacher is None:
         raise UsageError("--decode needs the teacher's VAE", fix="pass --teacher TEACHER")
     torch.manual_seed(0)
-    with CacheStore(cache) as store:
+    with CacheReader(cache) as store:
         settings, dims = store.manifest.settings, store.manifest.dims
         shared = store.read_shared()
         if teacher is not None:
@@ -335,7 +335,7 @@ def evaluate(
             return result
 
 
-def held_out(store: CacheStore, split: str, limit: int | None) -> list[tuple[dict[str, Any], int]]:
+def held_out(store: CacheReader, split: str, limit: int | None) -> list[tuple[dict[str, Any], int]]:
     """Where the records to evaluate are, by key (deterministic): held out, or all of a
     separate cache. Located, not read: eval reads them a batch at a time (`_batches`)."""
     frac = float(store.manifest.settings.get("holdout_fraction", 0.0))
@@ -355,7 +355,7 @@ def held_out(store: CacheStore, split: str, limit: int | None) -> list[tuple[dic
     return [v for _, v in located]
 
 
-def few_records(store: CacheStore, split: str, count: int, limit: int | None) -> str | None:
+def few_records(store: CacheReader, split: str, count: int, limit: int | None) -> str | None:
     """One line when fewer than MIN_RECORDS records are evaluated (and --max-records did not ask
     for that), saying how to get more."""
     if count >= MIN_RECORDS or (limit is not None and limit < MIN_RECORDS):
@@ -507,7 +507,7 @@ def _teacher_leg(
 
 
 def _batches(
-    store: CacheStore,
+    store: CacheReader,
     located: list[tuple[dict[str, Any], int]],
     settings: dict[str, Any],
     shared: dict[str, torch.Tensor],

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from wandistill import outputs
 from wandistill.errors import UsageError
+from wandistill.io import outputs
 from wandistill.placement.strategies import Cpu, Cuda, Placement
 from wandistill.student.experts import pipeline_parts
 from wandistill.student.folders import FinishedStudent, SamplerSizes
@@ -205,7 +205,7 @@ def _export_pipeline(student: FinishedStudent) -> Any:
     (no custom code, safetensors only, configs typed)."""
     from diffusers import WanPipeline
 
-    from wandistill.modelfolder import load_pretrained
+    from wandistill.io.modelfolder import load_pretrained
 
     return load_pretrained(WanPipeline, student.path)
 

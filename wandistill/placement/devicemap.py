@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from wandistill import workarounds
 from wandistill.errors import UsageError
-from wandistill.modelfolder import COMPONENT_CLASSES
+from wandistill.io.modelfolder import COMPONENT_CLASSES
 from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, Caps, gpu_index
 from wandistill.placement.protocol import LoadContext, Loaded, Need, component_class, merge_bytes
 from wandistill.placement.strategies import (
@@ -31,6 +30,7 @@ from wandistill.placement.strategies import (
     Placement,
     Sequential,
 )
+from wandistill.runtime import workarounds
 
 if TYPE_CHECKING:
     import torch

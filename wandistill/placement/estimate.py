@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from wandistill import workarounds
 from wandistill.errors import UsageError
-from wandistill.modelfolder import COMPONENT_CLASSES, FLOAT_CODES, SAFETENSORS_BYTES
+from wandistill.io.modelfolder import COMPONENT_CLASSES, FLOAT_CODES, SAFETENSORS_BYTES
+from wandistill.runtime import workarounds
 
 if TYPE_CHECKING:
     from wandistill.config import PrecomputeConfig, SamplerConfig

@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
-from wandistill import workarounds
 from wandistill.errors import UsageError, WandistillError
-from wandistill.modelfolder import load_pretrained
+from wandistill.io.modelfolder import load_pretrained
 from wandistill.placement.devicemap import DeviceMapFile
 from wandistill.placement.estimate import SamplerSizes, fp32_kept
 from wandistill.placement.inventory import Inventory
@@ -42,6 +41,7 @@ from wandistill.placement.oom import oom_guard
 from wandistill.placement.plan import make_plan
 from wandistill.placement.protocol import component_class
 from wandistill.placement.strategies import AccelerateMap, Auto, Placement
+from wandistill.runtime import workarounds
 from wandistill.teacher.folder import Component, TeacherFolder
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 A bare `torch.OutOfMemoryError` tells a user that one allocation failed; it does not say which
 placement was in use or what would fit instead. `oom_guard` turns any out-of-memory failure
-(`wandistill.failures.is_oom`, the one rule both stages use) into a `WandistillError` (exit 1,
+(`runtime.failures.is_oom`, the one rule both stages use) into a `WandistillError` (exit 1,
 no traceback) naming the device, its allocated / reserved / total / free figures (torch.cuda
 on GPUs, /proc/meminfo on the CPU, no psutil), the strategy, and the next strategies to try
 as exact flags, in the order that frees the most accelerator memory for the least speed.
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from wandistill.errors import WandistillError
-from wandistill.failures import is_oom
 from wandistill.placement.devices import GiB
 from wandistill.placement.inventory import read_meminfo
 from wandistill.placement.strategies import DiskOffload, GroupOffload, Placement
+from wandistill.runtime.failures import is_oom
 
 __all__ = ["is_oom", "memory_figures", "next_strategies", "oom_error", "oom_guard"]
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from wandistill.errors import UsageError
-from wandistill.modelfolder import COMPONENT_CLASSES
+from wandistill.io.modelfolder import COMPONENT_CLASSES
 from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, GiB, device_key
 from wandistill.placement.estimate import (
     ComponentSize,

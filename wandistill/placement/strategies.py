@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from wandistill import workarounds
 from wandistill.errors import UsageError
 from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, Caps, gpu_index
 from wandistill.placement.protocol import LoadContext, Loaded, Need, merge_bytes
+from wandistill.runtime import workarounds
 
 if TYPE_CHECKING:
     import torch

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from wandistill import failures
 from wandistill.cache.embeds import EmbedStore, negative_name, own_negative_name
-from wandistill.finite import check_batch
+from wandistill.checks.finite import check_batch
 from wandistill.precompute.prompts import Prompt
-from wandistill.progress import Progress
+from wandistill.runtime import faults
+from wandistill.runtime.progress import Progress
 from wandistill.teacher.folder import TeacherFolder
 
 
@@ -149,4 +149,4 @@ def _encode_batch(
         if p.negative_prompt is not None:
             store.add(own_negative_name(job.keys[i]), negs[p.negative_prompt])
         store.encoded += 1
-        failures.at("precompute", "encoded", store.encoded, job.rank)
+        faults.at("precompute", "encoded", store.encoded, job.rank)

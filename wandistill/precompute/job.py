@@ -14,9 +14,10 @@ import dataclasses
 import hashlib
 from typing import TYPE_CHECKING, Any
 
-from wandistill import dist, storage
 from wandistill.config import PrecomputeConfig, to_dict
+from wandistill.io import storage
 from wandistill.placement.strategies import Placement
+from wandistill.runtime import dist
 
 if TYPE_CHECKING:
     from wandistill.precompute.parts import Part

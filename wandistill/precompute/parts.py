@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from wandistill.cache import manifest as mf
+from wandistill.checks.validate import parse_json
 from wandistill.errors import CacheError, UsageError
-from wandistill.storage import join, open_storage
-from wandistill.validate import parse_json
+from wandistill.io.storage import join, open_storage
 
 PARTS_NAME = "parts.json"
 PARTS_FORMAT = "wandistill-parts"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wandistill.bounds import PROMPT_SEED
+from wandistill.checks.bounds import PROMPT_SEED
 from wandistill.errors import UsageError
 
 

@@ -36,16 +36,15 @@ from typing import Any
 
 import torch
 
-from wandistill import dist, failures, outputs, storage
 from wandistill.cache import manifest as mf
 from wandistill.cache.background import BackgroundWriter
+from wandistill.cache.contract import Record, dtype_name, field_specs, record_key
 from wandistill.cache.embeds import EmbedStore, own_negative_name
-from wandistill.cache.schema import Record, dtype_name, field_specs, record_key
 from wandistill.cache.writer import CacheWriter
+from wandistill.checks.finite import NonFiniteError
 from wandistill.config import PrecomputeConfig
 from wandistill.errors import UsageError, WandistillError
-from wandistill.failures import Stopped, StopRequested, StopSignals, first_line
-from wandistill.finite import NonFiniteError
+from wandistill.io import outputs, storage
 from wandistill.placement.estimate import SamplerSizes
 from wandistill.precompute import job, parts
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
@@ -54,7 +53,9 @@ from wandistill.precompute.numerics import follow_recorded_threads, record_numer
 from wandistill.precompute.parts import Part
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.precompute.table import KeyTable, PromptTable
-from wandistill.progress import SUMMARY_WIDTH, Progress, human_bytes, plural, summary_lines
+from wandistill.runtime import dist, faults
+from wandistill.runtime.failures import Stopped, StopRequested, StopSignals, first_line
+from wandistill.runtime.progress import SUMMARY_WIDTH, Progress, human_bytes, plural, summary_lines
 from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
 
@@ -474,7 +475,7 @@ def _denoise_and_write(w: Work, enc: Encoded, stop: StopSignals) -> None:
     group = max(1, w.cfg.sampler.expert_group_batches) if len(w.teacher.experts) > 1 else 1
     denoiser = _Denoiser(w)
     handed = 0  # records handed to the writer by this run (the test hook counts them)
-    failures.at("precompute", "record", 0, info.rank)
+    faults.at("precompute", "record", 0, info.rank)
     try:
         with progress:
             for g0 in range(0, len(w.todo), group):
@@ -513,9 +514,9 @@ def _hand_over(
             if writer is not None:
                 writer.write(rec)
             handed += 1
-            if writer is not None and failures.wants("precompute", "record", handed, rank):
+            if writer is not None and faults.wants("precompute", "record", handed, rank):
                 writer.drain()  # a test point acts on what is written by then
-            failures.at("precompute", "record", handed, rank)
+            faults.at("precompute", "record", handed, rank)
         progress.advance(len(batch), bytes_total=writer.bytes_written if writer else 0)
     return handed
 
@@ -717,13 +718,13 @@ def _previews(
     info: dist.DistInfo,
 ) -> None:
     """Decode the first `previews` prompts' final latents (whichever rank wrote them)."""
-    from wandistill.cache.reader import CacheStore
+    from wandistill.cache.reader import CacheReader
     from wandistill.placement import load as pl
     from wandistill.teacher.decode import decode_to_png
 
     out = Path(cfg.cache.path) / "previews"
     wanted = [k for k in keys[: cfg.previews] if not (out / f"{k}.png").exists()]
-    with CacheStore(cfg.cache.path) as store:
+    with CacheReader(cfg.cache.path) as store:
         located = store.locate()
         mine = [k for k in wanted if k in located and located[k][0]["rank"] == info.rank]
         if not mine:

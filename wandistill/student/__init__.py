@@ -2,14 +2,14 @@
 
 A student is a plain diffusers `WanTransformer3DModel` with a smaller config, so the trained
 weights drop into `WanPipeline(transformer=student)`. Nothing here reads the teacher's weights
-except `init.init_from_teacher`, which opens only the tensors it copies, lazily. The re-exports
-load on first use (`wandistill.lazy`): importing `wandistill.student.schedule` does not import
-diffusers.
+except `init.init_from_teacher`, which opens only the tensors it copies, lazily. The
+re-exports load on first use (`wandistill.runtime.lazy`): importing
+`wandistill.student.schedule` does not import diffusers.
 """
 
 from typing import TYPE_CHECKING
 
-from wandistill.lazy import exports
+from wandistill.runtime.lazy import exports
 
 if TYPE_CHECKING:
     from wandistill.student.config import check_against_cache, resolve_student_config

@@ -15,9 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from wandistill.checks.validate import OpenSchema, check, load_json_file
 from wandistill.config import StudentConfig
 from wandistill.errors import UsageError
-from wandistill.validate import OpenSchema, check, load_json_file
 
 SIZE_KEYS = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
 

@@ -43,9 +43,9 @@ import torch
 from pydantic import ConfigDict, Field
 from torch import nn
 
+from wandistill.checks.validate import Schema, load_json_file
 from wandistill.errors import UsageError
-from wandistill.fsutil import atomic_write_json
-from wandistill.validate import Schema, load_json_file
+from wandistill.io.fsutil import atomic_write_json
 
 if TYPE_CHECKING:
     from wandistill.config import LossConfig, StudentConfig, TeacherInitConfig
@@ -378,11 +378,10 @@ def build(
     """The student `train` optimises: one WanTransformer3DModel, or an ExpertPair whose experts
     start from the teacher's transformer / transformer_2 (same seed for their random init; a
     LoRA student's: every block of its expert, the base its adapter goes on)."""
-    from wandistill.student import lora
-    from wandistill.student.init import init_from_teacher
+    from wandistill.student.init import base_init, init_from_teacher
     from wandistill.student.model import build_student
 
-    init = lora.base_init(student, config)
+    init = base_init(student, config)
     if student.experts != PER_EXPERT:
         model = build_student(config, seed=seed)
         if init.path:

@@ -39,7 +39,7 @@ pipeline then switches experts at its boundary_ratio, which must be the one the 
 (checked). `--merge-lora` writes the per-expert pipeline (transformer, transformer_2,
 boundary_ratio) with each adapter merged into its expert.
 
-OUT is claimed like every output folder (`wandistill.outputs.claim(out, "export")`: new, empty or
+OUT is claimed like every output folder (`wandistill.io.outputs.claim(out, "export")`: new, empty or
 an earlier export; one writer). The new pipeline is built in a temp folder inside OUT (which the
 claim clears if a writer died), every file fsynced, then moved entry by entry into place with
 `model_index.json` last: a reader that finds model_index.json finds every piece it names. An
@@ -57,9 +57,10 @@ from typing import Any, Protocol
 import torch
 from safetensors import safe_open
 
-from wandistill import __version__, outputs
+from wandistill import __version__
 from wandistill.errors import UsageError
-from wandistill.fsutil import atomic_write_json, copy_tree, fsync_dir, make_temp_dir
+from wandistill.io import outputs
+from wandistill.io.fsutil import atomic_write_json, copy_tree, fsync_dir, make_temp_dir
 from wandistill.student import experts
 from wandistill.student.folders import EXPORT_MARKER, SAMPLING, FinishedStudent, read_run
 from wandistill.student.lora import LORA_FILE

@@ -14,7 +14,7 @@ teacher's transformer, which `FinishedStudent.load` reads and adapts. A per-expe
 hold one such file in `transformer/` and one in `transformer_2/` (plus `experts.json`), each
 expert's adapter on its own teacher expert.
 
-`sampling.json` and `wandistill_export.json` are parsed through `wandistill.validate` into the
+`sampling.json` and `wandistill_export.json` are parsed through `checks.validate` into the
 pydantic models below: a damaged file is one line naming the file and the field, never a
 KeyError. Whatever form it came in, a student carries its K-step schedule
 (`schedule.StudentSchedule`) and the sampler sizes of the cache it was distilled from, so sample
@@ -30,10 +30,10 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 from torch import nn
 
+from wandistill.checks.validate import Schema, load_json_file
 from wandistill.errors import UsageError
 from wandistill.student import experts
 from wandistill.student.schedule import StudentSchedule
-from wandistill.validate import Schema, load_json_file
 
 SAMPLING = "sampling.json"
 """Written by train at the end (wandistill.train.export); marks a finished run."""
@@ -231,7 +231,7 @@ class FinishedStudent:
     def _load(self, folder: Path, base: Path | None, name: str) -> nn.Module:
         from diffusers import WanTransformer3DModel
 
-        from wandistill.modelfolder import load_pretrained
+        from wandistill.io.modelfolder import load_pretrained
 
         path = folder
         if self.lora is not None:  # one student: its recorded component; a pair: each its own
@@ -408,7 +408,7 @@ def _check_weights(folder: Path, label: str, fix: str, *, lora: bool = False) ->
     """The one check of a student weights folder: present, no custom code, no pickle-only
     weights (named with the conversion), config.json + safetensors, config.json typed and of a
     sane size (before diffusers reads it); a LoRA student's: its LoRA file."""
-    from wandistill.modelfolder import (
+    from wandistill.io.modelfolder import (
         Reader,
         read_weights,
         refuse_custom_code,
@@ -420,7 +420,7 @@ def _check_weights(folder: Path, label: str, fix: str, *, lora: bool = False) ->
         raise UsageError(f"{label} does not exist", fix=fix)
     refuse_custom_code(folder, "student")
     if lora:
-        from wandistill.modelfolder import read_safetensors
+        from wandistill.io.modelfolder import read_safetensors
         from wandistill.student.lora import LORA_FILE
 
         if not (folder / LORA_FILE).is_file():

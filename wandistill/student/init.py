@@ -5,23 +5,25 @@ condition embedders, output norm and projection, modulation table) are copied to
 opened one at a time with `safetensors.safe_open` (memory-mapped, per-tensor reads), copied into
 the student's parameter and dropped, so peak memory is the student plus one teacher tensor, never
 the teacher. Headers (and a sharded checkpoint's index) are validated and shapes checked from
-them before anything is copied (`wandistill.modelfolder`, the checks the teacher folder uses).
+them before anything is copied (`wandistill.io.modelfolder`, the checks the teacher folder uses).
 This is the only path by which the student room reads teacher weights; no teacher module is
 imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from wandistill.config import TeacherInitConfig
+from wandistill.config import StudentConfig, TeacherInitConfig
 from wandistill.errors import UsageError
-from wandistill.modelfolder import Reader, TensorInfo, read_safetensors, read_weights
+from wandistill.io.modelfolder import Reader, TensorInfo, read_safetensors, read_weights
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
@@ -92,3 +94,12 @@ def init_from_teacher(student: nn.Module, cfg: TeacherInitConfig) -> int:
             with safe_open(where[theirs][0], framework="pt") as sf:
                 params[mine].copy_(sf.get_tensor(theirs))
     return len(plan)
+
+
+def base_init(student: StudentConfig, student_config: dict[str, Any]) -> TeacherInitConfig:
+    """What `init_from_teacher` copies: as the recipe says; a LoRA student's base is every
+    teacher block."""
+    init = student.init_from_teacher
+    if not student.lora.enabled:
+        return init
+    return dataclasses.replace(init, blocks=list(range(int(student_config["num_layers"]))))

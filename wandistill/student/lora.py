@@ -28,7 +28,6 @@ stock diffusers loads the second with `load_lora_weights(..., load_into_transfor
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from wandistill.config import StudentConfig, StudentLoraConfig, TeacherInitConfig
+from wandistill.config import StudentConfig, StudentLoraConfig
 from wandistill.errors import UsageError
 from wandistill.student import experts
 
@@ -268,15 +267,6 @@ def sampling_entry(student: StudentConfig, components: dict[str, Any]) -> dict[s
     if student.experts == experts.PER_EXPERT:
         entry["expert_base_files"] = {name: components.get(name) for name in experts.EXPERTS}
     return entry
-
-
-def base_init(student: StudentConfig, student_config: dict[str, Any]) -> TeacherInitConfig:
-    """What `init_from_teacher` copies: as the recipe says; a LoRA student's base is every
-    teacher block."""
-    init = student.init_from_teacher
-    if not student.lora.enabled:
-        return init
-    return dataclasses.replace(init, blocks=list(range(int(student_config["num_layers"]))))
 
 
 def record(cfg: StudentLoraConfig, component: str, base: str | None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from wandistill.fsutil import atomic_open
+from wandistill.io.fsutil import atomic_open
 
 
 @torch.no_grad()

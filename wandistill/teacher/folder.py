@@ -31,8 +31,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from wandistill.checks.validate import OpenSchema, Schema, check, label
 from wandistill.errors import UsageError
-from wandistill.modelfolder import (
+from wandistill.io.modelfolder import (
     COMPONENT_CLASSES,
     Reader,
     Weights,
@@ -41,7 +42,6 @@ from wandistill.modelfolder import (
     custom_code_error,
     read_weights,
 )
-from wandistill.validate import OpenSchema, Schema, check, label
 
 __all__ = [
     "COMPONENT_CLASSES",

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from wandistill.cache.schema import Record
-from wandistill.finite import check_batch
-from wandistill.progress import beat
+from wandistill.cache.contract import Record
+from wandistill.checks.finite import check_batch
+from wandistill.runtime.progress import beat
 
 CFG_FORMULA = "uncond + g * (cond - uncond)"
 
@@ -228,7 +228,7 @@ class RecordingSampler:
         what = "the final latent" if last else "the latent x_t after the scheduler step"
         check_batch(what, state.latents, who, step=i, timestep=float(t))
         state.step += 1
-        beat()  # a rank waiting for this one can tell slow from stuck (wandistill.dist)
+        beat()  # a rank waiting for this one can tell slow from stuck (wandistill.runtime.dist)
 
     def finish(self, state: BatchState) -> list[Record]:
         """Split a finished batch into one Record per prompt."""

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from wandistill.workarounds import t5_tokenizer_class
+from wandistill.runtime.workarounds import t5_tokenizer_class
 
 __all__ = [
     "BOUNDARY_RATIO",

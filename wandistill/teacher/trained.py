@@ -66,7 +66,7 @@ import torch
 from rich.console import Console
 
 from wandistill.errors import UsageError
-from wandistill.progress import Progress
+from wandistill.runtime.progress import Progress
 from wandistill.teacher.tiny import (
     SCHEDULER_CONFIG,
     TEXT_ENCODER_CONFIG,

@@ -4,12 +4,12 @@
 metrics, EMA, optimizer and export live in their own modules. Nothing here imports
 `wandistill.teacher` (a test scans for it). The command line calls `job.launch`, which joins a
 torchrun job before importing the training stack; `run` and `TrainResult` load on first use
-(`wandistill.lazy`).
+(`wandistill.runtime.lazy`).
 """
 
 from typing import TYPE_CHECKING
 
-from wandistill.lazy import exports
+from wandistill.runtime.lazy import exports
 
 if TYPE_CHECKING:
     from wandistill.train.loop import TrainResult, run

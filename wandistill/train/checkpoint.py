@@ -42,9 +42,7 @@ import torch
 from pydantic import Field, JsonValue, model_validator
 from safetensors.torch import load_file, save
 
-from wandistill.errors import WandistillError
-from wandistill.fsutil import atomic_write_bytes, fsync_dir, make_temp_dir, publish, writing
-from wandistill.validate import (
+from wandistill.checks.validate import (
     MiB,
     OpenSchema,
     Schema,
@@ -54,6 +52,8 @@ from wandistill.validate import (
     read_capped,
     seal,
 )
+from wandistill.errors import WandistillError
+from wandistill.io.fsutil import atomic_write_bytes, fsync_dir, make_temp_dir, publish, writing
 
 PREFIX = "checkpoint-"
 LATEST = "latest"

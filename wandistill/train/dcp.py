@@ -19,7 +19,7 @@ The tensors go through DCP's `HuggingFaceStorageWriter` / `HuggingFaceStorageRea
 project never parses. Both run with `no_dist=True`: each rank plans and writes its own shard, and
 on load reads the chunks it needs from every shard by their offsets, so DCP itself runs no
 collective (its planning collectives pickle Python objects) and a checkpoint of N ranks loads on
-M ranks (resharding). The ranks agree through `wandistill.dist` (JSON in tensors): rank 0 picks
+M ranks (resharding). The ranks agree through `runtime.dist` (JSON in tensors): rank 0 picks
 the temp folder, every rank writes its shard and reports its file's size and crc32c, and rank 0
 seals state.json and publishes only when all have written. A kill -9 anywhere before that
 leaves a temp folder that is never read and the previous checkpoint in force.
@@ -49,13 +49,13 @@ from safetensors.torch import save
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
 
-from wandistill import dist
-from wandistill.dist import DistInfo
-from wandistill.failures import at
-from wandistill.fsutil import fsync_dir
+from wandistill.checks.validate import MiB
+from wandistill.io.fsutil import fsync_dir
 from wandistill.placement.train_plan import SHARD_FILE_BYTES
+from wandistill.runtime import dist
+from wandistill.runtime.dist import DistInfo
+from wandistill.runtime.faults import at
 from wandistill.train import checkpoint as ckpt_io
-from wandistill.validate import MiB
 
 SHARDS = "shards"
 OPT_PREFIX = "optimizer.state."

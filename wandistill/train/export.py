@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from wandistill.dist import DistInfo, barrier
-from wandistill.fsutil import atomic_write_json, fsync_dir, make_temp_dir, publish
+from wandistill.io.fsutil import atomic_write_json, fsync_dir, make_temp_dir, publish
+from wandistill.runtime.dist import DistInfo, barrier
 from wandistill.student import experts, lora
 from wandistill.train.ema import EMA
 from wandistill.train.parallel import gather_to_main, is_sharded, unwrapped_class

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from wandistill import dist
 from wandistill.config import TrainConfig, to_dict
+from wandistill.runtime import dist
 
 if TYPE_CHECKING:
     from wandistill.train.loop import TrainResult

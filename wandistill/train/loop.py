@@ -28,7 +28,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from wandistill import dist, outputs
+from wandistill.cache.contract import SHARED_NAME
 from wandistill.cache.manifest import (
     Manifest,
     has_manifest,
@@ -37,26 +37,26 @@ from wandistill.cache.manifest import (
     read_manifest,
 )
 from wandistill.cache.multi import check_caches
-from wandistill.cache.reader import CacheStore
-from wandistill.cache.schema import SHARED_NAME
+from wandistill.cache.reader import CacheReader
 from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
+from wandistill.checks.finite import check_step, check_weights
 from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
-from wandistill.failures import (
+from wandistill.io import outputs
+from wandistill.io.fsutil import atomic_write_json
+from wandistill.io.storage import describe as location
+from wandistill.io.storage import open_storage
+from wandistill.plots import LOSS_PNG, plot_loss
+from wandistill.runtime import dist
+from wandistill.runtime.failures import (
     Stopped,
     StopSignals,
-    at,
     collective_error,
-    injected_failure,
     is_collective_failure,
     is_oom,
 )
-from wandistill.finite import check_step, check_weights
-from wandistill.fsutil import atomic_write_json
-from wandistill.plots import LOSS_PNG, plot_loss
-from wandistill.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
-from wandistill.storage import describe as location
-from wandistill.storage import open_storage
+from wandistill.runtime.faults import at
+from wandistill.runtime.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
 from wandistill.student import experts, lora
 from wandistill.student.config import (
     check_against_cache,
@@ -366,7 +366,7 @@ def objective_plan(cfg: TrainConfig, manifest: Manifest | None = None) -> Object
     """K, the student's scheduler and the recorded steps of each objective, from the cache's
     manifest and schedule (also what `train --dry-run` prints)."""
     manifest = manifest or load_committed(cfg.caches[0])
-    with CacheStore(cfg.caches[0]) as store:
+    with CacheReader(cfg.caches[0]) as store:
         teacher = TeacherSchedule.from_cache(manifest.settings, store.read_shared())
     return plan_objectives(cfg.loss, cfg.student.num_inference_steps, teacher)
 
@@ -391,7 +391,7 @@ def setup(
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     ema = EMA(model.student, cfg.optim.ema_decay)
-    store = CacheStore(plan.cache)
+    store = CacheReader(plan.cache)
     reader = build_reader(cfg, plan, info, store, follow=follow, skip_corrupt=skip_corrupt)
     meta = run_meta(cfg, plan, info)
     start = 0
@@ -456,14 +456,14 @@ def build_reader(
     cfg: TrainConfig,
     plan: Plan,
     info: dist.DistInfo,
-    store: CacheStore,
+    store: CacheReader,
     *,
     follow: bool,
     skip_corrupt: bool,
 ) -> TrainingReader:
     """This rank's equal share of every epoch over the run's caches (`store` is the first)."""
     return TrainingReader(
-        [store, *(CacheStore(location(c)) for c in cfg.caches[1:])],
+        [store, *(CacheReader(location(c)) for c in cfg.caches[1:])],
         weights=cfg.cache_weights,
         batch_size=cfg.batch_size,
         rank=info.rank,
@@ -686,7 +686,7 @@ def _sampler_sizes(settings: dict[str, Any]) -> dict[str, Any] | None:
     return None if None in sizes.values() else sizes
 
 
-def announce(t: Trainer, store: CacheStore, follow: bool) -> None:
+def announce(t: Trainer, store: CacheReader, follow: bool) -> None:
     cfg, info = t.cfg, t.info
     n_params = sum(p.numel() for p in t.model.student.parameters())
     global_batch = cfg.batch_size * cfg.grad_accum * info.world_size
@@ -789,7 +789,6 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
             if t.target is not None:
                 t.target.update(t.model.student)
             step += 1
-            injected_failure(info.rank, step)
             at("train", "step", step, info.rank)
 
             window.add(grad_norm, lr, time.perf_counter() - t0, wait)

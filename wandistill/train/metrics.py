@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from wandistill.fsutil import atomic_write_bytes, writing
+from wandistill.io.fsutil import atomic_write_bytes, writing
 
 METRICS = "metrics.jsonl"
 

@@ -1,6 +1,6 @@
 """Training's out-of-memory advice: the figures and the levers, in the order to try them.
 
-Whether an error is an out-of-memory one is `wandistill.failures.is_oom` (one rule for both
+Whether an error is an out-of-memory one is `wandistill.runtime.failures.is_oom` (one rule for both
 stages); this module only says what a user of `train` can change. The next lever (FSDP, CPU
 offload, checkpointing, LoRA, a smaller batch) is the first alternative of the train memory
 plan (`wandistill.placement.train_plan`) that fits this rank's device, named with its figures.
@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from wandistill.config import TrainConfig
-from wandistill.dist import DistInfo
 from wandistill.errors import WandistillError
 from wandistill.placement.devices import GiB
 from wandistill.placement.inventory import GPU, Inventory, read_meminfo
 from wandistill.placement.train_plan import TrainPlan, choice_of, make_train_plan
 from wandistill.placement.train_size import TrainShape
+from wandistill.runtime.dist import DistInfo
 
 
 def _inventory(info: DistInfo) -> Inventory:

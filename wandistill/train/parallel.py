@@ -41,9 +41,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from wandistill.config import TrainConfig
-from wandistill.dist import DistInfo, cuda_and_cpu
+from wandistill.runtime.dist import DistInfo, cuda_and_cpu
+from wandistill.runtime.workarounds import ddp_no_buffer_sync, ddp_skip_init_sync
 from wandistill.student import experts
-from wandistill.workarounds import ddp_no_buffer_sync, ddp_skip_init_sync
 
 
 def wrap_ddp(model: nn.Module, info: DistInfo) -> nn.Module:

@@ -26,8 +26,16 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from wandistill.checks.validate import (
+    MiB,
+    OpenSchema,
+    Schema,
+    check,
+    label,
+    parse_json,
+    read_capped,
+)
 from wandistill.errors import UsageError
-from wandistill.validate import MiB, OpenSchema, Schema, check, label, parse_json, read_capped
 
 SAFETENSORS_BYTES: Mapping[str, int] = {
     "F64": 8,

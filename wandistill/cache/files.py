@@ -1,4 +1,4 @@
-"""Typed schemas of every file a cache holds, declared once (pydantic, via `wandistill.validate`).
+"""Typed schemas of every file a cache holds, declared once (pydantic, via `checks.validate`).
 
 `manifest.json`, `journal/rank-<r>[-<s>].json`, the shard entries inside both (webdataset and zarr),
 each record's `.json` member and safetensors header, and the zarr metadata (`zarr.json`) the zarr
@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, JsonValue, StringConstraints, model_validator
 
-from wandistill.cache.schema import DTYPES, DTYPES_BY_NAME, FORMAT_NAME
-from wandistill.validate import OpenSchema, Schema, rel_path_problem
+from wandistill.cache.contract import DTYPES, DTYPES_BY_NAME, FORMAT_NAME
+from wandistill.checks.validate import OpenSchema, Schema, rel_path_problem
 
 # ----------------------------------------------------------------------------- scalar types
 
@@ -103,10 +103,8 @@ class Entry(Schema):
 
 class WdsEntry(Entry):
     file: RelPath
-    sha256: Hex64 | None = None
-    """Schema 1 and 2: sha256 of the whole shard file."""
-    frame_sha256: Hex64 | None = None
-    """Schema 3: sha256 of every byte of the shard file outside its records' tensor data (tar
+    frame_sha256: Hex64
+    """sha256 of every byte of the shard file outside its records' tensor data (tar
     headers and padding, `.json` members, safetensors headers); tensor data is covered by the
     crc32c in each record's safetensors header, so every byte is hashed once."""
     offsets: list[Annotated[list[Count], Field(min_length=4, max_length=4)]]
@@ -116,8 +114,6 @@ class WdsEntry(Entry):
 
     @model_validator(mode="after")
     def _rows(self) -> WdsEntry:
-        if (self.sha256 is None) == (self.frame_sha256 is None):
-            raise ValueError("must list one of sha256 (schema 1-2) and frame_sha256 (schema 3)")
         n = len(self.keys)
         for name, rows in (("offsets", self.offsets), ("crc32c", self.crc32c)):
             if rows is not None and len(rows) != n:
@@ -247,34 +243,14 @@ class ManifestBase(Schema):
     fields: Annotated[list[FieldSpecModel], Field(min_length=1, max_length=4096)]
     dims: DimsBlock
     shared: SharedBlock | Annotated[dict[str, Any], Field(max_length=0)]
-    numerics: dict[Short, JsonValue] | None = None
-    """How the record bits were computed (schema 2; see docs/cache-format.md)."""
-    header_sha256: dict[Literal[SEALED], Hex64] | None = None  # type: ignore[valid-type]
-    """sha256 of each sealed block's canonical JSON (schema 2)."""
-
-    @model_validator(mode="after")
-    def _sealed(self) -> ManifestBase:
-        for name in ("numerics", "header_sha256"):
-            if self.schema_version >= 2 and getattr(self, name) is None:
-                raise ValueError(f"a schema {self.schema_version} manifest must have {name}")
-            if self.schema_version < 2 and getattr(self, name) is not None:
-                raise ValueError(f"a schema 1 manifest has no {name} (schema_version edited?)")
-        return self
+    numerics: dict[Short, JsonValue]
+    """How the record bits were computed (see docs/cache-format.md)."""
+    header_sha256: dict[Literal[SEALED], Hex64]  # type: ignore[valid-type]
+    """sha256 of each sealed block's canonical JSON."""
 
 
 class WdsManifest(ManifestBase):
     shards: list[WdsEntry]
-
-    @model_validator(mode="after")
-    def _digests(self) -> WdsManifest:
-        want = "frame_sha256" if self.schema_version >= 3 else "sha256"
-        for e in self.shards:
-            if getattr(e, want) is None:
-                raise ValueError(
-                    f"shard {e.name}: a schema {self.schema_version} entry lists {want} "
-                    "(schema_version edited?)"
-                )
-        return self
 
 
 class ZarrManifest(ManifestBase):

@@ -4,7 +4,7 @@ Every byte of a cache (manifest, journals, shared tensors, shards) goes through 
 the commit protocol is written once:
 
 - a whole small file (manifest, journal, marker) is `put`: locally a temp sibling + fsync +
-  rename (`wandistill.fsutil`), on an object store one PUT of the whole object, which S3 and GCS
+  rename (`wandistill.io.fsutil`), on an object store one PUT of the whole object, which S3 and GCS
   make visible all at once or not at all;
 - `create` is create-if-absent: a hard link locally, a conditional PUT (`If-None-Match: *`)
   on an object store, so racing writers agree on one manifest and one lock;
@@ -41,10 +41,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from wandistill import waiting
+from wandistill.checks.validate import read_capped
 from wandistill.errors import UsageError
-from wandistill.fsutil import atomic_open, fsync_dir, temp_name, writing
-from wandistill.validate import read_capped
+from wandistill.io.fsutil import atomic_open, fsync_dir, temp_name, writing
+from wandistill.runtime import waiting
 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 """URL scheme -> the wandistill extra that installs its fsspec backend (`pip install
@@ -65,7 +65,7 @@ try: the worst silent-free wait of one call is CONNECT_ATTEMPTS x the timeouts."
 def timeouts() -> tuple[float, float]:
     """(connect, read) seconds for object-store requests: WANDISTILL_STORAGE_TIMEOUT, checked
     like every number (finite, in (0, 600]), else the defaults."""
-    from wandistill.bounds import Range
+    from wandistill.checks.bounds import Range
 
     raw = os.environ.get(TIMEOUT_ENV, "").strip()
     if not raw:
@@ -154,8 +154,8 @@ class _Descriptors:
 
 def is_url(location: str | Path) -> bool:
     """True for an fsspec URL other than `file://` (which is a local path): the one rule,
-    `wandistill.location.is_url`."""
-    from wandistill.location import is_url as url
+    `wandistill.io.location.is_url`."""
+    from wandistill.io.location import is_url as url
 
     return url(location)
 

@@ -14,7 +14,7 @@ or the step a run resumes from) counts towards the total but not towards the rat
 
 Also the process's progress beat: `beat()` (called by every `Progress.advance`, every denoising
 step and every model load) tells listeners this process is getting on with its work;
-`wandistill.dist` publishes it so that a rank waiting for the others can tell a slow peer from a
+`runtime.dist` publishes it so that a rank waiting for the others can tell a slow peer from a
 stuck one.
 """
 

@@ -1,5 +1,5 @@
 """How a stage fails or stops, one mechanism for precompute and train: stop signals, the
-out-of-memory rule, lost peers, and the test-only fault injection.
+out-of-memory rule and lost peers.
 
 * `StopSignals`: SIGTERM / SIGINT -> a graceful stop. The first signal is recorded; a stage
   either polls it (`check()` between units of work, `agreed()` at train's step boundaries, a
@@ -11,74 +11,30 @@ out-of-memory rule, lost peers, and the test-only fault injection.
   (wandistill/placement/oom.py for placements, wandistill/train/oom.py for training levers).
 * `is_collective_failure` / `collective_error` / `first_line`: a peer went away mid-collective,
   as one line instead of a gloo / nccl traceback.
-* `at()` / `injected_failure()`: test-only fault injection, see below.
-
-Only the tests set `WANDISTILL_TEST_KILL_AT` or `WANDISTILL_FAIL_AT`; unset (always, in real use),
-each hook costs one environment lookup.
-
-    WANDISTILL_TEST_KILL_AT=<stage>:<point>:<n>[:<rank>[:<action>]]
-
-Points (the stages call `at()` there, nowhere else):
-
-    precompute:record:<n>  after this process handed its n-th record of this run to the cache
-                           writer (the record may still sit in the open, uncommitted shard);
-                           n=0: right after the writer opened the cache, before any record
-    train:step:<n>         right after optimizer step n, before its metrics row and checkpoint
-    train:saved:<n>        right after the checkpoint of step n was published (every rank)
-    train:shard:<n>        right after this rank wrote its shard of sharded (fsdp) checkpoint n,
-                           before rank 0 publishes it
-    train:loss:<n>         the loss of step n, right after the forward (with the `nan` action)
-    precompute:encoded:<n> after this process handed its n-th prompt embedding to the embedding
-                           store (it may still sit in the open, uncommitted embedding shard)
-    dist:init:0            before this rank joins the job (rendezvous), with `hang`: a rank that
-                           never arrives
-
-`<rank>`: the torchrun rank that acts (default 0; `*` = every rank). `<action>`:
-
-    kill   SIGKILL this process at once (default): a crash at exactly this point
-    term   send SIGTERM to this process (the graceful-stop path, at a reproducible point)
-    int    send SIGINT to this process (same, as Ctrl-C would)
-    raise  raise a WandistillError (a rank failing with an error)
-    stop   SIGSTOP this process: it stays alive, frozen, holding whatever it holds, until the
-           test sends SIGCONT (a second job can then be started against a live one)
-    hang   sleep forever (a rank that never arrives / hangs); SIGTERM ends it at once
-    nan    make `at()` return True: the caller poisons its value with NaN
-
-`WANDISTILL_FAIL_AT=<rank>:<step>[:error|oom|hang]` makes that train rank fail right after
-finishing that optimizer step: `error` raises a runtime error, `oom` a (fake) out-of-memory
-error, `hang` blocks forever (for kill -9 tests).
-
-Because the point is counted by the process itself, a seeded list of kill points is exact and
-reproducible, and no test has to sleep on the clock to land one.
+* Test-only fault injection is `wandistill.runtime.faults` (one hook, one variable).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import signal
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
 import torch
 
-from wandistill import dist
-from wandistill.errors import UsageError, WandistillError
+from wandistill.errors import WandistillError
+from wandistill.runtime import dist
 
 __all__ = [
     "Stopped",
     "StopRequested",
     "StopSignals",
-    "at",
-    "wants",
     "collective_error",
     "first_line",
-    "injected_failure",
     "is_collective_failure",
     "is_oom",
 ]
@@ -227,80 +183,3 @@ def collective_error(info: dist.DistInfo, e: BaseException) -> WandistillError:
         f"rank {info.rank}: a collective failed, {who} (see that rank's error): {first_line(e)}",
         fix="fix that rank's error, then re-run with --resume",
     )
-
-
-# --------------------------------------------------------------------------- fault injection
-
-KILL_ENV = "WANDISTILL_TEST_KILL_AT"
-FAIL_ENV = "WANDISTILL_FAIL_AT"
-ACTIONS = ("kill", "term", "int", "raise", "stop", "hang", "nan")
-
-
-def at(stage: str, point: str, n: int, rank: int = 0) -> bool:
-    """Act if `WANDISTILL_TEST_KILL_AT` names this stage, point, count and rank; True only for
-    the `nan` action (the caller then poisons its value)."""
-    action = wants(stage, point, n, rank)
-    if action is None:
-        return False
-    if action == "nan":
-        return True
-    _act(action, f"rank {rank} at {stage} {point} {n}", os.environ[KILL_ENV])
-    return False
-
-
-def wants(stage: str, point: str, n: int, rank: int = 0) -> str | None:
-    """The action `WANDISTILL_TEST_KILL_AT` asks for at this exact point, else None (a caller
-    with work in flight, e.g. the background cache writer, settles it before `at()` acts)."""
-    spec = os.environ.get(KILL_ENV)
-    if not spec:
-        return None
-    parts = spec.split(":")
-    if len(parts) < 3 or len(parts) > 5 or (len(parts) == 5 and parts[4] not in ACTIONS):
-        raise UsageError(
-            f"{KILL_ENV}={spec!r} is not <stage>:<point>:<n>[:<rank>[:<action>]]",
-            fix=f"unset {KILL_ENV} (it is a test hook), or use an action of {', '.join(ACTIONS)}",
-        )
-    if parts[0] != stage or parts[1] != point or parts[2] != str(n):
-        return None
-    who = parts[3] if len(parts) > 3 and parts[3] else "0"
-    if who != "*" and who != str(rank):
-        return None
-    return parts[4] if len(parts) > 4 else "kill"
-
-
-def _act(action: str, where: str, spec: str) -> None:
-    if action == "hang":  # stuck, but torchrun's SIGTERM still ends it (no 30 s SIGKILL grace)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        print(
-            f"{KILL_ENV}: {where.replace(' at ', ' hangs at ', 1)} (t={time.time():.3f})",
-            file=sys.stderr,
-            flush=True,
-        )
-        while True:
-            time.sleep(3600)
-    sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT,
-           "stop": signal.SIGSTOP}.get(action)  # fmt: skip
-    if sig is not None:
-        os.kill(os.getpid(), sig)
-        return
-    raise WandistillError(
-        f"injected failure on {where} ({KILL_ENV}={spec})",
-        fix=f"unset {KILL_ENV} (it is a test hook)",
-    )
-
-
-def injected_failure(rank: int, step: int) -> None:
-    """`WANDISTILL_FAIL_AT`: make train rank `rank` fail right after optimizer step `step`."""
-    spec = os.environ.get(FAIL_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    if int(parts[0]) != rank or int(parts[1]) != step:
-        return
-    kind = parts[2] if len(parts) > 2 else "error"
-    if kind == "hang":
-        while True:
-            time.sleep(3600)
-    if kind == "oom":
-        raise torch.OutOfMemoryError(f"injected out-of-memory on rank {rank} at step {step}")
-    raise WandistillError(f"injected failure on rank {rank} at step {step} ({FAIL_ENV}={spec})")

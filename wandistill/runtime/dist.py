@@ -39,9 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wandistill import __version__, failures, waiting
-from wandistill.bounds import TIMEOUT_S
+from wandistill import __version__
+from wandistill.checks.bounds import TIMEOUT_S
 from wandistill.errors import UsageError, WandistillError
+from wandistill.runtime import faults, waiting
 
 TIMEOUT_ENV = "WANDISTILL_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
@@ -153,7 +154,7 @@ def init(
     if world > 1:
         backend = "nccl" if want_cuda else "gloo"
         if not dist.is_initialized():
-            failures.at("dist", "init", 0, rank)  # test-only: a rank that never arrives
+            faults.at("dist", "init", 0, rank)  # test-only: a rank that never arrives
             store = _join(rank, world, timeout)
             dist.init_process_group(
                 backend=cuda_and_cpu(backend) if cpu_backend and want_cuda else backend,
@@ -295,7 +296,7 @@ def _start_heartbeat(store: Any, rank: int, timeout: float) -> None:
     step, an encoded batch, a training step, a model load) bumps `beat/<rank>` in the store, at
     most every `period` seconds. `wait_for_all` reads it: a rank that makes no progress for the
     timeout is named, whether it died, froze or hangs."""
-    from wandistill import progress
+    from wandistill.runtime import progress
 
     period = max(0.05, min(2.0, timeout / 10))
     last = [0.0]
@@ -322,7 +323,7 @@ def wait_for_all(
     caller checks why) once `interrupted()` is true, e.g. a stop signal arrived."""
     if not info.distributed or "store" not in _state:
         return
-    from wandistill import progress
+    from wandistill.runtime import progress
 
     store, timeout = _state["store"], _state["timeout"]
     store.set(f"{name}/{info.rank}", "1")
@@ -425,7 +426,7 @@ def check_same_config(info: DistInfo, config: dict[str, Any]) -> None:
 
 
 def cleanup() -> None:
-    from wandistill import progress
+    from wandistill.runtime import progress
 
     beat = _state.pop("heartbeat", None)
     if beat is not None:

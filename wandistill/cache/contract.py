@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from wandistill.validate import canonical_json
+from wandistill.checks.validate import canonical_json
 
 SCHEMA_VERSION = 3
 """3: a webdataset shard entry lists `frame_sha256` (every byte but the tensor data, which the
-per-tensor crc32c cover) instead of the whole file's `sha256`. 2: the manifest is sealed
-(`header_sha256`) and records `numerics`. 1 and 2 are still read."""
+per-tensor crc32c cover); the manifest is sealed (`header_sha256`) and records `numerics`. A cache
+of another schema (1 and 2 were written by pre-release versions) is refused: rebuild it."""
 FORMAT_NAME = "wandistill-cache"
 MANIFEST_NAME = "manifest.json"
 SHARED_NAME = "shared.safetensors"

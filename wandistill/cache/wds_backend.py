@@ -13,8 +13,8 @@ step's rows, so a whole-shard sha256 cannot guard it. Each record's safetensors 
 in its `__metadata__`, the record key and a crc32c of every tensor (one per row of the leading
 step axis for step fields: x_t, teacher output, timesteps, features); the manifest entry's
 `crc32c` lists, per record, the crc32c of that header (8-byte length prefix + JSON) and of the
-`.json` member; its `frame_sha256` (schema 3) hashes every other byte of the tar: headers,
-padding and members outside the tensor data (schema 1-2 entries list the whole file's `sha256`).
+`.json` member; its `frame_sha256` hashes every other byte of the tar: headers,
+padding and members outside the tensor data.
 Every read verifies the header against the manifest, then each tensor or row it returns against
 the header (crc32c runs at ~13 GB/s). Caches written before these checksums existed carry neither
 and are read unverified, as before. `verify` also walks the tar headers: any member that is not
@@ -44,8 +44,7 @@ from pydantic import StringConstraints
 from safetensors.torch import load as st_load
 
 from wandistill.cache.batch import BatchBuffers, empty
-from wandistill.cache.formats import Name, OwnMeta, RecordMeta, TensorInfo
-from wandistill.cache.schema import (
+from wandistill.cache.contract import (
     DTYPE_NAMES,
     DTYPE_NAMES_BY_SAFETENSORS,
     DTYPES_BY_NAME,
@@ -54,10 +53,11 @@ from wandistill.cache.schema import (
     is_step_field,
     tensor_bytes,
 )
+from wandistill.cache.files import Name, OwnMeta, RecordMeta, TensorInfo
+from wandistill.checks.validate import MiB, check, inside, parse_json, rel_path_problem
 from wandistill.errors import CacheError, CorruptRecordError
-from wandistill.storage import LocalStorage, Storage, is_transient, open_storage
-from wandistill.validate import MiB, check, inside, parse_json, rel_path_problem
-from wandistill.workarounds import safetensors_header
+from wandistill.io.storage import LocalStorage, Storage, is_transient, open_storage
+from wandistill.runtime.workarounds import safetensors_header
 
 BLOCK = tarfile.BLOCKSIZE
 META_KEY = "wandistill"
@@ -307,7 +307,7 @@ def _describe(e: BaseException) -> str:
 
 class WebDatasetSource:
     """Random access into published tar shards: positioned reads at manifest offsets
-    (`os.pread` locally, ranged GETs on an object store; `wandistill.storage`).
+    (`os.pread` locally, ranged GETs on an object store; `wandistill.io.storage`).
 
     Thread-safe: `pread` has no shared file position, and releases the GIL while it waits on the
     disk, so a thread pool reads at close to the device's speed. Every read is checked against
@@ -787,10 +787,6 @@ class WebDatasetSource:
                     )
         return shard, per_key
 
-    def file_digest(self, rel: str) -> str:
-        """sha256 of the whole shard file (what schema 1 and 2 entries list)."""
-        return self.store.sha256(rel)
-
     def frame_digest(self, entry: dict[str, Any], rel: str) -> str:
         """sha256 of the shard's bytes outside its records' tensor data (schema 3's
         `frame_sha256`): each record's data starts after its safetensors header, whose length is
@@ -829,17 +825,12 @@ class WebDatasetSource:
             return [f"shard {name}: file {entry['file']} is missing"]
         if size != entry["bytes"]:
             problems.append(f"shard {name}: {size} bytes on disk, manifest says {entry['bytes']}")
-        if "frame_sha256" in entry:  # schema 3: the records' tensor data is crc32c-checked below
-            if size == entry["bytes"] and self.frame_digest(entry, rel) != entry["frame_sha256"]:
-                problems.append(
-                    f"shard {name}: sha256 mismatch in its frame (tar headers or padding, "
-                    ".json members or safetensors headers changed after it was written, or the "
-                    "manifest's frame_sha256 was edited)"
-                )
-        elif self.file_digest(rel) != entry["sha256"]:
+        # the records' tensor data is crc32c-checked below; the frame covers every other byte
+        if size == entry["bytes"] and self.frame_digest(entry, rel) != entry["frame_sha256"]:
             problems.append(
-                f"shard {name}: sha256 mismatch (file changed after it was written, or the "
-                "manifest's sha256 was edited)"
+                f"shard {name}: sha256 mismatch in its frame (tar headers or padding, "
+                ".json members or safetensors headers changed after it was written, or the "
+                "manifest's frame_sha256 was edited)"
             )
         shard_level, per_key = self.member_problems(entry)
         problems.extend(shard_level)

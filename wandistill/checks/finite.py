@@ -139,7 +139,7 @@ def check_step(
     A collective (every rank calls it every step): the ranks agree through one all-reduce, then,
     only on failure, gather what each saw, so every rank raises the same error at the same step
     and none is left waiting in a collective."""
-    from wandistill import dist
+    from wandistill.runtime import dist
 
     mine = step_problems(terms, grad_norm)
     if not dist.all_reduce_max(info, 1.0 if mine else 0.0):
@@ -159,7 +159,7 @@ def check_weights(info: Any, step: int, named: dict[str, Iterable[torch.Tensor]]
     """Before a checkpoint (and so the final student) is written: refuse non-finite weights.
 
     A collective, so every rank stops together; nothing is written."""
-    from wandistill import dist
+    from wandistill.runtime import dist
 
     bad = [name for name, tensors in named.items() if not all(is_finite(t) for t in tensors)]
     if not dist.all_reduce_max(info, 1.0 if bad else 0.0):

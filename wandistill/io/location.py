@@ -6,7 +6,7 @@ reads like S3. A command that let a URL fall into `Path` wrote `./s3:/b/...`, ex
 the run on an ephemeral node. So a location is parsed once, at the edge, into either
 
 - a URL (text, `//` kept) for the flags whose command reads or writes object stores end to end
-  through `wandistill.storage` (atomic there: whole-object PUTs, multipart uploads that only
+  through `wandistill.io.storage` (atomic there: whole-object PUTs, multipart uploads that only
   appear on completion), or
 - a local `Path`, for every other flag: a URL there is refused in one line naming the flag,
   before any work.

@@ -49,8 +49,8 @@ from filelock import FileLock, Timeout
 
 from wandistill import __version__
 from wandistill.errors import UsageError, WandistillError
-from wandistill.fsutil import atomic_write_json
-from wandistill.storage import (
+from wandistill.io.fsutil import atomic_write_json
+from wandistill.io.storage import (
     FsspecStorage,
     LeaseLock,
     holder_identity,
@@ -60,7 +60,7 @@ from wandistill.storage import (
 )
 
 if TYPE_CHECKING:
-    from wandistill.dist import DistInfo
+    from wandistill.runtime.dist import DistInfo
 
 PURPOSES = ("cache", "run", "eval", "sample", "export")
 MARKER = ".wandistill.json"
@@ -126,7 +126,7 @@ def claim(
     """
     if info is None or not info.distributed:
         return _claim(path, purpose, inputs or {}, flag)
-    from wandistill import dist
+    from wandistill.runtime import dist
 
     folder: OutputFolder | None = None
     failure: dict[str, Any] | None = None
@@ -501,7 +501,7 @@ def is_run_settings(path: Path) -> bool:
 def _is_legacy_cache(folder: Path) -> bool:
     """A wandistill manifest.json: its "format" comes first, so a bounded read of its head
     decides (a real manifest can be tens of MB)."""
-    from wandistill.cache.schema import FORMAT_NAME, MANIFEST_NAME
+    from wandistill.cache.contract import FORMAT_NAME, MANIFEST_NAME
 
     path = folder / MANIFEST_NAME
     if not path.is_file():
