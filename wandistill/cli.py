@@ -594,7 +594,7 @@ def precompute_cmd(
         out.print_json(json.dumps(to_dict(cfg)))
         _show_recording(full)
         return
-    from wandistill.precompute.job import launch
+    from wandistill.precompute.entry import launch
 
     s = launch(cfg, part=job_part)
     from wandistill.io.storage import open_storage
@@ -709,7 +709,7 @@ def train_cmd(
         for line in objective_plan(cfg).describe():
             out.print(line, highlight=False, soft_wrap=True)
         return
-    from wandistill.train.job import finished_at, launch
+    from wandistill.train.entry import finished_at, launch
 
     if resume and cfg.out and (at := finished_at(cfg)) is not None:
         if os.environ.get("RANK", "0") == "0":

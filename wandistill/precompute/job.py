@@ -1,10 +1,10 @@
 """Joining the torchrun job for `precompute`, before the teacher's libraries are imported.
 
-`launch` is what the command line calls: it joins the job (torch.distributed only), then
-imports the stage (diffusers, transformers, accelerate, webdataset, zarr: seconds of imports on a
-busy machine) and runs `run.run`, whose own `dist.init` finds the job joined. A rank launched by
-hand whose peer never comes says so within seconds of starting (`dist._join`'s `waiting:` line),
-instead of after the imports. In-process callers may call `run.run` directly: it joins itself.
+The run's identity (what every rank must agree on) and the join, with torch.distributed only.
+`entry.launch` (the command line) joins here, then imports the stage (diffusers, transformers,
+accelerate, webdataset, zarr: seconds on a busy machine), whose own `dist.init` finds the job
+joined; a rank launched by hand whose peer never comes says so within seconds. In-process callers
+may call `run.run` directly: it joins itself.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from wandistill.runtime import dist
 
 if TYPE_CHECKING:
     from wandistill.precompute.parts import Part
-    from wandistill.precompute.run import Summary
 
 
 def for_part(cfg: PrecomputeConfig, part: Part | None) -> PrecomputeConfig:
@@ -40,15 +39,6 @@ def join(cfg: PrecomputeConfig) -> dist.DistInfo:
     return dist.init(
         device_kind(cfg.teacher.placement), timeout_s=cfg.dist_timeout, config=run_identity(cfg)
     )
-
-
-def launch(cfg: PrecomputeConfig, *, part: Part | None = None) -> Summary:
-    """Join the job, then import and run the stage (see the module docstring)."""
-    info = join(for_part(cfg, part))
-    with dist.leaving_on_error(info):
-        from wandistill.precompute.run import run
-
-        return run(cfg, part=part)
 
 
 def device_kind(placement: Placement) -> str:

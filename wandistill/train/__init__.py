@@ -2,7 +2,7 @@
 
 `run(cfg, resume=, follow=, skip_corrupt=)` is the whole stage (see `loop.py`); checkpoints,
 metrics, EMA, optimizer and export live in their own modules. Nothing here imports
-`wandistill.teacher` (a test scans for it). The command line calls `job.launch`, which joins a
+`wandistill.teacher` (a test scans for it). The command line calls `entry.launch`, which joins a
 torchrun job before importing the training stack; `run` and `TrainResult` load on first use
 (`wandistill.runtime.lazy`).
 """

@@ -1,22 +1,15 @@
-"""Joining the torchrun job for `train`, before the training stack is imported.
+"""Joining the torchrun job for `train`, with torch.distributed only (no training stack).
 
-`launch` is what the command line calls: it joins the job (torch.distributed only), then
-imports the training stack (diffusers, peft, webdataset, zarr: seconds of imports on a busy
-machine) and runs `loop.run`, whose own `dist.init` finds the job joined. A rank launched by
-hand whose peer never comes says so within seconds of starting (`dist._join`'s `waiting:` line),
-instead of after the imports. In-process callers may call `loop.run` directly: it joins itself.
+`entry.launch` (the command line) joins here before it imports the training stack, so a rank
+launched by hand whose peer never comes says so within seconds of starting (`dist._join`'s
+`waiting:` line), instead of after the imports; `loop.run`'s own join then finds the job
+joined. In-process callers may call `loop.run` directly: it joins itself.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING
-
 from wandistill.config import TrainConfig, to_dict
 from wandistill.runtime import dist
-
-if TYPE_CHECKING:
-    from wandistill.train.loop import TrainResult
 
 
 def join(
@@ -30,38 +23,3 @@ def join(
         config={"train": to_dict(cfg), "flags": flags},
         cpu_backend=cfg.parallel == "fsdp" and cfg.fsdp.cpu_offload,
     )
-
-
-def launch(
-    cfg: TrainConfig, *, resume: bool = False, follow: bool = False, skip_corrupt: bool = False
-) -> TrainResult:
-    """Join the job, then import and run the training stack (see the module docstring)."""
-    info = join(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
-    with dist.leaving_on_error(info):
-        from wandistill.train import run  # loop.run, loaded now
-
-        return run(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
-
-
-def finished_at(cfg: TrainConfig) -> int | None:
-    """The step of a finished run in `cfg.out` that is already at or past `cfg.steps` (a total),
-    else None. Re-running a finished command with --resume is then a no-op that names the way
-    on. The recipe is still checked against the run first (a resume that changes the parallel
-    mode, the LoRA or the cache is refused as always); a run killed after its last checkpoint
-    but before its student was written (no sampling.json) is not finished: `run` completes it.
-    The checkpoint's step is looked at first: the training stack is imported only for a run
-    that may be finished."""
-    from wandistill.train import checkpoint as ckpt_io
-
-    out = Path(cfg.out)
-    latest = ckpt_io.resolve_latest(out / "checkpoints")
-    at = ckpt_io.step_of(latest) if latest is not None else None
-    if at is None or at < cfg.steps:
-        return None
-    from wandistill.train.export import SAMPLING
-    from wandistill.train.loop import validate
-
-    if not (out / SAMPLING).is_file():
-        return None
-    validate(cfg, resume=True)
-    return at
