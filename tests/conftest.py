@@ -43,20 +43,26 @@ settings.load_profile(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """How pytest-xdist (`-n auto --dist loadgroup`, pyproject.toml) shares the tests out.
+    """The order pytest-xdist hands the modules out in (`-n auto --dist loadfile
+    --no-loadscope-reorder`, pyproject.toml): the longest first.
 
-    A module's tests stay on one worker, so its module-scoped fixtures (teachers, caches,
-    reference runs) are built once. Every multi-process test (marked `dist`: torchrun, 2 gloo
-    ranks) is in one group, so at most one such job runs at a time: ranks wait on each other, and
-    a second job would only take their cores. That group goes first: it is the longest, and the
-    other worker runs everything else beside it.
+    A module is one unit of work (`loadfile`): its tests stay on one worker, so its module-scoped
+    fixtures (teachers, caches, reference runs, the zygote) are built once. Multi-process tests
+    (marked `dist`: torchrun, 2 gloo ranks) stay with their module: two such jobs may run at once,
+    one per worker (each has its own rendezvous port and folders). Modules with a `dist` test go
+    first, then modules with a `slow` one, so the last module a worker takes is short and the two
+    workers finish together. (`loadgroup` is not used: pytest-xdist 3.8 renames the test ids for
+    it through `item._nodeid`, which pytest 9 no longer reads, so every test was its own unit and
+    each module's fixtures were built on both workers.)
     """
+    if not hasattr(config, "workerinput"):  # the order matters only to xdist's workers
+        return
+    rank: dict[str, int] = {}
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = "dist" if item.get_closest_marker("dist") else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
-    if hasattr(config, "workerinput"):  # under xdist: the same order on every worker
-        items.sort(key=lambda item: item.get_closest_marker("dist") is None)
+        module = item.nodeid.split("::")[0]
+        mark = 0 if item.get_closest_marker("dist") else 1 if item.get_closest_marker("slow") else 2
+        rank[module] = min(rank.get(module, 2), mark)
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable: modules stay whole
 
 
 def _digest(root: Path) -> dict[str, str]:

@@ -179,6 +179,7 @@ def _keys(cache: Path) -> list[str]:
         return [k for e in store.entries for k in e["keys"]]
 
 
+@pytest.mark.slow  # a real process holds the cache
 def test_a_second_precompute_is_refused_at_once_and_the_first_completes(
     world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -201,6 +202,7 @@ def test_a_second_precompute_is_refused_at_once_and_the_first_completes(
     assert code == 0 and ": 0 records written" in out, err
 
 
+@pytest.mark.slow  # a real process is killed
 def test_after_a_kill_9_mid_shard_the_next_run_owns_the_cache_and_clears_the_temps(
     world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

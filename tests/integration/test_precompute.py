@@ -232,6 +232,7 @@ def _cmd(teacher: Path, prompts: Path, cache: Path, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_two_process_torchrun_writes_the_same_records_as_one_process(
     tmp_path: Path, teachers: dict[str, Path]

@@ -29,6 +29,7 @@ def _narrow(*args: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow  # a fresh interpreter at COLUMNS=80
 def test_plan_at_80_columns_keeps_every_strategy_name_whole() -> None:
     lines = _narrow(
         "plan", "wan2.1-14b_4x80gb", "--config", "wan2.1-14b",
@@ -45,6 +46,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> RealFiles:
     return real_files(tmp_path_factory.mktemp("real"))
 
 
+@pytest.mark.slow  # a fresh interpreter at COLUMNS=80
 def test_cache_info_at_80_columns_puts_the_scheduler_json_below_its_table(
     real: RealFiles,
 ) -> None:

@@ -21,6 +21,7 @@ from clirun import run_cli
 ROOT = Path(__file__).parents[2]
 
 
+@pytest.mark.slow  # a fresh interpreter under RLIMIT_FSIZE
 def test_recipes_copy_over_the_file_size_limit_names_the_file_and_leaves_no_temp(
     tmp_path: Path,
 ) -> None:
