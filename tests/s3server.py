@@ -11,8 +11,10 @@ upload, without timing anything.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import logging
 import os
+import socket
 import threading
 import urllib.request
 from collections import Counter
@@ -133,3 +135,42 @@ def s3_server() -> Iterator[dict[str, str]]:
         forget_clients()
         server.shutdown()
         thread.join()
+
+
+@contextlib.contextmanager
+def hostile_endpoints() -> Iterator[dict[str, str]]:
+    """Endpoints that are not a working S3, for the tests and tests/bench/silent_waits.py:
+    `stalled` accepts connections and never answers, `not_s3` is another HTTP server (404 pages,
+    no S3 error codes), `unreachable` is a port nothing listens on."""
+
+    class NotS3(http.server.BaseHTTPRequestHandler):
+        def _page(self) -> None:
+            body = b"<html>Not Found</html>"
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _page
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotS3)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    with socket.socket() as silent, socket.socket() as closed:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        closed.close()
+        try:
+            yield {
+                "stalled": f"http://127.0.0.1:{silent.getsockname()[1]}",
+                "not_s3": f"http://127.0.0.1:{web.server_port}",
+                "unreachable": f"http://127.0.0.1:{port}",
+            }
+        finally:
+            web.shutdown()
+            web.server_close()

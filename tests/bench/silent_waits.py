@@ -24,15 +24,12 @@ pytest test: run once, its output goes to docs/reliability.md.
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -73,38 +70,6 @@ def timed(argv: list[str], env: dict[str, str], limit: float = 300) -> dict[str,
     }
 
 
-def _hostile_endpoints() -> dict[str, str]:
-    class NotS3(http.server.BaseHTTPRequestHandler):
-        def _page(self) -> None:
-            body = b"<html>Not Found</html>"
-            self.send_response(404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        do_GET = do_HEAD = do_PUT = _page
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotS3)
-    threading.Thread(target=web.serve_forever, daemon=True).start()
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(64)
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    port = closed.getsockname()[1]
-    closed.close()
-    _hostile_endpoints.keep = (web, silent)  # type: ignore[attr-defined]
-    return {
-        "stalled": f"http://127.0.0.1:{silent.getsockname()[1]}",
-        "not_s3": f"http://127.0.0.1:{web.server_port}",
-        "unreachable": f"http://127.0.0.1:{port}",
-    }
-
-
 def _dead_writer_cache(work: Path, real: Path | None) -> tuple[Path, list[str]]:
     """A tiny run's cache as an interrupted precompute leaves it (entries in its journal, not
     complete), claimed and released (a dead writer: marker, free lock); the train flags that
@@ -136,9 +101,16 @@ def main() -> None:
     ap.add_argument("--real", type=Path, default=None, help="tests/realfiles.py output to reuse")
     ap.add_argument("--only", nargs="+", choices=CASES, default=list(CASES))
     args = ap.parse_args()
+    from s3server import hostile_endpoints  # tests/ is on sys.path (above)
+
+    with hostile_endpoints() as ends:  # stopped when the cases are done
+        measure(args, ends)
+
+
+def measure(args: argparse.Namespace, ends: dict[str, str]) -> None:
+    """Run the chosen cases against `ends` and print (and write) their silences."""
     work = args.work or Path(tempfile.mkdtemp(prefix="silent-"))
     work.mkdir(parents=True, exist_ok=True)
-    ends = _hostile_endpoints()
     creds = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x"}
     creds |= {"AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
     stalled = {**creds, "AWS_ENDPOINT_URL": ends["stalled"]}

@@ -5,7 +5,6 @@ writer per cache through a lease lock, and every bad input one line naming the U
 
 from __future__ import annotations
 
-import http.server
 import itertools
 import json
 import os
@@ -31,7 +30,7 @@ from wandistill.io import outputs, storage
 from wandistill.runtime import waiting
 
 from cachefixtures import make_record, write_cache
-from s3server import BUCKET, forget_clients, s3_server
+from s3server import BUCKET, forget_clients, hostile_endpoints, s3_server
 
 
 @pytest.fixture(scope="module")
@@ -42,34 +41,9 @@ def s3() -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def hostile() -> Iterator[dict[str, str]]:
-    """Endpoints that are not a working S3: one that accepts connections and never answers,
-    one that is another HTTP server (404 pages, no S3 error codes)."""
-
-    class NotS3(http.server.BaseHTTPRequestHandler):
-        def _page(self) -> None:
-            body = b"<html>Not Found</html>"
-            self.send_response(404)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _page
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotS3)
-    threading.Thread(target=web.serve_forever, daemon=True).start()
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(64)
-        yield {
-            "stalled": f"http://127.0.0.1:{silent.getsockname()[1]}",
-            "not_s3": f"http://127.0.0.1:{web.server_port}",
-        }
-    web.shutdown()
-    web.server_close()
+    """Endpoints that are not a working S3 (tests/s3server.py)."""
+    with hostile_endpoints() as urls:
+        yield urls
 
 
 def _url(name: str) -> str:
