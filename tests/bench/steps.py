@@ -56,7 +56,31 @@ OBJECTIVES = {
     "trajreflow": ["loss.trajectory=1.0", "loss.consistency=0.0", "loss.reflow=1.0"],
     "both": ["loss.trajectory=1.0", "loss.consistency=0.5", "loss.reflow=0.0"],
     "unroll": ["loss.trajectory=0.0", "loss.consistency=0.0", "loss.reflow=0.0", "loss.unroll=1.0"],
+    "perflow": [
+        "loss.trajectory=0.0",
+        "loss.consistency=0.0",
+        "loss.reflow=0.0",
+        "loss.perflow=1.0",
+    ],
+    "tangent": [
+        "loss.trajectory=0.0",
+        "loss.consistency=0.0",
+        "loss.reflow=0.0",
+        "loss.tangent=1.0",
+    ],
+    "perflowunroll": [
+        "loss.trajectory=0.0",
+        "loss.consistency=0.0",
+        "loss.reflow=0.0",
+        "loss.perflow=1.0",
+        "loss.unroll=1.0",
+    ],
 }
+DEPTHS = {
+    "full": [],
+    "half": ["student.num_layers=1", "student.init_from_teacher.blocks=[0]"],
+}
+"""Student depth: the teacher's 2 blocks, or 1 block started from the teacher's first."""
 
 
 def machine() -> str:
@@ -249,6 +273,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/wandistill-bench-steps"))
     p.add_argument("--ks", default="1,2,4")
     p.add_argument("--objectives", default="reflow,trajectory,consistency,both")
+    p.add_argument("--depths", default="full", help="comma list of " + ",".join(DEPTHS))
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--train-steps", type=int, default=None, help="default: the recipe's")
     p.add_argument("--set", dest="sets", action="append", default=[], help="recipe override")
@@ -279,12 +304,14 @@ def main() -> None:
     baseline = train_one(args.work, "baseline", teacher, ["loss.output=1.0"], sets)
     results: dict[str, dict[str, Any]] = {}
     runs: dict[str, Path] = {}
-    for k in (int(x) for x in args.ks.split(",")):
-        for obj in args.objectives.split(","):
-            extra = [f"student.num_inference_steps={k}", *OBJECTIVES[obj]]
-            run = train_one(args.work, f"k{k}-{obj}", teacher, extra, sets)
-            results[f"k{k}-{obj}"] = evaluate_one(args.work, run, teacher, baseline)
-            runs[f"k{k}-{obj}"] = run
+    for depth in args.depths.split(","):
+        for k in (int(x) for x in args.ks.split(",")):
+            for obj in args.objectives.split(","):
+                extra = [f"student.num_inference_steps={k}", *OBJECTIVES[obj], *DEPTHS[depth]]
+                name = f"k{k}-{obj}" + ("" if depth == "full" else f"-{depth}")
+                run = train_one(args.work, name, teacher, extra, sets)
+                results[name] = evaluate_one(args.work, run, teacher, baseline)
+                runs[name] = run
     for line in table(results):
         print(line)
     best = min(
