@@ -448,13 +448,6 @@ class LossConfig:
     the recorded x_t of each student step k, the student's velocity matches the straight one
     across the window to the cached point at the student's next sigma (the final latent after the
     last): (x_k - x_(k+1)) / (sigma_k - sigma_(k+1)). Needs the K student steps recorded."""
-    tangent: float = num(0.0, ge=0, le=1e6)
-    """Weight of consistency along the cached tangents (continuous-time consistency
-    distillation, sCM / Lu & Song 2024; `wandistill.student.tangent`): the cached guided output is
-    the ODE's velocity at each recorded x_t, and the student's x0 is pushed against its own
-    finite-difference derivative along that velocity (only the student is differentiated)."""
-    tangent_delta: float = num(0.01, gt=0, le=0.5)
-    """Sigma step of the tangent objective's finite difference along the cached velocity."""
     consistency_target_decay: float = num(0.95, ge=0, lt=1)
     """EMA decay of the consistency target network (updated after every optimizer step; 0 makes
     the target a stop-gradient copy of the current student). 0.95 as in Song et al. 2023 (CD)."""
@@ -470,7 +463,6 @@ class LossConfig:
             "reflow": self.reflow,
             "unroll": self.unroll,
             "perflow": self.perflow,
-            "tangent": self.tangent,
         }
 
     @property
@@ -489,7 +481,7 @@ class LossConfig:
     @property
     def few_step(self) -> bool:
         """Does any weighted objective train a K-step student (first-order sampler)."""
-        few = ("trajectory", "consistency", "reflow", "unroll", "perflow", "tangent")
+        few = ("trajectory", "consistency", "reflow", "unroll", "perflow")
         return any(self.weights()[name] > 0 for name in few)
 
     def __post_init__(self) -> None:

@@ -62,12 +62,6 @@ OBJECTIVES = {
         "loss.reflow=0.0",
         "loss.perflow=1.0",
     ],
-    "tangent": [
-        "loss.trajectory=0.0",
-        "loss.consistency=0.0",
-        "loss.reflow=0.0",
-        "loss.tangent=1.0",
-    ],
     "perflowunroll": [
         "loss.trajectory=0.0",
         "loss.consistency=0.0",

@@ -1,12 +1,10 @@
-"""Piecewise reflow and consistency along the cached tangents: targets as the papers define them
-on hand-built batches, only the student differentiated, the cache points each one needs, and
-block init the teacher cannot give refused before anything is built."""
+"""Piecewise reflow: its target as PeRFlow defines it on hand-built batches, the cache points it
+needs; and block init the teacher cannot give refused before anything is built."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from wandistill.config import LossConfig, TeacherInitConfig
 from wandistill.errors import UsageError
@@ -14,7 +12,6 @@ from wandistill.student.init import init_problems
 from wandistill.student.losses import SigmaTable, distill_losses, flow_x0
 from wandistill.student.perflow import window_velocity
 from wandistill.student.schedule import TeacherSchedule, plan_objectives
-from wandistill.student.tangent import TANGENT_NORM_C, tangent_step, tangent_target
 from wandistill.teacher.tiny import SCHEDULER_CONFIG
 
 SHAPE = (3, 16, 1, 4, 4)
@@ -80,72 +77,6 @@ def test_perflow_needs_the_students_steps_recorded_and_names_the_setting() -> No
     assert "sampler.record_for_student_steps = [4]" in (e.value.fix or "")
     with pytest.raises(UsageError, match="one run reads one of them"):
         plan_objectives(LossConfig(output=0.0, perflow=1.0, consistency=1.0), 4, _teacher(16))
-
-
-# --------------------------------------------------------------------------- tangent
-
-
-def test_the_tangent_step_follows_the_cached_velocity_and_stops_at_sigma_zero() -> None:
-    x, v = _randn(0), _randn(1)
-    sigma = torch.tensor([1.0, 0.5, 0.004])
-    ahead, sigma_ahead = tangent_step(x, v, sigma, 0.01)
-    torch.testing.assert_close(sigma_ahead, torch.tensor([0.99, 0.49, 0.0]))
-    step = (sigma - sigma_ahead).view(-1, 1, 1, 1, 1)
-    torch.testing.assert_close(ahead, x - step * v)
-
-
-def test_the_tangent_target_is_scms_normalised_derivative_and_zero_where_consistent() -> None:
-    now, ahead = _randn(0), _randn(1)
-    step = torch.tensor([0.01, 0.02, 0.01])
-    target = tangent_target(now, ahead, step)
-    g = (now - ahead) / step.view(-1, 1, 1, 1, 1)  # df/dsigma along the ODE
-    rms = g.square().flatten(1).mean(1).sqrt().view(-1, 1, 1, 1, 1)
-    torch.testing.assert_close(target, now - g / (rms + TANGENT_NORM_C))
-    # A student already constant along the ODE (a consistency function) has target = itself.
-    torch.testing.assert_close(tangent_target(now, now.clone(), step), now)
-
-
-class _Linear(nn.Module):
-    """A student v = a * x + b * t / 1000, and a frozen 'teacher' tensor beside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Parameter(torch.tensor(0.3))
-        self.b = nn.Parameter(torch.tensor(-0.2))
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.a * x + self.b * (t / 1000).view(-1, 1, 1, 1, 1)
-
-
-def test_only_the_student_is_differentiated_and_the_gradient_is_the_tangents() -> None:
-    student, teacher_v = _Linear(), _randn(5).requires_grad_(True)
-    x, sigma = _randn(4), torch.tensor([0.9, 0.6, 0.3])
-    pred = student(x, sigma * 1000)
-    x0 = flow_x0(x, pred, sigma)
-    with torch.no_grad():
-        ahead, s_ahead = tangent_step(x, teacher_v, sigma, 0.01)
-        x0_ahead = flow_x0(ahead, student(ahead, s_ahead * 1000), s_ahead)
-    target = tangent_target(x0, x0_ahead, sigma - s_ahead)
-    assert not target.requires_grad
-    w = LossConfig(output=0.0, tangent=1.0)
-    batch = {"xt": x, "final_latent": _randn(6), "teacher_out": teacher_v.detach()}
-    mask = torch.ones(3, dtype=torch.bool)
-    terms = distill_losses(
-        pred, {}, batch, w, sigma, {"output": mask, "tangent": mask}, tangent_x0=target
-    )
-    terms["loss"].backward()
-    assert teacher_v.grad is None  # the cached tangent is data
-    # d loss / d theta = sum_b 2 / (D B) * g_n . d x0 / d theta (sCM's gradient)
-    g_n = (x0 - target).detach()
-    d = g_n[0].numel()
-    dx0_da = -sigma.view(-1, 1, 1, 1, 1) * x  # x0 = x - sigma * (a x + b t)
-    want_a = (2 / d * g_n * dx0_da).flatten(1).sum(1).sum() / 3
-    torch.testing.assert_close(student.a.grad, want_a)
-
-
-def test_tangent_trains_at_every_recorded_step_from_the_students_first_and_needs_no_next():
-    plan = plan_objectives(LossConfig(output=0.0, tangent=1.0), 4, _teacher(16, [0, 2, 4, 9]))
-    assert plan.steps["tangent"] == (0, 2, 4, 9) and not plan.needs_next
 
 
 # --------------------------------------------------------------------------- half depth

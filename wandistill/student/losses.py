@@ -25,8 +25,7 @@
   sampler starts from and the points it then goes through. The samples it covers get a forward
   of their own, concatenated into the same call as the recorded x_t (which are not run at all
   when no other weighted objective uses them).
-- perflow (piecewise reflow, `student.perflow`) and tangent (continuous-time consistency along
-  the cached velocity, `student.tangent`): their modules say what they train.
+- perflow (piecewise reflow): `student.perflow` says what it trains.
 
 Each sample is one (record, recorded step); an objective covers only the steps it trains at (a
 per-sample mask, from `schedule.ObjectivePlan`). Its contribution to the loss is the sum of its
@@ -158,7 +157,6 @@ def distill_losses(
     reflow_x0: torch.Tensor | None = None,
     unrolled: torch.Tensor | None = None,
     perflow_v: torch.Tensor | None = None,
-    tangent_x0: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every weighted term (the mean over the samples it covers; absent if it covers none of
     this batch, `output` always when it covers any and the student ran at the recorded x_t:
@@ -167,8 +165,7 @@ def distill_losses(
     `reflow_x0`: [B, ...] the student's x0 at each sample's `reflow_input` (rows outside the
     reflow mask are ignored). `unrolled`: [B, ...] the student's K-step final latent from each
     sample's noise (`student.unroll`; rows outside the unroll mask are ignored). `perflow_v`:
-    [B, ...] the straight velocity across each sample's window (`student.perflow`); `tangent_x0`:
-    [B, ...] the tangent objective's stop-gradient x0 target (`student.tangent`)."""
+    [B, ...] the straight velocity across each sample's window (`student.perflow`)."""
     batch_size = batch["xt"].shape[0]
     per: dict[str, torch.Tensor] = {}
     pred = pred.float()
@@ -184,10 +181,7 @@ def distill_losses(
         assert perflow_v is not None, "perflow needs the window velocity"
         per["perflow"] = per_sample_mse(pred, perflow_v)
     if pred.shape[0] and (
-        weights.final_latent > 0
-        or weights.trajectory > 0
-        or weights.consistency > 0
-        or weights.tangent > 0
+        weights.final_latent > 0 or weights.trajectory > 0 or weights.consistency > 0
     ):
         assert sigma_B is not None, "x0 objectives need sigma_t"
         x0 = flow_x0(batch["xt"].float(), pred, sigma_B)
@@ -199,9 +193,6 @@ def distill_losses(
         if weights.consistency > 0:
             assert consistency_x0 is not None, "consistency needs its target"
             per["consistency"] = per_sample_mse(x0, consistency_x0)
-        if weights.tangent > 0:
-            assert tangent_x0 is not None, "tangent needs its target"
-            per["tangent"] = per_sample_mse(x0, tangent_x0)
     if weights.feature > 0:
         per["feature"] = _feature_error(feats, batch)
     terms: dict[str, torch.Tensor] = {}

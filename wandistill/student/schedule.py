@@ -453,16 +453,6 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
                     [f"re-run precompute with {fix_k}"],
                 )
             )
-    if loss.tangent > 0:  # the cached velocity is the tangent at every recorded step it spans
-        steps["tangent"] = tuple(s for s in teacher.recorded if s >= student.steps[0])
-        if not steps["tangent"]:
-            problems.append(
-                (
-                    f"loss.tangent trains from the student's first step {student.steps[0]} on, "
-                    "where the cache recorded no step",
-                    [f"re-run precompute with {fix_k}"],
-                )
-            )
     if loss.perflow > 0 and loss.consistency > 0:
         problems.append(
             (

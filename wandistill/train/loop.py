@@ -67,7 +67,6 @@ from wandistill.student.config import (
 from wandistill.student.export import LINKED
 from wandistill.student.init import init_problems
 from wandistill.student.losses import (
-    NUM_TRAIN_TIMESTEPS,
     SigmaTable,
     consistency_target,
     distill_losses,
@@ -849,9 +848,8 @@ def forward(
             )
         unrolled = _unroll(t, on, embeds, masks["unroll"]) if loss.unroll > 0 else None
         perflow_v = _perflow(t, on) if loss.perflow > 0 else None
-        tangent_x0 = _tangent(t, on, embeds, pred, sigma) if loss.tangent > 0 else None
     terms = distill_losses(
-        pred, feats, on, loss, sigma, masks, target_x0, reflow_x0, unrolled, perflow_v, tangent_x0
+        pred, feats, on, loss, sigma, masks, target_x0, reflow_x0, unrolled, perflow_v
     )
     return terms, {n: m.sum() for n, m in masks.items()}
 
@@ -864,23 +862,6 @@ def _perflow(t: Trainer, on: dict[str, Any]) -> torch.Tensor:
     sigma_end = t.sigmas.next(on["step_slot"], on["timesteps_next"], ends)
     sigma = t.sigmas(on["step_slot"], on["timesteps"])
     return window_velocity(on["xt"], on["xt_next"], sigma, sigma_end)
-
-
-@torch.no_grad()
-def _tangent(
-    t: Trainer, on: dict[str, Any], embeds: torch.Tensor, pred: torch.Tensor, sigma: Any
-) -> torch.Tensor:
-    """[B, ...] the tangent objective's target (`student.tangent`): one no-grad forward of the
-    student a step down the ODE along the cached velocity (every row: a collective under FSDP)."""
-    from wandistill.student.tangent import tangent_step, tangent_target
-
-    delta = t.cfg.loss.tangent_delta
-    x_ahead, sigma_ahead = tangent_step(on["xt"], on["teacher_out"], sigma, delta)
-    # the cached timestep less the step (the cache's t is sigma * 1000 truncated: keep its offset)
-    t_ahead = on["timesteps"].float() - (sigma - sigma_ahead) * NUM_TRAIN_TIMESTEPS
-    v_ahead = t.ddp(x_ahead, t_ahead, embeds)[0].float()
-    x0_now = flow_x0(on["xt"].float(), pred.detach().float(), sigma)
-    return tangent_target(x0_now, flow_x0(x_ahead, v_ahead, sigma_ahead), sigma - sigma_ahead)
 
 
 def _unroll(
