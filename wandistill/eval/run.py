@@ -44,7 +44,7 @@ import torch
 from wandistill.cache.contract import Record, is_holdout, pad_embeds
 from wandistill.cache.reader import CacheReader
 from wandistill.errors import UsageError
-from wandistill.eval import equivalent
+from wandistill.eval import equivalent, viewer
 from wandistill.eval import grid as gridmod
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.io import outputs
@@ -82,6 +82,10 @@ class Column:
     """Where latent_mse sits on the teacher's step curve (students, baselines; --teacher)."""
     equivalent: str | None = None
     """The same in words: 'teacher@6.4', '< teacher@2', '> teacher@16'."""
+    viewer: viewer.Score | None = None
+    """What its samples show against their prompts (`eval/viewer.py`): shares of all four
+    attributes right, each attribute, clear shapes, and the spread ratio to teacher@N. None
+    unless every prompt is in the trained teacher's grammar."""
 
 
 @dataclass(slots=True)
@@ -152,6 +156,9 @@ class EvalResult:
             head.append("image PSNR (dB)")
         if self.teacher_curve:
             head.append("~ teacher steps")
+        shown = any(c.viewer is not None for c in self.columns)
+        if shown:
+            head += ["prompt shown", f"spread / teacher@{n}"]
         rows = [head]
         for c in self.columns:
             row = [
@@ -167,6 +174,8 @@ class EvalResult:
                 row.append("-" if c.image_psnr is None else f"{c.image_psnr:.2f}")
             if self.teacher_curve:
                 row.append(c.equivalent or "-")
+            if shown:
+                row += _shown(c.viewer)
             rows.append(row)
         return rows
 
@@ -196,6 +205,7 @@ class EvalResult:
             lines.append(
                 f"The step-imitating baseline at {k} steps: ratio {self.baseline_r_k:.3f}."
             )
+        lines += _viewer_notes(self.columns)
         lines.append(f"Student output-matching loss at the recorded steps: {self.step_loss:.5f}.")
         lines.extend(f"Warning: {w}" for w in self.warnings)
         return lines
@@ -221,6 +231,9 @@ class EvalResult:
             table.add_column("image PSNR")
         if self.teacher_curve:
             table.add_column("~ teacher")
+        if any(c.viewer is not None for c in self.columns):
+            table.add_column("shown")
+            table.add_column("spread")
         table.columns[0].no_wrap = True  # the column names are what a reader looks for
         for row in rows:
             table.add_row(*row)
@@ -228,7 +241,35 @@ class EvalResult:
             f"fwd: transformer forwards per sample; ratio: MSE / MSE(teacher@{k}); "
             "PSNR of latents (images where a VAE decoded them)."
         )
+        if any(c.viewer is not None for c in self.columns):
+            legend += (
+                " shown: share of samples showing the prompt's colour, shape, size and position;"
+                f" spread: their scatter / teacher@{n}'s."
+            )
         return Group(table, Text(legend), *(Text(line) for line in self.notes()))
+
+
+def _shown(score: viewer.Score | None) -> list[str]:
+    if score is None:
+        return ["-", "-"]
+    ratio = "-" if score.spread_ratio is None else f"{score.spread_ratio:.2f}"
+    return [f"{score.all:.2f}", ratio]
+
+
+def _viewer_notes(columns: list[Column]) -> list[str]:
+    """One sentence: each column's share per attribute (the detail behind 'prompt shown')."""
+    judged = [c for c in columns if c.viewer is not None]
+    if not judged:
+        return []
+    parts = [
+        f"{c.name} {c.viewer.colour:.2f}/{c.viewer.shape:.2f}/{c.viewer.size:.2f}/"
+        f"{c.viewer.position:.2f}"
+        for c in judged
+    ]
+    return [
+        "What a viewer sees (read off each sample by the known renderer, no model), share of "
+        "samples with the prompt's colour/shape/size/position: " + ", ".join(parts) + "."
+    ]
 
 
 def _seconds(c: Column) -> str:
@@ -619,6 +660,7 @@ def _run(stream: Stream, settings: dict[str, Any]) -> EvalResult:
     sums = {c: _Sums() for c in names}
     per_record: list[dict[str, Any]] = []
     curve_sums: dict[int, float] = {}
+    tally = viewer.Tally()
     loss = 0.0
     for i, b in enumerate(stream.batches):
         if i == 0:
@@ -641,6 +683,9 @@ def _run(stream: Stream, settings: dict[str, Any]) -> EvalResult:
                     for a, r in zip(frames[c], frames[names[1]], strict=True)
                 )
         stream.grid.add(b, names, finals, frames)
+        for row, shown in zip(rows, tally.add([r.prompt for r in b.records], finals), strict=True):
+            if shown:
+                row["shown"] = shown
         if stream.curve is not None:
             teacher = [leg.column for leg in stream.legs if leg.column.role == "teacher"]
             known = {c.steps: finals[c.name] for c in teacher}
@@ -653,6 +698,8 @@ def _run(stream: Stream, settings: dict[str, Any]) -> EvalResult:
             c.seconds_per_sample = sums[c.name].seconds / count
         if stream.decoder is not None:
             c.image_psnr = sums[c.name].image_psnr / count
+    for c in columns:
+        c.viewer = tally.scores(names[1]).get(c.name)
     result = _summary(columns, count, n, loss / count, per_record)
     _place_on_curve(result, {s: m / count for s, m in sorted(curve_sums.items())})
     return result

@@ -77,6 +77,7 @@ from wandistill.teacher.tiny import (
 )
 
 __all__ = [
+    "BRIGHTNESS",
     "COLOURS",
     "POSITIONS",
     "SHAPES",
@@ -84,13 +85,17 @@ __all__ = [
     "TRAINED_SAMPLER",
     "TRAINED_TRANSFORMER_CONFIG",
     "BuildSettings",
+    "backdrop",
     "build_trained_pipeline",
     "ensure_trained_teacher",
     "grammar_prompts",
     "make_trained_teacher",
+    "mixing_matrix",
     "parse_prompt",
+    "shape_masks",
     "synthetic_pattern",
     "synthetic_prompts",
+    "world_scale",
 ]
 
 #: Colour words -> RGB in [0, 1]. The background is black, so "black" itself is not offered.
@@ -122,6 +127,14 @@ POSITIONS: Mapping[str, tuple[float, float]] = MappingProxyType(
         "on the right": (1.5, 0.0),
     }
 )
+
+#: Range of the brightness factor each training sample's colour is scaled by (its mean is what
+#: `synthetic_pattern` draws); gray is white at about half this, so brightness names it.
+BRIGHTNESS: tuple[float, float] = (0.75, 1.0)
+#: Each training sample's centre moves by up to this many latent pixels on each axis.
+POSITION_JITTER = 0.75
+#: Each training sample's radius is scaled by a factor within 1 -+ this.
+SIZE_JITTER = 0.15
 
 #: Wan's DiT, 2 blocks of width 128 (4 heads x 32): a 16x2x2 patch is 64 numbers, and a width
 #: of 64 could not carry the noise through to the output (samples stayed speckled). One
@@ -276,16 +289,38 @@ def parse_prompt(prompt: str) -> _Prompt:
     return spec
 
 
-def _mixing_matrix() -> torch.Tensor:
+def mixing_matrix() -> torch.Tensor:
     """[16, 5] from (r, g, b, x, y): channels 0-2 are the RGB, 3-15 a fixed random mix of all 5.
 
     x and y are the frame's coordinates (a fixed backdrop). Wan's DiT has only relative (RoPE)
     positions, so without them it cannot tell the top of the frame from the bottom, and puts
     "a circle at the top" anywhere; read off a token's own channels, they tell it where it is.
+    Public so that `eval.viewer` can unmix a sample back into its RGB.
     """
     g = torch.Generator().manual_seed(1234)
     rest = torch.randn(_CHANNELS - 3, 5, generator=g) / math.sqrt(2.0)
     return torch.cat([torch.eye(3, 5), rest])
+
+
+def world_scale(hw: tuple[int, int]) -> float:
+    """Latent pixels per grammar unit at `hw`: sizes and positions are given for the teacher's
+    own frame (`TRAINED_SAMPLER`) and scale with the smaller side of another."""
+    return min(hw) / min(_LATENT_HW)
+
+
+def _grid(hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pixel-centre coordinates (x [W], y [H]) in latent pixels, 0 at the frame's centre."""
+    h, w = hw
+    ys = torch.arange(h, dtype=torch.float32) + 0.5 - h / 2
+    xs = torch.arange(w, dtype=torch.float32) + 0.5 - w / 2
+    return xs, ys
+
+
+def backdrop(hw: tuple[int, int]) -> torch.Tensor:
+    """[2, H, W]: the frame's x and y in [-1, 1], the mixing matrix's last two inputs."""
+    h, w = hw
+    xs, ys = _grid(hw)
+    return torch.stack([xs.expand(h, w) / (w / 2), ys[:, None].expand(h, w) / (h / 2)])
 
 
 def _signed_distance(shape: str, x: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -301,6 +336,26 @@ def _signed_distance(shape: str, x: torch.Tensor, y: torch.Tensor, r: torch.Tens
     raise AssertionError(shape)  # pragma: no cover - SHAPES and this function move together
 
 
+def shape_masks(
+    shape_B: torch.Tensor, centre_B2: torch.Tensor, radius_B: torch.Tensor, hw: tuple[int, int]
+) -> torch.Tensor:
+    """Soft masks [B, H, W] in [0, 1] (edge ~1 px wide): what `_render` colours.
+
+    `shape_B` indexes SHAPES. Every shape's distance is computed for the whole batch and the
+    right one gathered: five small tensor ops beat a Python loop over the batch. Public so that
+    `eval.viewer` matches samples against the very templates the teacher was trained on.
+    """
+    h, w = hw
+    xs, ys = _grid(hw)
+    y, x = torch.meshgrid(ys, xs, indexing="ij")
+    x = x - centre_B2[:, 0, None, None]
+    y = y - centre_B2[:, 1, None, None]
+    r = radius_B[:, None, None]
+    dist_SBHW = torch.stack([_signed_distance(shape, x, y, r) for shape in SHAPES])
+    dist_BHW = dist_SBHW.gather(0, shape_B.view(1, -1, 1, 1).expand(1, -1, h, w))[0]
+    return torch.sigmoid(-4.0 * dist_BHW)
+
+
 def _render(
     shape_B: torch.Tensor,
     rgb_B3: torch.Tensor,
@@ -308,25 +363,12 @@ def _render(
     radius_B: torch.Tensor,
     hw: tuple[int, int],
 ) -> torch.Tensor:
-    """Latents [B, 16, 1, H, W]: soft shape masks (edge ~1 px wide) coloured on black.
-
-    `shape_B` indexes SHAPES. Every shape's distance is computed for the whole batch and the
-    right one gathered: five small tensor ops beat a Python loop over the batch.
-    """
+    """Latents [B, 16, 1, H, W]: soft shape masks coloured on black, then mixed."""
     h, w = hw
-    ys = torch.arange(h, dtype=torch.float32) + 0.5 - h / 2
-    xs = torch.arange(w, dtype=torch.float32) + 0.5 - w / 2
-    y, x = torch.meshgrid(ys, xs, indexing="ij")
-    x = x - centre_B2[:, 0, None, None]
-    y = y - centre_B2[:, 1, None, None]
-    r = radius_B[:, None, None]
-    dist_SBHW = torch.stack([_signed_distance(shape, x, y, r) for shape in SHAPES])
-    dist_BHW = dist_SBHW.gather(0, shape_B.view(1, -1, 1, 1).expand(1, -1, h, w))[0]
-    mask_BHW = torch.sigmoid(-4.0 * dist_BHW)
+    mask_BHW = shape_masks(shape_B, centre_B2, radius_B, hw)
     rgb_B3HW = 2.0 * rgb_B3[:, :, None, None] * mask_BHW[:, None] - 1.0
-    xy_2HW = torch.stack([xs.expand(h, w) / (w / 2), ys[:, None].expand(h, w) / (h / 2)])
-    features = torch.cat([rgb_B3HW, xy_2HW.expand(len(shape_B), 2, h, w)], dim=1)
-    latents = torch.einsum("ck,bkhw->bchw", _mixing_matrix(), features)
+    features = torch.cat([rgb_B3HW, backdrop(hw).expand(len(shape_B), 2, h, w)], dim=1)
+    latents = torch.einsum("ck,bkhw->bchw", mixing_matrix(), features)
     return latents.unsqueeze(2)
 
 
@@ -337,10 +379,10 @@ def synthetic_pattern(prompt: str, hw: tuple[int, int] = _LATENT_HW) -> torch.Te
     recommended 64x64 px).
     """
     spec = parse_prompt(prompt)
-    scale = min(hw) / min(_LATENT_HW)
+    scale = world_scale(hw)
     centre = torch.tensor([POSITIONS[spec.position]]) * scale
     radius = torch.tensor([SIZES[spec.size]]) * scale
-    rgb = torch.tensor([COLOURS[spec.colour]]) * 0.875  # mean of the brightness jitter
+    rgb = torch.tensor([COLOURS[spec.colour]]) * sum(BRIGHTNESS) / 2  # the jitter's mean
     shape = torch.tensor([SHAPES.index(spec.shape)])
     return _render(shape, rgb, centre, radius, hw)[0]
 
@@ -352,10 +394,13 @@ def _training_batch(
     idx = torch.randint(len(specs), (b,), generator=g).tolist()
     chosen = [specs[i] for i in idx]
     u = torch.rand(b, 7, generator=g)
-    centre = torch.tensor([POSITIONS[p.position] for p in chosen]) + 1.5 * (u[:, :2] - 0.5)
-    radius = torch.tensor([SIZES[p.size] for p in chosen]) * (0.85 + 0.3 * u[:, 2])
+    jitter = 2.0 * POSITION_JITTER * (u[:, :2] - 0.5)
+    centre = torch.tensor([POSITIONS[p.position] for p in chosen]) + jitter
+    factor = 1 - SIZE_JITTER + 2 * SIZE_JITTER * u[:, 2]
+    radius = torch.tensor([SIZES[p.size] for p in chosen]) * factor
     rgb = torch.tensor([COLOURS[p.colour] for p in chosen])
-    rgb = (rgb + 0.15 * (u[:, 3:6] - 0.5)).clamp(0.0, 1.0) * (0.75 + 0.25 * u[:, 6:])
+    lo, hi = BRIGHTNESS
+    rgb = (rgb + 0.15 * (u[:, 3:6] - 0.5)).clamp(0.0, 1.0) * (lo + (hi - lo) * u[:, 6:])
     shape = torch.tensor([SHAPES.index(p.shape) for p in chosen])
     latents = _render(shape, rgb, centre, radius, _LATENT_HW)
     return idx, latents + 0.05 * torch.randn(latents.shape, generator=g)
