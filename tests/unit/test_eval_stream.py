@@ -3,6 +3,7 @@ sums give the same means as scoring every record at once."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 from wandistill.cache.reader import CacheReader
 from wandistill.eval import run as ev
+from wandistill.eval import viewer
 from wandistill.eval.equivalent import curve_steps, place
 from wandistill.eval.metrics import mse, psnr
 from wandistill.teacher.trained import parse_prompt
@@ -127,6 +129,12 @@ def test_the_teacher_curve_is_sampled_per_batch_and_places_the_student_between_i
     assert result.student.equivalent_steps == pytest.approx(3.5)
     assert result.student.equivalent == "teacher@3.5"
     assert "student@2 ~ teacher@3.5 on the teacher's own curve" in result.table()
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(result.console_table())
+    row = next(line for line in console.export_text().splitlines() if "student@2" in line)
+    assert "@3.5" in row and f"{result.student.latent_mse:.5f}" in row  # nothing cut at 80
 
 
 def test_a_student_off_the_curve_is_named_below_its_first_or_above_its_last_point() -> None:
@@ -155,7 +163,7 @@ def test_each_column_reports_what_a_viewer_sees_in_the_table_and_json(tmp_path: 
 
     from cachefixtures import make_record
 
-    prompts = [p for p in synthetic_prompts(40, seed=3) if " ring" not in p][:12]
+    prompts = [p for p in synthetic_prompts(40, seed=3) if " column" not in p][:12]
     records = [
         replace(make_record(i), prompt=p, final_latent=synthetic_pattern(p))
         for i, p in enumerate(prompts)
@@ -169,14 +177,14 @@ def test_each_column_reports_what_a_viewer_sees_in_the_table_and_json(tmp_path: 
             embeds = torch.zeros(len(chunk), 24, 32)
             yield ev.Batch(chunk, noise[i : i + 5], embeds, embeds)
 
-    def ringed(batch: ev.Batch, steps: int) -> torch.Tensor:  # each prompt's shape as a ring
+    def upright(batch: ev.Batch, steps: int) -> torch.Tensor:  # each prompt's shape a column
         out = []
         for r in batch.records:
             spec = parse_prompt(r.prompt)
-            out.append(synthetic_pattern(replace(spec, shape="ring").text))
+            out.append(synthetic_pattern(replace(spec, shape="column").text))
         return torch.stack(out)
 
-    leg = ev.Leg(ev.Column("student@3", "student", 3, 3, 0.0), ringed)
+    leg = ev.Leg(ev.Column("student@3", "student", 3, 3, 0.0), upright)
     stream = ev.Stream(legs=[leg], batches=batches(), model=_Half(),
                        device=torch.device("cpu"), grid=ev._Grid(rows=2))  # fmt: skip
     result = ev._run(stream, {"num_inference_steps": 4})
@@ -187,9 +195,9 @@ def test_each_column_reports_what_a_viewer_sees_in_the_table_and_json(tmp_path: 
     assert result.column("noise").viewer.all < 0.2
     assert result.per_record[0]["shown"]["student@3"] == [1, 0, 1, 1]
     table = result.table()
-    assert "| prompt shown | spread / teacher@4 |" in table
-    assert "share of samples with the prompt's colour/shape/size/position" in table
-    assert "student@3 1.00/0.00/1.00/1.00" in table
+    head = "| column | shown | colour | shape | size | position | clear | spread / teacher@4 |"
+    assert head in table and "| student@3 | 0.00 | 1.00 | 0.00 | 1.00 | 1.00 | 1.00 | " in table
+    assert viewer.LEGEND in table
     ev._write(result, stream.grid, tmp_path)
     saved = json.loads((tmp_path / "eval.json").read_text())
     cols = {c["name"]: c for c in saved["columns"]}
@@ -210,4 +218,4 @@ def test_prompts_outside_the_grammar_leave_the_viewer_columns_out(tmp_path: Path
         )
         result = ev._run(stream, settings)
     assert all(c.viewer is None for c in result.columns)
-    assert "prompt shown" not in result.table() and "shown" not in result.per_record[0]
+    assert viewer.LEGEND not in result.table() and "shown" not in result.per_record[0]

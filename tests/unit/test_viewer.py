@@ -41,7 +41,7 @@ def test_every_rendered_pattern_of_the_grammar_is_read_back_exactly() -> None:
 
 
 def test_a_pattern_rendered_at_another_resolution_is_read_in_the_teachers_units() -> None:
-    prompt = "a big green ring on the left"
+    prompt = "a green column on the left"
     (reading,) = viewer.read(trained.synthetic_pattern(prompt, hw=(16, 16))[None])
     assert viewer.judge(reading, prompt) == dict.fromkeys(viewer.ATTRIBUTES, True)
     assert abs(reading.centre[0] - trained.POSITIONS["on the left"][0]) < 0.2
@@ -57,16 +57,15 @@ def test_noise_on_all_channels_and_brightness_leave_the_reading_unchanged() -> N
 
 
 def test_jittered_training_samples_are_read_as_their_prompt() -> None:
-    """The teacher's own training data: every colour, shape and position right, sizes nearly
-    (the size jitter reaches the midpoint between two sizes)."""
+    """The teacher's own training data: the jitter stays inside the gaps between sizes and
+    positions, so every sample reads as its prompt (the ceiling a teacher can reach)."""
     specs = trained._grammar()
     idx, latents = trained._training_batch(specs, 240, torch.Generator().manual_seed(0))
     tally = viewer.Tally()
     tally.add([specs[i].text for i in idx], {"data": latents})
     score = tally.scores("data")["data"]
-    assert score.colour == 1.0 and score.shape == 1.0 and score.clear == 1.0
-    assert score.position >= 0.95 and score.size >= 0.85 and score.all >= 0.85
-    assert score.spread_ratio == 1.0
+    assert (score.all, score.clear, score.spread_ratio) == (1.0, 1.0, 1.0)
+    assert 0.2 < score.spread < 0.6  # +-0.4 px of position jitter (RMS 0.33 over two axes)
 
 
 def test_a_blurred_sampler_scores_low_and_a_collapsed_one_has_no_spread() -> None:
@@ -77,9 +76,9 @@ def test_a_blurred_sampler_scores_low_and_a_collapsed_one_has_no_spread() -> Non
     tally = viewer.Tally()
     tally.add(prompts, {"data": data, "mean": means, "blurred": _blurred(means, 1.0)})
     scores = tally.scores("data")
+    assert scores["data"].all == 1.0
     assert scores["mean"].all == 1.0 and scores["mean"].spread_ratio < 0.2
-    assert scores["blurred"].all < 0.5 * scores["data"].all
-    assert scores["blurred"].shape < 0.8 and scores["blurred"].size < 0.7
+    assert scores["blurred"].all < 0.5
 
 
 def test_prompts_outside_the_grammar_turn_the_viewer_off() -> None:
@@ -90,7 +89,7 @@ def test_prompts_outside_the_grammar_turn_the_viewer_off() -> None:
 
 
 def test_per_record_marks_say_which_attributes_each_sample_shows() -> None:
-    prompts = ["a red circle", "a small blue square at the top"]
-    latents = _patterns(["a red circle", "a small blue ring at the top"])
+    prompts = ["a red circle", "a small blue bar at the top"]
+    latents = _patterns(["a red circle", "a small blue column at the top"])
     rows = viewer.Tally().add(prompts, {"student@4": latents})
     assert rows == [{"student@4": [1, 1, 1, 1]}, {"student@4": [1, 0, 1, 1]}]

@@ -156,9 +156,6 @@ class EvalResult:
             head.append("image PSNR (dB)")
         if self.teacher_curve:
             head.append("~ teacher steps")
-        shown = any(c.viewer is not None for c in self.columns)
-        if shown:
-            head += ["prompt shown", f"spread / teacher@{n}"]
         rows = [head]
         for c in self.columns:
             row = [
@@ -174,8 +171,6 @@ class EvalResult:
                 row.append("-" if c.image_psnr is None else f"{c.image_psnr:.2f}")
             if self.teacher_curve:
                 row.append(c.equivalent or "-")
-            if shown:
-                row += _shown(c.viewer)
             rows.append(row)
         return rows
 
@@ -205,16 +200,21 @@ class EvalResult:
             lines.append(
                 f"The step-imitating baseline at {k} steps: ratio {self.baseline_r_k:.3f}."
             )
-        lines += _viewer_notes(self.columns)
         lines.append(f"Student output-matching loss at the recorded steps: {self.step_loss:.5f}.")
         lines.extend(f"Warning: {w}" for w in self.warnings)
         return lines
 
+    def viewer_rows(self) -> list[list[str]]:
+        """What a viewer sees, per column (header first); [] when no column was judged."""
+        scores = [(c.name, c.viewer) for c in self.columns]
+        return viewer.table_rows(scores, self.teacher_steps)
+
     def table(self) -> str:
-        """eval.md: one row per column (a markdown table), then what R_K says."""
-        rows = self.rows()
-        rows.insert(1, ["---"] * len(rows[0]))
-        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        """eval.md: one row per column (a markdown table), then what R_K says, then what a
+        viewer sees (a second table) where the prompts are the trained teacher's."""
+        lines = _markdown(self.rows())
+        if seen := self.viewer_rows():
+            lines += ["", *_markdown(seen), "", viewer.LEGEND]
         return "\n".join([*lines, "", *self.notes()])
 
     def console_table(self) -> Any:
@@ -231,45 +231,29 @@ class EvalResult:
             table.add_column("image PSNR")
         if self.teacher_curve:
             table.add_column("~ teacher")
-        if any(c.viewer is not None for c in self.columns):
-            table.add_column("shown")
-            table.add_column("spread")
         table.columns[0].no_wrap = True  # the column names are what a reader looks for
         for row in rows:
+            if self.teacher_curve:  # '@5.5' under '~ teacher': 'teacher@5.5' is cut at 80 columns
+                row[-1] = row[-1].replace("teacher@", "@")
             table.add_row(*row)
         legend = (
             f"fwd: transformer forwards per sample; ratio: MSE / MSE(teacher@{k}); "
             "PSNR of latents (images where a VAE decoded them)."
         )
-        if any(c.viewer is not None for c in self.columns):
-            legend += (
-                " shown: share of samples showing the prompt's colour, shape, size and position;"
-                f" spread: their scatter / teacher@{n}'s."
-            )
-        return Group(table, Text(legend), *(Text(line) for line in self.notes()))
+        parts: list[Any] = [table, Text(legend)]
+        if seen := self.viewer_rows():
+            head, *rows = seen
+            second = Table(*head, show_lines=False)
+            second.columns[0].no_wrap = True
+            for row in rows:
+                second.add_row(*row)
+            parts += [second, Text(viewer.LEGEND)]
+        return Group(*parts, *(Text(line) for line in self.notes()))
 
 
-def _shown(score: viewer.Score | None) -> list[str]:
-    if score is None:
-        return ["-", "-"]
-    ratio = "-" if score.spread_ratio is None else f"{score.spread_ratio:.2f}"
-    return [f"{score.all:.2f}", ratio]
-
-
-def _viewer_notes(columns: list[Column]) -> list[str]:
-    """One sentence: each column's share per attribute (the detail behind 'prompt shown')."""
-    judged = [c for c in columns if c.viewer is not None]
-    if not judged:
-        return []
-    parts = [
-        f"{c.name} {c.viewer.colour:.2f}/{c.viewer.shape:.2f}/{c.viewer.size:.2f}/"
-        f"{c.viewer.position:.2f}"
-        for c in judged
-    ]
-    return [
-        "What a viewer sees (read off each sample by the known renderer, no model), share of "
-        "samples with the prompt's colour/shape/size/position: " + ", ".join(parts) + "."
-    ]
+def _markdown(rows: list[list[str]]) -> list[str]:
+    rows = [rows[0], ["---"] * len(rows[0]), *rows[1:]]
+    return ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def _seconds(c: Column) -> str:

@@ -50,6 +50,12 @@ from wandistill.teacher.trained import (
 )
 
 ATTRIBUTES = ("colour", "shape", "size", "position")
+LEGEND = (
+    "shown: share of samples with the prompt's colour, shape, size and position (read off each "
+    "sample by the known renderer, no model); then each one alone; spread: how far samples "
+    "scatter around their prompt's centre and size, over the reference's (near 0: collapsed "
+    "to a mean)."
+)
 CLEAR_FIT = 0.8
 """A template must explain this share of a sample's colour energy for its shape and size to be
 named (a rendered pattern: 1.0; measured on teacher samples: docs/benchmarks.md)."""
@@ -151,18 +157,65 @@ def read(latents_BCFHW: torch.Tensor) -> list[Reading]:
         rgb = (f_NP[j] @ p_P3 / ff_N[j]).tolist()
         energy = float(p_P3.square().sum())
         fit = 1.0 - resid / energy if energy > 0 else 0.0
-        out.append(_name(rgb, int(shape), (cx / scale, cy / scale), r / scale, fit))
+        size = _size(p_P3, f_NP[j] @ p_P3 / ff_N[j], int(shape), (cx, cy), hw)
+        out.append(_name(rgb, int(shape), (cx / scale, cy / scale), r / scale, fit, size))
     return out
 
 
+def _size(
+    p_P3: torch.Tensor, rgb_3: torch.Tensor, shape: int, centre: tuple[float, float], hw: tuple
+) -> str:
+    """The grammar size whose template (this shape, this centre, clipped by the frame) is as
+    long as the sample at half its peak (`half_peak_extent`), nearest in log length.
+
+    Why not the fitted radius: a sampler's edges are softer than the renderer's, and a least
+    squares template fit widens to take in the soft rim (measured on teacher samples: +15% radius
+    on default-sized circles), while the half-maximum contour of a symmetric blur stays on the
+    edge, as the renderer's own mask is 0.5 on it. Why length, not area: a bar is one or two
+    pixels thick on an 8x8 frame, so its area jumps with how its edges meet the pixel rows,
+    while its length does not."""
+    h, w = hw
+    level_1HW = (p_P3 @ rgb_3 / rgb_3.square().sum().clamp_min(1e-9)).reshape(1, h, w)
+    seen = float(half_peak_extent(level_1HW, SHAPES[shape])[0])
+    names = list(SIZES)
+    radii = torch.tensor([SIZES[n] for n in names]) * world_scale(hw)
+    masks = shape_masks(
+        torch.full((len(names),), shape), torch.tensor([centre]).expand(len(names), 2), radii, hw
+    )
+    lengths = half_peak_extent(masks, SHAPES[shape]).tolist()
+    ratio = [abs(math.log(max(seen, 0.1) / max(n, 0.1))) for n in lengths]
+    return names[ratio.index(min(ratio))]
+
+
+def half_peak_extent(level_BHW: torch.Tensor, shape: str) -> torch.Tensor:
+    """Each image's length at half its peak along the shape's long axis (a bar's rows, a
+    column's columns, both for a round shape, averaged), in pixels: the longest line's count of
+    pixels, each counted softly (0 at a quarter of the peak, 1 at three quarters, linearly
+    between) so that lengths between pixel centres still differ, and a template and a sample
+    are measured alike (each against its own peak: a thin shape peaks below 1)."""
+    peak = level_BHW.amax(dim=(1, 2), keepdim=True).clamp_min(1e-9)
+    on = ((level_BHW / peak - 0.25) / 0.5).clamp(0.0, 1.0)
+    along_x, along_y = on.sum(dim=2).amax(dim=1), on.sum(dim=1).amax(dim=1)
+    if shape == "bar":
+        return along_x
+    if shape == "column":
+        return along_y
+    return (along_x + along_y) / 2
+
+
 def _name(
-    rgb: list[float], shape: int, centre: tuple[float, float], radius: float, fit: float
+    rgb: list[float],
+    shape: int,
+    centre: tuple[float, float],
+    radius: float,
+    fit: float,
+    size: str,
 ) -> Reading:
     clear = fit >= CLEAR_FIT
     return Reading(
         colour=nearest_colour(rgb),
         shape=SHAPES[shape] if clear else None,
-        size=nearest_size(radius) if clear else None,
+        size=size if clear else None,
         position=min(POSITIONS, key=lambda k: math.dist(POSITIONS[k], centre)),
         rgb=(rgb[0], rgb[1], rgb[2]),
         centre=centre,
@@ -177,13 +230,18 @@ def nearest_size(radius: float) -> str:
 
 
 def nearest_colour(rgb: list[float] | tuple[float, ...]) -> str:
-    """The grammar colour nearest `rgb` at the best brightness in the training range."""
+    """The grammar colour nearest `rgb` at the best brightness for it: at least the training
+    data's lowest, and no more than its highest for gray alone.
+
+    Why no upper bound for the others: guidance makes a teacher overshoot (CFG 5 draws colours
+    at 1.3-2x their training brightness), and a hue does not change with it; gray is a dimmer
+    white, so for gray and white brightness is the whole difference."""
     lo, hi = BRIGHTNESS
 
     def distance(name: str) -> float:
         c = COLOURS[name]
-        cc = sum(v * v for v in c)
-        k = min(max(sum(a * b for a, b in zip(rgb, c, strict=True)) / cc, lo), hi)
+        k = sum(a * b for a, b in zip(rgb, c, strict=True)) / sum(v * v for v in c)
+        k = min(max(k, lo), hi) if name == "gray" else max(k, lo)
         return sum((a - k * b) ** 2 for a, b in zip(rgb, c, strict=True))
 
     return min(COLOURS, key=distance)
@@ -279,3 +337,17 @@ class Tally:
             for s in out.values():
                 s.spread_ratio = s.spread / ref.spread
         return out
+
+
+def table_rows(columns: list[tuple[str, Score | None]], n: int) -> list[list[str]]:
+    """eval's second table: a header, then one row per judged column; [] if none was judged."""
+    judged = [(name, s) for name, s in columns if s is not None]
+    if not judged:
+        return []
+    head = ["column", "shown", *ATTRIBUTES, "clear", f"spread / teacher@{n}"]
+    rows = [head]
+    for name, s in judged:
+        ratio = "-" if s.spread_ratio is None else f"{s.spread_ratio:.2f}"
+        shares = [s.all, s.colour, s.shape, s.size, s.position, s.clear]
+        rows.append([name, *(f"{v:.2f}" for v in shares), ratio])
+    return rows
