@@ -682,8 +682,9 @@ def _run(stream: Stream, settings: dict[str, Any]) -> EvalResult:
             c.seconds_per_sample = sums[c.name].seconds / count
         if stream.decoder is not None:
             c.image_psnr = sums[c.name].image_psnr / count
+    seen = tally.scores(names[1])
     for c in columns:
-        c.viewer = tally.scores(names[1]).get(c.name)
+        c.viewer = seen.get(c.name)
     result = _summary(columns, count, n, loss / count, per_record)
     _place_on_curve(result, {s: m / count for s, m in sorted(curve_sums.items())})
     return result

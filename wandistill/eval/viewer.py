@@ -1,4 +1,4 @@
-"""What a viewer sees: read colour, shape, size and position off a trained-teacher sample, no model.
+"""What a viewer sees: colour, shape, size and position read off a trained-teacher sample.
 
 Why: R_K and equivalent steps reward per-sample agreement with the teacher, and say nothing of
 whether a sample shows what its prompt asks, nor whether a student collapsed to a blurred mean
@@ -7,24 +7,29 @@ rendered by a known function, so a sample can be read back exactly, with no lear
 
 1. **Unmix.** The latent is `mixing_matrix() @ (2 rgb mask - 1, x, y)` per pixel. The known
    backdrop (x, y) is subtracted and the RGB solved by least squares over all 16 channels (the
-   13 mixed channels average out noise that channels 0-2 alone would keep): `colour_BP3`, the
-   colour times the mask at each pixel, 0 on the black background.
+   13 mixed channels average out noise that channels 0-2 alone would keep): per pixel, the
+   colour times the mask, 0 on the black background (`unmix`).
 2. **Fit.** Every candidate template of `shape_masks` (each shape, a grid of centres and radii,
    then a finer grid around the best) is fitted to that image by least squares with a free RGB:
-   the residual is ``|p|^2 - |T.p|^2 / |T|^2``. The best template gives shape, centre and radius;
-   its fitted RGB the colour. `fit` is the share of the image's energy it explains.
-3. **Name.** Colour: the nearest grammar colour at any brightness the training data uses (gray
-   is a darker white: brightness decides it). Size: the nearest grammar radius in log scale
-   (size jitter is a factor). Position: the nearest grammar offset. Shape: the template's.
-   Shape and size are only named when the fit is `clear` (explains >= `CLEAR_FIT` of the image):
-   a blurred blob shows a colour and a place, not a shape or a size a viewer could name.
+   the residual is ``|p|^2 - |T.p|^2 / |T|^2``. The best template gives shape and centre; its
+   fitted RGB the colour. `fit` is the share of the image's energy it explains.
+3. **Name.** Colour: the nearest grammar colour at any brightness from the training data's
+   lowest up (guidance over-brightens; gray is a dimmer white, so for gray brightness decides).
+   Size: the grammar size whose template is as long at half its peak as the sample (a soft
+   edge widens a least-squares fit, not the half-peak contour). Position: the nearest grammar
+   offset to the centre. Shape: the template's. Shape and size are only named when the fit is
+   `clear` (explains >= `CLEAR_FIT` of the image).
+
+On rendered patterns the reading is exact; a blurred sample loses its size, shape and colour
+(tests/unit/test_viewer.py). Measured on the trained teacher: docs/benchmarks.md, "Trained tiny
+teacher".
 
 `Tally` keeps the shares per eval column (all four attributes, each one, clear) and the
 **spread**: the RMS distance of each sample's (centre, radius) from its prompt's un-jittered
 values, in latent pixels of the teacher's frame. Every prompt's samples scatter around those
 values the same way in training, so this is the spread across seeds of one prompt, measured with
 one seed per prompt; `spread_ratio` divides it by the reference column's (teacher@N). A student
-that returns each prompt's mean scores a spread ratio near 0 (and, blurred, few clear shapes).
+that returns each prompt's mean scores a spread ratio near 0.
 """
 
 from __future__ import annotations
