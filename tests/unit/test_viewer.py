@@ -93,3 +93,13 @@ def test_per_record_marks_say_which_attributes_each_sample_shows() -> None:
     latents = _patterns(["a red circle", "a small blue column at the top"])
     rows = viewer.Tally().add(prompts, {"student@4": latents})
     assert rows == [{"student@4": [1, 1, 1, 1]}, {"student@4": [1, 0, 1, 1]}]
+
+
+def test_a_non_finite_sample_shows_nothing_and_stays_out_of_the_spread() -> None:
+    latents = _patterns(["a red circle", "a red circle"])
+    latents[1, 0, 0, 0, 0] = float("nan")
+    tally = viewer.Tally()
+    rows = tally.add(["a red circle"] * 2, {"x": latents})
+    assert rows == [{"x": [1, 1, 1, 1]}, {"x": [0, 0, 0, 0]}]
+    score = tally.scores("x")["x"]
+    assert score.all == 0.5 and score.position == 0.5 and score.spread < 0.1

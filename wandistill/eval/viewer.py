@@ -94,6 +94,10 @@ class Reading:
         return self.shape is not None
 
 
+NOTHING = Reading("", None, None, "-", (math.nan,) * 3, (math.nan, math.nan), math.nan, 0.0)
+"""The reading of a sample with non-finite values: no attribute, and left out of the spread."""
+
+
 def unmix(latents_BCFHW: torch.Tensor) -> torch.Tensor:
     """[B, 16, 1, H, W] latents -> [B, H*W, 3]: colour x mask per pixel (0 on the background)."""
     b, c, _, h, w = latents_BCFHW.shape
@@ -154,6 +158,9 @@ def read(latents_BCFHW: torch.Tensor) -> list[Reading]:
     params, t_NP, tt_N = _coarse(hw)
     out = []
     for p_P3 in unmix(latents_BCFHW):
+        if not bool(torch.isfinite(p_P3).all()):  # a diverged sampler shows nothing
+            out.append(NOTHING)
+            continue
         i, _ = _best(p_P3, t_NP, tt_N)
         fine = _refine(params[i], hw)
         f_NP, ff_N = _templates(fine, hw)
@@ -313,7 +320,7 @@ class Tally:
             self.active = False
             return rows
         for name, latents in finals.items():
-            keys = (*ATTRIBUTES, "all", "clear", "sq", "n")
+            keys = (*ATTRIBUTES, "all", "clear", "sq", "n", "finite")
             c = self.counts.setdefault(name, dict.fromkeys(keys, 0))
             for row, reading, prompt in zip(rows, read(latents), prompts, strict=True):
                 ok = judge(reading, prompt)
@@ -321,7 +328,9 @@ class Tally:
                     c[a] += ok[a]
                 c["all"] += all(ok.values())
                 c["clear"] += reading.clear
-                c["sq"] += deviation(reading, prompt)
+                if reading is not NOTHING:
+                    c["sq"] += deviation(reading, prompt)
+                    c["finite"] += 1
                 c["n"] += 1
                 row[name] = [int(ok[a]) for a in ATTRIBUTES]
         return rows
@@ -333,7 +342,7 @@ class Tally:
         out = {
             name: Score(
                 **{k: c[k] / c["n"] for k in ("all", *ATTRIBUTES, "clear")},
-                spread=math.sqrt(c["sq"] / c["n"]),
+                spread=math.sqrt(c["sq"] / max(c["finite"], 1)),
             )
             for name, c in self.counts.items()
         }
