@@ -267,20 +267,30 @@ def speed(work: Path, run: Path, teacher: Path, prompts: list[str]) -> dict[str,
     return out
 
 
+def _acc(column: dict[str, Any] | None) -> str:
+    view = (column or {}).get("viewer") or {}
+    return f"{view['all']:.2f}" if "all" in view else "-"
+
+
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per run: R_K, equivalent teacher steps and, where eval's viewer judged the samples
+    (the trained teacher's world), the share showing all four attributes and the spread ratio."""
     lines = [
         "| K | objective | R_K student | baseline@K ratio | student MSE | teacher@K MSE | "
-        "student s/sample | teacher@K s/sample | student ~ teacher steps |",
+        "student ~ teacher steps | accuracy student / teacher@K / teacher@N | spread ratio |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         cols = {c["name"]: c for c in r["columns"]}
         k = r["num_inference_steps"]
         st, tk = cols[f"student@{k}"], next(c for c in r["columns"] if c["role"] == "teacher")
+        tn = cols.get(f"teacher@{r['teacher_steps']}")
+        spread = (st.get("viewer") or {}).get("spread_ratio")
         lines.append(
             f"| {k} | {name.split('-', 1)[1]} | {r['r_k']:.3f} | {r['baseline_r_k']:.3f} | "
-            f"{st['latent_mse']:.4f} | {tk['latent_mse']:.4f} | {st['seconds_per_sample']:.4f} | "
-            f"{tk['seconds_per_sample']:.4f} | {st.get('equivalent') or '-'} |"
+            f"{st['latent_mse']:.4f} | {tk['latent_mse']:.4f} | {st.get('equivalent') or '-'} | "
+            f"{_acc(st)} / {_acc(tk)} / {_acc(tn)} | "
+            f"{'-' if spread is None else f'{spread:.2f}'} |"
         )
     return lines
 
