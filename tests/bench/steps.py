@@ -189,29 +189,6 @@ def train_one(work: Path, name: str, teacher: Path, extra: list[str], sets: list
     return out
 
 
-def train_halving(
-    work: Path, name: str, teacher: Path, k: int, extra: list[str], sets: list[str], total: int
-) -> Path:
-    """Progressive halving from cached pairs (Salimans & Ho 2022): successive perflow runs at
-    K = N/2, N/4, ... down to `k`, each started from the previous stage's student, the `total`
-    train steps split evenly over the stages (the same budget as one run). With every teacher
-    step cached, a stage's 2-step jump target is the cached pair: perflow's window at that K."""
-    from wandistill.config import load_recipe
-
-    n = load_recipe(RECIPE).precompute.sampler.num_inference_steps
-    stages = [n // 2**i for i in range(1, n.bit_length()) if n // 2**i >= k]
-    per = max(1, total // len(stages))
-    kept = [s for s in sets if not s.startswith("train.steps=")] + [f"train.steps={per}"]
-    prev = None
-    for stage in stages:
-        more = [f"student.num_inference_steps={stage}", *OBJECTIVES["perflow"], *extra]
-        if prev is not None:
-            more.append(f'student.init_from_teacher.path="{prev / "student"}"')
-        prev = train_one(work, f"{name}-s{stage}", teacher, more, kept)
-    assert prev is not None
-    return prev
-
-
 def evaluate_one(work: Path, run: Path, teacher: Path, baseline: Path) -> dict[str, Any]:
     from wandistill.eval.run import evaluate
     from wandistill.student.folders import read_run
@@ -300,7 +277,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/wandistill-bench-steps"))
     p.add_argument("--ks", default="1,2,4")
     p.add_argument(
-        "--objectives", default="perflow,unroll,reflow", help=f"of {','.join(OBJECTIVES)},halving"
+        "--objectives", default="perflow,unroll,reflow", help=f"of {','.join(OBJECTIVES)}"
     )
     p.add_argument("--depths", default="full", help="comma list of " + ",".join(DEPTHS))
     p.add_argument("--eval-prompts", type=int, default=32)
@@ -316,8 +293,6 @@ def main() -> None:
         help="trajectories per training prompt (each repeat of a prompt line gets its own noise)",
     )
     args = p.parse_args()
-    from wandistill.config import load_recipe
-
     print(f"# {' '.join(sys.argv)}\n# {machine()}", flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
     sets = list(args.sets) + ([f"train.steps={args.train_steps}"] if args.train_steps else [])
@@ -339,12 +314,8 @@ def main() -> None:
         for k in (int(x) for x in args.ks.split(",")):
             for obj in args.objectives.split(","):
                 name = f"k{k}-{obj}" + ("" if depth == "full" else f"-{depth}")
-                if obj == "halving":
-                    total = args.train_steps or load_recipe(RECIPE).train.steps
-                    run = train_halving(args.work, name, teacher, k, DEPTHS[depth], sets, total)
-                else:
-                    extra = [f"student.num_inference_steps={k}", *OBJECTIVES[obj], *DEPTHS[depth]]
-                    run = train_one(args.work, name, teacher, extra, sets)
+                extra = [f"student.num_inference_steps={k}", *OBJECTIVES[obj], *DEPTHS[depth]]
+                run = train_one(args.work, name, teacher, extra, sets)
                 results[name] = evaluate_one(args.work, run, teacher, baseline)
                 runs[name] = run
     for line in table(results):

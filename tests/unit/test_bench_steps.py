@@ -46,30 +46,6 @@ def test_a_rerun_with_other_train_steps_trains_a_new_student_and_the_same_settin
     assert other not in (short, longer) and len(trained) == 3
 
 
-def test_halving_trains_k_8_4_2_each_from_the_previous_student_on_one_runs_budget(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import wandistill.train as train_pkg
-
-    write_cache(tmp_path / "cache-train", range(4))
-    (tmp_path / "train.jsonl").write_text('{"prompt": "a red cat", "seed": 0}\n')
-    trained: list[Any] = []
-
-    def fake_train(cfg: Any, resume: bool = False) -> None:
-        trained.append(cfg)
-        Path(cfg.out).mkdir()
-        (Path(cfg.out) / "sampling.json").write_text("{}")
-
-    monkeypatch.setattr(train_pkg, "run", fake_train)
-    last = bench.train_halving(tmp_path, "k2-halving", tmp_path / "t", 2, [], [], 400)
-    assert [c.student.num_inference_steps for c in trained] == [8, 4, 2]  # N = 16 in the recipe
-    assert [c.steps for c in trained] == [133, 133, 133]
-    assert all(c.loss.perflow == 1.0 and c.loss.reflow == 0.0 for c in trained)
-    inits = [c.student.init_from_teacher.path for c in trained]
-    assert inits == [str(tmp_path / "t"), f"{trained[0].out}/student", f"{trained[1].out}/student"]
-    assert Path(trained[-1].out) == last
-
-
 def test_the_table_reports_equivalent_steps_viewer_accuracy_and_spread() -> None:
     def col(name: str, role: str, mse: float, acc: float | None, **more: Any) -> dict[str, Any]:
         view = None if acc is None else {"all": acc, "spread_ratio": 0.9}
