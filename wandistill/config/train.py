@@ -188,6 +188,11 @@ class LossConfig:
     unroll_checkpoint: bool = True
     """Make each unrolled step an activation checkpoint: hold K latents instead of K steps'
     activations, for one more forward per step (the lever when a large K does not fit)."""
+    perflow: float = num(0.0, ge=0, le=1e6)
+    """Weight of piecewise reflow (PeRFlow, Yan et al. 2024; `wandistill.student.perflow`): at
+    the recorded x_t of each student step k, the student's velocity matches the straight one
+    across the window to the cached point at the student's next sigma (the final latent after the
+    last): (x_k - x_(k+1)) / (sigma_k - sigma_(k+1)). Needs the K student steps recorded."""
     consistency_target_decay: float = num(0.95, ge=0, lt=1)
     """EMA decay of the consistency target network (updated after every optimizer step; 0 makes
     the target a stop-gradient copy of the current student). 0.95 as in Song et al. 2023 (CD)."""
@@ -202,6 +207,7 @@ class LossConfig:
             "consistency": self.consistency,
             "reflow": self.reflow,
             "unroll": self.unroll,
+            "perflow": self.perflow,
         }
 
     @property
@@ -220,7 +226,8 @@ class LossConfig:
     @property
     def few_step(self) -> bool:
         """Does any weighted objective train a K-step student (first-order sampler)."""
-        return self.trajectory > 0 or self.consistency > 0 or self.reflow > 0 or self.unroll > 0
+        few = ("trajectory", "consistency", "reflow", "unroll", "perflow")
+        return any(self.weights()[name] > 0 for name in few)
 
     def __post_init__(self) -> None:
         _problems(
