@@ -166,6 +166,7 @@ class TrainingReader:
         fields: tuple[str, ...] | list[str] = DEFAULT_FIELDS,
         slots: list[int] | None = None,
         with_next: bool = False,
+        next_slots: Sequence[int] | None = None,
         follow: bool = False,
         poll_interval: float = 1.0,
         follow_timeout: float | None = None,
@@ -209,6 +210,9 @@ class TrainingReader:
         if not self.slots or not all(0 <= s < self.num_slots for s in self.slots):
             raise UsageError(f"slots={slots} must be recorded-step slots in [0, {self.num_slots})")
         self.with_next = with_next
+        self.next_slots = list(next_slots) if next_slots is not None else None
+        """with_next: slot -> the slot read as the next point (default slot + 1; num_slots or
+        more: the final latent); perflow's window ends."""
         self.follow = follow
         self.poll_interval = poll_interval
         self.follow_timeout = follow_timeout
@@ -686,8 +690,9 @@ class TrainingReader:
         """The next point of this sample's trajectory: the next recorded step's x_t and t, or
         after the last recorded step the final latent (in x_t's dtype) at t = 0."""
         store = self._store_of(entry)
-        if slot + 1 < self.num_slots:
-            nxt = store.read_sample(entry, row, slot + 1, ["xt", "timesteps"], pad=False)
+        ahead = self.next_slots[slot] if self.next_slots is not None else slot + 1
+        if ahead < self.num_slots:
+            nxt = store.read_sample(entry, row, ahead, ["xt", "timesteps"], pad=False)
             xt, t, final = nxt["xt"], nxt["timesteps"], False
         else:
             both = store.read_sample(entry, row, slot, ["xt", "final_latent"], pad=False)

@@ -65,6 +65,7 @@ from wandistill.student.config import (
     width,
 )
 from wandistill.student.export import LINKED
+from wandistill.student.init import init_problems
 from wandistill.student.losses import (
     SigmaTable,
     consistency_target,
@@ -268,6 +269,7 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     tconf = manifest.teacher.get("transformer_config") or {}
     student_config = resolve_student_config(cfg.student, tconf, manifest.dims)
     problems = check_against_cache(student_config, manifest.dims, primary)
+    problems += init_problems(cfg.student.init_from_teacher, student_config, tconf)
     if cfg.student.lora.enabled:
         problems += lora.plan_problems(cfg.student, student_config, tconf)
     cached = {f["name"] for f in manifest.fields}
@@ -473,6 +475,7 @@ def build_reader(
         fields=plan.fields,
         slots=plan.objectives.slots,
         with_next=plan.objectives.needs_next,
+        next_slots=plan.objectives.next_slots(),
         follow=follow,
         poll_interval=cfg.follow_poll_interval,
         follow_timeout=cfg.follow_timeout or None,
@@ -844,8 +847,21 @@ def forward(
                 t.target.module, on, embeds, sigma_next, masks["consistency"]
             )
         unrolled = _unroll(t, on, embeds, masks["unroll"]) if loss.unroll > 0 else None
-    terms = distill_losses(pred, feats, on, loss, sigma, masks, target_x0, reflow_x0, unrolled)
+        perflow_v = _perflow(t, on) if loss.perflow > 0 else None
+    terms = distill_losses(
+        pred, feats, on, loss, sigma, masks, target_x0, reflow_x0, unrolled, perflow_v
+    )
     return terms, {n: m.sum() for n, m in masks.items()}
+
+
+def _perflow(t: Trainer, on: dict[str, Any]) -> torch.Tensor:
+    """[B, ...] the straight velocity across each sample's window (`student.perflow`)."""
+    from wandistill.student.perflow import window_velocity
+
+    ends = t.plan.objectives.next_slots()
+    sigma_end = t.sigmas.next(on["step_slot"], on["timesteps_next"], ends)
+    sigma = t.sigmas(on["step_slot"], on["timesteps"])
+    return window_velocity(on["xt"], on["xt_next"], sigma, sigma_end)
 
 
 def _unroll(
