@@ -42,7 +42,7 @@ from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
 from wandistill.checks.finite import check_step, check_weights
 from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
-from wandistill.io import outputs
+from wandistill.io import folderkind, outputs
 from wandistill.io.fsutil import atomic_write_json
 from wandistill.io.storage import describe as location
 from wandistill.io.storage import open_storage
@@ -506,9 +506,9 @@ def run_meta(cfg: TrainConfig, plan: Plan, info: dist.DistInfo) -> dict[str, Any
 def write_run_settings(out: Path, settings: dict[str, Any]) -> None:
     """run.json; a legacy run's config.json (same content, older name) goes once it is written,
     so `from_pretrained(out)` never mistakes the run folder for a model folder."""
-    atomic_write_json(out / outputs.RUN_SETTINGS, settings)
-    legacy = out / outputs.LEGACY_RUN_SETTINGS
-    if outputs.is_run_settings(legacy):
+    atomic_write_json(out / folderkind.RUN_SETTINGS, settings)
+    legacy = out / folderkind.LEGACY_RUN_SETTINGS
+    if folderkind.is_run_settings(legacy):
         legacy.unlink()
 
 
