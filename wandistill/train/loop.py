@@ -847,20 +847,21 @@ def forward(
                 t.target.module, on, embeds, sigma_next, masks["consistency"]
             )
         unrolled = _unroll(t, on, embeds, masks["unroll"]) if loss.unroll > 0 else None
-        perflow_v = _perflow(t, on) if loss.perflow > 0 else None
+        perflow_v = _perflow(t, on, sigma) if loss.perflow > 0 else None
     terms = distill_losses(
         pred, feats, on, loss, sigma, masks, target_x0, reflow_x0, unrolled, perflow_v
     )
     return terms, {n: m.sum() for n, m in masks.items()}
 
 
-def _perflow(t: Trainer, on: dict[str, Any]) -> torch.Tensor:
-    """[B, ...] the straight velocity across each sample's window (`student.perflow`)."""
+def _perflow(t: Trainer, on: dict[str, Any], sigma: torch.Tensor | None) -> torch.Tensor:
+    """[B, ...] the straight velocity across each sample's window (`student.perflow`), from
+    each sample's own sigma (`forward` has it: perflow is an x0 term) to its window end's."""
     from wandistill.student.perflow import window_velocity
 
+    assert sigma is not None
     ends = t.plan.objectives.next_slots()
     sigma_end = t.sigmas.next(on["step_slot"], on["timesteps_next"], ends)
-    sigma = t.sigmas(on["step_slot"], on["timesteps"])
     return window_velocity(on["xt"], on["xt_next"], sigma, sigma_end)
 
 
