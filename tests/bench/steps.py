@@ -39,7 +39,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import machine_line
 
 RECIPE = "tiny-fewstep"
 OBJECTIVES = {
@@ -75,15 +75,6 @@ DEPTHS = {
     "half": ["student.num_layers=1", "student.init_from_teacher.blocks=[0]"],
 }
 """Student depth: the teacher's 2 blocks, or 1 block started from the teacher's first."""
-
-
-def machine() -> str:
-    load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
-    return (
-        f"{platform.node()}: {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} torch threads, load average {load}, "
-        f"python {platform.python_version()}, torch {torch.__version__}"
-    )
 
 
 def grammar() -> list[str]:
@@ -293,7 +284,8 @@ def main() -> None:
         help="trajectories per training prompt (each repeat of a prompt line gets its own noise)",
     )
     args = p.parse_args()
-    print(f"# {' '.join(sys.argv)}\n# {machine()}", flush=True)
+    threads = f"{torch.get_num_threads()} torch threads"
+    print(f"# {' '.join(sys.argv)}\n# {machine_line()}, {threads}", flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
     sets = list(args.sets) + ([f"train.steps={args.train_steps}"] if args.train_steps else [])
     t0 = time.perf_counter()
