@@ -150,6 +150,28 @@ def _local_sync(names: list[str], complete: bool) -> tuple[list[str], bool]:
     return names, complete
 
 
+def _open_caches(
+    cache: str | Path | CacheReader | Sequence[str | Path | CacheReader],
+    weights: Sequence[float],
+    follow: bool,
+) -> tuple[list[CacheReader], list[float]]:
+    """The caches a reader draws from, opened and checked to agree (one header, no key in two),
+    with their checked sampling weights."""
+    caches = list(cache) if isinstance(cache, list | tuple) else [cache]
+    stores = [c if isinstance(c, CacheReader) else CacheReader(c) for c in caches]
+    checked = check_weights(list(weights), len(stores))
+    if checked and follow:
+        raise UsageError(
+            "train.cache_weights cannot be used with --follow (a cache still being written "
+            "has no size to take a share of)",
+            fix="drop train.cache_weights, or train without --follow once precompute is done",
+        )
+    if len(stores) > 1:
+        check_compatible(stores)
+        check_unique_keys(stores)
+    return stores, checked
+
+
 class TrainingReader:
     """Iterate per-rank batches of (record, step) samples; see the module docstring."""
 
@@ -183,20 +205,9 @@ class TrainingReader:
                 f"bad reader layout: batch_size={batch_size}, grad_accum={grad_accum}, "
                 f"rank={rank}, world_size={world_size}"
             )
-        caches = list(cache) if isinstance(cache, list | tuple) else [cache]
-        self.stores = [c if isinstance(c, CacheReader) else CacheReader(c) for c in caches]
+        self.stores, self.weights = _open_caches(cache, weights, follow)
         self.store = self.stores[0]
         """The first cache: the manifest every cache agrees with (cache/multi.py)."""
-        self.weights = check_weights(list(weights), len(self.stores))
-        if self.weights and follow:
-            raise UsageError(
-                "train.cache_weights cannot be used with --follow (a cache still being written "
-                "has no size to take a share of)",
-                fix="drop train.cache_weights, or train without --follow once precompute is done",
-            )
-        if len(self.stores) > 1:
-            check_compatible(self.stores)
-            check_unique_keys(self.stores)
         self._owner: dict[int, int] = {}
         """id(shard entry) -> index of the cache it belongs to (set as spaces are built)."""
         self.batch_size = batch_size
