@@ -25,7 +25,13 @@ BACKENDS = ("webdataset", "zarr")
 RECIPE = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 """Strict: no "1" -> 1 beyond what TOML and `--set` literals mean (an int still fills a float);
 unknown keys are refused; NaN and inf never reach a range check."""
-RANGE_ERRORS = {"finite_number", "greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+RANGE_ERRORS = {
+    "finite_number",
+    "greater_than",
+    "greater_than_equal",
+    "less_than",
+    "less_than_equal",
+}
 TYPE_NAMES = {
     "int_type": "int",
     "float_type": "float",
@@ -115,7 +121,10 @@ def unknown_key(key: str, valid: list[str], where: str) -> tuple[str, str]:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     prefix = where + "." if where else ""
     if close:
-        return f"unknown key {name!r}: did you mean {prefix}{close[0]}?", f"spell it {prefix}{close[0]}"
+        return (
+            f"unknown key {name!r}: did you mean {prefix}{close[0]}?",
+            f"spell it {prefix}{close[0]}",
+        )
     return (
         f"unknown key {name!r}: valid keys here: {', '.join(valid)}",
         f"use one of the keys of [{where or 'the recipe'}] listed above",

@@ -96,7 +96,9 @@ class SamplerConfig:
     record_every: Annotated[int, Range(ge=0, le=1000)] = 0
     """Also record every n-th step (0, n, 2n, ...); 0: off. `record_every = 4` of 16 steps
     records what a 4-step student needs (the steps its schedule visits) when 4 divides 16."""
-    record_for_student_steps: list[Annotated[int, Range(ge=1, le=1000)]] = field(default_factory=list)
+    record_for_student_steps: list[Annotated[int, Range(ge=1, le=1000)]] = field(
+        default_factory=list
+    )
     """Also record the teacher steps a K-step student is trained at (trajectory objective), for
     each K listed, e.g. [1, 2, 4]: the steps where the student's K-step schedule meets the
     teacher's N-step one (every N/K-th step for Wan's UniPC flow schedule; K must land on it)."""
