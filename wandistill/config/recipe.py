@@ -1,8 +1,9 @@
 """Loading a recipe: strict TOML into the typed sections, `--set` overrides, shipped recipes.
 
-Loading is strict: an unknown key is an error naming the closest valid key, and a value of the
-wrong type is an error naming the key, the value and the type it needs. Overrides are applied to
-the raw TOML before validation, so they are checked the same way.
+Loading is strict (pydantic, `config.common.section`): an unknown key is an error naming the
+closest valid key, and a value of the wrong type is an error naming the key, the value and the
+type it needs. Overrides are applied to the raw TOML before validation, so they are checked the
+same way.
 """
 
 from __future__ import annotations
