@@ -25,21 +25,8 @@ BACKENDS = ("webdataset", "zarr")
 RECIPE = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 """Strict: no "1" -> 1 beyond what TOML and `--set` literals mean (an int still fills a float);
 unknown keys are refused; NaN and inf never reach a range check."""
-RANGE_ERRORS = {
-    "finite_number",
-    "greater_than",
-    "greater_than_equal",
-    "less_than",
-    "less_than_equal",
-}
-TYPE_NAMES = {
-    "int_type": "int",
-    "float_type": "float",
-    "string_type": "str",
-    "bool_type": "bool",
-    "list_type": "a list",
-    "dict_type": "a table",
-}
+TYPE_NAMES = {"int_type": "int", "float_type": "float", "string_type": "str", "bool_type": "bool"}
+TYPE_NAMES |= {"list_type": "a list", "dict_type": "a table"}
 RANGE_FIX = "set each named key to a value in its allowed range"
 
 
@@ -54,9 +41,8 @@ def section(name: str) -> Callable[[type[T]], type[T]]:
         made: Any = pydantic.dataclasses.dataclass(config=RECIPE, kw_only=True, slots=True)(cls)
 
         def __init__(self: Any, **values: Any) -> None:
-            validate_into(self, values, name)
+            build(type(self), values, name, self)
 
-        __init__.__qualname__ = f"{made.__qualname__}.__init__"
         made.__init__ = __init__
         made.section_name = name
         return typing.cast(type[T], made)
@@ -64,20 +50,10 @@ def section(name: str) -> Callable[[type[T]], type[T]]:
     return wrap
 
 
-def is_section(tp: Any) -> bool:
-    """Is `tp` a recipe table (a class made by `section`), not a value that is a dataclass."""
-    return isinstance(tp, type) and hasattr(tp, "section_name")
-
-
-def build(cls: type[T], values: dict[str, Any], where: str) -> T:
-    """`cls(**values)`, with type errors naming keys by their full path `where` (the loader)."""
-    obj = cls.__new__(cls)
-    validate_into(obj, values, where)
-    return obj
-
-
-def validate_into(obj: Any, values: dict[str, Any], where: str) -> None:
-    cls = type(obj)
+def build(cls: type[T], values: dict[str, Any], where: str, obj: Any = None) -> T:
+    """`cls(**values)` into `obj` (a new one when None), naming keys by their path `where` (the
+    loader passes the full path; a direct call the section's name). Raises one ConfigError."""
+    obj = cls.__new__(cls) if obj is None else obj
     try:
         cls.__pydantic_validator__.validate_python(ArgsKwargs((), values), self_instance=obj)
     except ValidationError as e:
@@ -87,6 +63,7 @@ def validate_into(obj: Any, values: dict[str, Any], where: str) -> None:
             lines.setdefault(message, fix)
         fix = next((f for f in lines.values() if f), None)
         raise ConfigError("; ".join(lines), fix=fix) from None
+    return obj
 
 
 def _line(err: Any, cls: Any, where: str, values: dict[str, Any]) -> tuple[str, str | None]:
@@ -104,8 +81,11 @@ def _line(err: Any, cls: Any, where: str, values: dict[str, Any]) -> tuple[str, 
         return f"{path}={values.get(key)!r} must be {need}", None
     rest = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
     huge = kind == "float_type" and type(value) is int  # an int past float's range
-    if (kind in RANGE_ERRORS or huge) and (rng := range_of(cls, key)) is not None:
+    ranged = kind == "finite_number" or kind.startswith(("greater_than", "less_than"))
+    if (ranged or huge) and (rng := range_of(cls, key)) is not None:
         at = (f"{cls.section_name}.{key}" if cls.section_name else key) + rest
+        if float in (tp, *typing.get_args(tp)) and type(value) is int and abs(value) < 1 << 63:
+            value = float(value)  # shown as the float the field holds: lr=-1.0
         return rng.problem(at, value) or f"{at}={value!r}: {err['msg']}", RANGE_FIX
     if kind in TYPE_NAMES:
         need = TYPE_NAMES[kind]

@@ -136,10 +136,6 @@ class SamplerConfig:
                 f"sampler.record_steps={self.record_steps} has duplicates",
             ),
             (
-                self.record_every >= 0,
-                f"sampler.record_every={self.record_every} must be >= 0 (0: off)",
-            ),
-            (
                 all(0 < k <= self.num_inference_steps for k in self.record_for_student_steps),
                 f"sampler.record_for_student_steps={self.record_for_student_steps}: each K must "
                 f"lie in [1, num_inference_steps={self.num_inference_steps}] (a student takes at "

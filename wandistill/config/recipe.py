@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from wandistill.checks.validate import MiB, read_capped
-from wandistill.config.common import build, is_section, section, unknown_key
+from wandistill.config.common import build, section, unknown_key
 from wandistill.config.precompute import PrecomputeConfig
 from wandistill.config.train import TrainConfig
 from wandistill.errors import ConfigError
@@ -51,7 +51,7 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     hints = typing.get_type_hints(cls)
     values = dict(data)
     for key, value in data.items():
-        if not is_section(tp := hints.get(key)):
+        if not hasattr(tp := hints.get(key), "section_name"):
             continue
         name = f"{where}.{key}" if where else key
         if not isinstance(value, dict):
@@ -123,7 +123,7 @@ def apply_override(data: dict[str, Any], assignment: str, stage: str | None = No
         if i == len(parts) - 1:
             node[part] = _parse_value(text.strip())
             return
-        if not is_section(tp):
+        if not hasattr(tp, "section_name"):
             raise ConfigError(f"--set {dotted}: {'.'.join(parts[: i + 1])} is not a section")
         node = node.setdefault(part, {})
         cls = tp

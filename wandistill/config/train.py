@@ -111,10 +111,6 @@ class StudentConfig:
                 "(Wan's RoPE splits each head over frames, height and width)",
             ),
             (
-                self.num_inference_steps is None or self.num_inference_steps > 0,
-                f"student.num_inference_steps={self.num_inference_steps} must be positive",
-            ),
-            (
                 self.num_layers is None or len(self.init_from_teacher.blocks) <= self.num_layers,
                 f"student.init_from_teacher.blocks lists {len(self.init_from_teacher.blocks)} "
                 f"blocks but the student has num_layers={self.num_layers}",
