@@ -266,7 +266,7 @@ class Online(_Source):
             expand_timesteps=bool(s.get("expand_timesteps", False)),
             record_steps=tuple(self.steps),
             features=(),
-            latent_shape=tuple(store.manifest.dims["latent_shape"]),
+            latent_shape=tuple(store.manifest.dims.latent_shape),
             max_sequence_length=self.msl,
         )
         self.sampler = RecordingSampler(pipe.scheduler, spec)

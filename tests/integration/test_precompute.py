@@ -164,7 +164,7 @@ def test_manifest_records_sampler_settings_and_shared_schedule(
     assert s["cfg_formula"] == "uncond + g * (cond - uncond)" and s["guidance_scale"] == 5.0
     assert s["boundary_ratio"] == 0.875 and s["record_steps"] == [0, 2, 5]
     assert s["scheduler"] == "UniPCMultistepScheduler" and s["num_inference_steps"] == 6
-    assert m.dims["text_dim"] == 32 and m.dims["latent_shape"] == [16, 1, 4, 4]
+    assert m.dims.text_dim == 32 and m.dims.latent_shape == [16, 1, 4, 4]
     assert "feature.blocks.1" in [f["name"] for f in m.fields]
     with open_cache(tmp_path / "c") as store:
         shared = store.read_shared()

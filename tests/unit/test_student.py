@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from wandistill.cache.files import SettingsBlock
 from wandistill.config import StudentConfig, TeacherInitConfig
 from wandistill.errors import UsageError
 from wandistill.student import (
@@ -79,7 +80,8 @@ def test_x0_and_sigma_match_the_teachers_unipc_scheduler() -> None:
     sched.set_timesteps(8)
     recorded = [0, 3, 7]
     table = SigmaTable.from_cache(
-        {"record_steps": recorded}, {"sigmas": sched.sigmas.float(), "timesteps": sched.timesteps}
+        SettingsBlock(record_steps=recorded),
+        {"sigmas": sched.sigmas.float(), "timesteps": sched.timesteps},
     )
     ts = sched.timesteps[recorded].float()
     sigma = table(torch.arange(3), ts)
