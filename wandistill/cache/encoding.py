@@ -31,7 +31,7 @@ from wandistill.cache.contract import (
     Record,
     is_step_field,
 )
-from wandistill.cache.files import FieldSpec
+from wandistill.cache.files import FieldSpec, RecordMeta
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
@@ -136,7 +136,7 @@ class RecordCodec:
                 out[name], out[SCALE_PREFIX + name] = fp8_encode(t, per_step=is_step_field(name))
             else:
                 out[name] = t.to(DTYPE_BY_NAME[want].torch)
-        return Record.from_parts(record.meta(), out)
+        return Record.from_parts(RecordMeta.model_construct(**record.meta()), out)
 
     def wanted(self, names: list[str]) -> list[str]:
         """The stored tensors to read for these fields (a scaled field brings its scale)."""
@@ -165,4 +165,5 @@ class RecordCodec:
     def decode_record(self, record: Record) -> Record:
         if self.identity:
             return record
-        return Record.from_parts(record.meta(), self.decode(record.tensors()))
+        meta = RecordMeta.model_construct(**record.meta())
+        return Record.from_parts(meta, self.decode(record.tensors()))

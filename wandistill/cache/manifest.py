@@ -230,7 +230,7 @@ Source = tuple[str, str, Entries[Any], int]
 
 def _committed(cache: str | Path, manifest: Manifest, memo: CommitMemo | None) -> list[Source]:
     """Where each committed entry is: the manifest's, then journal entries not folded in."""
-    seen = set(manifest.shards.names())
+    seen = set(manifest.shards.validate_all().names())
     mpath = manifest_name(cache)
     sources = [(mpath, MANIFEST_NAME, manifest.shards, i) for i in range(len(manifest.shards))]
     for j in journal_segments(cache, manifest.backend, memo):
