@@ -2,7 +2,7 @@
 
 trained tiny teacher (trained once, then reused: `wandistill.teacher.trained`) -> prompts of its
 grammar (written if absent) -> precompute with the teacher's N = 16 steps and CFG (skips what the
-cache has) -> train a K = 4 student with the recipe's objective (reflow; resumes from the latest
+cache has) -> train a K = 4 student with the recipe's objective (perflow; resumes from the latest
 checkpoint) -> train a step-imitating baseline with the same student and budget ->
 `wandistill eval` on the held-out prompts: student@4 beside teacher@4 and baseline@4/@16, R_4 ->
 a table, `grid.png` (noise | teacher@16 | teacher@4 | student@4 | baseline@4 | baseline@16),
@@ -22,8 +22,9 @@ from wandistill import plots
 from wandistill.config import LossConfig, TrainConfig, load_recipe
 from wandistill.eval.run import EvalResult
 
-PROMPTS = 480
-"""Prompts drawn from the trained teacher's grammar (every one of them, shuffled)."""
+PROMPTS = 240
+"""Prompts drawn from the trained teacher's grammar (every one of them, shuffled; a test checks
+that this is the grammar's size)."""
 TEACHER_SEED = 0
 
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import MiB, machine_line, max_rss_bytes  # tests/bench, next to this script
 
 REPO = Path(__file__).parents[2]
 DEMO_HELD_OUT = 26
@@ -40,7 +40,7 @@ def child(cache: Path, run: Path, out: Path, records: int) -> dict:
     return {
         "records": result.records,
         "seconds": time.perf_counter() - t0,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": max_rss_bytes() / MiB,
         "latent_mse": result.latent_mse,
     }
 
@@ -108,8 +108,7 @@ def main() -> None:
         cache, run, out, records = args.child
         print(json.dumps(child(Path(cache), Path(run), Path(out) / "eval", int(records))))
         return
-    py = platform.python_version()
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, Python {py}")
+    print(machine_line())
     with tempfile.TemporaryDirectory(prefix="wandistill-evalmem-") as tmp:
         work = args.work or Path(tmp)
         cache, run = (

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import machine_line  # tests/bench, next to this script
 
 from wandistill.cache.contract import Record, field_specs, record_key
 from wandistill.cache.encoding import STORE_DTYPES, Encoding
@@ -182,7 +182,7 @@ def main() -> None:
     torch.set_num_threads(1)
     results = {name: write(args.out, name, args.records) for name in LAYOUTS}
     naive = results[next(iter(LAYOUTS))]
-    print(f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}")
+    print(machine_line())
     print(
         f"\n| layout | bytes/record at {'x'.join(map(str, SHAPE))} | x naive | 480p | x naive "
         "| 720p | x naive |"

@@ -5,6 +5,7 @@ figures from two benches could not be put side by side (issue 26, item 8). `gpu.
 of it; the older benches can move here one at a time.
 
 * `environment()`: host, cores, load, versions, git commit, and each visible GPU;
+  `machine_line()`: the same as the one line a bench prints above its table;
 * `Peak`: a thread sampling this process's RSS (anonymous and file-backed) and, on CUDA, the
   device's used memory (total - free, which counts the CUDA context the allocator's figures
   leave out), every 5 ms; the maxima above the figures at the start;
@@ -78,6 +79,16 @@ def environment() -> dict[str, Any]:
     else:
         env["gpus"] = []
     return env
+
+
+def machine_line() -> str:
+    """`environment()` as the one `machine:` line a bench prints above its table."""
+    env = environment()
+    gpus = ", ".join(g["name"] for g in env["gpus"]) or "no GPU"
+    return (
+        f"machine: {env['host']}, {env['cpus']} cpus, load {env['load_average'][0]}, "
+        f"python {env['python']}, torch {env['torch']}, commit {env['commit']}, {gpus}"
+    )
 
 
 def proc_status() -> dict[str, int]:

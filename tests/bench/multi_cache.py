@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from harness import environment, machine_line, paired_ratios  # noqa: E402  (tests/bench)
 
 from wandistill.cache.training import TrainingReader  # noqa: E402
 from wandistill.config import load_recipe  # noqa: E402
@@ -129,11 +129,10 @@ def main() -> None:
                 )
     result: dict[str, Any] = {
         "args": vars(args) | {"json": str(args.json) if args.json else None},
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        "machine": environment(),
     }
     for what, by in legs.items():
-        ratios = [s / o for s, o in zip(by["several"], by["one"], strict=True)]
+        ratios = paired_ratios(by["several"], by["one"])
         result[what] = {
             "one_per_s": statistics.median(by["one"]),
             "several_per_s": statistics.median(by["several"]),
@@ -148,7 +147,7 @@ def main() -> None:
             f"{got['several_per_s']:.2f}/s; ratio median {got['ratio_median']:.3f} "
             f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {args.rounds} rounds)"
         )
-    print(result["machine"])
+    print(machine_line())
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

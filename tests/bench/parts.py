@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import machine_line  # tests/bench, next to this script
 
 REPO = Path(__file__).parents[2]
 
@@ -69,9 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     from wandistill.teacher.tiny import make_tiny_teacher
 
-    print(
-        f"machine: {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}"
-    )
+    print(machine_line())
     with tempfile.TemporaryDirectory(prefix="wandistill-parts-") as tmp:
         work = Path(tmp)
         teacher = make_tiny_teacher(work / "teacher")

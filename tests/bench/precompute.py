@@ -14,8 +14,6 @@ Targets (issue 3): (b)/(a) >= 1.5x on CPU with the tiny teacher; writing overhea
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -23,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness import machine_line  # tests/bench, next to this script
 
 
 def naive(
@@ -136,10 +135,7 @@ def main() -> None:
                 legs[name] = min(legs.get(name, float("inf")), t)
                 shutil.rmtree(target, ignore_errors=True)
         print(f"# {' '.join(sys.argv)}")
-        print(
-            f"# {platform.node()} {os.cpu_count()} cpus, python {platform.python_version()}, "
-            f"torch {torch.__version__}, threads {torch.get_num_threads()}"
-        )
+        print(f"# {machine_line()}, threads {torch.get_num_threads()}")
         print(
             f"# {args.prompts} prompts, {args.steps} steps, batch {args.batch_size}, "
             f"{args.height}x{args.width}x1, best of {args.repeats}"

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 from cache_io import prefault  # tests/bench, next to this script
+from harness import bootstrap_interval
 
 from wandistill.cache.background import BackgroundWriter as _BACKGROUND
 
@@ -170,16 +171,6 @@ def write_baseline(records: list, out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def bootstrap_interval(ratios: list[float], n: int = 10_000) -> tuple[float, float]:
-    """95% bootstrap interval of the median of per-round ratios, minus 1 (an overhead)."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = np.asarray(ratios)
-    medians = np.median(rng.choice(x, size=(n, len(x)), replace=True), axis=1)
-    return float(np.quantile(medians, 0.025)) - 1, float(np.quantile(medians, 0.975)) - 1
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=16)
@@ -309,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
 
         each = ", ".join(f"{n} {100 * paired_median(n):+.1f}%" for n in compared)
         print(f"  (paired: median over rounds of leg / null sink of the same round: {each})")
-        lo, hi = bootstrap_interval(paired("background"))
+        lo, hi = (x - 1 for x in bootstrap_interval(paired("background")))  # an overhead
         print(f"  (background, paired median's bootstrap 95% interval: {lo:+.1%} to {hi:+.1%})")
         ratio = legs["safetensors_fsync"] / legs["cache_writer"]
         print(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -29,6 +28,8 @@ import torch
 
 REPO = Path(__file__).parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from harness import environment  # noqa: E402  (tests/bench)
 
 from wandistill.cache import CacheWriter, Record, record_key  # noqa: E402
 from wandistill.cache.contract import field_specs  # noqa: E402
@@ -131,9 +132,7 @@ def main() -> None:
             leg("s3 -> local (download)", remote, Path(tmp) / "m3", total),
         ]
     meta = {
-        "machine": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        "machine": environment(),
         "backend": a.backend,
         "caches": a.caches,
         "records_per_cache": a.records,

@@ -39,7 +39,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import machine_line
 
 RECIPE = "tiny-fewstep"
 OBJECTIVES = {
@@ -56,16 +56,25 @@ OBJECTIVES = {
     "trajreflow": ["loss.trajectory=1.0", "loss.consistency=0.0", "loss.reflow=1.0"],
     "both": ["loss.trajectory=1.0", "loss.consistency=0.5", "loss.reflow=0.0"],
     "unroll": ["loss.trajectory=0.0", "loss.consistency=0.0", "loss.reflow=0.0", "loss.unroll=1.0"],
+    "perflow": [
+        "loss.trajectory=0.0",
+        "loss.consistency=0.0",
+        "loss.reflow=0.0",
+        "loss.perflow=1.0",
+    ],
+    "perflowunroll": [
+        "loss.trajectory=0.0",
+        "loss.consistency=0.0",
+        "loss.reflow=0.0",
+        "loss.perflow=1.0",
+        "loss.unroll=1.0",
+    ],
 }
-
-
-def machine() -> str:
-    load = " ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
-    return (
-        f"{platform.node()}: {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} torch threads, load average {load}, "
-        f"python {platform.python_version()}, torch {torch.__version__}"
-    )
+DEPTHS = {
+    "full": [],
+    "half": ["student.num_layers=1", "student.init_from_teacher.blocks=[0]"],
+}
+"""Student depth: the teacher's 2 blocks, or 1 block started from the teacher's first."""
 
 
 def grammar() -> list[str]:
@@ -226,20 +235,30 @@ def speed(work: Path, run: Path, teacher: Path, prompts: list[str]) -> dict[str,
     return out
 
 
+def _acc(column: dict[str, Any] | None) -> str:
+    view = (column or {}).get("viewer") or {}
+    return f"{view['all']:.2f}" if "all" in view else "-"
+
+
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per run: R_K, equivalent teacher steps and, where eval's viewer judged the samples
+    (the trained teacher's world), the share showing all four attributes and the spread ratio."""
     lines = [
         "| K | objective | R_K student | baseline@K ratio | student MSE | teacher@K MSE | "
-        "student s/sample | teacher@K s/sample | student ~ teacher steps |",
+        "student ~ teacher steps | accuracy student / teacher@K / teacher@N | spread ratio |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         cols = {c["name"]: c for c in r["columns"]}
         k = r["num_inference_steps"]
         st, tk = cols[f"student@{k}"], next(c for c in r["columns"] if c["role"] == "teacher")
+        tn = cols.get(f"teacher@{r['teacher_steps']}")
+        spread = (st.get("viewer") or {}).get("spread_ratio")
         lines.append(
             f"| {k} | {name.split('-', 1)[1]} | {r['r_k']:.3f} | {r['baseline_r_k']:.3f} | "
-            f"{st['latent_mse']:.4f} | {tk['latent_mse']:.4f} | {st['seconds_per_sample']:.4f} | "
-            f"{tk['seconds_per_sample']:.4f} | {st.get('equivalent') or '-'} |"
+            f"{st['latent_mse']:.4f} | {tk['latent_mse']:.4f} | {st.get('equivalent') or '-'} | "
+            f"{_acc(st)} / {_acc(tk)} / {_acc(tn)} | "
+            f"{'-' if spread is None else f'{spread:.2f}'} |"
         )
     return lines
 
@@ -248,7 +267,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=Path("/tmp/wandistill-bench-steps"))
     p.add_argument("--ks", default="1,2,4")
-    p.add_argument("--objectives", default="reflow,trajectory,consistency,both")
+    p.add_argument(
+        "--objectives", default="perflow,unroll,reflow", help=f"of {','.join(OBJECTIVES)}"
+    )
+    p.add_argument("--depths", default="full", help="comma list of " + ",".join(DEPTHS))
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--train-steps", type=int, default=None, help="default: the recipe's")
     p.add_argument("--set", dest="sets", action="append", default=[], help="recipe override")
@@ -262,7 +284,8 @@ def main() -> None:
         help="trajectories per training prompt (each repeat of a prompt line gets its own noise)",
     )
     args = p.parse_args()
-    print(f"# {' '.join(sys.argv)}\n# {machine()}", flush=True)
+    threads = f"{torch.get_num_threads()} torch threads"
+    print(f"# {' '.join(sys.argv)}\n# {machine_line()}, {threads}", flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
     sets = list(args.sets) + ([f"train.steps={args.train_steps}"] if args.train_steps else [])
     t0 = time.perf_counter()
@@ -279,12 +302,14 @@ def main() -> None:
     baseline = train_one(args.work, "baseline", teacher, ["loss.output=1.0"], sets)
     results: dict[str, dict[str, Any]] = {}
     runs: dict[str, Path] = {}
-    for k in (int(x) for x in args.ks.split(",")):
-        for obj in args.objectives.split(","):
-            extra = [f"student.num_inference_steps={k}", *OBJECTIVES[obj]]
-            run = train_one(args.work, f"k{k}-{obj}", teacher, extra, sets)
-            results[f"k{k}-{obj}"] = evaluate_one(args.work, run, teacher, baseline)
-            runs[f"k{k}-{obj}"] = run
+    for depth in args.depths.split(","):
+        for k in (int(x) for x in args.ks.split(",")):
+            for obj in args.objectives.split(","):
+                name = f"k{k}-{obj}" + ("" if depth == "full" else f"-{depth}")
+                extra = [f"student.num_inference_steps={k}", *OBJECTIVES[obj], *DEPTHS[depth]]
+                run = train_one(args.work, name, teacher, extra, sets)
+                results[name] = evaluate_one(args.work, run, teacher, baseline)
+                runs[name] = run
     for line in table(results):
         print(line)
     best = min(

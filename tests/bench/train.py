@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import max_rss_bytes  # tests/bench, next to this script
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "pipelines" / "tiny.toml"
@@ -355,11 +356,6 @@ def rss_now() -> int:
     return 0
 
 
-def peak_rss() -> int:
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024
-
-
 def run_loop(cfg: Any, make_source: Callable[[Any], _Source] | None) -> dict[str, Any]:
     """`wandistill.train.run(cfg)` when make_source is None; else the same validate -> setup ->
     fit -> export with the trainer's TrainingReader swapped for another batch source."""
@@ -435,7 +431,7 @@ def child(spec_path: Path) -> None:
         "leg": leg,
         "rows": read_metrics(cfg.out),
         "rss_baseline": rss0,
-        "rss_peak": peak_rss(),
+        "rss_peak": max_rss_bytes(),
         "threads": torch.get_num_threads(),
         **extra,
     }

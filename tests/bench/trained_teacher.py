@@ -14,8 +14,11 @@
    - few-step degradation: latent MSE(teacher@K, teacher@16) and MSE(teacher@K, teacher@32);
    - conditioning, on the 16-step samples: the share of samples nearer (latent MSE) to their own
      prompt's `synthetic_pattern` than to every other sampled prompt's; and, for the nearest of
-     all 480 grammar patterns, the share that agrees with the prompt on colour, shape, size and
-     position; the same scores for jittered training samples of those prompts are the ceiling.
+     the grammar's 240 patterns, the share that agrees with the prompt on colour, shape, size and
+     position; the same scores for jittered training samples of those prompts are the ceiling;
+   - what a viewer sees (`wandistill.eval.viewer`, the model-free reader of the known renderer),
+     at every K: the share of samples showing all four attributes of their prompt, each one, and
+     the spread ratio to teacher@16 (also for the jittered training samples: the ceiling).
 3. Writes a PNG of the first 8 prompts (rows) at each K and the ground-truth pattern (columns):
    latent channels 0-2 as RGB, each latent pixel 8x8, at --guidance.
 
@@ -28,7 +31,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -39,8 +41,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from harness import atomic_write_text, environment
 from PIL import Image, ImageDraw
 
+from wandistill.eval import viewer
 from wandistill.teacher.decode import save_png
 from wandistill.teacher.trained import (
     TRAINED_SAMPLER,
@@ -110,12 +114,30 @@ def nearest_share(latents: torch.Tensor, prompts: list[str], candidates: list[st
     return hits / len(prompts)
 
 
+def seen(runs: dict[int, torch.Tensor], prompts: list[str]) -> dict[str, dict[str, float]]:
+    """The viewer's shares per K (spread ratio against K = 16)."""
+    tally = viewer.Tally()
+    tally.add(prompts, {str(k): runs[k] for k in runs})
+    fields = ("all", "colour", "shape", "size", "position", "clear", "spread_ratio")
+    return {
+        k: {f: round(getattr(s, f) or 0.0, 3) for f in fields}
+        for k, s in tally.scores("16").items()
+    }
+
+
 def data_ceiling(prompts: list[str]) -> dict[str, float]:
     """The same scores for jittered training samples of the same prompts (4 per prompt): what a
     teacher that samples its training distribution exactly would score."""
     specs = [parse_prompt(p) for p in prompts]
     idx, latents = _training_batch(specs, 4 * len(specs), torch.Generator().manual_seed(0))
-    return conditioning(latents, [prompts[i] for i in idx])
+    out: dict[str, Any] = conditioning(latents, [prompts[i] for i in idx])
+    tally = viewer.Tally()
+    tally.add([prompts[i] for i in idx], {"data": latents})
+    score = tally.scores("data")["data"]
+    out["viewer"] = {
+        f: round(getattr(score, f), 3) for f in ("all", "colour", "shape", "size", "position")
+    }
+    return out
 
 
 def evaluate(folder: Path, prompts: list[str]) -> dict[str, Any]:
@@ -135,6 +157,7 @@ def evaluate(folder: Path, prompts: list[str]) -> dict[str, Any]:
             "mse_vs_16": mse(16),
             "mse_vs_32": mse(32),
             "conditioning_16": conditioning(runs[16], prompts),
+            "viewer": seen(runs, prompts),
             "runs": runs,
         }
     return result
@@ -189,10 +212,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
+    env = environment()
     print(
-        f"# vm {os.cpu_count()} cpus, {platform.processor() or platform.machine()}, python "
-        f"{platform.python_version()}, torch {torch.__version__}, load {os.getloadavg()[0]:.1f}",
-        file=sys.stderr,
+        f"# {env['cpus']} cpus, load {env['load_average']}, torch {env['torch']}", file=sys.stderr
     )
     prompts = synthetic_prompts(args.prompts, seed=1000)
     with tempfile.TemporaryDirectory() as tmp:
@@ -207,6 +229,7 @@ def main() -> None:
         return {g: {k: v for k, v in d.items() if k != "runs"} for g, d in r.items()}
 
     report = {
+        "environment": env,
         "builds": builds,
         "settings": meta["settings"],
         "final_loss": meta["final_loss"],
@@ -218,7 +241,7 @@ def main() -> None:
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:
-        args.json.write_text(text + "\n")
+        atomic_write_text(args.json, text + "\n")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ print(json.dumps({
     "table": model.table[0].item(),
     "head_grad": model[1].weight.grad[0].tolist(),
 }))
+td.barrier()  # both ranks done before either tears gloo down (as train's export does)
 td.destroy_process_group()
 """
 

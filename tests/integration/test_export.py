@@ -313,6 +313,7 @@ def test_reflow_alone_trains_from_noise_and_final_latent_with_one_forward_per_sa
         (["loss.consistency=1.0"], "consistency pairs every teacher step with the next one"),
         (["loss.trajectory=1.0", "student.num_inference_steps=4"], "did not record [1, 3]"),
         (["student.num_inference_steps=4"], "is more than the 2 steps the cache recorded"),
+        (["loss.perflow=1.0", "student.num_inference_steps=4"], "perflow trains the 4-step"),
     ],
 )
 def test_train_refuses_objectives_the_cache_cannot_serve_before_writing_anything(
@@ -329,6 +330,47 @@ def test_train_refuses_objectives_the_cache_cannot_serve_before_writing_anything
     assert code == 2 and message in err and "Traceback" not in err, err
     assert err.count("error:") == 1 and ("choose K" in err or "re-run precompute" in err), err
     assert not (tmp_path / "run").exists()
+
+
+def test_perflow_trains_from_a_cache_of_the_students_steps_alone(
+    tmp_path: Path, world: dict[str, Path]
+) -> None:
+    """K = 2 on a cache of every 2nd step: perflow's windows [0 -> 2 -> final latent] are all
+    there; no teacher forward, the term falls."""
+    objective = "perflow"
+    weights = ["loss.output=0.0", "loss.final_latent=0.0", f"loss.{objective}=1.0"]
+    out = tmp_path / "run"
+    _train([s for s in TRAIN if not s.startswith("loss.")] + weights, world["sparse"], out)
+    assert json.loads((out / "sampling.json").read_text())["objectives"][objective] == [0, 2]
+    rows = [r for r in read_metrics(out) if "loss" in r]
+    assert all(r[f"loss_{objective}"] == r["loss"] for r in rows)
+    assert rows[-1][f"loss_{objective}"] < rows[0][f"loss_{objective}"]
+
+
+def test_a_student_depth_the_teachers_blocks_cannot_initialise_is_refused_before_writing(
+    tmp_path: Path, world: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["train", "--cache", str(world["sparse"]), "--out", str(tmp_path / "run")]
+    teacher = world["teacher_wan21"]
+    for s in (
+        "student.num_layers=1",
+        "student.ffn_dim=32",  # the teacher's width: only the block index is wrong
+        f'student.init_from_teacher.path="{teacher}"',
+        "student.init_from_teacher.blocks=[2]",
+    ):
+        args += ["--set", s]
+    code, _, err = _cli(capsys, *args)
+    assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert "names teacher block(s) [2], but the teacher has 2 (0..1)" in err
+    assert not (tmp_path / "run").exists()
+    # Half the teacher's depth from its first block trains (the bench's `half` student).
+    half = tmp_path / "half"
+    sets = [s for s in TRAIN if s not in ("steps=24", "checkpoint_every=24")]
+    sets += ["steps=4", "checkpoint_every=4", "student.num_layers=1", "student.ffn_dim=32"]
+    sets += [f'student.init_from_teacher.path="{teacher}"', "student.init_from_teacher.blocks=[0]"]
+    _train(sets + ["loss.consistency=0.0"], world["sparse"], half)
+    config = json.loads((half / "student" / "config.json").read_text())
+    assert config["num_layers"] == 1
 
 
 def test_dry_runs_show_the_recorded_steps_each_objective_uses(

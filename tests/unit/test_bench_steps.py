@@ -44,3 +44,25 @@ def test_a_rerun_with_other_train_steps_trains_a_new_student_and_the_same_settin
     (tmp_path / "train.jsonl").write_text('{"prompt": "a red cat", "seed": 1}\n')
     other = bench.train_one(tmp_path, "k4-reflow", teacher, extra, ["train.steps=400"])
     assert other not in (short, longer) and len(trained) == 3
+
+
+def test_the_table_reports_equivalent_steps_viewer_accuracy_and_spread() -> None:
+    def col(name: str, role: str, mse: float, acc: float | None, **more: Any) -> dict[str, Any]:
+        view = None if acc is None else {"all": acc, "spread_ratio": 0.9}
+        return {"name": name, "role": role, "latent_mse": mse, "viewer": view, **more}
+
+    result = {
+        "num_inference_steps": 4,
+        "teacher_steps": 16,
+        "r_k": 0.4,
+        "baseline_r_k": 1.2,
+        "columns": [
+            col("teacher@16", "reference", 0.0, 0.93),
+            col("teacher@4", "teacher", 0.03, 0.8),
+            col("student@4", "student", 0.012, 0.85, equivalent="teacher@6"),
+        ],
+    }
+    (row,) = bench.table({"k4-perflow": result})[2:]
+    assert row == (
+        "| 4 | perflow | 0.400 | 1.200 | 0.0120 | 0.0300 | teacher@6 | 0.85 / 0.80 / 0.93 | 0.90 |"
+    )

@@ -26,7 +26,7 @@ from wandistill.cache.reader import open_cache
 from wandistill.cache.training import TrainingReader
 from wandistill.cli import main
 from wandistill.errors import UsageError
-from wandistill.io import outputs, storage
+from wandistill.io import lease, outputs, storage, storage_errors
 from wandistill.runtime import waiting
 
 from cachefixtures import make_record, write_cache
@@ -143,7 +143,7 @@ def test_a_live_writer_holds_an_s3_cache_and_a_second_claim_names_it(s3: dict[st
     "holder",
     [
         {"host": socket.gethostname(), "pid": 2**22 + 7, "heartbeat": time.time()},  # killed
-        {"host": "elsewhere", "pid": 1, "heartbeat": time.time() - 2 * storage.LOCK_LEASE_S},
+        {"host": "elsewhere", "pid": 1, "heartbeat": time.time() - 2 * lease.LOCK_LEASE_S},
     ],
     ids=["dead-pid-on-this-host", "heartbeat-past-its-lease"],
 )
@@ -163,8 +163,8 @@ def test_a_dead_writers_lock_and_temp_objects_are_taken_over(
         folder.release()
 
 
-def _lock(root: str, host: str) -> storage.LeaseLock:
-    return storage.LeaseLock(storage.FsspecStorage(f"s3://{root}"), outputs.LOCK, {"host": host})
+def _lock(root: str, host: str) -> lease.LeaseLock:
+    return lease.LeaseLock(storage.FsspecStorage(f"s3://{root}"), outputs.LOCK, {"host": host})
 
 
 def test_two_runs_taking_over_one_stale_lock_at_once_end_with_one_holder(
@@ -173,7 +173,7 @@ def test_two_runs_taking_over_one_stale_lock_at_once_end_with_one_holder(
     """B read the stale lock before A took it over; B's delete (of A's fresh lock) and create
     land while A settles. A yields to B, and B's lock is left alone."""
     root = f"{BUCKET}/race"
-    stale = {"host": "gone", "pid": 1, "heartbeat": time.time() - 2 * storage.LOCK_LEASE_S}
+    stale = {"host": "gone", "pid": 1, "heartbeat": time.time() - 2 * lease.LOCK_LEASE_S}
     _fs().pipe_file(f"{root}/{outputs.LOCK}", json.dumps(stale).encode())
     a, b = _lock(root, "a"), _lock(root, "b")
 
@@ -191,7 +191,7 @@ def test_a_holder_whose_lock_was_taken_over_neither_beats_over_it_nor_deletes_it
     s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = f"{BUCKET}/taken"
-    monkeypatch.setattr(storage, "LOCK_SETTLE_S", 0.0)
+    monkeypatch.setattr(lease, "LOCK_SETTLE_S", 0.0)
     a, b = _lock(root, "a"), _lock(root, "b")
     assert a.acquire() is None and a.beat_once() and not a.lost
     _fs().pipe_file(f"{root}/{outputs.LOCK}", b._body())  # presumed dead, taken over by B
@@ -312,7 +312,7 @@ def test_a_zarr_cache_on_s3_holds_the_same_files_and_samples_as_a_local_one(
 def test_two_writers_on_one_s3_zarr_cache_claim_disjoint_rows(
     s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(storage, "LOCK_SETTLE_S", 0.05)  # (moto answers at once)
+    monkeypatch.setattr(lease, "LOCK_SETTLE_S", 0.05)  # (moto answers at once)
     with ThreadPoolExecutor(2) as pool:
         jobs = [
             pool.submit(write_cache, _url("zarr2"), idx, backend="zarr", shard_records=2, rank=r)
@@ -421,8 +421,8 @@ def test_object_store_errors_are_classified_by_type_and_status_not_by_words(
     from the error code, the HTTP status and the S3 headers, through s3fs's wrapping too."""
     wrapped = FileNotFoundError("no such bucket here")  # as s3fs raises it, botocore's as cause
     wrapped.__cause__ = _client_error(code, status, headers)
-    assert storage.classify(wrapped) == kind
-    assert storage.storage_error("s3://b/x", wrapped).kind == kind
+    assert storage_errors.classify(wrapped) == kind
+    assert storage_errors.storage_error("s3://b/x", wrapped).kind == kind
 
 
 @pytest.mark.parametrize(
@@ -440,7 +440,7 @@ def test_a_lock_with_an_unbelievable_heartbeat_expires_on_the_readers_clock(
     if beat is not None:
         holder["heartbeat"] = beat
     _fs().pipe_file(f"{root}/{outputs.LOCK}", json.dumps(holder).encode())
-    lock = storage.LeaseLock(
+    lock = lease.LeaseLock(
         storage.FsspecStorage(f"s3://{root}"), outputs.LOCK, {"host": "me"}, lease_s=0.3
     )
     assert lock.acquire() is None
@@ -457,7 +457,7 @@ def test_a_live_holder_with_a_clock_ahead_is_not_taken_over(s3: dict[str, str]) 
     object and how to remove it safely."""
     root = f"{BUCKET}/ahead"
     store = storage.FsspecStorage(f"s3://{root}")
-    writer = storage.LeaseLock(store, outputs.LOCK, {"host": "ahead", "pid": 1}, lease_s=0.4)
+    writer = lease.LeaseLock(store, outputs.LOCK, {"host": "ahead", "pid": 1}, lease_s=0.4)
     stop = threading.Event()
 
     def beat_from_the_future() -> None:
@@ -470,7 +470,7 @@ def test_a_live_holder_with_a_clock_ahead_is_not_taken_over(s3: dict[str, str]) 
     t.start()
     try:
         time.sleep(0.2)
-        reader = storage.LeaseLock(store, outputs.LOCK, {"host": "me"}, lease_s=0.4)
+        reader = lease.LeaseLock(store, outputs.LOCK, {"host": "me"}, lease_s=0.4)
         holder = reader.acquire()
         assert holder is not None and holder.get("host") == "ahead"
         e = reader.refusal(holder, "--out 'x'", "--out")

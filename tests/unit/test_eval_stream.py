@@ -3,6 +3,9 @@ sums give the same means as scoring every record at once."""
 
 from __future__ import annotations
 
+import io
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +14,10 @@ import torch
 
 from wandistill.cache.reader import CacheReader
 from wandistill.eval import run as ev
+from wandistill.eval import viewer
 from wandistill.eval.equivalent import curve_steps, place
 from wandistill.eval.metrics import mse, psnr
+from wandistill.teacher.trained import parse_prompt
 
 from cachefixtures import write_cache
 
@@ -124,6 +129,12 @@ def test_the_teacher_curve_is_sampled_per_batch_and_places_the_student_between_i
     assert result.student.equivalent_steps == pytest.approx(3.5)
     assert result.student.equivalent == "teacher@3.5"
     assert "student@2 ~ teacher@3.5 on the teacher's own curve" in result.table()
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(result.console_table())
+    row = next(line for line in console.export_text().splitlines() if "student@2" in line)
+    assert "@3.5" in row and f"{result.student.latent_mse:.5f}" in row  # nothing cut at 80
 
 
 def test_a_student_off_the_curve_is_named_below_its_first_or_above_its_last_point() -> None:
@@ -141,3 +152,70 @@ def test_the_curve_has_every_step_up_to_16_and_a_half_octave_subset_beyond() -> 
     assert curve_steps(16) == list(range(2, 17))
     assert curve_steps(50) == [2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 50]
     assert curve_steps(1) == []
+
+
+def test_each_column_reports_what_a_viewer_sees_in_the_table_and_json(tmp_path: Path) -> None:
+    """Records of the trained teacher's grammar: the reference (rendered patterns) shows every
+    prompt, a student drawing the wrong shape loses exactly the shape, noise shows nothing."""
+    from dataclasses import replace
+
+    from wandistill.teacher.trained import synthetic_pattern, synthetic_prompts
+
+    from cachefixtures import make_record
+
+    prompts = [p for p in synthetic_prompts(40, seed=3) if " column" not in p][:12]
+    records = [
+        replace(make_record(i), prompt=p, final_latent=synthetic_pattern(p))
+        for i, p in enumerate(prompts)
+    ]
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(len(records), 16, 1, 8, 8, generator=g)
+
+    def batches() -> Iterator[ev.Batch]:
+        for i in range(0, len(records), 5):
+            chunk = records[i : i + 5]
+            embeds = torch.zeros(len(chunk), 24, 32)
+            yield ev.Batch(chunk, noise[i : i + 5], embeds, embeds)
+
+    def upright(batch: ev.Batch, steps: int) -> torch.Tensor:  # each prompt's shape a column
+        out = []
+        for r in batch.records:
+            spec = parse_prompt(r.prompt)
+            out.append(synthetic_pattern(replace(spec, shape="column").text))
+        return torch.stack(out)
+
+    leg = ev.Leg(ev.Column("student@3", "student", 3, 3, 0.0), upright)
+    stream = ev.Stream(legs=[leg], batches=batches(), model=_Half(),
+                       device=torch.device("cpu"), grid=ev._Grid(rows=2))  # fmt: skip
+    result = ev._run(stream, {"num_inference_steps": 4})
+    ref, student = result.column("teacher@4").viewer, result.column("student@3").viewer
+    assert (ref.all, ref.shape, ref.spread_ratio) == (1.0, 1.0, 1.0)
+    assert (student.all, student.shape) == (0.0, 0.0)
+    assert (student.colour, student.size, student.position) == (1.0, 1.0, 1.0)
+    assert result.column("noise").viewer.all < 0.2
+    assert result.per_record[0]["shown"]["student@3"] == [1, 0, 1, 1]
+    table = result.table()
+    head = "| column | shown | colour | shape | size | position | clear | spread / teacher@4 |"
+    assert head in table and "| student@3 | 0.00 | 1.00 | 0.00 | 1.00 | 1.00 | 1.00 | " in table
+    assert viewer.LEGEND in table
+    ev._write(result, stream.grid, tmp_path)
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    cols = {c["name"]: c for c in saved["columns"]}
+    assert cols["student@3"]["viewer"]["shape"] == 0.0 and cols["teacher@4"]["viewer"]["all"] == 1
+
+
+def test_prompts_outside_the_grammar_leave_the_viewer_columns_out(tmp_path: Path) -> None:
+    write_cache(tmp_path / "c", range(6), shard_records=4)
+    with CacheReader(tmp_path / "c") as store:
+        settings = store.manifest.settings
+        leg = ev.Leg(ev.Column("student@3", "student", 3, 3, 0.0), lambda b, s: b.noise)
+        stream = ev.Stream(
+            legs=[leg],
+            batches=ev._batches(store, ev.held_out(store, "all", None), settings, {}, 4),
+            model=_Half(),
+            device=torch.device("cpu"),
+            grid=ev._Grid(rows=1),
+        )
+        result = ev._run(stream, settings)
+    assert all(c.viewer is None for c in result.columns)
+    assert viewer.LEGEND not in result.table() and "shown" not in result.per_record[0]

@@ -138,7 +138,7 @@ def test_the_placement_text_is_parsed_in_one_place() -> None:
         for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "parse_placement":
                 callers.add(f.relative_to(ROOT).as_posix())
-    assert callers <= {"wandistill/config.py", "wandistill/placement/parse.py"}, callers
+    assert callers <= {"wandistill/config/precompute.py", "wandistill/placement/parse.py"}, callers
 
 
 def test_the_recipe_holds_typed_placements_with_their_options() -> None:

@@ -41,7 +41,7 @@ def _imports(path: Path) -> list[str]:
 
 #: Modules outside the rooms that the train / student rooms import (directly or through config).
 SHARED = [
-    "config.py",
+    "config",
     "placement/devices.py",
     "placement/strategies.py",
     "placement/devicemap.py",

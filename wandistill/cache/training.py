@@ -149,6 +149,28 @@ def _local_sync(names: list[str], complete: bool) -> tuple[list[str], bool]:
     return names, complete
 
 
+def _open_caches(
+    cache: str | Path | CacheReader | Sequence[str | Path | CacheReader],
+    weights: Sequence[float],
+    follow: bool,
+) -> tuple[list[CacheReader], list[float]]:
+    """The caches a reader draws from, opened and checked to agree (one header, no key in two),
+    with their checked sampling weights."""
+    caches = list(cache) if isinstance(cache, list | tuple) else [cache]
+    stores = [c if isinstance(c, CacheReader) else CacheReader(c) for c in caches]
+    checked = check_weights(list(weights), len(stores))
+    if checked and follow:
+        raise UsageError(
+            "train.cache_weights cannot be used with --follow (a cache still being written "
+            "has no size to take a share of)",
+            fix="drop train.cache_weights, or train without --follow once precompute is done",
+        )
+    if len(stores) > 1:
+        check_compatible(stores)
+        check_unique_keys(stores)
+    return stores, checked
+
+
 class TrainingReader:
     """Iterate per-rank batches of (record, step) samples; see the module docstring."""
 
@@ -165,6 +187,7 @@ class TrainingReader:
         fields: tuple[str, ...] | list[str] = DEFAULT_FIELDS,
         slots: list[int] | None = None,
         with_next: bool = False,
+        next_slots: Sequence[int] | None = None,
         follow: bool = False,
         poll_interval: float = 1.0,
         follow_timeout: float | None = None,
@@ -181,20 +204,9 @@ class TrainingReader:
                 f"bad reader layout: batch_size={batch_size}, grad_accum={grad_accum}, "
                 f"rank={rank}, world_size={world_size}"
             )
-        caches = list(cache) if isinstance(cache, list | tuple) else [cache]
-        self.stores = [c if isinstance(c, CacheReader) else CacheReader(c) for c in caches]
+        self.stores, self.weights = _open_caches(cache, weights, follow)
         self.store = self.stores[0]
         """The first cache: the manifest every cache agrees with (cache/multi.py)."""
-        self.weights = check_weights(list(weights), len(self.stores))
-        if self.weights and follow:
-            raise UsageError(
-                "train.cache_weights cannot be used with --follow (a cache still being written "
-                "has no size to take a share of)",
-                fix="drop train.cache_weights, or train without --follow once precompute is done",
-            )
-        if len(self.stores) > 1:
-            check_compatible(self.stores)
-            check_unique_keys(self.stores)
         self._owner: dict[int, int] = {}
         """id(shard entry) -> index of the cache it belongs to (set as spaces are built)."""
         self.batch_size = batch_size
@@ -208,6 +220,9 @@ class TrainingReader:
         if not self.slots or not all(0 <= s < self.num_slots for s in self.slots):
             raise UsageError(f"slots={slots} must be recorded-step slots in [0, {self.num_slots})")
         self.with_next = with_next
+        self.next_slots = list(next_slots) if next_slots is not None else None
+        """with_next: slot -> the slot read as the next point (default slot + 1; num_slots or
+        more: the final latent); perflow's window ends."""
         self.follow = follow
         self.poll_interval = poll_interval
         self.follow_timeout = follow_timeout
@@ -683,8 +698,9 @@ class TrainingReader:
         """The next point of this sample's trajectory: the next recorded step's x_t and t, or
         after the last recorded step the final latent (in x_t's dtype) at t = 0."""
         store = self._store_of(entry)
-        if slot + 1 < self.num_slots:
-            nxt = store.read_sample(entry, row, slot + 1, ["xt", "timesteps"], pad=False)
+        ahead = self.next_slots[slot] if self.next_slots is not None else slot + 1
+        if ahead < self.num_slots:
+            nxt = store.read_sample(entry, row, ahead, ["xt", "timesteps"], pad=False)
             xt, t, final = nxt["xt"], nxt["timesteps"], False
         else:
             both = store.read_sample(entry, row, slot, ["xt", "final_latent"], pad=False)

@@ -121,17 +121,9 @@ from wandistill.cache.files import (
 from wandistill.checks.validate import MiB, check, inside, parse_json
 from wandistill.errors import CacheError
 from wandistill.io.fsutil import drop_cached, fsync_dir
-from wandistill.io.storage import (
-    FsspecStorage,
-    LeaseLock,
-    LocalStorage,
-    Storage,
-    holder_identity,
-    holder_text,
-    is_transient,
-    open_storage,
-    storage_error,
-)
+from wandistill.io.lease import LeaseLock, holder_identity, holder_text
+from wandistill.io.storage import FsspecStorage, LocalStorage, Storage, is_transient, open_storage
+from wandistill.io.storage_errors import storage_error
 from wandistill.runtime import waiting
 
 DATA_NAME = ZARR_DATA_NAME
@@ -152,7 +144,7 @@ FSYNC_THREADS = 8
 """fsyncs in flight at once when a shard commits (the device merges their writeback)."""
 CLAIM_WAIT_S = 300.0
 """How long a writer on an object store waits for the row-claim lock (longer than a dead
-holder's lease, `storage.LOCK_LEASE_S`)."""
+holder's lease, `lease.LOCK_LEASE_S`)."""
 
 _WRITE_CONFIG: dict[str, Any] = {"write_empty_chunks": True}
 """Store every chunk, even one equal to the fill value, so each shard file this writer claims
@@ -358,7 +350,7 @@ def _flock(path: Path) -> Iterator[None]:
 @contextlib.contextmanager
 def claim_lock(storage: Storage) -> Iterator[None]:
     """The lock every writer takes to claim rows: `flock` on `data.zarr.lock` on a local disk;
-    on an object store (no flock) a lease lock object of that name (`storage.LeaseLock`),
+    on an object store (no flock) a lease lock object of that name (`lease.LeaseLock`),
     waited for. A claim holds it for a few metadata rewrites, so holders come and go; a dead
     holder's lock goes stale after its lease (at once on its own host)."""
     if isinstance(storage, LocalStorage):

@@ -45,7 +45,7 @@ from wandistill.cache.contract import Record, is_holdout, pad_embeds
 from wandistill.cache.files import DimsBlock, SettingsBlock
 from wandistill.cache.reader import CacheReader
 from wandistill.errors import UsageError
-from wandistill.eval import equivalent
+from wandistill.eval import equivalent, viewer
 from wandistill.eval import grid as gridmod
 from wandistill.eval.metrics import image_psnr, mse, psnr
 from wandistill.io import outputs
@@ -83,6 +83,10 @@ class Column:
     """Where latent_mse sits on the teacher's step curve (students, baselines; --teacher)."""
     equivalent: str | None = None
     """The same in words: 'teacher@6.4', '< teacher@2', '> teacher@16'."""
+    viewer: viewer.Score | None = None
+    """What its samples show against their prompts (`eval/viewer.py`): shares of all four
+    attributes right, each attribute, clear shapes, and the spread ratio to teacher@N. None
+    unless every prompt is in the trained teacher's grammar."""
 
 
 @dataclass(slots=True)
@@ -201,11 +205,17 @@ class EvalResult:
         lines.extend(f"Warning: {w}" for w in self.warnings)
         return lines
 
+    def viewer_rows(self) -> list[list[str]]:
+        """What a viewer sees, per column (header first); [] when no column was judged."""
+        scores = [(c.name, c.viewer) for c in self.columns]
+        return viewer.table_rows(scores, self.teacher_steps)
+
     def table(self) -> str:
-        """eval.md: one row per column (a markdown table), then what R_K says."""
-        rows = self.rows()
-        rows.insert(1, ["---"] * len(rows[0]))
-        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        """eval.md: one row per column (a markdown table), then what R_K says, then what a
+        viewer sees (a second table) where the prompts are the trained teacher's."""
+        lines = _markdown(self.rows())
+        if seen := self.viewer_rows():
+            lines += ["", *_markdown(seen), "", viewer.LEGEND]
         return "\n".join([*lines, "", *self.notes()])
 
     def console_table(self) -> Any:
@@ -224,12 +234,27 @@ class EvalResult:
             table.add_column("~ teacher")
         table.columns[0].no_wrap = True  # the column names are what a reader looks for
         for row in rows:
+            if self.teacher_curve:  # '@5.5' under '~ teacher': 'teacher@5.5' is cut at 80 columns
+                row[-1] = row[-1].replace("teacher@", "@")
             table.add_row(*row)
         legend = (
             f"fwd: transformer forwards per sample; ratio: MSE / MSE(teacher@{k}); "
             "PSNR of latents (images where a VAE decoded them)."
         )
-        return Group(table, Text(legend), *(Text(line) for line in self.notes()))
+        parts: list[Any] = [table, Text(legend)]
+        if seen := self.viewer_rows():
+            head, *rows = seen
+            second = Table(*head, show_lines=False)
+            second.columns[0].no_wrap = True
+            for row in rows:
+                second.add_row(*row)
+            parts += [second, Text(viewer.LEGEND)]
+        return Group(*parts, *(Text(line) for line in self.notes()))
+
+
+def _markdown(rows: list[list[str]]) -> list[str]:
+    rows = [rows[0], ["---"] * len(rows[0]), *rows[1:]]
+    return ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def _seconds(c: Column) -> str:
@@ -622,6 +647,7 @@ def _run(stream: Stream, settings: SettingsBlock) -> EvalResult:
     sums = {c: _Sums() for c in names}
     per_record: list[dict[str, Any]] = []
     curve_sums: dict[int, float] = {}
+    tally = viewer.Tally()
     loss = 0.0
     for i, b in enumerate(stream.batches):
         if i == 0:
@@ -644,6 +670,9 @@ def _run(stream: Stream, settings: SettingsBlock) -> EvalResult:
                     for a, r in zip(frames[c], frames[names[1]], strict=True)
                 )
         stream.grid.add(b, names, finals, frames)
+        for row, shown in zip(rows, tally.add([r.prompt for r in b.records], finals), strict=True):
+            if shown:
+                row["shown"] = shown
         if stream.curve is not None:
             teacher = [leg.column for leg in stream.legs if leg.column.role == "teacher"]
             known = {c.steps: finals[c.name] for c in teacher}
@@ -656,6 +685,9 @@ def _run(stream: Stream, settings: SettingsBlock) -> EvalResult:
             c.seconds_per_sample = sums[c.name].seconds / count
         if stream.decoder is not None:
             c.image_psnr = sums[c.name].image_psnr / count
+    seen = tally.scores(names[1])
+    for c in columns:
+        c.viewer = seen.get(c.name)
     result = _summary(columns, count, n, loss / count, per_record)
     _place_on_curve(result, {s: m / count for s, m in sorted(curve_sums.items())})
     return result

@@ -1,7 +1,7 @@
 """How a record's bits are computed, beyond the sampler settings: the manifest's `numerics`.
 
 Two runs with the same teacher, prompts, seeds and settings still produce different bits when
-any of these differ (measured on the tiny teacher, `tests/bench/record_bits.py`; the list and
+any of these differ (measured with the removed `tests/bench/record_bits.py`; the list and
 the reasons are in docs/cache-format.md). The manifest records them, and a resumed precompute
 refuses to add records computed differently (`check_compatible`), so a cache never mixes them.
 They are not part of the record key: the key names the work (prompt, seed, settings); these

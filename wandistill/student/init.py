@@ -103,3 +103,38 @@ def base_init(student: StudentConfig, student_config: dict[str, Any]) -> Teacher
     if not student.lora.enabled:
         return init
     return dataclasses.replace(init, blocks=list(range(int(student_config["num_layers"]))))
+
+
+WIDTH_KEYS = ("num_attention_heads", "attention_head_dim", "ffn_dim")
+"""What a copied teacher block fixes in the student: block init changes only num_layers."""
+
+
+def init_problems(
+    init: TeacherInitConfig, student_config: dict[str, Any], teacher_config: dict[str, Any]
+) -> list[str]:
+    """Block init the teacher cannot give, found from the recipe and the cache's record of the
+    teacher's config, before anything is built or written: a block index past the teacher's
+    depth, or a student width other than the teacher's."""
+    if not init.path or not init.blocks or not teacher_config.get("num_layers"):
+        return []
+    n = int(teacher_config["num_layers"])
+    problems = []
+    beyond = [b for b in init.blocks if b >= n]
+    if beyond:
+        problems.append(
+            f"student.init_from_teacher.blocks={init.blocks} names teacher block(s) {beyond}, but "
+            f"the teacher has {n} (0..{n - 1}); list indices below {n}, e.g. blocks = "
+            f"{list(range(min(len(init.blocks), n)))}"
+        )
+    differ = [
+        k for k in WIDTH_KEYS if k in teacher_config and student_config.get(k) != teacher_config[k]
+    ]
+    if differ:
+        mine = ", ".join(f"{k}={student_config.get(k)}" for k in differ)
+        theirs = ", ".join(f"{k}={teacher_config[k]}" for k in differ)
+        problems.append(
+            f"student.init_from_teacher.blocks copies whole teacher blocks, but the student has "
+            f"{mine} where the teacher has {theirs}; keep the teacher's width (change only "
+            "num_layers) or drop init_from_teacher.blocks"
+        )
+    return problems

@@ -25,6 +25,7 @@
   sampler starts from and the points it then goes through. The samples it covers get a forward
   of their own, concatenated into the same call as the recorded x_t (which are not run at all
   when no other weighted objective uses them).
+- perflow (piecewise reflow): `student.perflow` says what it trains.
 
 Each sample is one (record, recorded step); an objective covers only the steps it trains at (a
 per-sample mask, from `schedule.ObjectivePlan`). Its contribution to the loss is the sum of its
@@ -83,13 +84,24 @@ class SigmaTable:
             return timesteps_B.float() / NUM_TRAIN_TIMESTEPS
         return self.by_slot.to(timesteps_B.device)[step_slot_B.to(timesteps_B.device)]
 
-    def next(self, step_slot_B: torch.Tensor, timesteps_next_B: torch.Tensor) -> torch.Tensor:
-        """sigma of each sample's next point (the reader's `xt_next`): the next slot's, and 0
-        after the last slot (the final latent; x0 there is the latent itself)."""
+    def next(
+        self,
+        step_slot_B: torch.Tensor,
+        timesteps_next_B: torch.Tensor,
+        next_slots: list[int] | None = None,
+    ) -> torch.Tensor:
+        """sigma of each sample's next point (the reader's `xt_next`): the next slot's (or
+        `next_slots[slot]`'s, perflow's window ends), and 0 past the last slot (the final latent;
+        x0 there is the latent itself)."""
         if self.by_slot is None:
             return timesteps_next_B.float() / NUM_TRAIN_TIMESTEPS
-        padded = torch.cat([self.by_slot, self.by_slot.new_zeros(1)])
-        return padded.to(timesteps_next_B.device)[step_slot_B.to(timesteps_next_B.device) + 1]
+        dev = timesteps_next_B.device
+        padded = torch.cat([self.by_slot, self.by_slot.new_zeros(1)]).to(dev)
+        slot = step_slot_B.to(dev)
+        if next_slots is None:
+            return padded[slot + 1]
+        ahead = torch.tensor(next_slots, device=dev).clamp_max(padded.numel() - 1)
+        return padded[ahead[slot]]
 
 
 def reflow_input(batch: dict[str, Any], sigma_B: torch.Tensor) -> torch.Tensor:
@@ -145,6 +157,7 @@ def distill_losses(
     consistency_x0: torch.Tensor | None = None,
     reflow_x0: torch.Tensor | None = None,
     unrolled: torch.Tensor | None = None,
+    perflow_v: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every weighted term (the mean over the samples it covers; absent if it covers none of
     this batch, `output` always when it covers any and the student ran at the recorded x_t:
@@ -152,7 +165,8 @@ def distill_losses(
     per-sample errors over the batch size. `masks`: objective -> [B] bool (default: all).
     `reflow_x0`: [B, ...] the student's x0 at each sample's `reflow_input` (rows outside the
     reflow mask are ignored). `unrolled`: [B, ...] the student's K-step final latent from each
-    sample's noise (`student.unroll`; rows outside the unroll mask are ignored)."""
+    sample's noise (`student.unroll`; rows outside the unroll mask are ignored). `perflow_v`:
+    [B, ...] the straight velocity across each sample's window (`student.perflow`)."""
     batch_size = batch["xt"].shape[0]
     per: dict[str, torch.Tensor] = {}
     pred = pred.float()
@@ -164,6 +178,9 @@ def distill_losses(
     if weights.unroll > 0:
         assert unrolled is not None, "unroll needs the student's K-step final latent"
         per["unroll"] = per_sample_mse(unrolled, batch["final_latent"])
+    if pred.shape[0] and weights.perflow > 0:
+        assert perflow_v is not None, "perflow needs the window velocity"
+        per["perflow"] = per_sample_mse(pred, perflow_v)
     if pred.shape[0] and (
         weights.final_latent > 0 or weights.trajectory > 0 or weights.consistency > 0
     ):

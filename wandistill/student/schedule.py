@@ -55,7 +55,7 @@ SIGMA_TOLERANCE = 1e-6
 SUPPORTED = ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
 STEP_IMITATION = ("output", "final_latent", "feature")
 """Objectives that match the teacher at every recorded step of its N-step trajectory."""
-AT_STUDENT_STEPS = ("trajectory", "reflow")
+AT_STUDENT_STEPS = ("trajectory", "reflow", "perflow")
 """Objectives that train a K-step student at exactly its K sigmas (the recorded slots there)."""
 
 
@@ -337,7 +337,21 @@ class ObjectivePlan:
 
     @property
     def needs_next(self) -> bool:
-        return "consistency" in self.steps
+        return "consistency" in self.steps or "perflow" in self.steps
+
+    def next_slots(self) -> list[int] | None:
+        """Slot -> the slot whose x_t is each sample's next point (`len(recorded)`: the final
+        latent). consistency: the next recorded step (None, the reader's default); perflow: the
+        end of the student's window, the slot of its next step (`plan_objectives` refuses both
+        together)."""
+        if "perflow" not in self.steps:
+            return None
+        recorded = self.teacher.recorded
+        nxt = list(range(1, len(recorded) + 1))
+        ends = [*self.student.steps[1:], None]
+        for start, end in zip(self.student.steps, ends, strict=True):
+            nxt[self.teacher.slot(start)] = len(recorded) if end is None else self.teacher.slot(end)
+        return nxt
 
     def slot_mask(self, name: str) -> torch.Tensor:
         """Bool per cache slot: does objective `name` train at that slot's step."""
@@ -437,6 +451,14 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
                     [f"re-run precompute with {fix_k}"],
                 )
             )
+    if loss.perflow > 0 and loss.consistency > 0:
+        problems.append(
+            (
+                "loss.perflow reads each sample's next point at the student's next step, "
+                "loss.consistency at the teacher's next step: one run reads one of them",
+                ["set loss.consistency = 0 or loss.perflow = 0"],
+            )
+        )
     if loss.consistency > 0:
         span = tuple(range(student.steps[0], teacher.num_inference_steps))
         steps["consistency"] = span

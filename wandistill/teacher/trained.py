@@ -2,22 +2,33 @@
 
 Why this exists: the random teacher of `tiny.py` maps noise to noise, so nothing tells a good
 few-step student from a bad one. This teacher has learnt a real conditional distribution, small
-enough to train in about 70 s of one CPU core: "a big red ring at the top" gives a red ring near
-the top of a black frame, and sampling it in one or two steps gives a blurred, over-bright blob
-instead, which is the gap few-step distillation has to close (figures: docs/benchmarks.md,
-"Trained tiny teacher"). It is still a stock diffusers Wan 2.1 folder
+enough to train in about 65 s of one CPU core: "a red column at the top" gives a red upright
+bar near the top of a black frame, and sampling it in one or two steps gives a blurred,
+over-bright blob instead, which is the gap few-step distillation has to close (figures:
+docs/benchmarks.md, "Trained tiny teacher"). It is still a stock diffusers Wan 2.1 folder
 (`WanPipeline.from_pretrained(folder)`); only the transformer is trained.
 
-**Data.** Every prompt of a small grammar, ``a|an [small|big] <colour> <shape> [<position>]``
-(8 colours x 4 shapes x 3 sizes x 5 positions = 480 prompts, `grammar_prompts()`), rendered
+**Data.** Every prompt of a small grammar, ``a|an [small] <colour> <shape> [<position>]``
+(8 colours x 3 shapes x 2 sizes x 5 positions = 240 prompts, `grammar_prompts()`), rendered
 straight into Wan's 16-channel latent space at 8x8 latent pixels (64x64 px, one frame): the shape
 is a soft mask, its colour an RGB triple in [-1, 1] (black background) written to latent
 channels 0-2, so those channels shown as RGB read as the prompt. Channels 3-15 are a fixed random
 mix of that RGB and of the frame's x/y coordinates: Wan's DiT only has relative (RoPE) positions,
 and without this fixed "backdrop" it cannot tell the top of the frame from the bottom (measured:
-"at the top" came out anywhere). Each training sample jitters position (+-0.75 latent px), size
-(x0.85-1.15), brightness (x0.75-1) and hue and adds noise (std 0.05), so a prompt is a spread-out
+"at the top" came out anywhere). Each training sample jitters position (+-0.4 latent px), size
+(x0.95-1.05), brightness (x0.75-1) and hue and adds noise (std 0.05), so a prompt is a spread-out
 distribution: one sampler step returns roughly its blurred mean, 16 steps one crisp draw.
+
+**What a viewer can tell apart** (world version 3). Every attribute must be readable off a
+teacher sample by the model-free reader `wandistill.eval.viewer`, or nothing can judge whether a
+student shows its prompt. Measured with it on 96 fresh prompts (docs/benchmarks.md, "Trained
+tiny teacher"), version 2's world (4 shapes with a ring and a square, 3 sizes 1.9/2.5/3.2, jitter
++-0.75 px and x0.85-1.15) was drawn right on all four attributes only 31% of the time at 16 steps:
+at 8x8 the teacher drew rings and squares as round blobs, and sizes 1.3x apart overlapped. A
+12x12 frame with the new shapes was tried (2.25x the cost a step) and drew worse in the same
+training budget (62% against 84%). So the shapes differ in their
+silhouette (round, wide, tall), the sizes by almost 2x, and the jitter stays well inside the
+gaps between positions and sizes.
 `synthetic_pattern(prompt)` is a prompt's un-jittered latent (the ground truth tests compare
 with); `synthetic_prompts(n, seed)` draws prompts for demos and benchmarks. The teacher is trained
 on every prompt of the grammar, as a real teacher has seen its whole domain; held-out prompts
@@ -77,6 +88,7 @@ from wandistill.teacher.tiny import (
 )
 
 __all__ = [
+    "BRIGHTNESS",
     "COLOURS",
     "POSITIONS",
     "SHAPES",
@@ -84,13 +96,17 @@ __all__ = [
     "TRAINED_SAMPLER",
     "TRAINED_TRANSFORMER_CONFIG",
     "BuildSettings",
+    "backdrop",
     "build_trained_pipeline",
     "ensure_trained_teacher",
     "grammar_prompts",
     "make_trained_teacher",
+    "mixing_matrix",
     "parse_prompt",
+    "shape_masks",
     "synthetic_pattern",
     "synthetic_prompts",
+    "world_scale",
 ]
 
 #: Colour words -> RGB in [0, 1]. The background is black, so "black" itself is not offered.
@@ -106,12 +122,13 @@ COLOURS: Mapping[str, tuple[float, float, float]] = MappingProxyType(
         "gray": (0.5, 0.5, 0.5),
     }
 )
-#: Shape words, each a signed-distance function in `_signed_distance`. They differ at the scale
-#: of whole latent pixels (a hole, an aspect ratio, corners); a cross was tried and dropped: at 8x8
-#: the trained teacher drew it as a blob.
-SHAPES: tuple[str, ...] = ("circle", "square", "ring", "bar")
-#: Size words -> radius in latent pixels ("" is the default size, no word).
-SIZES: Mapping[str, float] = MappingProxyType({"small": 1.9, "": 2.5, "big": 3.2})
+#: Shape words, each a signed-distance function in `_signed_distance`. They differ in silhouette
+#: (round, wide, tall), which the teacher draws at 8x8; a hole (ring), corners (square) and a cross
+#: were tried and dropped: it drew each as a round blob.
+SHAPES: tuple[str, ...] = ("circle", "bar", "column")
+#: Size words -> radius in latent pixels ("" is the default size, no word). Nearly 2x apart: with
+#: three sizes 1.45x apart the teacher drew the wrong one 15% of the time.
+SIZES: Mapping[str, float] = MappingProxyType({"small": 1.5, "": 2.8})
 #: Position phrases -> centre offset (x, y) in latent pixels, y down ("" is the centre).
 POSITIONS: Mapping[str, tuple[float, float]] = MappingProxyType(
     {
@@ -122,6 +139,16 @@ POSITIONS: Mapping[str, tuple[float, float]] = MappingProxyType(
         "on the right": (1.5, 0.0),
     }
 )
+
+#: Range of the brightness factor each training sample's colour is scaled by (its mean is what
+#: `synthetic_pattern` draws); gray is white at about half this, so brightness names it.
+BRIGHTNESS: tuple[float, float] = (0.75, 1.0)
+#: A bar's half length, in radii (its half width is 0.4 radii).
+BAR_LENGTH = 1.3
+#: Each training sample's centre moves by up to this many latent pixels on each axis.
+POSITION_JITTER = 0.4
+#: Each training sample's radius is scaled by a factor within 1 -+ this.
+SIZE_JITTER = 0.05
 
 #: Wan's DiT, 2 blocks of width 128 (4 heads x 32): a 16x2x2 patch is 64 numbers, and a width
 #: of 64 could not carry the noise through to the output (samples stayed speckled). One
@@ -168,7 +195,7 @@ _CHANNELS = 16
 _META_FILE = "wandistill_teacher.json"
 _console = Console(stderr=True, highlight=False, soft_wrap=True)
 #: Bump when the renderer or the training loop changes what the same settings produce.
-_RECIPE_VERSION = 2
+_RECIPE_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -242,7 +269,7 @@ def _grammar() -> list[_Prompt]:
 
 
 def synthetic_prompts(n: int, seed: int = 0) -> list[str]:
-    """`n` prompts of the grammar, shuffled by `seed`; no repeats until all 480 are used.
+    """`n` prompts of the grammar, shuffled by `seed`; no repeats until all 240 are used.
 
     The order depends only on `seed`, so a demo's or benchmark's prompt file is reproducible.
     """
@@ -271,34 +298,74 @@ def parse_prompt(prompt: str) -> _Prompt:
     if spec is None or (spec.colour, spec.shape, spec.size, spec.position) not in _KNOWN:
         raise UsageError(
             f"prompt {prompt!r} is not in the trained teacher's grammar",
-            fix="use 'a [small|big] <colour> <shape> [at the top|...]', e.g. 'a red circle'",
+            fix="use 'a [small] <colour> <circle|bar|column> [at the top|...]', e.g. 'a red bar'",
         )
     return spec
 
 
-def _mixing_matrix() -> torch.Tensor:
+def mixing_matrix() -> torch.Tensor:
     """[16, 5] from (r, g, b, x, y): channels 0-2 are the RGB, 3-15 a fixed random mix of all 5.
 
     x and y are the frame's coordinates (a fixed backdrop). Wan's DiT has only relative (RoPE)
     positions, so without them it cannot tell the top of the frame from the bottom, and puts
     "a circle at the top" anywhere; read off a token's own channels, they tell it where it is.
+    Public so that `eval.viewer` can unmix a sample back into its RGB.
     """
     g = torch.Generator().manual_seed(1234)
     rest = torch.randn(_CHANNELS - 3, 5, generator=g) / math.sqrt(2.0)
     return torch.cat([torch.eye(3, 5), rest])
 
 
+def world_scale(hw: tuple[int, int]) -> float:
+    """Latent pixels per grammar unit at `hw`: sizes and positions are given for the teacher's
+    own frame (`TRAINED_SAMPLER`) and scale with the smaller side of another."""
+    return min(hw) / min(_LATENT_HW)
+
+
+def _grid(hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pixel-centre coordinates (x [W], y [H]) in latent pixels, 0 at the frame's centre."""
+    h, w = hw
+    ys = torch.arange(h, dtype=torch.float32) + 0.5 - h / 2
+    xs = torch.arange(w, dtype=torch.float32) + 0.5 - w / 2
+    return xs, ys
+
+
+def backdrop(hw: tuple[int, int]) -> torch.Tensor:
+    """[2, H, W]: the frame's x and y in [-1, 1], the mixing matrix's last two inputs."""
+    h, w = hw
+    xs, ys = _grid(hw)
+    return torch.stack([xs.expand(h, w) / (w / 2), ys[:, None].expand(h, w) / (h / 2)])
+
+
 def _signed_distance(shape: str, x: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """Distance to the shape's edge in latent pixels (negative inside); broadcasts over a batch."""
     if shape == "circle":
         return torch.hypot(x, y) - r
-    if shape == "square":
-        return torch.maximum(x.abs(), y.abs()) - 0.95 * r
-    if shape == "ring":
-        return (torch.hypot(x, y) - 0.8 * r).abs() - 0.35 * r
     if shape == "bar":
-        return torch.maximum(x.abs() - 1.3 * r, y.abs() - 0.4 * r)
+        return torch.maximum(x.abs() - BAR_LENGTH * r, y.abs() - 0.4 * r)
+    if shape == "column":
+        return torch.maximum(x.abs() - 0.4 * r, y.abs() - BAR_LENGTH * r)
     raise AssertionError(shape)  # pragma: no cover - SHAPES and this function move together
+
+
+def shape_masks(
+    shape_B: torch.Tensor, centre_B2: torch.Tensor, radius_B: torch.Tensor, hw: tuple[int, int]
+) -> torch.Tensor:
+    """Soft masks [B, H, W] in [0, 1] (edge ~1 px wide): what `_render` colours.
+
+    `shape_B` indexes SHAPES. Every shape's distance is computed for the whole batch and the
+    right one gathered: five small tensor ops beat a Python loop over the batch. Public so that
+    `eval.viewer` matches samples against the very templates the teacher was trained on.
+    """
+    h, w = hw
+    xs, ys = _grid(hw)
+    y, x = torch.meshgrid(ys, xs, indexing="ij")
+    x = x - centre_B2[:, 0, None, None]
+    y = y - centre_B2[:, 1, None, None]
+    r = radius_B[:, None, None]
+    dist_SBHW = torch.stack([_signed_distance(shape, x, y, r) for shape in SHAPES])
+    dist_BHW = dist_SBHW.gather(0, shape_B.view(1, -1, 1, 1).expand(1, -1, h, w))[0]
+    return torch.sigmoid(-4.0 * dist_BHW)
 
 
 def _render(
@@ -308,25 +375,12 @@ def _render(
     radius_B: torch.Tensor,
     hw: tuple[int, int],
 ) -> torch.Tensor:
-    """Latents [B, 16, 1, H, W]: soft shape masks (edge ~1 px wide) coloured on black.
-
-    `shape_B` indexes SHAPES. Every shape's distance is computed for the whole batch and the
-    right one gathered: five small tensor ops beat a Python loop over the batch.
-    """
+    """Latents [B, 16, 1, H, W]: soft shape masks coloured on black, then mixed."""
     h, w = hw
-    ys = torch.arange(h, dtype=torch.float32) + 0.5 - h / 2
-    xs = torch.arange(w, dtype=torch.float32) + 0.5 - w / 2
-    y, x = torch.meshgrid(ys, xs, indexing="ij")
-    x = x - centre_B2[:, 0, None, None]
-    y = y - centre_B2[:, 1, None, None]
-    r = radius_B[:, None, None]
-    dist_SBHW = torch.stack([_signed_distance(shape, x, y, r) for shape in SHAPES])
-    dist_BHW = dist_SBHW.gather(0, shape_B.view(1, -1, 1, 1).expand(1, -1, h, w))[0]
-    mask_BHW = torch.sigmoid(-4.0 * dist_BHW)
+    mask_BHW = shape_masks(shape_B, centre_B2, radius_B, hw)
     rgb_B3HW = 2.0 * rgb_B3[:, :, None, None] * mask_BHW[:, None] - 1.0
-    xy_2HW = torch.stack([xs.expand(h, w) / (w / 2), ys[:, None].expand(h, w) / (h / 2)])
-    features = torch.cat([rgb_B3HW, xy_2HW.expand(len(shape_B), 2, h, w)], dim=1)
-    latents = torch.einsum("ck,bkhw->bchw", _mixing_matrix(), features)
+    features = torch.cat([rgb_B3HW, backdrop(hw).expand(len(shape_B), 2, h, w)], dim=1)
+    latents = torch.einsum("ck,bkhw->bchw", mixing_matrix(), features)
     return latents.unsqueeze(2)
 
 
@@ -337,10 +391,10 @@ def synthetic_pattern(prompt: str, hw: tuple[int, int] = _LATENT_HW) -> torch.Te
     recommended 64x64 px).
     """
     spec = parse_prompt(prompt)
-    scale = min(hw) / min(_LATENT_HW)
+    scale = world_scale(hw)
     centre = torch.tensor([POSITIONS[spec.position]]) * scale
     radius = torch.tensor([SIZES[spec.size]]) * scale
-    rgb = torch.tensor([COLOURS[spec.colour]]) * 0.875  # mean of the brightness jitter
+    rgb = torch.tensor([COLOURS[spec.colour]]) * sum(BRIGHTNESS) / 2  # the jitter's mean
     shape = torch.tensor([SHAPES.index(spec.shape)])
     return _render(shape, rgb, centre, radius, hw)[0]
 
@@ -352,10 +406,13 @@ def _training_batch(
     idx = torch.randint(len(specs), (b,), generator=g).tolist()
     chosen = [specs[i] for i in idx]
     u = torch.rand(b, 7, generator=g)
-    centre = torch.tensor([POSITIONS[p.position] for p in chosen]) + 1.5 * (u[:, :2] - 0.5)
-    radius = torch.tensor([SIZES[p.size] for p in chosen]) * (0.85 + 0.3 * u[:, 2])
+    jitter = 2.0 * POSITION_JITTER * (u[:, :2] - 0.5)
+    centre = torch.tensor([POSITIONS[p.position] for p in chosen]) + jitter
+    factor = 1 - SIZE_JITTER + 2 * SIZE_JITTER * u[:, 2]
+    radius = torch.tensor([SIZES[p.size] for p in chosen]) * factor
     rgb = torch.tensor([COLOURS[p.colour] for p in chosen])
-    rgb = (rgb + 0.15 * (u[:, 3:6] - 0.5)).clamp(0.0, 1.0) * (0.75 + 0.25 * u[:, 6:])
+    lo, hi = BRIGHTNESS
+    rgb = (rgb + 0.15 * (u[:, 3:6] - 0.5)).clamp(0.0, 1.0) * (lo + (hi - lo) * u[:, 6:])
     shape = torch.tensor([SHAPES.index(p.shape) for p in chosen])
     latents = _render(shape, rgb, centre, radius, _LATENT_HW)
     return idx, latents + 0.05 * torch.randn(latents.shape, generator=g)

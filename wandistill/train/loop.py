@@ -43,7 +43,7 @@ from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
 from wandistill.checks.finite import check_step, check_weights
 from wandistill.config import TrainConfig, to_dict
 from wandistill.errors import CacheError, UsageError, WandistillError
-from wandistill.io import outputs
+from wandistill.io import folderkind, outputs
 from wandistill.io.fsutil import atomic_write_json
 from wandistill.io.storage import describe as location
 from wandistill.io.storage import open_storage
@@ -66,6 +66,7 @@ from wandistill.student.config import (
     width,
 )
 from wandistill.student.export import LINKED
+from wandistill.student.init import init_problems
 from wandistill.student.losses import (
     SigmaTable,
     consistency_target,
@@ -270,6 +271,7 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     dims = manifest.block_json("dims")
     student_config = resolve_student_config(cfg.student, tconf, dims)
     problems = check_against_cache(student_config, dims, primary)
+    problems += init_problems(cfg.student.init_from_teacher, student_config, tconf)
     if cfg.student.lora.enabled:
         problems += lora.plan_problems(cfg.student, student_config, tconf)
     cached = {f.name for f in manifest.fields}
@@ -475,6 +477,7 @@ def build_reader(
         fields=plan.fields,
         slots=plan.objectives.slots,
         with_next=plan.objectives.needs_next,
+        next_slots=plan.objectives.next_slots(),
         follow=follow,
         poll_interval=cfg.follow_poll_interval,
         follow_timeout=cfg.follow_timeout or None,
@@ -505,9 +508,9 @@ def run_meta(cfg: TrainConfig, plan: Plan, info: dist.DistInfo) -> dict[str, Any
 def write_run_settings(out: Path, settings: dict[str, Any]) -> None:
     """run.json; a legacy run's config.json (same content, older name) goes once it is written,
     so `from_pretrained(out)` never mistakes the run folder for a model folder."""
-    atomic_write_json(out / outputs.RUN_SETTINGS, settings)
-    legacy = out / outputs.LEGACY_RUN_SETTINGS
-    if outputs.is_run_settings(legacy):
+    atomic_write_json(out / folderkind.RUN_SETTINGS, settings)
+    legacy = out / folderkind.LEGACY_RUN_SETTINGS
+    if folderkind.is_run_settings(legacy):
         legacy.unlink()
 
 
@@ -846,8 +849,22 @@ def forward(
                 t.target.module, on, embeds, sigma_next, masks["consistency"]
             )
         unrolled = _unroll(t, on, embeds, masks["unroll"]) if loss.unroll > 0 else None
-    terms = distill_losses(pred, feats, on, loss, sigma, masks, target_x0, reflow_x0, unrolled)
+        perflow_v = _perflow(t, on, sigma) if loss.perflow > 0 else None
+    terms = distill_losses(
+        pred, feats, on, loss, sigma, masks, target_x0, reflow_x0, unrolled, perflow_v
+    )
     return terms, {n: m.sum() for n, m in masks.items()}
+
+
+def _perflow(t: Trainer, on: dict[str, Any], sigma: torch.Tensor | None) -> torch.Tensor:
+    """[B, ...] the straight velocity across each sample's window (`student.perflow`), from
+    each sample's own sigma (`forward` has it: perflow is an x0 term) to its window end's."""
+    from wandistill.student.perflow import window_velocity
+
+    assert sigma is not None
+    ends = t.plan.objectives.next_slots()
+    sigma_end = t.sigmas.next(on["step_slot"], on["timesteps_next"], ends)
+    return window_velocity(on["xt"], on["xt_next"], sigma, sigma_end)
 
 
 def _unroll(
