@@ -22,7 +22,8 @@ from wandistill.student import (
 )
 from wandistill.student.init import init_from_teacher
 
-from cachefixtures import DIMS, TEACHER
+from cachefixtures import DIMS_BLOCK as DIMS
+from cachefixtures import TEACHER
 
 SMALL = StudentConfig(num_layers=1, num_attention_heads=2, attention_head_dim=12, ffn_dim=16)
 

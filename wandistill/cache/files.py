@@ -245,6 +245,14 @@ class Entries(Sequence[E]):
     def __iter__(self) -> Iterator[E]:
         return (self[i] for i in range(len(self)))
 
+    def __eq__(self, other: object) -> bool:
+        """Same entries as read (the JSON their digests are taken over)."""
+        if isinstance(other, Entries):
+            return self._raw == other._raw
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
     def _validate(self, i: int) -> E:
         raw, where = self._raw, f"{self.where} is corrupt"
         return check(

@@ -96,6 +96,7 @@ def train_inputs(
 ) -> TrainInputs:
     """The student config and batch shape of `recipe.train`. `teacher_config`: the teacher's
     transformer config when the caller has one (a folder or `--config`); else the cache's."""
+    from wandistill.cache.files import DimsBlock
     from wandistill.student.config import resolve_student_config
 
     cfg = recipe.train
@@ -104,7 +105,7 @@ def train_inputs(
     if not tconf and manifest is not None:
         tconf = dict(manifest.teacher.transformer_config or {})
         label = f"cache {cfg.caches[0] if cfg.caches else ''}"
-    dims = manifest.block_json("dims") if manifest is not None else {}
+    dims = manifest.dims if manifest is not None else DimsBlock()
     student = resolve_student_config(cfg.student, tconf, dims)
     return TrainInputs(student, _shape(cfg, recipe, manifest), label)
 

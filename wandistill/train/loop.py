@@ -268,9 +268,8 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     if len(cfg.caches) > 1:
         check_caches(cfg.caches)
     tconf = manifest.teacher.transformer_config or {}
-    dims = manifest.block_json("dims")
-    student_config = resolve_student_config(cfg.student, tconf, dims)
-    problems = check_against_cache(student_config, dims, primary)
+    student_config = resolve_student_config(cfg.student, tconf, manifest.dims)
+    problems = check_against_cache(student_config, manifest.dims, primary)
     problems += init_problems(cfg.student.init_from_teacher, student_config, tconf)
     if cfg.student.lora.enabled:
         problems += lora.plan_problems(cfg.student, student_config, tconf)
