@@ -161,11 +161,11 @@ def test_manifest_records_sampler_settings_and_shared_schedule(
     m = read_manifest(tmp_path / "c")
     assert m.complete and m.num_records == 2
     s = m.settings
-    assert s["cfg_formula"] == "uncond + g * (cond - uncond)" and s["guidance_scale"] == 5.0
-    assert s["boundary_ratio"] == 0.875 and s["record_steps"] == [0, 2, 5]
-    assert s["scheduler"] == "UniPCMultistepScheduler" and s["num_inference_steps"] == 6
+    assert s.cfg_formula == "uncond + g * (cond - uncond)" and s.guidance_scale == 5.0
+    assert s.boundary_ratio == 0.875 and s.record_steps == [0, 2, 5]
+    assert s.scheduler == "UniPCMultistepScheduler" and s.num_inference_steps == 6
     assert m.dims.text_dim == 32 and m.dims.latent_shape == [16, 1, 4, 4]
-    assert "feature.blocks.1" in [f["name"] for f in m.fields]
+    assert "feature.blocks.1" in [f.name for f in m.fields]
     with open_cache(tmp_path / "c") as store:
         shared = store.read_shared()
         rec = next(store.records())

@@ -365,6 +365,9 @@ class SettingsBlock(Block):
     boundary_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     """Wan 2.2: where the high-noise expert hands over (None: one expert)."""
     expand_timesteps: bool = False
+    cfg_formula: Text | None = None
+    """How cond and uncond were combined (informational: the guidance scales decide it)."""
+    negative_prompt: Text | None = None
 
 
 class DimsBlock(Block):

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from wandistill.cache.contract import Record, is_holdout, pad_embeds
-from wandistill.cache.files import DimsBlock, SettingsBlock
+from wandistill.cache.files import DimsBlock, SettingsBlock, TeacherBlock
 from wandistill.cache.reader import CacheReader
 from wandistill.errors import UsageError
 from wandistill.eval import equivalent, viewer
@@ -435,25 +435,25 @@ def _check_fit(model: torch.nn.Module, dims: DimsBlock, cache: str | Path, label
         )
 
 
-def _check_source(who: FinishedStudent, recorded: dict[str, Any], cache: str | Path) -> None:
+def _check_source(who: FinishedStudent, recorded: TeacherBlock, cache: str | Path) -> None:
     """A run knows its teacher's fingerprint: it must be the cache's (an export does not)."""
     mine = who.sampling.teacher.fingerprint if who.sampling is not None else None
-    want = recorded.get("fingerprint")
+    want = recorded.fingerprint
     if mine and want and mine != want:
         raise UsageError(
             f"{who.label} was distilled from another teacher ({who.sampling.teacher.path}) than "
-            f"cache {str(cache)!r} holds ({recorded.get('path')})",
+            f"cache {str(cache)!r} holds ({recorded.path})",
             fix="evaluate on a cache of the teacher the student was distilled from",
         )
 
 
-def _check_teacher(teacher: TeacherFolder, recorded: dict[str, Any], cache: str | Path) -> None:
+def _check_teacher(teacher: TeacherFolder, recorded: TeacherBlock, cache: str | Path) -> None:
     """teacher@K must be the very teacher whose trajectories the cache holds."""
-    want = recorded.get("fingerprint")
+    want = recorded.fingerprint
     if want and teacher.fingerprint.get("fingerprint") != want:
         raise UsageError(
             f"--teacher {str(teacher.path)!r} is not the teacher cache {str(cache)!r} was made "
-            f"with ({recorded.get('path')})",
+            f"with ({recorded.path})",
             fix="pass the teacher folder precompute ran on",
         )
 
