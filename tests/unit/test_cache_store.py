@@ -267,6 +267,44 @@ def test_corrupt_manifest_is_reported(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sealed_entry_that_breaks_the_schema_is_reported_when_used_naming_index_and_shard(
+    tmp_path: Path, backend: str
+) -> None:
+    """Loading checks names and digests on the JSON; each entry meets its schema when first
+    used (a million-shard manifest loads at about json.loads), with the whole-file message."""
+    write_cache(tmp_path, range(4), backend=backend, shard_records=2)
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    bad = {k: v for k, v in data["shards"][1].items() if k != mf.ENTRY_DIGEST}
+    data["shards"][1] = mf.seal_entry({**bad, "bytes": -1})  # re-sealed: the digest holds
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+
+    m = mf.load_committed(tmp_path)
+    assert m.shards.names() == ["r00000-000000", "r00000-000001"]
+    assert m.shards[0].records == 2 and m.shards[0].keys == data["shards"][0]["keys"]
+    message = r"manifest.json' is corrupt: shards\[1\] \(r00000-000001\)\.bytes"
+    with pytest.raises(CacheError, match=message):
+        m.shards[1]
+    with pytest.raises(CacheError, match=message), open_cache(tmp_path) as store:
+        store.verify()
+    assert m.shards.json(1) is m.shards.json_list()[1]  # written back as read
+    assert mf.manifest_json(m)["shards"] == data["shards"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_manifest_read_and_written_again_is_byte_identical_and_its_seal_holds(
+    tmp_path: Path, backend: str
+) -> None:
+    write_cache(tmp_path, range(3), backend=backend, shard_records=2)
+    before = (tmp_path / "manifest.json").read_bytes()
+    m = read_manifest(tmp_path)
+    assert [e.records for e in m.shards] == [2, 1] and m.settings.record_steps == [0, 2, 3]
+    mf.write_manifest(tmp_path, m)
+    assert (tmp_path / "manifest.json").read_bytes() == before
+    again = json.loads(before)
+    assert mf.header_digests(again) == again[mf.HEADER_DIGEST]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_shard_files_leave_the_page_cache_only_after_their_fsync(
     tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

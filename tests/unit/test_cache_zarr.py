@@ -518,9 +518,10 @@ def test_typed_entry_round_trips_and_names_a_malformed_field(tmp_path: Path) -> 
     _, entry = _written(tmp_path)
     assert isinstance(entry, ZarrEntry)
     assert (entry.records, len(entry.keys), entry.rows[1] - entry.rows[0]) == (3, 3, 3)
-    raw = entry.as_json()
-    again = Entries(ZarrEntry, [raw])[0]
-    assert again == entry and again.as_json() is raw
+    with open_cache(tmp_path) as store:
+        raw = store.entries.json(1)
+    again = Entries(ZarrEntry, [raw])
+    assert again[0] == entry and again.json(0) is raw
     for field, value in [("rows", [5, 2]), ("meta", []), ("sha256", "x"), ("file", "../x")]:
         bad = Entries(ZarrEntry, [raw, {**raw, field: value}], where="'m.json'")
         assert bad[0] == entry  # entries are checked one at a time, when used

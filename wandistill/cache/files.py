@@ -22,8 +22,6 @@ from pydantic import (
     JsonValue,
     PrivateAttr,
     StringConstraints,
-    TypeAdapter,
-    ValidationError,
     model_validator,
 )
 from pydantic_core import PydanticCustomError, core_schema
@@ -103,19 +101,6 @@ class Entry(Schema):
     """What both backends' shard entries hold (CacheWriter adds name, rank, records, keys)."""
 
     model_config = ConfigDict(frozen=True)
-    _json: dict[str, Any] = PrivateAttr(default_factory=dict)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _keep_json(cls, data: Any, handler: Any) -> Entry:
-        made = handler(data)
-        if isinstance(data, dict):
-            made._json = data
-        return made
-
-    def as_json(self) -> dict[str, Any]:
-        """The entry as read (what its digest is taken over, and what is written back)."""
-        return self._json
 
     name: Name
     rank: Annotated[int, Field(ge=0, le=1 << 20)]
@@ -190,16 +175,16 @@ E = TypeVar("E", bound=Entry)
 
 class Entries(Sequence[E]):
     """A manifest's (or journal's) shard entries: the JSON list as read, each entry validated
-    into its model the first time it is used, then kept. A million-record manifest is read at
-    about the cost of `json.loads`; a bad entry is one CacheError naming the file, the entry's
-    index and shard name and the field (the message a whole-file check gives), when it is used
-    or when `load_committed` / `cache verify` check every entry."""
+    into its model the first time it is used, then kept. Reading a manifest costs about a
+    `json.loads` however many shards it lists; `load_committed`'s checks (names, digests) read
+    the JSON. A bad entry is one CacheError naming the file, the entry's index and shard name
+    and the field (the message a whole-file check gives), when it is used or when `cache verify`
+    checks every entry."""
 
     def __init__(
         self,
         model: type[E],
         raw: list[Any],
-        models: list[E | None] | None = None,
         *,
         where: str = "manifest.json",
         fix: str = "restore manifest.json, or re-run `wandistill precompute` into a fresh "
@@ -207,7 +192,9 @@ class Entries(Sequence[E]):
     ) -> None:
         self.model = model
         self._raw = raw
-        self._models: list[E | None] = models if models is not None else [None] * len(raw)
+        self._models: list[E | None] = [None] * len(raw)
+        self._src: list[tuple[Entries[E], int]] | None = None
+        """Entries picked from other files (`join`): each validated by its own file's Entries."""
         self.where = where
         """The file the entries came from, for messages."""
         self.fix = fix
@@ -254,6 +241,9 @@ class Entries(Sequence[E]):
     __hash__ = None  # type: ignore[assignment]
 
     def _validate(self, i: int) -> E:
+        if self._src is not None:
+            src, j = self._src[i]
+            return src[j]
         raw, where = self._raw, f"{self.where} is corrupt"
         return check(
             self.model,
@@ -265,41 +255,36 @@ class Entries(Sequence[E]):
             root={"shards": raw},
         )
 
-    def validate_all(self) -> Entries[E]:
-        """Validate every entry not yet validated in one pydantic call (the per-entry path's
-        Python overhead is most of the cost on a large manifest); a bad entry is then
-        reported by the per-entry path, with its own message."""
-        todo = [i for i, m in enumerate(self._models) if m is None]
-        if todo:
-            try:
-                made = TypeAdapter(list[self.model]).validate_python(  # type: ignore[name-defined]
-                    [self._raw[i] for i in todo], strict=True
-                )
-            except ValidationError:
-                for i in todo:
-                    self[i]
-                raise AssertionError("a list failed validation but none of its items") from None
-            for i, m in zip(todo, made, strict=True):
-                self._models[i] = m
-        return self
-
     def json(self, i: int) -> dict[str, Any]:
-        """Entry `i` as read (what its digest is taken over, and what is written back)."""
-        return self._raw[i]
+        """Entry `i` as read (what its digest is taken over, and what is written back); an
+        entry that is not a JSON object is reported as `self[i]` reports it."""
+        raw = self._raw[i]
+        if type(raw) is not dict:
+            self[i]
+        return raw
 
     def json_list(self) -> list[Any]:
         return self._raw
 
+    def name(self, i: int) -> str:
+        """Entry `i`'s name, read from its JSON (the entry is validated only where the name is
+        not a string: then it is reported)."""
+        raw = self._raw[i]
+        if type(raw) is dict and type(name := raw.get("name")) is str:
+            return name
+        return self[i].name
+
     def names(self) -> list[str]:
-        """Every entry's name, validating each entry (a bad one is reported)."""
-        return [e.name for e in self]
+        """Every entry's name (see `name`)."""
+        return [self.name(i) for i in range(len(self))]
 
     @classmethod
     def join(cls, model: type[E], parts: list[tuple[Entries[E], int]]) -> Entries[E]:
-        """Entries picked from several files (manifest, journals), each validated by its own
-        file's Entries (so its messages name that file); all validated on the way in."""
-        raw = [src.json(i) for src, i in parts]
-        return cls(model, raw, [src[i] for src, i in parts])
+        """Entries picked from several files (manifest, journals), each validated when used by
+        its own file's Entries (so its messages name that file, and it is validated once)."""
+        made = cls(model, [src._raw[i] for src, i in parts])
+        made._src = parts
+        return made
 
 
 # ----------------------------------------------------------------------------- manifest

@@ -230,11 +230,11 @@ Source = tuple[str, str, Entries[Any], int]
 
 def _committed(cache: str | Path, manifest: Manifest, memo: CommitMemo | None) -> list[Source]:
     """Where each committed entry is: the manifest's, then journal entries not folded in."""
-    seen = set(manifest.shards.validate_all().names())
+    seen = set(manifest.shards.names())
     mpath = manifest_name(cache)
     sources = [(mpath, MANIFEST_NAME, manifest.shards, i) for i in range(len(manifest.shards))]
     for j in journal_segments(cache, manifest.backend, memo):
-        new = [i for i, e in enumerate(j.shards) if e.name not in seen]
+        new = [i for i in range(len(j.shards)) if j.shards.name(i) not in seen]
         sources += [(j.name, j.rel, j.shards, i) for i in new]
     return sources
 
@@ -244,10 +244,12 @@ def load_committed(
 ) -> Manifest:
     """The manifest with journal entries folded in (what a reader may use right now).
 
-    Every entry is checked against its schema here, and a shard listed twice, and
-    (`check_entries`) an entry edited after it was committed, are refused, naming the file and
-    the shard. `cache verify` passes check_entries=False and reports those edits itself, with
-    their consequences. A `memo` kept across calls skips files unchanged since its last call.
+    A shard listed twice, an entry without its digest and (`check_entries`) an entry edited
+    after it was committed are refused here, naming the file and the shard; these checks read
+    the entries' JSON, and each entry is checked against its schema when first used
+    (`files.Entries`), so a load costs about a `json.loads` plus one digest per new entry.
+    `cache verify` passes check_entries=False and reports those edits itself, with their
+    consequences. A `memo` kept across calls skips files unchanged since its last call.
     """
     memo = memo or CommitMemo()
     st = open_storage(cache)
@@ -257,15 +259,18 @@ def load_committed(
     shards = Entries.join(read.shards.model, [(e, i) for _, _, e, i in sources])
     manifest = read.model_copy(update={"shards": shards})  # the memo's copy stays as read
     problems: list[tuple[str, str]] = []
-    listed = Counter(e.name for e in shards)  # not list.count: O(n^2) in shards
+    listed = Counter(shards.names())  # not list.count: O(n^2) in shards
     problems += [
         (manifest_name(cache), f"shard {n} is listed twice")
         for n in sorted(n for n, times in listed.items() if times > 1)
     ]
     for where, rel, entries, i in sources:
-        if entries[i].entry_sha256 is None:
-            problems.append((where, f"shard {entries[i].name}: entry has no {ENTRY_DIGEST}"))
-        elif check_entries and (edited := memo.verdict(rel, i, entries.json(i))):
+        entry = entries.json(i)
+        if entry.get(ENTRY_DIGEST) is None:
+            entries[i]  # an edit that breaks the schema is reported as that
+            problems.append((where, f"shard {entries.name(i)}: entry has no {ENTRY_DIGEST}"))
+        elif check_entries and (edited := memo.verdict(rel, i, entry)):
+            entries[i]
             problems.append((where, edited))
     if problems:
         where = problems[0][0]

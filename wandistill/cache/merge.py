@@ -99,6 +99,8 @@ class _Step:
     source: int
     entry: Entry
     rows: tuple[int, ...] | None
+    raw: dict[str, Any]
+    """The entry's JSON as read (a shard copied whole keeps it, under its new name)."""
 
 
 def _open_input(path: str | Path) -> CacheReader:
@@ -193,11 +195,11 @@ def corrupt_shards(
     sha256 of an object). `stamps` gets each file's stamp, taken before its check."""
     bad: dict[tuple[int, str], str] = {}
     for n, store in enumerate(stores):
-        for entry in store.entries:
+        for i, entry in enumerate(store.entries):
             if stamps is not None:
                 for rel in _files(store, entry):
                     stamps[(n, rel)] = store.storage.stamp(rel)
-            problems = [p for p in (mf.digest_problem(entry.as_json()),) if p]
+            problems = [p for p in (mf.digest_problem(store.entries.json(i)),) if p]
             problems += problems or _verify(store, entry)
             if problems:
                 bad[(n, entry.name)] = problems[0]
@@ -213,7 +215,7 @@ def plan(
     steps: list[_Step] = []
     dropped = 0
     for n, store in enumerate(stores):
-        for entry in store.entries:
+        for j, entry in enumerate(store.entries):
             if (n, entry.name) in skip:
                 continue
             keep = []
@@ -226,7 +228,7 @@ def plan(
             if not keep:
                 continue
             whole = len(keep) == entry.records
-            steps.append(_Step(n, entry, None if whole else tuple(keep)))
+            steps.append(_Step(n, entry, None if whole else tuple(keep), store.entries.json(j)))
     return steps, dropped
 
 
@@ -303,7 +305,7 @@ class _Merger:
             dst = f"{SHARD_DIR}/{name}.tar"
             how, _ = self.put(store, store.source.rel(src), dst)  # type: ignore[attr-defined]
             self._count({how})
-            entry = {k: v for k, v in src.as_json().items() if k != mf.ENTRY_DIGEST}
+            entry = {k: v for k, v in step.raw.items() if k != mf.ENTRY_DIGEST}
             entry.update(name=name, rank=MERGE_RANK, file=dst)
             keys = list(src.keys)
         else:
