@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -487,6 +487,17 @@ def _stock_steps(src: Iterator[tuple[dict[str, torch.Tensor], dict[str, Any]]]) 
             }
 
 
+def drain(batches: Iterable[dict[str, Any]], check: Checker, label: str) -> tuple[int, int]:
+    """Every batch of a baseline's loader, checked: (samples, the bytes they needed)."""
+    samples = payload = 0
+    check.checked = 0
+    for batch in batches:
+        samples += len(batch["key"])
+        payload += batch_payload(batch)
+        check(batch, label)
+    return samples, payload
+
+
 def read_stock_wds(
     urls: list[str], batch_size: int, workers: int, check: Checker
 ) -> tuple[int, int]:
@@ -498,13 +509,7 @@ def read_stock_wds(
         .compose(_stock_steps)
     )
     loader = DataLoader(ds, batch_size=batch_size, num_workers=workers)
-    samples = payload = 0
-    check.checked = 0
-    for batch in loader:
-        samples += len(batch["key"])
-        payload += batch_payload(batch)
-        check(batch, "stock webdataset")
-    return samples, payload
+    return drain(loader, check, "stock webdataset")
 
 
 class PerFileSteps(Dataset):
@@ -540,13 +545,7 @@ def read_files(
     loader = DataLoader(
         ds, batch_size=batch_size, sampler=order, num_workers=workers, drop_last=True
     )
-    samples = payload = 0
-    check.checked = 0
-    for batch in loader:
-        samples += len(batch["key"])
-        payload += batch_payload(batch)
-        check(batch, "per-file safetensors")
-    return samples, payload
+    return drain(loader, check, "per-file safetensors")
 
 
 def read_raw(files: list[Path]) -> tuple[int, int]:
