@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import shutil
 import statistics
 import sys
@@ -49,6 +48,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from harness import write_json  # tests/bench, next to this script
 
 
 def load_train_bench() -> ModuleType:
@@ -225,7 +225,7 @@ def report(
                 f"negative prompt): break-even after {breakeven_credited:.2f} epochs"
             )
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args), **figures}, default=str, indent=1))
+        write_json(args.json, {"command": " ".join(sys.argv), "args": vars(args), **figures})
 
 
 if __name__ == "__main__":
