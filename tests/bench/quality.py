@@ -64,10 +64,13 @@ def load_train_bench() -> ModuleType:
 
 def scores(run: Path, cache: Path) -> dict[str, Any]:
     from wandistill.eval.run import evaluate
+    from wandistill.student.folders import read_run
 
     out: dict[str, Any] = {}
     for name in ("student", "student_ema"):
-        ev = evaluate(cache, run / name, run / f"eval-{name}", teacher=None, split="holdout")
+        student = read_run(run, ema=name == "student_ema")  # evaluate takes the typed run
+        out_dir = run.parent / f"eval-{run.name}-{name}"  # eval never writes inside its --run
+        ev = evaluate(cache, student, out_dir, teacher=None, split="holdout")
         out[name] = {
             "records": ev.records,
             "latent_mse": ev.latent_mse,
