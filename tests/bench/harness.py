@@ -1,8 +1,9 @@
 """What every bench needs around its legs: the machine, memory peaks, and results on disk.
 
 Why one module: each bench printed its own machine line and sampled memory its own way, so
-figures from two benches could not be put side by side (issue 26, item 8). `gpu.py` uses all
-of it; the older benches can move here one at a time.
+figures from two benches could not be put side by side (issue 26, item 8). Every bench under
+tests/bench prints `machine_line()` (gpu.py and scale.py write `environment()` through
+`Report`) and writes its `--json` through `write_json`.
 
 * `environment()`: host, CPU model, cores, RAM, load, versions, git commit, and each visible
   GPU; `machine_line()`: the same as the one line a bench prints above its table;
