@@ -10,13 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from wandistill.cli.common import (
-    _out_dir,
-    _positive,
-    cache_app,
-    err,
-    out,
-)
+from wandistill.cli.common import _out_dir, _positive, cache_app, err, option, out
 from wandistill.errors import CacheError
 from wandistill.io.location import option as loc
 
@@ -136,10 +130,11 @@ def cache_merge(
     ],
     out_dir: Annotated[
         str,
-        typer.Option(
+        option(
             "--out",
             help="The merged cache (new or empty): a directory or URL.",
-            **loc("--out", url=True),
+            path="--out",
+            url=True,
         ),
     ],
     skip_corrupt: Annotated[

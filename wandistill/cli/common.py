@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from wandistill.errors import UsageError
+from wandistill.io.location import option as loc
 
 app = typer.Typer(
     name="wandistill",
@@ -49,6 +50,26 @@ def choice(flag: str, values: tuple[str, ...]) -> dict[str, Any]:
         return value
 
     return {"parser": parse, "metavar": f"[{'|'.join(values)}]"}
+
+
+def option(
+    *decls: str,
+    help: str,
+    path: str | None = None,
+    url: bool = False,
+    recipe: str | None = None,
+    fallback: str | None = None,
+    **rest: Any,
+) -> Any:
+    """A typer.Option in the shapes commands repeat: `path` names a location flag (parsed by
+    io.location, never click's Path, and named in its errors; `url`: fsspec URLs too); `recipe`
+    is the recipe key the flag overrides, which --help shows as its default (`fallback`: the
+    value when the recipe leaves it out)."""
+    if path is not None:
+        rest.update(loc(path, url=url))
+    if recipe is not None:
+        rest["show_default"] = _recipe_key(recipe, fallback)
+    return typer.Option(*decls, help=help, **rest)
 
 
 RecipeArg = Annotated[

@@ -7,22 +7,17 @@ from typing import Annotated
 
 import typer
 
-from wandistill.cli.common import (
-    SetOpt,
-    app,
-    out,
-)
-from wandistill.io.location import option as loc
+from wandistill.cli.common import SetOpt, app, option, out
 
 
 @app.command("demo")
 def demo_cmd(
     root: Annotated[
         Path,
-        typer.Option(
-            **loc("--root", url=False),
+        option(
             help="Folder for everything the demo makes (relative: to the cwd); a re-run reuses "
             "what is there.",
+            path="--root",
         ),
     ] = Path("cache/demo"),
     recipe: Annotated[
@@ -44,10 +39,10 @@ def demo_cmd(
     ] = True,
     teacher: Annotated[
         Path | None,
-        typer.Option(
-            **loc("--teacher", url=False),
+        option(
             help="A Wan teacher folder to distil instead. Default: the trained tiny teacher, "
             "built under --root on first use (about a minute).",
+            path="--teacher",
         ),
     ] = None,
 ) -> None:

@@ -10,44 +10,37 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from wandistill.cli.common import (
-    _out_dir,
-    _positive,
-    app,
-    err,
-    out,
-)
+from wandistill.cli.common import _out_dir, _positive, app, err, option, out
 from wandistill.errors import ConfigError, UsageError
-from wandistill.io.location import option as loc
 
 RunOpt = Annotated[
     Path | None,
-    typer.Option(
+    option(
         "--run",
-        **loc("--run", url=False),
         help="The --out folder of a finished `wandistill train`: its student, K-step scheduler "
         "and the cache it learned from (for sizes). Pick it for a run you have not exported. "
         "One of --run, --export, --student (default: none; eval needs one, sample without "
         "one samples the teacher).",
+        path="--run",
     ),
 ]
 ExportOpt = Annotated[
     Path | None,
-    typer.Option(
+    option(
         "--export",
-        **loc("--export", url=False),
         help="A folder written by `wandistill export` (a complete WanPipeline): pick it to test "
         "exactly what users will load. One of --run, --export, --student (default: none).",
+        path="--export",
     ),
 ]
 StudentOpt = Annotated[
     Path | None,
-    typer.Option(
+    option(
         "--student",
-        **loc("--student", url=False),
         help="A finished run's student/ or student_ema/ folder (its run's sampling.json gives K): "
         "the same as --run with --no-ema / --ema, named by folder. One of --run, --export, "
         "--student (default: none).",
+        path="--student",
     ),
 ]
 EmaOpt = Annotated[
@@ -76,19 +69,16 @@ _SAMPLE_DEFAULT = (
 def eval_cmd(
     cache: Annotated[
         str,
-        typer.Option(
+        option(
             help="The cache the student was trained from (its held-out records are scored) or a "
             "separate cache of the same teacher (with --split all); a folder or an fsspec URL.",
-            **loc("--cache", url=True),
+            path="--cache",
+            url=True,
         ),
     ],
     out_dir: Annotated[
         Path,
-        typer.Option(
-            "--out",
-            help="New folder for eval.md, eval.json and grid.png.",
-            **loc("--out", url=False),
-        ),
+        option("--out", help="New folder for eval.md, eval.json and grid.png.", path="--out"),
     ],
     run: RunOpt = None,
     export: ExportOpt = None,
@@ -96,18 +86,18 @@ def eval_cmd(
     ema: EmaOpt = True,
     teacher: Annotated[
         Path | None,
-        typer.Option(
-            **loc("--teacher", url=False),
+        option(
             help="The cache's teacher folder: adds teacher@K (the teacher itself at K steps, with "
             "its CFG), the column R_K compares with. Default: none (no R_K).",
+            path="--teacher",
         ),
     ] = None,
     baseline: Annotated[
         Path | None,
-        typer.Option(
-            **loc("--baseline", url=False),
+        option(
             help="Run folder of a step-imitating student (train with loss.output only): adds "
             "baseline@K and baseline@N, to show what few-step training buys. Default: none.",
+            path="--baseline",
         ),
     ] = None,
     steps: Annotated[
@@ -230,17 +220,11 @@ def _check_sampler_flags(**given: float | None) -> None:
 def sample_cmd(
     prompts: Annotated[
         Path,
-        typer.Option(
-            help="Prompt file: .txt (one per line) or .jsonl.", **loc("--prompts", url=False)
-        ),
+        option(help="Prompt file: .txt (one per line) or .jsonl.", path="--prompts"),
     ],
     out_dir: Annotated[
         Path,
-        typer.Option(
-            "--out",
-            help="New folder for NNNN.png (frame 0) and grid.png.",
-            **loc("--out", url=False),
-        ),
+        option("--out", help="New folder for NNNN.png (frame 0) and grid.png.", path="--out"),
     ],
     export: ExportOpt = None,
     run: RunOpt = None,
@@ -248,19 +232,20 @@ def sample_cmd(
     ema: EmaOpt = True,
     teacher: Annotated[
         Path | None,
-        typer.Option(
-            **loc("--teacher", url=False),
+        option(
             help="Teacher folder. With --run/--student: its tokenizer, text encoder and VAE "
             "(the run's teacher). Alone: the teacher itself is sampled, to compare. Default: "
             "none (an --export brings its own).",
+            path="--teacher",
         ),
     ] = None,
     cache: Annotated[
         str | None,
-        typer.Option(
-            **loc("--cache", url=True),
+        option(
             help="Teacher alone: take steps, sizes and CFG from this cache's settings (what the "
             "student learned from). Default: none.",
+            path="--cache",
+            url=True,
         ),
     ] = None,
     recipe: Annotated[

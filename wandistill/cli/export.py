@@ -7,38 +7,29 @@ from typing import Annotated
 
 import typer
 
-from wandistill.cli.common import (
-    _out_dir,
-    app,
-    out,
-)
-from wandistill.io.location import option as loc
+from wandistill.cli.common import _out_dir, app, option, out
 
 
 @app.command("export")
 def export_cmd(
     run: Annotated[
         Path,
-        typer.Option(
-            "--run",
-            help="The --out folder of a finished `wandistill train`.",
-            **loc("--run", url=False),
-        ),
+        option("--run", help="The --out folder of a finished `wandistill train`.", path="--run"),
     ],
     teacher: Annotated[
         Path,
-        typer.Option(
-            **loc("--teacher", url=False),
+        option(
             help="The run's teacher folder: its tokenizer, text encoder and VAE go into the "
             "pipeline (checked to be those the run's cache was made with).",
+            path="--teacher",
         ),
     ],
     out_dir: Annotated[
         Path,
-        typer.Option(
+        option(
             "--out",
             help="New (or empty, or an earlier export's) folder for the WanPipeline.",
-            **loc("--out", url=False),
+            path="--out",
         ),
     ],
     ema: Annotated[

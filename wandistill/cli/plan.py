@@ -16,18 +16,19 @@ from wandistill.cli.common import (
     RecipeArg,
     SetOpt,
     _flag_sets,
-    _recipe_key,
     app,
     choice,
     err,
+    option,
     out,
 )
 from wandistill.cli.precompute import _show_recording
 from wandistill.errors import UsageError
-from wandistill.io.location import option as loc
 
 if TYPE_CHECKING:
-    from wandistill.config import Recipe
+    from wandistill.config import PrecomputeConfig, Recipe
+    from wandistill.placement.inventory import Inventory
+    from wandistill.placement.plan import Plan
 
 
 TEACHER_CONFIGS = ("wan2.1-1.3b", "wan2.1-14b", "wan2.2-a14b")
@@ -55,89 +56,106 @@ def _machine_bounds(gpus: int | None, sizes: dict[str, str | None]) -> None:
             )
 
 
+TeacherOpt = Annotated[
+    str | None,
+    option(
+        help="Local diffusers Wan folder; sizes come from its safetensors headers, so its "
+        "weights need not be downloaded yet.",
+        path="--teacher",
+        recipe="teacher.path",
+    ),
+]
+ConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--config",
+        metavar="NAME",  # checked, with its fix, by the loader
+        help="A published teacher's shipped configs, no folder at all: to size a machine "
+        f"before downloading ({', '.join(TEACHER_CONFIGS)}). Not with --teacher.",
+        show_default="none",
+    ),
+]
+PlacementOpt = Annotated[
+    str | None,
+    option(
+        help="Placement to check (the plan lists them all). " + PLACEMENT_HELP,
+        recipe="teacher.placement",
+        fallback="auto",
+    ),
+]
+DtypeOpt = Annotated[
+    str | None,
+    option(
+        help="Teacher compute dtype to size for: bf16 halves fp32's weight memory.",
+        **choice("--dtype", DTYPES),
+        recipe="teacher.dtype",
+        fallback="fp32",
+    ),
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json/--no-json", help="Print the plan as JSON (for scripts).")
+]
+TrainOpt = Annotated[
+    bool,
+    typer.Option(
+        "--train/--no-train",
+        help="Plan `train` instead: per-rank weights, gradients, AdamW, EMA and activations "
+        "of the recipe's student for DDP / FSDP / checkpointing / LoRA / batch, and which fit.",
+    ),
+]
+
+# What-if: a machine described by flags instead of this one.
+GpusOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--gpus",
+        help=f"What-if: plan for a machine with N GPUs, 0..{MAX_GPUS} (with --gpu-mem) "
+        "instead of this one.",
+        show_default="this machine's",
+    ),
+]
+GpuMemOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu-mem",
+        help=f"What-if: memory of each GPU (80GiB, 80GB), at most {MAX_SIZES['--gpu-mem']}.",
+        show_default="this machine's",
+    ),
+]
+CpuMemOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--cpu-mem",
+        help=f"What-if: RAM (512GiB), at most {MAX_SIZES['--cpu-mem']}.",
+        show_default="this machine's",
+    ),
+]
+DiskOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--disk",
+        help=f"What-if: free disk for disk-offload, at most {MAX_SIZES['--disk']}.",
+        show_default="1TiB in a what-if, else the free space of the offload folder",
+    ),
+]
+Machine = tuple[int | None, str | None, str | None, str | None]
+"""plan's what-if flags: --gpus, --gpu-mem, --cpu-mem, --disk (None: not given)."""
+
+
 @app.command("plan")
 def plan_cmd(
     recipe: RecipeArg = None,
-    teacher: Annotated[
-        str | None,
-        typer.Option(
-            **loc("--teacher", url=False),
-            help="Local diffusers Wan folder; sizes come from its safetensors headers, so its "
-            "weights need not be downloaded yet.",
-            show_default=_recipe_key("teacher.path"),
-        ),
-    ] = None,
-    config: Annotated[
-        str | None,
-        typer.Option(
-            "--config",
-            metavar="NAME",  # checked, with its fix, by the loader
-            help="A published teacher's shipped configs, no folder at all: to size a machine "
-            f"before downloading ({', '.join(TEACHER_CONFIGS)}). Not with --teacher.",
-            show_default="none",
-        ),
-    ] = None,
-    placement: Annotated[
-        str | None,
-        typer.Option(
-            help="Placement to check (the plan lists them all). " + PLACEMENT_HELP,
-            show_default=_recipe_key("teacher.placement", "auto"),
-        ),
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(
-            **choice("--dtype", DTYPES),
-            help="Teacher compute dtype to size for: bf16 halves fp32's weight memory.",
-            show_default=_recipe_key("teacher.dtype", "fp32"),
-        ),
-    ] = None,
+    teacher: TeacherOpt = None,
+    config: ConfigOpt = None,
+    placement: PlacementOpt = None,
+    dtype: DtypeOpt = None,
     overrides: SetOpt = None,
-    as_json: Annotated[
-        bool,
-        typer.Option("--json/--no-json", help="Print the plan as JSON (for scripts)."),
-    ] = False,
-    gpus: Annotated[
-        int | None,
-        typer.Option(
-            "--gpus",
-            help=f"What-if: plan for a machine with N GPUs, 0..{MAX_GPUS} (with --gpu-mem) "
-            "instead of this one.",
-            show_default="this machine's",
-        ),
-    ] = None,
-    gpu_mem: Annotated[
-        str | None,
-        typer.Option(
-            "--gpu-mem",
-            help=f"What-if: memory of each GPU (80GiB, 80GB), at most {MAX_SIZES['--gpu-mem']}.",
-            show_default="this machine's",
-        ),
-    ] = None,
-    cpu_mem: Annotated[
-        str | None,
-        typer.Option(
-            "--cpu-mem",
-            help=f"What-if: RAM (512GiB), at most {MAX_SIZES['--cpu-mem']}.",
-            show_default="this machine's",
-        ),
-    ] = None,
-    disk: Annotated[
-        str | None,
-        typer.Option(
-            "--disk",
-            help=f"What-if: free disk for disk-offload, at most {MAX_SIZES['--disk']}.",
-            show_default="1TiB in a what-if, else the free space of the offload folder",
-        ),
-    ] = None,
-    train: Annotated[
-        bool,
-        typer.Option(
-            "--train/--no-train",
-            help="Plan `train` instead: per-rank weights, gradients, AdamW, EMA and activations "
-            "of the recipe's student for DDP / FSDP / checkpointing / LoRA / batch, and which fit.",
-        ),
-    ] = False,
+    as_json: JsonOpt = False,
+    gpus: GpusOpt = None,
+    gpu_mem: GpuMemOpt = None,
+    cpu_mem: CpuMemOpt = None,
+    disk: DiskOpt = None,
+    train: TrainOpt = False,
 ) -> None:
     """Memory each placement needs, what fits, and which one auto picks (or, --train, training's).
 
@@ -147,12 +165,6 @@ def plan_cmd(
     and activations of the recipe's student for DDP / FSDP / checkpointing / LoRA / batch."""
     _machine_bounds(gpus, {"--gpu-mem": gpu_mem, "--cpu-mem": cpu_mem, "--disk": disk})
     from wandistill.config import load_recipe
-    from wandistill.placement.estimate import SamplerSizes, dtype_from_name
-    from wandistill.placement.inventory import Inventory
-    from wandistill.placement.plan import make_plan, too_small
-    from wandistill.placement.render import render_plan
-    from wandistill.placement.train_inputs import machine_for
-    from wandistill.teacher.folder import TeacherFolder
 
     if teacher and config:
         raise UsageError("--teacher and --config both given", fix="pass one of them")
@@ -171,6 +183,37 @@ def plan_cmd(
             "no teacher to plan",
             fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
         )
+    inventory, what_if = _plan_machine(full, recipe, (gpus, gpu_mem, cpu_mem, disk))
+    plan = _teacher_plan(cfg, config, inventory)
+    if as_json:
+        out.print_json(json.dumps(plan.to_json()))
+    else:
+        from wandistill.placement.render import render_plan
+
+        for renderable in render_plan(plan):
+            out.print(renderable)
+        if recipe is not None and not config:
+            _show_recording(load_recipe(recipe, sets, stage="precompute"))
+    if what_if and plan.auto.placement is None:
+        from wandistill.placement.plan import too_small
+
+        raise too_small(plan)
+    if not what_if:
+        try:
+            cfg.teacher.placement.check(len(inventory.gpus))
+        except UsageError as e:
+            err.print(f"[yellow]requested placement:[/yellow] {e.message}", highlight=False)
+
+
+def _plan_machine(full: Recipe, recipe: str | None, machine: Machine) -> tuple[Inventory, bool]:
+    """The machine a teacher plan is for, and whether it is a what-if (not this one): the one
+    the flags describe, else this one, or the machine a recipe is named for where this one has
+    no GPU (said in a note)."""
+    from wandistill.placement.inventory import Inventory
+    from wandistill.placement.train_inputs import machine_for
+
+    cfg = full.precompute
+    gpus, gpu_mem, cpu_mem, disk = machine
     what_if = any(v is not None for v in (gpus, gpu_mem, cpu_mem, disk))
     if what_if:
         inventory = Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk)
@@ -183,33 +226,28 @@ def plan_cmd(
         if line:
             err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
             what_if = True
+    return inventory, what_if
+
+
+def _teacher_plan(cfg: PrecomputeConfig, config: str | None, inventory: Inventory) -> Plan:
+    """The placement plan of the recipe's teacher (or the published --config) on `inventory`."""
+    from wandistill.placement.estimate import SamplerSizes, dtype_from_name
+    from wandistill.placement.plan import make_plan
+    from wandistill.teacher.folder import TeacherFolder
+
     # Validated as precompute would (custom code, pickles, bad configs); weights may be absent.
     source = (
         TeacherFolder.published(config)
         if config
         else TeacherFolder.open(cfg.teacher.path, complete=False)
     )
-    plan = make_plan(
+    return make_plan(
         source,
         dtype=dtype_from_name(cfg.teacher.dtype),
         sizes=SamplerSizes.from_config(cfg),
         inventory=inventory,
         placement=cfg.teacher.placement,
     )
-    if as_json:
-        out.print_json(json.dumps(plan.to_json()))
-    else:
-        for renderable in render_plan(plan):
-            out.print(renderable)
-        if recipe is not None and not config:
-            _show_recording(load_recipe(recipe, sets, stage="precompute"))
-    if what_if and plan.auto.placement is None:
-        raise too_small(plan)
-    if not what_if:
-        try:
-            cfg.teacher.placement.check(len(inventory.gpus))
-        except UsageError as e:
-            err.print(f"[yellow]requested placement:[/yellow] {e.message}", highlight=False)
 
 
 def _plan_train(
@@ -218,7 +256,7 @@ def _plan_train(
     config: str | None,
     overrides: list[str] | None,
     as_json: bool,
-    machine: tuple[int | None, str | None, str | None, str | None],
+    machine: Machine,
 ) -> None:
     """`plan --train`: the student's memory per rank for each way to train it."""
     from wandistill.config import load_recipe

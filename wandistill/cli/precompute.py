@@ -18,14 +18,13 @@ from wandistill.cli.common import (
     RecipeArg,
     SetOpt,
     _flag_sets,
-    _recipe_key,
     app,
     choice,
     err,
+    option,
     out,
 )
 from wandistill.errors import UsageError
-from wandistill.io.location import option as loc
 
 if TYPE_CHECKING:
     from wandistill.config import Recipe
@@ -36,54 +35,54 @@ def precompute_cmd(
     recipe: RecipeArg = None,
     teacher: Annotated[
         str | None,
-        typer.Option(
+        option(
             help="Local diffusers Wan folder (model_index.json at its root).",
-            **loc("--teacher", url=False),
-            show_default=_recipe_key("teacher.path"),
+            path="--teacher",
+            recipe="teacher.path",
         ),
     ] = None,
     prompts: Annotated[
         str | None,
-        typer.Option(
+        option(
             help='Prompt file: .txt (one per line) or .jsonl ({"prompt": ...} per line).',
-            **loc("--prompts", url=False),
-            show_default=_recipe_key("prompts"),
+            path="--prompts",
+            recipe="prompts",
         ),
     ] = None,
     out_dir: Annotated[
         str | None,
-        typer.Option(
+        option(
             "--out",
             help="Cache directory or fsspec URL (s3://bucket/prefix) to write; re-running "
             "resumes it.",
-            **loc("--out", url=True),
-            show_default=_recipe_key("cache.path"),
+            path="--out",
+            url=True,
+            recipe="cache.path",
         ),
     ] = None,
     backend: Annotated[
         str | None,
-        typer.Option(
-            **choice("--backend", ("webdataset", "zarr")),
+        option(
             help="Cache format: webdataset (tar shards: stream from disk or object storage, "
             "copy with any tool) or zarr (v3 arrays: read one record or one field without "
             "its shard). Training reads both alike.",
-            show_default=_recipe_key("cache.backend", "webdataset"),
+            **choice("--backend", ("webdataset", "zarr")),
+            recipe="cache.backend",
+            fallback="webdataset",
         ),
     ] = None,
     placement: Annotated[
         str | None,
-        typer.Option(
-            help=PLACEMENT_HELP,
-            show_default=_recipe_key("teacher.placement", "auto"),
-        ),
+        option(help=PLACEMENT_HELP, recipe="teacher.placement", fallback="auto"),
     ] = None,
     dtype: Annotated[
         str | None,
-        typer.Option(
-            **choice("--dtype", DTYPES),
+        option(
             help="Teacher compute dtype: bf16 on recent GPUs (half the memory of fp32), fp16 "
             "on older ones, fp32 on CPU or to compare exactly.",
-            show_default=_recipe_key("teacher.dtype", "fp32"),
+            **choice("--dtype", DTYPES),
+            recipe="teacher.dtype",
+            fallback="fp32",
         ),
     ] = None,
     part: Annotated[

@@ -14,13 +14,12 @@ from wandistill.cli.common import (
     SetOpt,
     _flag_sets,
     _out_dir,
-    _recipe_key,
     app,
     err,
+    option,
     out,
 )
 from wandistill.errors import UsageError
-from wandistill.io.location import option as loc
 
 
 @app.command("train")
@@ -28,30 +27,31 @@ def train_cmd(
     recipe: RecipeArg = None,
     cache: Annotated[
         list[str] | None,
-        typer.Option(
+        option(
             help="Cache directory or fsspec URL (precompute --out). Repeat it to train on several "
             "caches of one teacher and settings as one dataset (weights: --set "
             "'train.cache_weights=[2, 1]').",
-            show_default=_recipe_key("cache"),
-            **loc("--cache", url=True),
+            recipe="cache",
+            path="--cache",
+            url=True,
         ),
     ] = None,
     out_dir: Annotated[
         str | None,
-        typer.Option(
+        option(
             "--out",
             help="Run directory to write (run.json, metrics.jsonl, loss.png, checkpoints/, "
             "student/); a local (or mounted) folder.",
-            **loc("--out", url=False),
-            show_default=_recipe_key("out"),
+            path="--out",
+            recipe="out",
         ),
     ] = None,
     steps: Annotated[
         int | None,
-        typer.Option(
+        option(
             help="Total optimizer steps of the run: --resume trains up to it, not that many "
             "more (at 100 steps, --steps 150 --resume trains 50).",
-            show_default=_recipe_key("steps"),
+            recipe="steps",
         ),
     ] = None,
     resume: Annotated[
@@ -82,10 +82,10 @@ def train_cmd(
     ] = False,
     parallel: Annotated[
         str | None,
-        typer.Option(
+        option(
             help="ddp (each rank holds the whole student) or fsdp (FSDP2: the student, its "
             "gradients, optimizer state and EMA sharded over the ranks; sharded checkpoints).",
-            show_default=_recipe_key("parallel"),
+            recipe="parallel",
         ),
     ] = None,
     overrides: SetOpt = None,
