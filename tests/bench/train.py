@@ -89,7 +89,7 @@ MB = 1024**2
 
 def prompts_for(n: int) -> list[str]:
     """The demo's prompts (the trained teacher's grammar, wandistill/demo.py), deterministic."""
-    from wandistill.teacher.trained import synthetic_prompts
+    from wandistill.teacher.world import synthetic_prompts
 
     return synthetic_prompts(n, seed=0)
 

@@ -17,7 +17,7 @@ from wandistill.eval import run as ev
 from wandistill.eval import viewer
 from wandistill.eval.equivalent import curve_steps, place
 from wandistill.eval.metrics import mse, psnr
-from wandistill.teacher.trained import parse_prompt
+from wandistill.teacher.world import parse_prompt
 
 from cachefixtures import write_cache
 
@@ -159,7 +159,7 @@ def test_each_column_reports_what_a_viewer_sees_in_the_table_and_json(tmp_path: 
     prompt, a student drawing the wrong shape loses exactly the shape, noise shows nothing."""
     from dataclasses import replace
 
-    from wandistill.teacher.trained import synthetic_pattern, synthetic_prompts
+    from wandistill.teacher.world import synthetic_pattern, synthetic_prompts
 
     from cachefixtures import make_record
 
