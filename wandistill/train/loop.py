@@ -76,6 +76,7 @@ from wandistill.student.losses import (
 from wandistill.student.model import DistillModule
 from wandistill.student.schedule import ObjectivePlan, TeacherSchedule, plan_objectives
 from wandistill.train import checkpoint as ckpt_io
+from wandistill.train import checkpoint_read as ckpt_read
 from wandistill.train import dcp as sharded
 from wandistill.train import job, parallel
 from wandistill.train.ema import EMA, TargetNetwork
@@ -301,7 +302,7 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     out = Path(cfg.out)
     latest = ckpt_io.resolve_latest(out / "checkpoints")
     if resume and latest is not None:
-        _, saved, _ = ckpt_io.check_state(latest)  # a bad one fails here, before any build
+        _, saved, _ = ckpt_read.check_state(latest)  # a bad one fails here, before any build
         meta = saved.get("meta", {})
         problems.append(experts.resume_problem(cfg.student, meta, latest))
         parallel_was = meta.get("parallel", "ddp")
@@ -562,7 +563,7 @@ def _load_files(
     target: TargetNetwork | None,
 ) -> Loaded:
     """A DDP checkpoint (whole tensors in safetensors files) into the live modules."""
-    ck = ckpt_io.load_checkpoint(path)
+    ck = ckpt_read.load_checkpoint(path)
     parts = {
         "student.safetensors": lora.trainable_state_dict(model.student),
         "ema.safetensors": ema.state_dict(),
@@ -570,7 +571,7 @@ def _load_files(
     }
     if target is not None and ck.target:
         parts["target.safetensors"] = target.state_dict()
-    ckpt_io.check_restorable(ck, path, parts, optimizer, scheduler)
+    ckpt_read.check_restorable(ck, path, parts, optimizer, scheduler)
     check_same_run(ck.state.get("meta", {}), meta, path)
     lora.load_trainable_state_dict(model.student, ck.student)
     model.projections.load_state_dict(
@@ -594,10 +595,10 @@ def _load_sharded(
     target: TargetNetwork | None,
 ) -> Loaded:
     """A sharded (FSDP) checkpoint, on any number of ranks (train/dcp.py)."""
-    state, raw, _ = ckpt_io.check_state(path)
+    state, raw, _ = ckpt_read.check_state(path)
     check_same_run(raw.get("meta", {}), meta, path)
     rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer, info)
-    ckpt_io.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
+    ckpt_read.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
     return state.step, raw, rng
 
 
