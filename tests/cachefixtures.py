@@ -10,6 +10,7 @@ import torch
 from wandistill.cache import CacheWriter, Record, record_key
 from wandistill.cache.contract import field_specs
 from wandistill.cache.encoding import Encoding
+from wandistill.cache.files import DimsBlock
 from wandistill.teacher.tiny import TRANSFORMER_CONFIG
 
 SETTINGS = {"max_sequence_length": 24, "record_steps": [0, 2, 3], "num_inference_steps": 4}
@@ -19,6 +20,7 @@ DIMS = {
     "latent_shape": [16, 1, 4, 4],
     "num_recorded_steps": 3,
 }
+DIMS_BLOCK = DimsBlock.model_validate(DIMS)
 TEACHER = {
     "fingerprint": "f" * 64,
     "components": {},

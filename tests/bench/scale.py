@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for cach
 from harness import Report, environment  # noqa: E402
 
 from wandistill.cache import manifest as mf  # noqa: E402
+from wandistill.cache.files import Entries  # noqa: E402
 from wandistill.cache.keyindex import NameIndex  # noqa: E402
 from wandistill.cache.reader import CacheReader  # noqa: E402
 
@@ -44,7 +45,7 @@ from cachefixtures import write_cache  # noqa: E402
 
 def entries(base: Path, n: int) -> list[dict]:
     """n sealed shard entries: copies of `base`'s, each with its own name and keys."""
-    real = mf.read_manifest(base).shards
+    real = mf.read_manifest(base).shards.json_list()
     out = []
     for j in range(n):
         e = copy.deepcopy(real[j % len(real)])
@@ -58,7 +59,7 @@ def entries(base: Path, n: int) -> list[dict]:
 def cache_of(base: Path, path: Path, shards: list[dict]) -> Path:
     shutil.copytree(base, path)
     m = mf.read_manifest(path)
-    m.shards = shards
+    m.shards = Entries(m.shards.model, shards)
     mf.write_manifest(path, m)
     return path
 

@@ -248,32 +248,32 @@ class Online(_Source):
         from wandistill.teacher.sampler import RecordingSampler, SamplerSpec
 
         s = store.manifest.settings
-        if s.get("boundary_ratio") is not None:
+        if s.boundary_ratio is not None:
             raise SystemExit("the online legs support one-expert (Wan 2.1) teachers only")
         self.encode_trimmed = encode_trimmed
         self.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-            s["dtype"]
+            s.dtype or "fp32"
         ]
         pipe = WanPipeline.from_pretrained(teacher, torch_dtype=self.dtype)
         self.tokenizer, self.encoder = pipe.tokenizer, pipe.text_encoder.eval()
         self.model = pipe.transformer.eval()
-        self.msl = int(s["max_sequence_length"])
-        self.steps = list(s["record_steps"])
+        self.msl = int(s.max_sequence_length or 512)
+        self.steps = list(s.record_steps or [])
         spec = SamplerSpec(
-            num_inference_steps=int(s["num_inference_steps"]),
-            guidance_scale=float(s["guidance_scale"]),
+            num_inference_steps=int(s.num_inference_steps or 0),
+            guidance_scale=float(s.guidance_scale or 0.0),
             guidance_scale_2=None,
             boundary_timestep=None,
-            expand_timesteps=bool(s.get("expand_timesteps", False)),
+            expand_timesteps=s.expand_timesteps,
             record_steps=tuple(self.steps),
             features=(),
-            latent_shape=tuple(store.manifest.dims["latent_shape"]),
+            latent_shape=tuple(store.manifest.dims.latent_shape),
             max_sequence_length=self.msl,
         )
         self.sampler = RecordingSampler(pipe.scheduler, spec)
-        self.negative = self.encode([s["negative_prompt"]])[0]
+        self.negative = self.encode([s.negative_prompt or ""])[0]
         self.startup_s = time.perf_counter() - started  # teacher load + negative prompt
-        frac = float(s.get("holdout_fraction", 0.0))
+        frac = float(s.holdout_fraction or 0.0)
         records = [store.read_record(e, i) for e, i in store.locate().values()]
         self.prompts = sorted({r.prompt for r in records if not is_holdout(r.key, frac)})
         self.fields = [f for f in fields if f != "step_slot"]

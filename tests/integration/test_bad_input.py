@@ -505,7 +505,7 @@ def test_disk_full_in_precompute_keeps_every_committed_shard(
     code, out, err = _cli(capsys, _pre_args(world, prompts, cache))  # space is back: resume
     assert code == 0 and "2 records written" in " ".join(out.split()), err
     with open_cache(cache) as store:
-        keys = [k for e in store.entries for k in e["keys"]]
+        keys = [k for e in store.entries for k in e.keys]
         assert len(keys) == len(set(keys)) == 4 and store.verify() == []
 
 

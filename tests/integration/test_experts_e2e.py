@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from wandistill.cache.manifest import read_manifest
 from wandistill.train.metrics import read_metrics
 
 from cachefixtures import write_cache
@@ -122,7 +123,7 @@ def test_each_expert_starts_from_its_own_teacher_expert(world: dict[str, Path]) 
     ).train
     config = json.loads((world["run"] / "student" / "transformer" / "config.json").read_text())
     config = {k: v for k, v in config.items() if not k.startswith("_")}
-    settings = json.loads((world["cache"] / "manifest.json").read_text())["settings"]
+    settings = read_manifest(world["cache"]).settings
     pair = experts.build(cfg.student, config, settings, seed=0)
     for name in experts.EXPERTS:
         path = world["teacher"] / name / "diffusion_pytorch_model.safetensors"

@@ -70,7 +70,7 @@ def _blobs(url: str) -> dict[str, bytes]:
     m = load_committed(url)
     src = WebDatasetSource(url)
     try:
-        return {k: src.read_blob(e, i) for e in m.shards for i, k in enumerate(e["keys"])}
+        return {k: src.read_blob(e, i) for e in m.shards for i, k in enumerate(e.keys)}
     finally:
         src.close()
 
@@ -104,7 +104,7 @@ def test_precompute_verify_train_eval_and_a_killed_precompute_resumes_on_s3(
     resumed = _run(world, *_precompute(world, killed_url))  # takes over the dead writer's lock
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     m = load_committed(killed_url)
-    keys = [k for s in m.shards for k in s["keys"]]
+    keys = [k for s in m.shards for k in s.keys]
     assert m.complete and len(keys) == len(set(keys)) == 6
     assert _blobs(killed_url) == _blobs(url)
 
@@ -170,7 +170,7 @@ def test_two_nodes_precompute_and_train_on_one_s3_cache(world: dict[str, Path]) 
     for node in _two_nodes(*_precompute(world, url)):
         assert node.returncode == 0, node.stderr[-3000:]
     m = load_committed(url)
-    assert m.complete and {s["rank"] for s in m.shards} == {0, 1} and m.num_records == 6
+    assert m.complete and {s.rank for s in m.shards} == {0, 1} and m.num_records == 6
     whole = f"s3://{BUCKET}/whole"
     if not has_manifest(whole):  # the test above did not run on this server (-k, or xdist)
         assert _run(world, *_precompute(world, whole)).returncode == 0

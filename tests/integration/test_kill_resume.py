@@ -149,13 +149,13 @@ def committed(cache: Path, *, decoded: bool = False) -> Committed:
     if not manifest_path(cache).is_file():
         return Committed([], {}, {}, False)
     m = load_committed(cache)
-    keys = [k for s in m.shards for k in s["keys"]]
-    digests = ((e["name"], e.get("frame_sha256") or e["sha256"]) for e in m.shards)
+    keys = [k for s in m.shards for k in s.keys]
+    digests = ((e.name, getattr(e, "frame_sha256", None) or e.sha256) for e in m.shards)
     shards = {name: json.dumps(digest, sort_keys=True) for name, digest in digests}
     if m.backend == "webdataset" and not decoded:
         src = WebDatasetSource(cache)
         try:
-            blobs = {k: src.read_blob(e, i) for e in m.shards for i, k in enumerate(e["keys"])}
+            blobs = {k: src.read_blob(e, i) for e in m.shards for i, k in enumerate(e.keys)}
         finally:
             src.close()
     else:

@@ -176,7 +176,7 @@ def _wait_stopped(proc: subprocess.Popen[str]) -> None:
 def _keys(cache: Path) -> list[str]:
     with open_cache(cache) as store:
         assert store.verify() == []
-        return [k for e in store.entries for k in e["keys"]]
+        return [k for e in store.entries for k in e.keys]
 
 
 @pytest.mark.slow  # a real process holds the cache

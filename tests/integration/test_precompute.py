@@ -161,11 +161,11 @@ def test_manifest_records_sampler_settings_and_shared_schedule(
     m = read_manifest(tmp_path / "c")
     assert m.complete and m.num_records == 2
     s = m.settings
-    assert s["cfg_formula"] == "uncond + g * (cond - uncond)" and s["guidance_scale"] == 5.0
-    assert s["boundary_ratio"] == 0.875 and s["record_steps"] == [0, 2, 5]
-    assert s["scheduler"] == "UniPCMultistepScheduler" and s["num_inference_steps"] == 6
-    assert m.dims["text_dim"] == 32 and m.dims["latent_shape"] == [16, 1, 4, 4]
-    assert "feature.blocks.1" in [f["name"] for f in m.fields]
+    assert s.cfg_formula == "uncond + g * (cond - uncond)" and s.guidance_scale == 5.0
+    assert s.boundary_ratio == 0.875 and s.record_steps == [0, 2, 5]
+    assert s.scheduler == "UniPCMultistepScheduler" and s.num_inference_steps == 6
+    assert m.dims.text_dim == 32 and m.dims.latent_shape == [16, 1, 4, 4]
+    assert "feature.blocks.1" in [f.name for f in m.fields]
     with open_cache(tmp_path / "c") as store:
         shared = store.read_shared()
         rec = next(store.records())
@@ -195,7 +195,7 @@ def _blobs(cache: Path) -> dict[str, bytes]:
     m = read_manifest(cache)
     src = WebDatasetSource(cache)
     try:
-        return {k: src.read_blob(e, i) for e in m.shards for i, k in enumerate(e["keys"])}
+        return {k: src.read_blob(e, i) for e in m.shards for i, k in enumerate(e.keys)}
     finally:
         src.close()
 
@@ -267,7 +267,7 @@ def test_two_process_torchrun_writes_the_same_records_as_one_process(
     )
     assert two.returncode == 0, two.stderr[-3000:]
     m = read_manifest(tmp_path / "two")
-    assert m.complete and {s["rank"] for s in m.shards} == {0, 1}
+    assert m.complete and {s.rank for s in m.shards} == {0, 1}
     assert _blobs(tmp_path / "one") == _blobs(tmp_path / "two")
     # One summary for the whole job (rank 0's), every rank's counts and truncations in it.
     assert two.stdout.count("records written") == 1, two.stdout
@@ -314,7 +314,7 @@ def test_kill_9_then_rerun_completes_every_record_exactly_once(
     again = zygote.cli(_cmd(teachers["wan21"], prompts, cache), tmp_path / "again.log")
     assert again.returncode == 0, again.stderr
     m = read_manifest(cache)
-    keys = [k for s in m.shards for k in s["keys"]]
+    keys = [k for s in m.shards for k in s.keys]
     assert m.complete and len(keys) == len(set(keys)) == 16
     assert _blobs(cache) == _blobs(tmp_path / "ref")
 

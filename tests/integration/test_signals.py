@@ -205,8 +205,8 @@ def _records(cache: Path) -> tuple[list[str], dict[str, bytes]]:
     m = load_committed(cache)
     src = WebDatasetSource(cache)
     try:
-        keys = [k for s in m.shards for k in s["keys"]]
-        return keys, {k: src.read_blob(e, i) for e in m.shards for i, k in enumerate(e["keys"])}
+        keys = [k for s in m.shards for k in s.keys]
+        return keys, {k: src.read_blob(e, i) for e in m.shards for i, k in enumerate(e.keys)}
     finally:
         src.close()
 

@@ -36,9 +36,9 @@ def test_stored_dtype_is_declared_and_read_back_as_the_computed_dtype(
         tmp_path, range(3), backend=backend, encoding=Encoding(dtype=dtype), features=("b0",)
     )
     with open_cache(tmp_path) as store:
-        specs = {f["name"]: f for f in store.manifest.fields}
-        assert specs["xt"]["decoded"] == "float32" and specs["noise"].get("decoded") is None
-        assert specs["xt"].get("scaled", False) == (dtype == "fp8")
+        specs = {f.name: f for f in store.manifest.fields}
+        assert specs["xt"].decoded == "float32" and specs["noise"].decoded is None
+        assert specs["xt"].scaled == (dtype == "fp8")
         assert store.verify() == []
         entry = store.entries[0]
         want = make_record(1, features=("b0",))

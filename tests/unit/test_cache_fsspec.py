@@ -65,7 +65,7 @@ def test_a_cache_on_s3_holds_the_same_bytes_and_samples_as_a_local_one(
     write_cache(tmp_path / "local", range(6), shard_records=4)
     write_cache(_url("same"), range(6), shard_records=4)
     local, remote = load_committed(tmp_path / "local"), load_committed(_url("same"))
-    assert [s["frame_sha256"] for s in remote.shards] == [s["frame_sha256"] for s in local.shards]
+    assert [s.frame_sha256 for s in remote.shards] == [s.frame_sha256 for s in local.shards]
     with open_cache(_url("same")) as store:
         assert store.verify() == []
         assert store.read_shared().keys() == {"negative_prompt_embeds", "sigmas"}
@@ -80,7 +80,7 @@ def test_a_shard_object_no_journal_names_is_never_read(s3: dict[str, str]) -> No
     shard = f"{BUCKET}/orphan/shards/r00000-000000.tar"
     fs.pipe_file(f"{BUCKET}/orphan/shards/r00000-000001.tar", fs.cat_file(shard))
     m = load_committed(_url("orphan"))
-    assert [s["name"] for s in m.shards] == ["r00000-000000"] and m.num_records == 4
+    assert [s.name for s in m.shards] == ["r00000-000000"] and m.num_records == 4
 
 
 def test_an_aborted_shard_upload_leaves_no_object(s3: dict[str, str]) -> None:
@@ -102,7 +102,7 @@ def test_a_partially_uploaded_shard_is_named_by_verify_and_refused_by_the_reader
     with open_cache(_url("partial")) as store:
         assert store.unusable() == {
             "r00000-000000": "shard r00000-000000: file shards/r00000-000000.tar has 5000 bytes, "
-            f"the manifest says {store.entries[0]['bytes']} (truncated or replaced)"
+            f"the manifest says {store.entries[0].bytes} (truncated or replaced)"
         }
     with pytest.raises(SystemExit) as e:
         main(["cache", "verify", _url("partial")])
@@ -297,7 +297,7 @@ def test_a_zarr_cache_on_s3_holds_the_same_files_and_samples_as_a_local_one(
     write_cache(tmp_path / "local", range(5), backend="zarr", shard_records=2)
     write_cache(_url("zarr"), range(5), backend="zarr", shard_records=2)
     local, remote = load_committed(tmp_path / "local"), load_committed(_url("zarr"))
-    assert [s["sha256"] for s in remote.shards] == [s["sha256"] for s in local.shards]
+    assert [s.sha256 for s in remote.shards] == [s.sha256 for s in local.shards]
     with open_cache(_url("zarr")) as store, open_cache(tmp_path / "local") as mine:
         assert store.verify() == []
         for a, b in zip(store.records(), mine.records(), strict=True):
@@ -320,7 +320,7 @@ def test_two_writers_on_one_s3_zarr_cache_claim_disjoint_rows(
         ]
         [j.result() for j in jobs]
     m = load_committed(_url("zarr2"))
-    rows = sorted(tuple(s["rows"]) for s in m.shards)
+    rows = sorted(tuple(s.rows) for s in m.shards)
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(rows)), rows
     with open_cache(_url("zarr2")) as store:
         assert store.verify() == []
@@ -376,12 +376,12 @@ def test_a_polling_reader_on_s3_rereads_only_the_journal_objects_that_changed(
     write_cache(url, range(9), shard_records=1, finalize=False, complete=False)
     reads.clear()
     new = store.refresh()
-    assert [e["name"] for e in new] == [f"r00000-{i:06d}" for i in (6, 7, 8)]
+    assert [e.name for e in new] == [f"r00000-{i:06d}" for i in (6, 7, 8)]
     sealed = {s.rel for s in segments[:-1]}
     assert reads and not sealed & set(reads)  # sealed segments were not read again
     mf.finalize(url, complete=True)
     assert store.refresh() == [] and store.complete
-    assert [e["name"] for e in store.entries] == [f"r00000-{i:06d}" for i in range(9)]
+    assert [e.name for e in store.entries] == [f"r00000-{i:06d}" for i in range(9)]
 
 
 def test_a_fresh_cache_is_written_to_a_bucket_whose_name_contains_bucket(

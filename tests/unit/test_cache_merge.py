@@ -26,7 +26,7 @@ HOLDOUT = {**SETTINGS, "holdout_fraction": 0.3}
 
 def _keys(path: Path) -> list[str]:
     with open_cache(path) as store:
-        return [k for e in store.entries for k in e["keys"]]
+        return [k for e in store.entries for k in e.keys]
 
 
 @pytest.mark.parametrize("backend", ["webdataset", "zarr"])
@@ -47,7 +47,7 @@ def test_merge_keeps_every_key_once_first_input_first(
         key = keys_b[-1]
         assert torch.equal(store.read_key(key).xt, other.read_key(key).xt)
         # The held-out split is a function of the key: M's is the inputs' union.
-        frac = store.manifest.settings["holdout_fraction"]
+        frac = store.manifest.settings.holdout_fraction
         held = {k for k in _keys(m) if is_holdout(k, frac)}
         assert held == {k for k in keys_a + keys_b if is_holdout(k, frac)} and held
     code, out, _ = _run(capsys, "cache", "merge", str(a), str(b), "--out", str(m))
@@ -161,7 +161,7 @@ def test_whole_zarr_entries_are_hard_links_read_by_stock_zarr(tmp_path: Path) ->
         assert store.verify() == [] and _keys(m) == _keys(a) + _keys(b) + _keys(c)
         for key in _keys(b):
             entry, i = store.locate()[key]
-            row = entry["rows"][0] + i
+            row = entry.rows[0] + i
             want = other.read_key(key)
             got = store.read_key(key)
             assert torch.equal(got.prompt_embeds, want.prompt_embeds)
@@ -217,4 +217,4 @@ def test_a_corrupt_input_shard_is_refused_by_name_or_skipped_and_counted(
     assert "--skip-corrupt: left out 1 corrupt input shard(s), 2 record(s)" in err, err
     with open_cache(m) as store:
         assert store.verify() == [] and len(store) == 6
-    assert entry["name"] in err or backend == "zarr"
+    assert entry.name in err or backend == "zarr"

@@ -74,7 +74,7 @@ def test_reopening_a_cache_skips_records_it_already_holds(tmp_path: Path, backen
     w = write_cache(tmp_path, range(9), backend=backend, shard_records=2)
     assert (w.records_written, w.records_skipped) == (4, 5)
     m = read_manifest(tmp_path)
-    keys = [k for s in m.shards for k in s["keys"]]
+    keys = [k for s in m.shards for k in s.keys]
     assert len(keys) == len(set(keys)) == 9
     assert m.complete
     with open_cache(tmp_path) as store:
@@ -94,8 +94,10 @@ def test_a_long_run_commits_into_bounded_journal_segments_and_resumes_in_the_las
     assert len(segments) >= 3
     assert [s.segment for s in segments] == list(range(len(segments)))
     for s in segments:  # what one commit rewrites stays bounded
-        assert len(s.shards) == 1 or sum(len(mf.entry_json(e)) for e in s.shards) <= limit
-    names = [e["name"] for s in segments for e in s.shards]
+        assert (
+            len(s.shards) == 1 or sum(len(mf.entry_json(e)) for e in s.shards.json_list()) <= limit
+        )
+    names = [e.name for s in segments for e in s.shards]
     assert names == [f"r00000-{i:06d}" for i in range(9)]
     sealed = {p.name: p.read_bytes() for p in (tmp_path / "journal").iterdir()}
     sealed.pop(segments[-1].rel.removeprefix("journal/"))
@@ -107,7 +109,7 @@ def test_a_long_run_commits_into_bounded_journal_segments_and_resumes_in_the_las
     for name, data in sealed.items():  # a resumed writer only touches its last segment
         assert (tmp_path / "journal" / name).read_bytes() == data
     m = mf.finalize(tmp_path, complete=True)
-    assert [e["name"] for e in m.shards] == [f"r00000-{i:06d}" for i in range(14)]
+    assert [e.name for e in m.shards] == [f"r00000-{i:06d}" for i in range(14)]
     assert list((tmp_path / "journal").iterdir()) == []
     with open_cache(tmp_path) as store:
         assert sorted(r.seed for r in store.records()) == list(range(14))
@@ -178,9 +180,9 @@ def test_each_safetensors_member_is_what_the_library_writes_streamed_in_any_read
     write_cache(tmp_path / "b", range(3), shard_records=3)
     a, b = read_manifest(tmp_path / "a").shards[0], read_manifest(tmp_path / "b").shards[0]
     assert a == b
-    tar = (tmp_path / "a" / a["file"]).read_bytes()
-    assert tar == (tmp_path / "b" / b["file"]).read_bytes()
-    for st_off, length, _, _ in a["offsets"]:
+    tar = (tmp_path / "a" / a.file).read_bytes()
+    assert tar == (tmp_path / "b" / b.file).read_bytes()
+    for st_off, length, _, _ in a.offsets:
         blob = tar[st_off : st_off + length]
         head = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])
         assert blob == save(load(blob), metadata=head["__metadata__"])  # byte for byte
@@ -191,13 +193,13 @@ def test_verify_reports_a_changed_byte_outside_every_record_by_the_frame_digest(
 ) -> None:
     write_cache(tmp_path, range(3), shard_records=3)
     entry = read_manifest(tmp_path).shards[0]
-    _, _, json_off, json_len = entry["offsets"][0]
+    _, _, json_off, json_len = entry.offsets[0]
     assert json_len % 512, "the .json member must end inside a block, before its padding"
-    _corrupt(tmp_path / entry["file"], json_off + json_len)  # the member's zero padding
+    _corrupt(tmp_path / entry.file, json_off + json_len)  # the member's zero padding
     with open_cache(tmp_path) as store:
         problems = store.verify()
-        assert store.read_key(entry["keys"][0]).key == entry["keys"][0]  # records still read
-    assert problems == [f"shard {entry['name']}: sha256 mismatch in its frame (tar headers or "
+        assert store.read_key(entry.keys[0]).key == entry.keys[0]  # records still read
+    assert problems == [f"shard {entry.name}: sha256 mismatch in its frame (tar headers or "
                         "padding, .json members or safetensors headers changed after it was "
                         "written, or the manifest's frame_sha256 was edited)"]  # fmt: skip
 
@@ -205,24 +207,24 @@ def test_verify_reports_a_changed_byte_outside_every_record_by_the_frame_digest(
 def test_verify_names_the_shard_of_a_truncated_file(tmp_path: Path) -> None:
     write_cache(tmp_path, range(6), shard_records=3)
     m = read_manifest(tmp_path)
-    victim = tmp_path / m.shards[1]["file"]
+    victim = tmp_path / m.shards[1].file
     os.truncate(victim, victim.stat().st_size // 2)
     with open_cache(tmp_path) as store:
         problems = store.verify()
-    assert any(m.shards[1]["name"] in p and "bytes on disk" in p for p in problems)
-    assert any(m.shards[1]["keys"][-1] in p for p in problems)
+    assert any(m.shards[1].name in p and "bytes on disk" in p for p in problems)
+    assert any(m.shards[1].keys[-1] in p for p in problems)
 
 
 def test_verify_names_shard_and_record_of_a_flipped_byte(tmp_path: Path) -> None:
     write_cache(tmp_path, range(6), shard_records=3)
     m = read_manifest(tmp_path)
     entry = m.shards[0]
-    off, length = entry["offsets"][2][:2]
-    _corrupt(tmp_path / entry["file"], off + 8)  # inside record 2's safetensors header
+    off, length = entry.offsets[2][:2]
+    _corrupt(tmp_path / entry.file, off + 8)  # inside record 2's safetensors header
     with open_cache(tmp_path) as store:
         problems = store.verify()
-    assert any("sha256 mismatch" in p and entry["name"] in p for p in problems)
-    assert any(entry["keys"][2] in p for p in problems)
+    assert any("sha256 mismatch" in p and entry.name in p for p in problems)
+    assert any(entry.keys[2] in p for p in problems)
 
 
 def test_manifest_lists_offsets_that_match_the_tar_members(tmp_path: Path) -> None:
@@ -230,9 +232,9 @@ def test_manifest_lists_offsets_that_match_the_tar_members(tmp_path: Path) -> No
 
     write_cache(tmp_path, range(5), shard_records=5)
     entry = read_manifest(tmp_path).shards[0]
-    with tarfile.open(tmp_path / entry["file"]) as tar:
+    with tarfile.open(tmp_path / entry.file) as tar:
         members = {m.name: m for m in tar.getmembers()}
-    for key, (st_off, st_len, j_off, j_len) in zip(entry["keys"], entry["offsets"], strict=True):
+    for key, (st_off, st_len, j_off, j_len) in zip(entry.keys, entry.offsets, strict=True):
         assert (members[f"{key}.safetensors"].offset_data, members[f"{key}.safetensors"].size) == (
             st_off,
             st_len,
@@ -262,6 +264,44 @@ def test_corrupt_manifest_is_reported(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps({"hello": 1}))
     with pytest.raises(CacheError, match="not a wandistill cache manifest"):
         open_cache(tmp_path)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sealed_entry_that_breaks_the_schema_is_reported_when_used_naming_index_and_shard(
+    tmp_path: Path, backend: str
+) -> None:
+    """Loading checks names and digests on the JSON; each entry meets its schema when first
+    used (a million-shard manifest loads at about json.loads), with the whole-file message."""
+    write_cache(tmp_path, range(4), backend=backend, shard_records=2)
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    bad = {k: v for k, v in data["shards"][1].items() if k != mf.ENTRY_DIGEST}
+    data["shards"][1] = mf.seal_entry({**bad, "bytes": -1})  # re-sealed: the digest holds
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+
+    m = mf.load_committed(tmp_path)
+    assert m.shards.names() == ["r00000-000000", "r00000-000001"]
+    assert m.shards[0].records == 2 and m.shards[0].keys == data["shards"][0]["keys"]
+    message = r"manifest.json' is corrupt: shards\[1\] \(r00000-000001\)\.bytes"
+    with pytest.raises(CacheError, match=message):
+        m.shards[1]
+    with pytest.raises(CacheError, match=message), open_cache(tmp_path) as store:
+        store.verify()
+    assert m.shards.json(1) is m.shards.json_list()[1]  # written back as read
+    assert mf.manifest_json(m)["shards"] == data["shards"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_manifest_read_and_written_again_is_byte_identical_and_its_seal_holds(
+    tmp_path: Path, backend: str
+) -> None:
+    write_cache(tmp_path, range(3), backend=backend, shard_records=2)
+    before = (tmp_path / "manifest.json").read_bytes()
+    m = read_manifest(tmp_path)
+    assert [e.records for e in m.shards] == [2, 1] and m.settings.record_steps == [0, 2, 3]
+    mf.write_manifest(tmp_path, m)
+    assert (tmp_path / "manifest.json").read_bytes() == before
+    again = json.loads(before)
+    assert mf.header_digests(again) == again[mf.HEADER_DIGEST]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -415,7 +455,7 @@ def test_a_polling_reader_rereads_only_the_journal_files_that_changed(
     write_cache(tmp_path, range(9), shard_records=1, finalize=False, complete=False)
     reads.clear()
     new = store.refresh()
-    assert [e["name"] for e in new] == [f"r00000-{i:06d}" for i in (6, 7, 8)]
+    assert [e.name for e in new] == [f"r00000-{i:06d}" for i in (6, 7, 8)]
     assert reads and all(_segment_of(r) >= last for r in reads)  # the changed ones only
     assert last >= 1  # so a sealed segment (0) was skipped
 
@@ -430,7 +470,7 @@ def test_a_polling_reader_rereads_only_the_journal_files_that_changed(
     fsutil.atomic_write_bytes(journal, kept)
     mf.finalize(tmp_path, complete=True)  # journals folded into the manifest
     assert store.refresh() == [] and store.complete
-    assert [e["name"] for e in store.entries] == [f"r00000-{i:06d}" for i in range(9)]
+    assert [e.name for e in store.entries] == [f"r00000-{i:06d}" for i in range(9)]
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:

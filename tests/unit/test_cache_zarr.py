@@ -15,6 +15,7 @@ import zarr
 from wandistill.cache import open_cache, open_writer
 from wandistill.cache import zarr_backend as zb
 from wandistill.cache.contract import Record, field_specs, record_key
+from wandistill.cache.files import ZarrEntry
 
 SETTINGS = {"steps": 8, "guidance": 5.0, "max_sequence_length": 24}
 C, F, H, W, S = 2, 1, 3, 4, 3
@@ -108,7 +109,7 @@ def assert_same_record(got: Record, want: Record) -> None:
 
 
 def all_rows(store) -> list[int]:
-    return [e["rows"][0] + i for e in store.entries for i in range(e["records"])]
+    return [e.rows[0] + i for e in store.entries for i in range(e.records)]
 
 
 @pytest.mark.parametrize(
@@ -135,7 +136,7 @@ def test_round_trip_bit_exact(
             )
         with open_cache(tmp_path) as store:
             assert len(store) == 7
-            assert [e["records"] for e in store.entries] == [3, 3, 1]
+            assert [e.records for e in store.entries] == [3, 3, 1]
             for r in records:
                 assert_same_record(store.read_key(r.key), r)
             assert store.verify() == []
@@ -189,7 +190,7 @@ def test_resume_skips_committed_records(tmp_path: Path) -> None:
             w.write(r)
         assert (w.records_skipped, w.records_written) == (5, 2)
     new = early.refresh()
-    assert [k for e in new for k in e["keys"]] == [r.key for r in records[5:]]
+    assert [k for e in new for k in e.keys] == [r.key for r in records[5:]]
     for r in records:  # rows past the array shape it first saw: re-opened, not an error
         assert_same_record(early.read_key(r.key), r)
     early.close()
@@ -224,7 +225,7 @@ def test_uncommitted_rows_are_ignored(tmp_path: Path) -> None:
     with open_cache(tmp_path) as store:
         assert len(store) == 4
         (entry,) = store.entries
-        assert entry["rows"][0] >= ghost_entry["reserved"][1]
+        assert entry.rows[0] >= ghost_entry["reserved"][1]
         for r in records:
             assert_same_record(store.read_key(r.key), r)
         assert store.verify() == []
@@ -287,7 +288,7 @@ def _check_all_there(path: Path, n: int, block: int) -> None:
         rows = all_rows(store)
         assert len(set(rows)) == n
         for e in store.entries:  # every writer shard starts on its own zarr shard
-            assert e["rows"][0] % block == 0
+            assert e.rows[0] % block == 0
         for i in range(n):
             r = make_record(i)
             assert_same_record(store.read_key(r.key), r)
@@ -364,19 +365,19 @@ def _written(tmp_path: Path) -> tuple[list[Record], dict]:
 
 def test_verify_reports_deleted_shard_file(tmp_path: Path) -> None:
     records, entry = _written(tmp_path)
-    rel = next(k for k in entry["sha256"] if k.startswith("xt/"))
+    rel = next(k for k in entry.sha256 if k.startswith("xt/"))
     (tmp_path / "data.zarr" / rel).unlink()
     with open_cache(tmp_path) as store:
         problems = store.verify()
     assert problems
-    assert all(entry["name"] in p for p in problems)
-    for key in entry["keys"]:  # every record of that zarr shard is named
+    assert all(entry.name in p for p in problems)
+    for key in entry.keys:  # every record of that zarr shard is named
         assert any(key in p and "missing" in p and rel in p for p in problems), problems
 
 
 def test_verify_reports_flipped_byte(tmp_path: Path) -> None:
     records, entry = _written(tmp_path)
-    rel = next(k for k in entry["sha256"] if k.startswith("noise/"))
+    rel = next(k for k in entry.sha256 if k.startswith("noise/"))
     path = tmp_path / "data.zarr" / rel
     data = bytearray(path.read_bytes())
     data[5] ^= 0x01  # inside the first inner chunk: this entry's first record
@@ -385,8 +386,8 @@ def test_verify_reports_flipped_byte(tmp_path: Path) -> None:
         problems = store.verify()
         with pytest.raises(ValueError, match="checksum"):  # crc32c guards every read too
             store.read_record(entry, 0)
-    assert any("sha256 mismatch" in p and entry["name"] in p and rel in p for p in problems)
-    assert any(entry["keys"][0] in p and "checksum" in p for p in problems), problems
+    assert any("sha256 mismatch" in p and entry.name in p and rel in p for p in problems)
+    assert any(entry.keys[0] in p and "checksum" in p for p in problems), problems
 
 
 # --------------------------------------------------------------------------- reads, every path
@@ -418,7 +419,7 @@ def _all_dtype_record(i: int) -> Record:
     return r
 
 
-def _sink_entries(path: Path, records: list[Record], per_shard: int, **kw) -> list[dict]:
+def _sink_entries(path: Path, records: list[Record], per_shard: int, **kw) -> list[ZarrEntry]:
     """Write `records` with ZarrSink directly; entries as CacheWriter would journal them."""
     sink = zb.ZarrSink(path, **kw)
     entries = []
@@ -429,7 +430,7 @@ def _sink_entries(path: Path, records: list[Record], per_shard: int, **kw) -> li
             sink.add(r)
         entry = sink.end()
         entry.update(name=f"r00000-{k:06d}", rank=0, records=len(part), keys=[r.key for r in part])
-        entries.append(entry)
+        entries.append(ZarrEntry.model_validate(entry, strict=True))
     return entries
 
 
@@ -455,10 +456,10 @@ def test_every_dtype_reads_bit_exact_through_the_source_and_stock_zarr(tmp_path:
     group = zarr.open_group(tmp_path / "data.zarr", mode="r")
     k = 0
     for entry in entries:
-        for i in range(entry["records"]):
+        for i in range(entry.records):
             want = records[k]
             k += 1
-            row = entry["rows"][0] + i
+            row = entry.rows[0] + i
             assert_same_record(src.read_record(entry, i), want)
             for name, t in want.tensors().items():
                 for step in _steps_of(name, t):
@@ -471,7 +472,7 @@ def test_every_dtype_reads_bit_exact_through_the_source_and_stock_zarr(tmp_path:
             for name in RAGGED_NAMES:
                 if name in want.tensors():
                     offs = src.offsets(entry, name)
-                    stock = group[f"{name}/offsets"][entry["rows"][0] : entry["rows"][1]]
+                    stock = group[f"{name}/offsets"][entry.rows[0] : entry.rows[1]]
                     assert (offs == stock).all()
     src.close()
 
@@ -511,18 +512,21 @@ def test_offsets_cover_every_record_whichever_shard_brings_a_negative(tmp_path: 
 
 
 def test_typed_entry_round_trips_and_names_a_malformed_field(tmp_path: Path) -> None:
-    from wandistill.cache.contract import ZarrShardEntry
+    from wandistill.cache.files import Entries, ZarrEntry
     from wandistill.errors import CacheError
 
     _, entry = _written(tmp_path)
-    typed = ZarrShardEntry.from_json(entry)
-    assert (typed.name, typed.records, typed.keys) == (entry["name"], 3, tuple(entry["keys"]))
-    back = typed.to_json()
-    assert {k: v for k, v in entry.items() if k in back} == back
-    assert set(entry) - set(back) == {"rank", "entry_sha256"}
+    assert isinstance(entry, ZarrEntry)
+    assert (entry.records, len(entry.keys), entry.rows[1] - entry.rows[0]) == (3, 3, 3)
+    with open_cache(tmp_path) as store:
+        raw = store.entries.json(1)
+    again = Entries(ZarrEntry, [raw])
+    assert again[0] == entry and again.json(0) is raw
     for field, value in [("rows", [5, 2]), ("meta", []), ("sha256", "x"), ("file", "../x")]:
-        with pytest.raises(CacheError, match=f"shard {entry['name']}: .*'{field}'"):
-            ZarrShardEntry.from_json({**entry, field: value})
+        bad = Entries(ZarrEntry, [raw, {**raw, field: value}], where="'m.json'")
+        assert bad[0] == entry  # entries are checked one at a time, when used
+        with pytest.raises(CacheError, match=rf"'m.json' is corrupt: shards\[1\] \({entry.name}\)"):
+            bad[1]
 
 
 def test_threads_read_bit_exact_with_a_tiny_index_cache(
@@ -537,7 +541,7 @@ def test_threads_read_bit_exact_with_a_tiny_index_cache(
     jobs = [
         (e, i, records[n * 4 + i], s)
         for n, e in enumerate(entries)
-        for i in range(e["records"])
+        for i in range(e.records)
         for s in range(S)
     ] * 4
     errors: list[BaseException] = []
@@ -607,7 +611,7 @@ def test_one_index_read_per_shard_file_then_one_read_per_chunk(
 
 
 def _shard_file(tmp_path: Path, entry: dict, prefix: str) -> tuple[str, Path]:
-    rel = next(k for k in entry["sha256"] if k.startswith(prefix))
+    rel = next(k for k in entry.sha256 if k.startswith(prefix))
     return rel, tmp_path / "data.zarr" / rel
 
 
@@ -618,7 +622,7 @@ def test_a_missing_inner_chunk_reads_as_the_fill_value(tmp_path: Path) -> None:
     size = path.stat().st_size
     # Let zarr itself drop one inner chunk: write fill values with write_empty_chunks off.
     g = zarr.open_group(tmp_path / "data.zarr", mode="r+")
-    row = entry["rows"][0] + 2
+    row = entry.rows[0] + 2
     g["xt"].with_config({"write_empty_chunks": False})[row, 1] = 0
     g["noise"].with_config({"write_empty_chunks": False})[row] = 0
     assert size - path.stat().st_size == C * F * H * W * 4 + 4  # the chunk is really gone
@@ -645,7 +649,7 @@ def test_a_missing_shard_file_names_shard_record_and_file(tmp_path: Path) -> Non
         with pytest.raises(zb.ZarrChunkError) as info:
             store.read_sample(entry, 1, 0, ["teacher_out"])
         msg = str(info.value)
-        assert entry["name"] in msg and entry["keys"][1] in msg and rel in msg and "missing" in msg
+        assert entry.name in msg and entry.keys[1] in msg and rel in msg and "missing" in msg
         assert store.read_sample(entry, 1, 0, ["xt"])["xt"].shape == (C, F, H, W)  # others fine
 
 
@@ -663,11 +667,11 @@ def test_a_truncated_shard_file_names_the_record(tmp_path: Path, how: str) -> No
         cut = 16 * int(np.prod([s // c for s, c in zip(arr.shards, arr.chunks, strict=True)])) + 4
         path.write_bytes(data[: (len(data) - cut) // 2] + data[-cut:])
     with open_cache(tmp_path) as store:
-        key = entry["keys"][2]
+        key = entry.keys[2]
         with pytest.raises(zb.ZarrChunkError, match="truncated") as info:
             store.read_sample(entry, 2, 1, ["xt", "prompt_embeds"])
         msg = str(info.value)
-        assert entry["name"] in msg and key in msg and rel in msg
+        assert entry.name in msg and key in msg and rel in msg
         with pytest.raises(ValueError, match=key):  # also a ValueError, like zarr's checksum error
             store.read_record(entry, 2)
         problems = store.verify()
@@ -684,7 +688,7 @@ def test_the_checksum_guards_the_hot_path(tmp_path: Path) -> None:
     raw[off + 3] ^= 0x10
     path.write_bytes(bytes(raw))
     src = zb.ZarrSource(tmp_path)
-    with pytest.raises(ValueError, match=f"{entry['keys'][1]}.*{rel}.*checksum"):
+    with pytest.raises(ValueError, match=f"{entry.keys[1]}.*{rel}.*checksum"):
         src.read_tensors(entry, 1, {"xt": 2})
     assert_same(src.read_tensors(entry, 1, {"xt": 1})["xt"], records[4].xt[1].contiguous())
     src.close()
@@ -700,21 +704,21 @@ def test_sink_hashes_what_it_wrote_and_reuses_its_blocks(tmp_path: Path) -> None
     total = 0
     for entry in entries:
         size = 0
-        for rel, digest in entry["sha256"].items():
+        for rel, digest in entry.sha256.items():
             data = (tmp_path / "data.zarr" / rel).read_bytes()
             assert hashlib.sha256(data).hexdigest() == digest, rel
             size += len(data)
-        assert size == entry["bytes"]
-        assert {rel.split("/c/")[0] for rel in entry["sha256"]} == {
-            *(n for n in entry["fields"] if n not in RAGGED_NAMES),
-            *(f"{n}/{part}" for n in entry["token_rows"] for part in ("values", "offsets")),
+        assert size == entry.bytes
+        assert {rel.split("/c/")[0] for rel in entry.sha256} == {
+            *(n for n in entry.fields if n not in RAGGED_NAMES),
+            *(f"{n}/{part}" for n in entry.token_rows for part in ("values", "offsets")),
         }
-        total += entry["records"]
+        total += entry.records
     assert total == 9
     src = zb.ZarrSource(tmp_path)
     k = 0
     for entry in entries:
-        for i in range(entry["records"]):
+        for i in range(entry.records):
             assert_same_record(src.read_record(entry, i), records[k])
             k += 1
         assert src.verify(entry) == []
@@ -742,14 +746,14 @@ def test_sink_fsyncs_every_file_it_wrote_once_before_returning_the_entry(
     monkeypatch.setattr(os, "fsync", record)
     (entry,) = _sink_entries(tmp_path, [make_record(i) for i in (1, 2, 3)], 3, block_records=2)
     root = tmp_path / "data.zarr"
-    shard_files = {root / rel for rel in entry["sha256"]}
+    shard_files = {root / rel for rel in entry.sha256}
     metadata = {p for p in root.rglob("zarr.json") if p.stat().st_mtime_ns != before.get(p)}
     files = [p for p in synced if p.is_file()]
     assert shard_files and metadata
     assert set(files) == shard_files | metadata
     assert len(files) == len(set(files))  # once each
     dirs = {p for p in synced if p.is_dir()}
-    assert {(root / rel).parent for rel in entry["sha256"]} <= dirs
+    assert {(root / rel).parent for rel in entry.sha256} <= dirs
 
 
 def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None:
@@ -764,6 +768,7 @@ def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None
     sink.add(good[1])
     entry = sink.end()
     entry.update(name="r00000-000000", rank=0, records=2, keys=[r.key for r in good])
+    entry = ZarrEntry.model_validate(entry, strict=True)
     src = zb.ZarrSource(tmp_path)
     for i, r in enumerate(good):
         assert_same_record(src.read_record(entry, i), r)
@@ -785,7 +790,7 @@ def test_partly_wanted_chunks_are_checked_too(
     raw[1] ^= 0x04  # the shard's first inner chunk: record 3's first token / first timestep
     path.write_bytes(bytes(raw))
     src = zb.ZarrSource(tmp_path)
-    with pytest.raises(zb.ZarrChunkError, match=f"{entry['keys'][0]}: {name}: .*checksum"):
+    with pytest.raises(zb.ZarrChunkError, match=f"{entry.keys[0]}: {name}: .*checksum"):
         src.read_tensors(entry, 0, {name: step})
     if name == "prompt_embeds":  # the same 32-token chunk holds record 4's 8 tokens
         with pytest.raises(zb.ZarrChunkError, match="checksum"):
@@ -825,7 +830,7 @@ def test_disk_full_mid_shard_keeps_committed_shards_and_resumes(
     w.abort()
     monkeypatch.setattr(LocalStore, "set", real_set)
     with open_cache(tmp_path) as store:
-        assert [k for e in store.entries for k in e["keys"]] == [r.key for r in records[:3]]
+        assert [k for e in store.entries for k in e.keys] == [r.key for r in records[:3]]
         assert store.verify() == []
     with writer(tmp_path, shard_records=3) as w2:
         for r in records:
@@ -880,7 +885,7 @@ def test_a_shard_written_in_several_gathers_has_the_same_bytes_as_one_gather(
     (one,) = _sink_entries(tmp_path / "one", records, 5, block_records=2)
     monkeypatch.setattr(zb, "WRITE_GATHER_BYTES", 1)  # every array on its own
     (split,) = _sink_entries(tmp_path / "split", records, 5, block_records=2)
-    assert one["sha256"] == split["sha256"] and len(one["sha256"]) > 4
+    assert one.sha256 == split.sha256 and len(one.sha256) > 4
     src = zb.ZarrSource(tmp_path / "split")
     for i, r in enumerate(records):
         assert_same_record(src.read_record(split, i), r)

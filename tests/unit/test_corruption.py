@@ -63,8 +63,8 @@ def _flip(path: Path, offset: int) -> None:
 
 def _tensor_span(cache: Path, entry: dict[str, Any], i: int, name: str) -> tuple[int, int]:
     """Absolute (offset, bytes) of tensor `name` of record i in its tar."""
-    off = entry["offsets"][i][0]
-    path = cache / entry["file"]
+    off = entry.offsets[i][0]
+    path = cache / entry.file
     with open(path, "rb") as f:
         f.seek(off)
         hlen = int.from_bytes(f.read(8), "little")
@@ -104,11 +104,11 @@ def test_a_flipped_byte_in_tensor_data_is_never_read_back(
     cache: Path, name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     entry = read_manifest(cache).shards[1]
-    key = entry["keys"][2]
+    key = entry.keys[2]
     pos, n = _tensor_span(cache, entry, 2, name)
     step = 1 if name in STEP_FIELDS else None
     row = n // 3 if step is not None else n
-    _flip(cache / entry["file"], pos + (step or 0) * row + row // 2)  # inside step 1's row
+    _flip(cache / entry.file, pos + (step or 0) * row + row // 2)  # inside step 1's row
     with open_cache(cache) as store:
         if step is not None:  # the other rows of the record are intact and still readable
             good = store.read_sample(entry, 2, 0, [name], pad=False)[name]
@@ -118,17 +118,15 @@ def test_a_flipped_byte_in_tensor_data_is_never_read_back(
             )
         with pytest.raises(CorruptRecordError) as info:
             store.read_sample(entry, 2, step if step is not None else 0, [name])
-        assert (info.value.shard, info.value.key) == (entry["name"], key)
+        assert (info.value.shard, info.value.key) == (entry.name, key)
         assert f"'{name}'{' step 1' if step else ''} fails its crc32c check" in info.value.detail
         with pytest.raises(CorruptRecordError, match=name):
             store.read_record(entry, 2)
     code, err = _verify(capsys, cache)
     assert code == 1
-    assert f"shard {entry['name']} record {key}: '{name}'" in err and "crc32c" in err
+    assert f"shard {entry.name} record {key}: '{name}'" in err and "crc32c" in err
     assert "sha256 mismatch" not in err  # tensor bytes are hashed once: by their crc32c
-    with pytest.raises(
-        CacheError, match=f"corrupt record {key} in shard {entry['name']}: '{name}'"
-    ):
+    with pytest.raises(CacheError, match=f"corrupt record {key} in shard {entry.name}: '{name}'"):
         _one_epoch(_reader(cache))
 
 
@@ -137,16 +135,16 @@ def test_train_refuses_a_flipped_data_byte_in_one_line_or_skips_and_counts(
 ) -> None:
     entry = read_manifest(cache).shards[0]
     pos, n = _tensor_span(cache, entry, 1, "prompt_embeds")
-    _flip(cache / entry["file"], pos + n // 2)
+    _flip(cache / entry.file, pos + n // 2)
     before = {p.name: p.read_bytes() for p in (cache / "shards").iterdir()}
     code, out, err = _train(capsys, cache, tmp_path / "a", steps=9)
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 1 and "Traceback" not in err
-    assert f"corrupt record {entry['keys'][1]} in shard {entry['name']}" in line
+    assert f"corrupt record {entry.keys[1]} in shard {entry.name}" in line
     assert "--skip-corrupt" in err
     code, out, err = _train(capsys, cache, tmp_path / "b", "--skip-corrupt", steps=9)
     assert code == 0 and "trained 9 steps" in out
-    assert "--skip-corrupt: skipped" in err and entry["keys"][1] in err
+    assert "--skip-corrupt: skipped" in err and entry.keys[1] in err
     with open_cache(cache) as store:  # training never writes to the cache
         assert {p.name: p.read_bytes() for p in (cache / "shards").iterdir()} == before
         assert len(store) == 6
@@ -155,17 +153,17 @@ def test_train_refuses_a_flipped_data_byte_in_one_line_or_skips_and_counts(
 def test_a_skipping_reader_counts_each_bad_sample_and_keeps_batch_shapes(cache: Path) -> None:
     entry = read_manifest(cache).shards[0]
     pos, n = _tensor_span(cache, entry, 0, "xt")
-    _flip(cache / entry["file"], pos + n // 2)  # one row: step 1 of record 0
+    _flip(cache / entry.file, pos + n // 2)  # one row: step 1 of record 0
     reader = _reader(cache, skip_corrupt=True)
     batches = _one_epoch(reader)
     assert all(b["xt"].shape[0] == 3 for b in batches)
     (line,) = set(reader.corrupt)  # once per epoch read (prefetch may reach the next epoch)
-    assert f"in shard {entry['name']}: 'xt' step 1 fails its crc32c check" in line
+    assert f"in shard {entry.name}: 'xt' step 1 fails its crc32c check" in line
     served = [(k, int(s)) for b in batches for k, s in zip(b["key"], b["step_slot"], strict=True)]
-    assert (entry["keys"][0], 1) not in served
+    assert (entry.keys[0], 1) not in served
     # every good sample is served; none is lost (the bad one's slot repeats a good one)
-    assert {(k, s) for e in read_manifest(cache).shards for k in e["keys"] for s in range(3)} - {
-        (entry["keys"][0], 1)
+    assert {(k, s) for e in read_manifest(cache).shards for k in e.keys for s in range(3)} - {
+        (entry.keys[0], 1)
     } == set(served)
 
 
@@ -176,8 +174,8 @@ def test_a_flipped_byte_in_a_safetensors_header_is_caught_by_its_manifest_crc(
     cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     entry = read_manifest(cache).shards[0]
-    off = entry["offsets"][2][0]
-    path = cache / entry["file"]
+    off = entry.offsets[2][0]
+    path = cache / entry.file
     with open(path, "rb") as f:
         f.seek(off)
         hlen = int.from_bytes(f.read(8), "little")
@@ -190,22 +188,20 @@ def test_a_flipped_byte_in_a_safetensors_header_is_caught_by_its_manifest_crc(
     with open_cache(cache) as store, pytest.raises(CorruptRecordError, match="header fails"):
         store.read_sample(entry, 2, 0, ["xt"])
     code, err = _verify(capsys, cache)
-    assert (
-        code == 1 and f"shard {entry['name']} record {entry['keys'][2]}: safetensors header" in err
-    )
+    assert code == 1 and f"shard {entry.name} record {entry.keys[2]}: safetensors header" in err
 
 
 def test_a_flipped_byte_in_a_json_member_names_the_record(
     cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     entry = read_manifest(cache).shards[1]
-    joff, jlen = entry["offsets"][0][2:]
-    raw = (cache / entry["file"]).read_bytes()[joff : joff + jlen]
-    _flip(cache / entry["file"], joff + raw.index(b"prompt 3") + 7)  # inside the prompt text
+    joff, jlen = entry.offsets[0][2:]
+    raw = (cache / entry.file).read_bytes()[joff : joff + jlen]
+    _flip(cache / entry.file, joff + raw.index(b"prompt 3") + 7)  # inside the prompt text
     with open_cache(cache) as store, pytest.raises(CorruptRecordError, match="json member"):
         store.read_record(entry, 0)
     code, err = _verify(capsys, cache)
-    assert code == 1 and f"record {entry['keys'][0]}: json member fails its crc32c check" in err
+    assert code == 1 and f"record {entry.keys[0]}: json member fails its crc32c check" in err
 
 
 # ----------------------------------------------------------------------------- whole shards
@@ -215,19 +211,19 @@ def test_a_truncated_shard_is_reported_refused_or_skipped_whole(
     cache: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     entry = read_manifest(cache).shards[1]
-    path = cache / entry["file"]
-    os.truncate(path, entry["offsets"][-1][0] + 100)  # inside the last record's tensors
+    path = cache / entry.file
+    os.truncate(path, entry.offsets[-1][0] + 100)  # inside the last record's tensors
     code, err = _verify(capsys, cache)
-    assert code == 1 and f"shard {entry['name']}: " in err and "bytes on disk" in err
-    assert f"shard {entry['name']} record {entry['keys'][-1]}: " in err and "truncated" in err
-    with pytest.raises(CacheError, match=f"unusable shard {entry['name']}: .* bytes"):
+    assert code == 1 and f"shard {entry.name}: " in err and "bytes on disk" in err
+    assert f"shard {entry.name} record {entry.keys[-1]}: " in err and "truncated" in err
+    with pytest.raises(CacheError, match=f"unusable shard {entry.name}: .* bytes"):
         _reader(cache)._space(read_manifest(cache).shards)
     reader = _reader(cache, skip_corrupt=True)
     batches = _one_epoch(reader)
-    assert len(batches) == 3 and not {k for b in batches for k in b["key"]} & set(entry["keys"])
+    assert len(batches) == 3 and not {k for b in batches for k in b["key"]} & set(entry.keys)
     assert reader.corrupt == [
-        f"unusable shard {entry['name']}: file {entry['file']} has {path.stat().st_size} bytes, "
-        f"the manifest says {entry['bytes']} (truncated or replaced); its 3 records skipped"
+        f"unusable shard {entry.name}: file {entry.file} has {path.stat().st_size} bytes, "
+        f"the manifest says {entry.bytes} (truncated or replaced); its 3 records skipped"
     ]
 
 
@@ -235,12 +231,12 @@ def test_a_missing_shard_is_reported_refused_or_skipped(
     cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     entry = read_manifest(cache).shards[0]
-    (cache / entry["file"]).unlink()
+    (cache / entry.file).unlink()
     code, err = _verify(capsys, cache)
-    assert code == 1 and f"shard {entry['name']}: file {entry['file']} is missing" in err
+    assert code == 1 and f"shard {entry.name}: file {entry.file} is missing" in err
     code, _, err = _train(capsys, cache, tmp_path / "a")
     assert code == 1 and "Traceback" not in err
-    assert f"error: unusable shard {entry['name']}: file {entry['file']} is missing" in err
+    assert f"error: unusable shard {entry.name}: file {entry.file} is missing" in err
     code, out, err = _train(capsys, cache, tmp_path / "b", "--skip-corrupt")
     assert code == 0 and "0 corrupt sample read(s) and 1 unusable shard(s)" in " ".join(err.split())
 
@@ -390,7 +386,7 @@ def test_a_hand_edited_manifest_is_caught_precisely(
     messages: list[str],
     train_message: str | None,
 ) -> None:
-    keys = read_manifest(cache).shards[0]["keys"]
+    keys = read_manifest(cache).shards[0].keys
     _edit_manifest(cache, edit)
     edited = json.loads((cache / "manifest.json").read_text())["shards"][0]["keys"]
     names = {"k0": keys[0], "k1": keys[1], "k1x": edited[1]}
@@ -407,7 +403,7 @@ def test_a_record_listed_in_two_shards_is_reported(cache: Path, capsys) -> None:
     def dup(m: dict[str, Any]) -> None:
         m["shards"][1]["keys"][0] = m["shards"][0]["keys"][0]
 
-    key = read_manifest(cache).shards[0]["keys"][0]
+    key = read_manifest(cache).shards[0].keys[0]
     _edit_manifest(cache, dup)
     code, err = _verify(capsys, cache)
     assert code == 1 and f"record {key} appears in shards r00000-000000 and r00000-000001" in err
@@ -455,12 +451,12 @@ def zcache(tmp_path: Path) -> Path:
 
 
 def _zarr_file(cache: Path, entry: dict[str, Any], array: str) -> Path:
-    rel = sorted(r for r in entry["sha256"] if r.split("/c/")[0] == array)[0]
+    rel = sorted(r for r in entry.sha256 if r.split("/c/")[0] == array)[0]
     return cache / "data.zarr" / rel
 
 
 def _zarr_file_rel(cache: Path, entry: dict[str, Any]) -> str:
-    return next(r for r in entry["sha256"] if not (cache / "data.zarr" / r).exists())
+    return next(r for r in entry.sha256 if not (cache / "data.zarr" / r).exists())
 
 
 def test_zarr_a_flipped_byte_in_a_chunk_is_refused_and_reported(
@@ -473,8 +469,8 @@ def test_zarr_a_flipped_byte_in_a_chunk_is_refused_and_reported(
             store.read_sample(entry, 0, 0, ["xt"])
         assert store.read_sample(entry, 0, 1, ["xt"])["xt"].shape == (16, 1, 4, 4)
     code, err = _verify(capsys, zcache)
-    assert code == 1 and entry["name"] in err and entry["keys"][0] in err
-    with pytest.raises(CacheError, match=f"corrupt record {entry['keys'][0]} in shard"):
+    assert code == 1 and entry.name in err and entry.keys[0] in err
+    with pytest.raises(CacheError, match=f"corrupt record {entry.keys[0]} in shard"):
         _one_epoch(_reader(zcache))
 
 
@@ -484,13 +480,13 @@ def test_zarr_a_deleted_chunk_file_is_refused_and_reported(
     entry = read_manifest(zcache).shards[1]
     _zarr_file(zcache, entry, "teacher_out").unlink()
     code, err = _verify(capsys, zcache)
-    assert code == 1 and entry["name"] in err and "teacher_out" in err
-    with pytest.raises(CacheError, match=f"unusable shard {entry['name']}: .* is missing"):
+    assert code == 1 and entry.name in err and "teacher_out" in err
+    with pytest.raises(CacheError, match=f"unusable shard {entry.name}: .* is missing"):
         _one_epoch(_reader(zcache))
     reader = _reader(zcache, skip_corrupt=True)
     assert len(_one_epoch(reader)) == 3  # the 9 samples of the other shard
     assert reader.corrupt == [
-        f"unusable shard {entry['name']}: file data.zarr/"
+        f"unusable shard {entry.name}: file data.zarr/"
         f"{_zarr_file_rel(zcache, entry)} is missing; its 3 records skipped"
     ]
 
@@ -517,7 +513,7 @@ def test_zarr_a_flipped_byte_in_a_partially_read_chunk_is_refused(
     with open_cache(zcache) as store, pytest.raises(CacheError, match="crc32c"):
         store.read_sample(entry, 0, 0, [name], pad=False)
     # (an embedding chunk holds several records' tokens: any of them may be read first)
-    with pytest.raises(CacheError, match=f"corrupt record .* in shard {entry['name']}: .*crc32c"):
+    with pytest.raises(CacheError, match=f"corrupt record .* in shard {entry.name}: .*crc32c"):
         _one_epoch(_reader(zcache))
 
 
@@ -528,7 +524,7 @@ def test_a_copied_cache_verifies_and_a_corrupt_copy_does_not(cache: Path, tmp_pa
         assert store.verify() == []
     entry = read_manifest(copy).shards[0]
     pos, n = _tensor_span(copy, entry, 2, "teacher_out")
-    _flip(copy / entry["file"], pos + n - 1)  # last byte of the last step's row
+    _flip(copy / entry.file, pos + n - 1)  # last byte of the last step's row
     with CacheReader(copy) as store:
         problems = store.verify()
-    assert any(f"record {entry['keys'][2]}: 'teacher_out' step 2 fails" in p for p in problems)
+    assert any(f"record {entry.keys[2]}: 'teacher_out' step 2 fails" in p for p in problems)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from wandistill.cache.files import SettingsBlock
 from wandistill.cache.reader import CacheReader
 from wandistill.eval import run as ev
 from wandistill.eval import viewer
@@ -187,7 +188,7 @@ def test_each_column_reports_what_a_viewer_sees_in_the_table_and_json(tmp_path: 
     leg = ev.Leg(ev.Column("student@3", "student", 3, 3, 0.0), upright)
     stream = ev.Stream(legs=[leg], batches=batches(), model=_Half(),
                        device=torch.device("cpu"), grid=ev._Grid(rows=2))  # fmt: skip
-    result = ev._run(stream, {"num_inference_steps": 4})
+    result = ev._run(stream, SettingsBlock(num_inference_steps=4))
     ref, student = result.column("teacher@4").viewer, result.column("student@3").viewer
     assert (ref.all, ref.shape, ref.spread_ratio) == (1.0, 1.0, 1.0)
     assert (student.all, student.shape) == (0.0, 0.0)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from diffusers import UniPCMultistepScheduler, WanTransformer3DModel
 
+from wandistill.cache.files import DimsBlock, SettingsBlock
 from wandistill.config import TrainConfig, load_recipe
 from wandistill.errors import ConfigError
 from wandistill.student import experts
@@ -53,9 +53,9 @@ def _teacher(n: int = 4, ratio: float | None = BOUNDARY_RATIO) -> TeacherSchedul
     return TeacherSchedule.from_scheduler(sched, n, boundary_ratio=ratio)
 
 
-def _settings(teacher: TeacherSchedule) -> dict[str, Any]:
+def _settings(teacher: TeacherSchedule) -> SettingsBlock:
     ratio = teacher.boundary_timestep / 1000 if teacher.boundary_timestep is not None else None
-    return {"boundary_ratio": ratio}
+    return SettingsBlock(boundary_ratio=ratio)
 
 
 # --------------------------------------------------------------------------- routing
@@ -132,7 +132,9 @@ def test_the_cache_side_records_which_expert_made_each_slot() -> None:
 def _problems(teacher: TeacherSchedule, *sets: str, dims: dict | None = None) -> list[str]:
     cfg = _train('student.experts="per-expert"', *sets)
     plan = plan_objectives(cfg.loss, cfg.student.num_inference_steps, teacher)
-    return experts.check(cfg.student, cfg.loss, _settings(teacher), dims or {}, plan, "CACHE")
+    return experts.check(
+        cfg.student, cfg.loss, _settings(teacher), DimsBlock(**(dims or {})), plan, "CACHE"
+    )
 
 
 def test_a_k_that_leaves_one_expert_without_a_step_is_refused_naming_the_smallest_k() -> None:
@@ -148,7 +150,7 @@ def test_per_expert_on_a_wan21_cache_is_refused_with_the_fix() -> None:
     assert "'per-expert' needs a cache of a Wan 2.2 A14B teacher" in problem
     assert "set train.student.experts = 'one'" in problem
     cfg = _train()  # the default, "one", needs no boundary
-    assert experts.check(cfg.student, cfg.loss, {}, {}, None, "CACHE") == []
+    assert experts.check(cfg.student, cfg.loss, SettingsBlock(), DimsBlock(), None, "CACHE") == []
 
 
 def test_a_cache_whose_recorded_experts_disagree_with_its_timesteps_is_refused() -> None:

@@ -21,7 +21,7 @@ from wandistill.train.checkpoint import resolve_latest
 from wandistill.train.ema import TargetNetwork
 from wandistill.train.metrics import read_metrics
 
-from cachefixtures import DIMS, TEACHER, write_cache
+from cachefixtures import DIMS_BLOCK, TEACHER, write_cache
 
 # DistillModule returns views of the student's output; nothing modifies them in place.
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
@@ -41,7 +41,7 @@ def _model() -> DistillModule:
     student_config = resolve_student_config(
         StudentConfig(num_layers=2, num_attention_heads=2, attention_head_dim=8, ffn_dim=16),
         json.loads(json.dumps(TEACHER["transformer_config"])),
-        DIMS,
+        DIMS_BLOCK,
     )
     student = build_student(student_config, seed=0)
     return DistillModule(student, {"blocks.1": "blocks.0"}, student_width=16, teacher_width=24)

@@ -72,12 +72,11 @@ EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
 def test_a_hand_edit_of_any_sealed_block_is_one_error_naming_it_on_every_open(
     cache: Path, tmp_path: Path, block: str
 ) -> None:
-    if block == "backend":
+    if block == "backend":  # entries are checked when used: the seal names the edit first
         _edit(cache, lambda m: m.update(backend="zarr"))
-        want = "must be 'data.zarr'"  # zarr's entry schema refuses webdataset entries
     else:
         _edit(cache, EDITS[block])
-        want = f"{block} changed after the cache was written"
+    want = f"{block} changed after the cache was written"
     before = tree_digest(cache)
     for args in (
         ["cache", "info", str(cache)],

@@ -82,7 +82,7 @@ def test_the_cache_writer_never_commits_a_non_finite_record(
     with pytest.raises(NonFiniteError, match=rf"record {bad.key}: {re.escape(where)}"):
         writer.write(bad)
     writer.close()
-    keys = [k for s in load_committed(tmp_path).shards for k in s["keys"]]
+    keys = [k for s in load_committed(tmp_path).shards for k in s.keys]
     assert bad.key not in keys and len(keys) == 2  # the good records before it are committed
 
 

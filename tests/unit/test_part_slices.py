@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from wandistill.cache.manifest import Manifest
+from wandistill.cache.manifest import Manifest, new_manifest
 from wandistill.errors import UsageError
 from wandistill.io.storage import open_storage
 from wandistill.precompute.parts import PARTS_NAME, Part, check_and_record, parse, resolve
@@ -78,10 +78,10 @@ def test_part_folders_sort_in_part_order() -> None:
     assert names == sorted(names) and names[3] == "part-00003-of-00012"
 
 
-def _header(guidance: float = 5.0) -> Manifest:
-    return Manifest(
+def _header(guidance: float = 5.0, path: str = "/models/a") -> Manifest:
+    return new_manifest(
         backend="webdataset",
-        teacher={"fingerprint": "f" * 64, "path": "/models/a"},
+        teacher={"fingerprint": "f" * 64, "path": path},
         settings={"guidance_scale": guidance, "num_inference_steps": 8},
         fields=[{"name": "noise", "dtype": "float32", "shape": "C,F,H,W"}],
         numerics={"batch_size": 8},
@@ -105,8 +105,7 @@ def test_the_first_part_records_the_set_and_later_parts_are_checked_against_it(
     check_and_record(parts_root, Part(0, 3), _header(), "a" * 64, "p.txt")
     assert open_storage(parts_root).exists(PARTS_NAME)
     # a part on another node: same file contents under another path, the teacher elsewhere
-    moved = _header()
-    moved.teacher = {**moved.teacher, "path": "/elsewhere"}
+    moved = _header(path="/elsewhere")
     check_and_record(parts_root, Part(2, 3), moved, "a" * 64, "/node7/p.txt")
     refusals = {
         "N = 3, not 4": (Part(1, 4), _header(), "a" * 64),

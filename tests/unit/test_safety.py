@@ -28,6 +28,7 @@ import torch
 import webdataset as wds
 
 from wandistill.cache import open_cache
+from wandistill.cache.files import WdsEntry
 from wandistill.cache.manifest import read_manifest, seal_entry
 from wandistill.cache.wds_backend import (
     UnsafeMemberError,
@@ -204,7 +205,7 @@ def cache(tmp_path: Path) -> Path:
 
 
 def _urls(cache: Path) -> list[str]:
-    return [str(cache / s["file"]) for s in read_manifest(cache).shards]
+    return [str(cache / s.file) for s in read_manifest(cache).shards]
 
 
 @pytest.mark.parametrize("how", ["decode", "map"])
@@ -270,7 +271,7 @@ def test_iter_members_refuses_links_and_lists_a_clean_shard(cache: Path, tmp_pat
 
 def _append_members(
     cache: Path, members: list[tuple[str, bytes]], *, link: str | None = None
-) -> dict[str, Any]:
+) -> WdsEntry:
     """Append members to shard 0 and update its manifest entry consistently (size, frame
     digest, entry digest): only the member walk can tell."""
     mpath = cache / "manifest.json"
@@ -289,11 +290,12 @@ def _append_members(
             tar.addfile(info)
     entry["bytes"] = path.stat().st_size
     source = WebDatasetSource(cache)
-    entry["frame_sha256"] = source.frame_digest(entry, entry["file"])
+    typed = WdsEntry.model_validate(entry, strict=True)
+    entry["frame_sha256"] = source.frame_digest(typed, entry["file"])
     source.close()
     seal_entry(entry)
     mpath.write_text(json.dumps(manifest))
-    return entry
+    return WdsEntry.model_validate(entry, strict=True)
 
 
 def _verify(capsys: pytest.CaptureFixture[str], cache: Path) -> tuple[int, str]:
@@ -331,11 +333,11 @@ def test_verify_reports_unexpected_and_unsafe_members(
     link: str | None,
     message: str,
 ) -> None:
-    k0 = read_manifest(cache).shards[0]["keys"][0]
+    k0 = read_manifest(cache).shards[0].keys[0]
     members = [(n.format(k0=k0), d) for n, d in members]
     entry = _append_members(cache, members, link=link.format(k0=k0) if link else None)
     code, err = _verify(capsys, cache)
-    assert code == 1 and f"shard {entry['name']}: {message.format(k0=k0)}" in err
+    assert code == 1 and f"shard {entry.name}: {message.format(k0=k0)}" in err
     with open_cache(cache) as store:  # the listed records themselves are intact and readable
         assert store.read_record(entry, 0).key == k0
 

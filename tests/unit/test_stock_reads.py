@@ -55,8 +55,8 @@ def _flip_data_byte(cache: Path, record: int, back: int) -> None:
     """Flip one byte `back` bytes before the end of a record's .safetensors member (tensor data,
     not the header): the tar stays well-formed, only the numbers change."""
     entry = load_committed(cache).shards[0]
-    offset, length = entry["offsets"][record][:2]
-    path = cache / entry["file"]
+    offset, length = entry.offsets[record][:2]
+    path = cache / entry.file
     data = bytearray(path.read_bytes())
     data[offset + length - back] ^= 0x10
     path.write_bytes(bytes(data))

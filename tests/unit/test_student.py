@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from wandistill.cache.files import SettingsBlock
 from wandistill.config import StudentConfig, TeacherInitConfig
 from wandistill.errors import UsageError
 from wandistill.student import (
@@ -21,7 +22,8 @@ from wandistill.student import (
 )
 from wandistill.student.init import init_from_teacher
 
-from cachefixtures import DIMS, TEACHER
+from cachefixtures import DIMS_BLOCK as DIMS
+from cachefixtures import TEACHER
 
 SMALL = StudentConfig(num_layers=1, num_attention_heads=2, attention_head_dim=12, ffn_dim=16)
 
@@ -79,7 +81,8 @@ def test_x0_and_sigma_match_the_teachers_unipc_scheduler() -> None:
     sched.set_timesteps(8)
     recorded = [0, 3, 7]
     table = SigmaTable.from_cache(
-        {"record_steps": recorded}, {"sigmas": sched.sigmas.float(), "timesteps": sched.timesteps}
+        SettingsBlock(record_steps=recorded),
+        {"sigmas": sched.sigmas.float(), "timesteps": sched.timesteps},
     )
     ts = sched.timesteps[recorded].float()
     sigma = table(torch.arange(3), ts)

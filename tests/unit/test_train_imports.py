@@ -101,9 +101,10 @@ from wandistill.config import load_recipe
 load_recipe("wan2.2-a14b_4x80gb", stage="train")  # the train command parses the whole recipe
 from wandistill.config import StudentConfig
 from wandistill.student import build_student, resolve_student_config
+from wandistill.cache.files import DimsBlock
 cfg = resolve_student_config(
     StudentConfig(num_layers=1, num_attention_heads=2, attention_head_dim=8, ffn_dim=8),
-    None, {"text_dim": 8, "latent_channels": 4})
+    None, DimsBlock(text_dim=8, latent_channels=4))
 build_student(cfg, seed=0)
 print(json.dumps(sorted(sys.modules)))
 """

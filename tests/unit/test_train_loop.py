@@ -220,11 +220,11 @@ def test_out_of_memory_is_one_error_with_figures_and_levers(
 
 def _corrupt_one_record(cache: Path) -> tuple[str, str]:
     entry = read_manifest(cache).shards[0]
-    path = cache / entry["file"]
+    path = cache / entry.file
     data = bytearray(path.read_bytes())
-    data[entry["offsets"][1][0] : entry["offsets"][1][0] + 8] = b"\xff" * 8
+    data[entry.offsets[1][0] : entry.offsets[1][0] + 8] = b"\xff" * 8
     path.write_bytes(bytes(data))
-    return entry["name"], entry["keys"][1]
+    return entry.name, entry.keys[1]
 
 
 def test_a_corrupt_record_fails_naming_shard_and_key_unless_skipped(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from wandistill.cache.files import DimsBlock
 from wandistill.config import TrainConfig, load_recipe
 from wandistill.placement.devices import GiB
 from wandistill.placement.inventory import Inventory
@@ -235,7 +236,7 @@ def test_train_oom_names_the_next_lever_with_the_plans_figures(
     info = dist.DistInfo(
         rank=0, world_size=8, local_rank=0, device=torch.device("cpu"), backend=None
     )
-    dims = {"latent_shape": [16, CLIP.latent_frames, CLIP.latent_height, CLIP.latent_width]}
+    dims = DimsBlock(latent_shape=[16, CLIP.latent_frames, CLIP.latent_height, CLIP.latent_width])
     e = torch.OutOfMemoryError("CUDA out of memory")
     err = train_oom.oom_error(
         cfg, info, 14_288_491_584, e, student_config=wan("wan2.1-14b"), dims=dims
@@ -265,7 +266,7 @@ def test_the_train_loop_passes_its_student_and_cache_to_the_oom_advice(
 
     monkeypatch.setattr(train_oom, "_inventory", lambda info: Inventory.fake(1, 24.0))
     student = torch.nn.Linear(4, 4)
-    dims = {"latent_shape": [16, CLIP.latent_frames, CLIP.latent_height, CLIP.latent_width]}
+    dims = DimsBlock(latent_shape=[16, CLIP.latent_frames, CLIP.latent_height, CLIP.latent_width])
     t = SimpleNamespace(
         model=SimpleNamespace(student=student),
         plan=SimpleNamespace(

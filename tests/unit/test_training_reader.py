@@ -161,14 +161,14 @@ def test_follow_mode_keeps_only_the_generations_not_yet_trained_on(tmp_path: Pat
     assert max(held) <= 2 * 6  # at most the generation being read and the next one
     ref = TrainingReader(tmp_path, batch_size=3, follow=True)  # the permutations it draws
     store = CacheReader(tmp_path)
-    entries = {e["name"]: e for e in store.entries}
+    entries = {e.name: e for e in store.entries}
     want = []
     for k, names in enumerate(gens):
         space: SampleSpace = ref._space([entries[n] for n in names])
         order = ref._permutation(len(space), "follow", k)
         for j in order.tolist():
             entry, row, slot = space[j]
-            want.append((entry["keys"][row], slot))
+            want.append((entry.keys[row], slot))
     store.close()
     assert got == want
 
@@ -187,16 +187,16 @@ def test_a_corrupt_record_fails_loudly_or_is_skipped_and_counted(tmp_path: Path)
 
     write_cache(tmp_path, range(4), shard_records=4)
     entry = read_manifest(tmp_path).shards[0]
-    path = tmp_path / entry["file"]
+    path = tmp_path / entry.file
     data = bytearray(path.read_bytes())
-    data[entry["offsets"][1][0] : entry["offsets"][1][0] + 8] = b"\xff" * 8  # header length
+    data[entry.offsets[1][0] : entry.offsets[1][0] + 8] = b"\xff" * 8  # header length
     path.write_bytes(bytes(data))
-    with pytest.raises(CacheError, match=f"corrupt record {entry['keys'][1]}"):
+    with pytest.raises(CacheError, match=f"corrupt record {entry.keys[1]}"):
         _take(TrainingReader(tmp_path, batch_size=4), 3)
     skipping = TrainingReader(tmp_path, batch_size=4, skip_corrupt=True)
     batches = _take(skipping, 3)
     assert all(len(b) == 4 for b in batches)
-    assert skipping.corrupt and all(entry["keys"][1] in m for m in skipping.corrupt)
+    assert skipping.corrupt and all(entry.keys[1] in m for m in skipping.corrupt)
 
 
 def _check_rows(batch: dict, store: CacheReader, pad: str) -> None:
@@ -235,11 +235,11 @@ def test_a_step_row_failing_its_checksum_is_replaced_by_the_batchs_first_good_sa
     entry = read_manifest(tmp_path).shards[0]
     reader = TrainingReader(tmp_path, batch_size=4, skip_corrupt=True, pad="batch")
     base, table, _ = reader.store.source.header(entry, 1)  # type: ignore[attr-defined]
-    path = tmp_path / entry["file"]
+    path = tmp_path / entry.file
     data = bytearray(path.read_bytes())
     data[base + table["xt"]["data_offsets"][0]] ^= 0xFF  # record 1, step 0 of x_t
     path.write_bytes(bytes(data))
-    bad = entry["keys"][1]
+    bad = entry.keys[1]
     it = iter(reader)
     short = 0
     for _ in range(reader.batches_per_epoch()):

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
 from wandistill.checks.validate import canonical_json
+
+if TYPE_CHECKING:
+    from wandistill.cache.files import RecordMeta
 
 SCHEMA_VERSION = 3
 """3: a webdataset shard entry lists `frame_sha256` (every byte but the tensor data, which the
@@ -45,8 +48,10 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8).numpy().reshape(-1)
 
 
-@dataclass(frozen=True, slots=True)
-class FieldSpec:
+class FieldTemplate(NamedTuple):
+    """A record field as the contract defines it; `field_specs` turns each into the
+    manifest's `files.FieldSpec` for a cache's dtypes."""
+
     name: str
     shape: str
     """Comma-separated shape pattern, e.g. "S,C,F,H,W"."""
@@ -56,13 +61,17 @@ class FieldSpec:
     doc: str
 
 
-FIELDS: tuple[FieldSpec, ...] = (
-    FieldSpec("prompt_embeds", "L,D", "embed", "UMT5 embedding trimmed to its true length L"),
-    FieldSpec("noise", "C,F,H,W", "latent", "initial latent noise x_T"),
-    FieldSpec("timesteps", "S", "float32", "scheduler timestep at each recorded step"),
-    FieldSpec("xt", "S,C,F,H,W", "model", "latent x_t fed to the denoiser at each recorded step"),
-    FieldSpec("teacher_out", "S,C,F,H,W", "model", "guided teacher output at each recorded step"),
-    FieldSpec("final_latent", "C,F,H,W", "latent", "the sampler's final latent x_0"),
+FIELDS: tuple[FieldTemplate, ...] = (
+    FieldTemplate("prompt_embeds", "L,D", "embed", "UMT5 embedding trimmed to its true length L"),
+    FieldTemplate("noise", "C,F,H,W", "latent", "initial latent noise x_T"),
+    FieldTemplate("timesteps", "S", "float32", "scheduler timestep at each recorded step"),
+    FieldTemplate(
+        "xt", "S,C,F,H,W", "model", "latent x_t fed to the denoiser at each recorded step"
+    ),
+    FieldTemplate(
+        "teacher_out", "S,C,F,H,W", "model", "guided teacher output at each recorded step"
+    ),
+    FieldTemplate("final_latent", "C,F,H,W", "latent", "the sampler's final latent x_0"),
 )
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 STEP_FIELDS = ("timesteps", "xt", "teacher_out")
@@ -167,7 +176,7 @@ class Record:
         }
 
     @classmethod
-    def from_parts(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Record:
+    def from_parts(cls, meta: RecordMeta, tensors: dict[str, torch.Tensor]) -> Record:
         features = {
             k[len(FEATURE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(FEATURE_PREFIX)
         }
@@ -175,12 +184,12 @@ class Record:
             k[len(SCALE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(SCALE_PREFIX)
         }
         return cls(
-            key=meta["key"],
-            prompt=meta["prompt"],
-            seed=int(meta["seed"]),
+            key=meta.key,
+            prompt=meta.prompt,
+            seed=meta.seed,
             features=features,
             negative_prompt_embeds=tensors.get("negative_prompt_embeds"),
-            extra=meta.get("extra", {}),
+            extra=dict(meta.extra),
             scales=scales,
             **{name: tensors[name] for name in FIELD_NAMES},
         )
@@ -242,105 +251,3 @@ def pad_embeds(embeds_LD: torch.Tensor, max_len: int) -> torch.Tensor:
     out = embeds_LD.new_zeros((max_len, dim))
     out[:length] = embeds_LD
     return out
-
-
-def _int_pair(value: Any) -> tuple[int, int] | None:
-    if (
-        isinstance(value, list | tuple)
-        and len(value) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
-        and value[0] <= value[1]
-    ):
-        return int(value[0]), int(value[1])
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class ZarrShardEntry:
-    """The zarr backend's shard entry in the manifest, parsed once into a typed object.
-
-    `ZarrSink.end()` returns `to_json()`; the CacheWriter adds `name`, `rank`, `records` and
-    `keys` (and the entry digest) when it commits the entry. `from_json` reads a committed entry
-    back, with `name` and `keys` (the reader names them in every error)."""
-
-    rows: tuple[int, int]
-    """The rows [start, start + records) this shard committed, in every record-indexed array."""
-    reserved: tuple[int, int]
-    """The rows it claimed: whole zarr shards, so no other writer touches their files."""
-    token_rows: dict[str, tuple[int, int]]
-    """Per ragged field: this shard's tokens in `<field>/values`."""
-    fields: tuple[str, ...]
-    """Tensor names its records carry (sorted)."""
-    meta: tuple[dict[str, Any], ...]
-    """Per record `Record.meta()`: key, prompt, seed, embed_len, extra."""
-    sha256: dict[str, str]
-    """Every zarr shard file it wrote (path relative to data.zarr) -> sha256 of its bytes."""
-    nbytes: int
-    """Total size of those files (JSON key "bytes")."""
-    file: str = ZARR_DATA_NAME
-    name: str = ""
-    keys: tuple[str, ...] = ()
-
-    @property
-    def records(self) -> int:
-        return self.rows[1] - self.rows[0]
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "file": self.file,
-            "rows": list(self.rows),
-            "reserved": list(self.reserved),
-            "token_rows": {k: list(v) for k, v in self.token_rows.items()},
-            "fields": list(self.fields),
-            "meta": list(self.meta),
-            "bytes": self.nbytes,
-            "sha256": dict(self.sha256),
-        }
-        if self.name:
-            out.update(name=self.name, records=self.records, keys=list(self.keys))
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ZarrShardEntry:
-        """Raises CacheError naming the shard and the first field that is not what it should
-        be (a hand-edited or foreign manifest)."""
-        from wandistill.errors import CacheError
-
-        name = str(data.get("name", "?"))
-        rows, reserved = _int_pair(data.get("rows")), _int_pair(data.get("reserved"))
-        tokens = data.get("token_rows", {})
-        token_rows = (
-            {k: _int_pair(v) for k, v in tokens.items()} if isinstance(tokens, dict) else {}
-        )
-        checks = [
-            ("rows", rows is not None),
-            ("reserved", reserved is not None and rows is not None and reserved[0] == rows[0]),
-            ("token_rows", isinstance(tokens, dict) and None not in token_rows.values()),
-            ("fields", isinstance(data.get("fields"), list)),
-            ("meta", isinstance(data.get("meta"), list)),
-            ("sha256", isinstance(data.get("sha256"), dict)),
-            ("bytes", isinstance(data.get("bytes"), int)),
-            ("file", data.get("file", ZARR_DATA_NAME) == ZARR_DATA_NAME),
-        ]
-        keys = tuple(data.get("keys", ()))
-        if rows is not None and keys and len(keys) != rows[1] - rows[0]:
-            checks.append(("keys", False))
-        if rows is not None and isinstance(data.get("meta"), list):
-            checks.append(("meta", len(data["meta"]) == rows[1] - rows[0]))
-        bad = next((k for k, ok in checks if not ok), None)
-        if bad is not None:
-            raise CacheError(
-                f"shard {name}: zarr entry field {bad!r} is malformed ({data.get(bad)!r:.80})",
-                fix="run `wandistill cache verify`; restore manifest.json or the journal",
-            )
-        return cls(
-            rows=rows,  # type: ignore[arg-type]
-            reserved=reserved,  # type: ignore[arg-type]
-            token_rows=token_rows,  # type: ignore[arg-type]
-            fields=tuple(data["fields"]),
-            meta=tuple(data["meta"]),
-            sha256=dict(data["sha256"]),
-            nbytes=int(data["bytes"]),
-            name=name if "name" in data else "",
-            keys=keys,
-        )

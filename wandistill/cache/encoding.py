@@ -17,6 +17,7 @@ final latent).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from wandistill.cache.contract import (
     Record,
     is_step_field,
 )
+from wandistill.cache.files import FieldSpec, RecordMeta
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
@@ -74,11 +76,11 @@ class Encoding:
         return out
 
 
-def compression_of(fields: list[dict[str, Any]]) -> tuple[str, int] | None:
+def compression_of(fields: Sequence[FieldSpec]) -> tuple[str, int] | None:
     """The (codec, level) the fields declare (one per cache), or None."""
     for spec in fields:
-        if spec.get("compression"):
-            return str(spec["compression"]), int(spec.get("compression_level") or 3)
+        if spec.compression:
+            return spec.compression, spec.compression_level or 3
     return None
 
 
@@ -111,10 +113,10 @@ def fp8_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 class RecordCodec:
     """Encodes records as the manifest's fields say they are stored, and decodes them back."""
 
-    def __init__(self, fields: list[dict[str, Any]]) -> None:
-        self.stored = {f["name"]: f["dtype"] for f in fields}
-        self.decoded = {f["name"]: f["decoded"] for f in fields if f.get("decoded")}
-        self.scaled = {f["name"] for f in fields if f.get("scaled")}
+    def __init__(self, fields: Sequence[FieldSpec]) -> None:
+        self.stored = {f.name: f.dtype for f in fields}
+        self.decoded = {f.name: f.decoded for f in fields if f.decoded}
+        self.scaled = {f.name for f in fields if f.scaled}
 
     @property
     def identity(self) -> bool:
@@ -134,7 +136,7 @@ class RecordCodec:
                 out[name], out[SCALE_PREFIX + name] = fp8_encode(t, per_step=is_step_field(name))
             else:
                 out[name] = t.to(DTYPE_BY_NAME[want].torch)
-        return Record.from_parts(record.meta(), out)
+        return Record.from_parts(RecordMeta.model_construct(**record.meta()), out)
 
     def wanted(self, names: list[str]) -> list[str]:
         """The stored tensors to read for these fields (a scaled field brings its scale)."""
@@ -163,4 +165,5 @@ class RecordCodec:
     def decode_record(self, record: Record) -> Record:
         if self.identity:
             return record
-        return Record.from_parts(record.meta(), self.decode(record.tensors()))
+        meta = RecordMeta.model_construct(**record.meta())
+        return Record.from_parts(meta, self.decode(record.tensors()))

@@ -11,12 +11,25 @@ from becoming a huge allocation or an out-of-range seek.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Iterator, Sequence
+from typing import Annotated, Any, Literal, TypeVar, get_args, overload
 
-from pydantic import AfterValidator, Field, JsonValue, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    PrivateAttr,
+    StringConstraints,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError, core_schema
 
-from wandistill.cache.contract import DTYPES, DTYPES_BY_NAME, FORMAT_NAME
-from wandistill.checks.validate import OpenSchema, Schema, rel_path_problem
+from wandistill import __version__
+from wandistill.cache.contract import DTYPES, DTYPES_BY_NAME, FORMAT_NAME, SCHEMA_VERSION
+from wandistill.checks.validate import OpenSchema, Schema, check, rel_path_problem
+from wandistill.errors import CacheError
 
 # ----------------------------------------------------------------------------- scalar types
 
@@ -53,7 +66,9 @@ RelPath = Annotated[str, AfterValidator(_rel)]
 
 
 class RecordMeta(Schema):
-    """A record's `<key>.json` member (webdataset) / `entry["meta"][i]` (zarr)."""
+    """A record's `<key>.json` member (webdataset) / `entry.meta[i]` (zarr)."""
+
+    model_config = ConfigDict(frozen=True)
 
     key: RecordKey
     prompt: Text
@@ -84,6 +99,8 @@ class OwnMeta(Schema):
 
 class Entry(Schema):
     """What both backends' shard entries hold (CacheWriter adds name, rank, records, keys)."""
+
+    model_config = ConfigDict(frozen=True)
 
     name: Name
     rank: Annotated[int, Field(ge=0, le=1 << 20)]
@@ -153,11 +170,131 @@ class ZarrEntry(Entry):
 
 ENTRIES: dict[str, type[Entry]] = {"webdataset": WdsEntry, "zarr": ZarrEntry}
 
+E = TypeVar("E", bound=Entry)
+
+
+class Entries(Sequence[E]):
+    """A manifest's (or journal's) shard entries: the JSON list as read, each entry validated
+    into its model the first time it is used, then kept. Reading a manifest costs about a
+    `json.loads` however many shards it lists; `load_committed`'s checks (names, digests) read
+    the JSON. A bad entry is one CacheError naming the file, the entry's index and shard name
+    and the field (the message a whole-file check gives), when it is used or when `cache verify`
+    checks every entry."""
+
+    def __init__(
+        self,
+        model: type[E],
+        raw: list[Any],
+        *,
+        where: str = "manifest.json",
+        fix: str = "restore manifest.json, or re-run `wandistill precompute` into a fresh "
+        "directory",
+    ) -> None:
+        self.model = model
+        self._raw = raw
+        self._models: list[E | None] = [None] * len(raw)
+        self._src: list[tuple[Entries[E], int]] | None = None
+        """Entries picked from other files (`join`): each validated by its own file's Entries."""
+        self.where = where
+        """The file the entries came from, for messages."""
+        self.fix = fix
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        (model,) = get_args(source)
+
+        def lazy(value: Any) -> Entries[Any]:
+            if isinstance(value, Entries):
+                return value
+            if not isinstance(value, list):
+                raise PydanticCustomError("list_type", "Input should be a valid list")
+            if len(value) > MAX_ROWS:
+                raise ValueError(f"lists {len(value)} shards")
+            return cls(model, value)
+
+        return core_schema.no_info_plain_validator_function(lazy)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    @overload
+    def __getitem__(self, i: int) -> E: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[E]: ...
+    def __getitem__(self, i: int | slice) -> E | list[E]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        got = self._models[i]
+        if got is None:
+            got = self._models[i] = self._validate(i if i >= 0 else i + len(self))
+        return got
+
+    def __iter__(self) -> Iterator[E]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        """Same entries as read (the JSON their digests are taken over)."""
+        if isinstance(other, Entries):
+            return self._raw == other._raw
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def _validate(self, i: int) -> E:
+        if self._src is not None:
+            src, j = self._src[i]
+            return src[j]
+        raw, where = self._raw, f"{self.where} is corrupt"
+        return check(
+            self.model,
+            raw[i],
+            where,
+            fix=self.fix,
+            error=CacheError,
+            at=("shards", i),
+            root={"shards": raw},
+        )
+
+    def json(self, i: int) -> dict[str, Any]:
+        """Entry `i` as read (what its digest is taken over, and what is written back); an
+        entry that is not a JSON object is reported as `self[i]` reports it."""
+        raw = self._raw[i]
+        if type(raw) is not dict:
+            self[i]
+        return raw
+
+    def json_list(self) -> list[Any]:
+        return self._raw
+
+    def name(self, i: int) -> str:
+        """Entry `i`'s name, read from its JSON (the entry is validated only where the name is
+        not a string: then it is reported)."""
+        raw = self._raw[i]
+        if type(raw) is dict and type(name := raw.get("name")) is str:
+            return name
+        return self[i].name
+
+    def names(self) -> list[str]:
+        """Every entry's name (see `name`)."""
+        return [self.name(i) for i in range(len(self))]
+
+    @classmethod
+    def join(cls, model: type[E], parts: list[tuple[Entries[E], int]]) -> Entries[E]:
+        """Entries picked from several files (manifest, journals), each validated when used by
+        its own file's Entries (so its messages name that file, and it is validated once)."""
+        made = cls(model, [src._raw[i] for src, i in parts])
+        made._src = parts
+        return made
+
 
 # ----------------------------------------------------------------------------- manifest
 
 
-class FieldSpecModel(Schema):
+class FieldSpec(Schema):
+    """One entry of the manifest's `fields` list: how a record tensor is stored and handed out."""
+
+    model_config = ConfigDict(frozen=True)
+
     name: Name
     dtype: Dtype
     """The dtype the field is stored in."""
@@ -171,7 +308,14 @@ class FieldSpecModel(Schema):
     compression_level: Annotated[int, Field(ge=1, le=22)] | None = None
 
 
-class TeacherBlock(OpenSchema):
+class Block(OpenSchema):
+    """A sealed manifest block: frozen (its digest is in `header_sha256`); keys it does not
+    declare are kept (and sealed) but no reader uses them."""
+
+    model_config = ConfigDict(frozen=True)
+
+
+class TeacherBlock(Block):
     """Teacher fingerprint (sealed); other keys are informational."""
 
     fingerprint: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16,128}$")]
@@ -181,10 +325,11 @@ class TeacherBlock(OpenSchema):
 
 
 Pos = Annotated[int, Field(ge=1, le=1 << 20)]
+Scale = Annotated[float, Field(ge=0.0, le=1e6)]
 
 
-class SettingsBlock(OpenSchema):
-    """Sampler settings; the keys readers use are typed, the rest only sealed."""
+class SettingsBlock(Block):
+    """Sampler settings: everything that changes the teacher's output for a prompt and seed."""
 
     scheduler: Identifier | None = None
     scheduler_config: dict[Short, JsonValue] | None = None
@@ -199,9 +344,20 @@ class SettingsBlock(OpenSchema):
     height: Pos | None = None
     width: Pos | None = None
     num_frames: Pos | None = None
+    guidance_scale: Scale | None = None
+    guidance_scale_2: Scale | None = None
+    """Wan 2.2: the low-noise expert's guidance (None: one expert)."""
+    boundary_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    """Wan 2.2: where the high-noise expert hands over (None: one expert)."""
+    expand_timesteps: bool = False
+    cfg_formula: Text | None = None
+    """How cond and uncond were combined (informational: the guidance scales decide it)."""
+    negative_prompt: Text | None = None
 
 
-class DimsBlock(OpenSchema):
+class DimsBlock(Block):
+    """Sizes a student must match."""
+
     text_dim: Pos | None = None
     latent_channels: Pos | None = None
     latent_shape: Annotated[list[Pos], Field(min_length=4, max_length=4)] | None = None
@@ -214,11 +370,17 @@ class DimsBlock(OpenSchema):
 
 
 class SharedTensor(Schema):
+    model_config = ConfigDict(frozen=True)
+
     dtype: Dtype
     shape: Annotated[list[Annotated[int, Field(ge=0, le=1 << 32)]], Field(max_length=8)]
 
 
 class SharedBlock(Schema):
+    """`shared.safetensors`: tensors every record shares (the scheduler's sigmas)."""
+
+    model_config = ConfigDict(frozen=True)
+
     file: Literal["shared.safetensors"]
     sha256: Hex64
     tensors: dict[Name, SharedTensor]
@@ -229,35 +391,75 @@ SEALED += ("settings", "numerics", "fields", "dims", "shared")
 """Manifest blocks covered by `header_sha256` (one digest each): everything that defines what
 the records mean or how their bits were computed. Not `complete` and `shards`: they change as
 the cache grows (each shard entry carries its own `entry_sha256`)."""
+BLOCKS = ("teacher", "settings", "fields", "dims", "shared", "numerics")
+"""The header blocks a manifest writes back exactly as it read (or was built from) them."""
 
 
-class ManifestBase(Schema):
-    format: Literal[FORMAT_NAME]  # type: ignore[valid-type]
-    schema_version: int
-    wandistill_version: Short
+class Manifest(Schema):
+    """`manifest.json`, parsed: the object every reader uses (attributes, never string keys).
+
+    One subclass per backend types its shard entries. The header blocks are frozen (sealed) and
+    written back from the JSON they were validated from (`to_json`), so a manifest read and
+    written again is byte-identical and its seal still holds; `complete`, `created` and `shards`
+    change as the cache grows. `shards` is an `Entries`: the raw list, each entry validated when
+    first used (`read_manifest` then costs about a `json.loads`)."""
+
+    format: Literal[FORMAT_NAME] = FORMAT_NAME  # type: ignore[valid-type]
+    schema_version: int = SCHEMA_VERSION
+    wandistill_version: Short = __version__
     backend: Literal["webdataset", "zarr"]
-    created: Short
-    complete: bool
+    created: Short = ""
+    complete: bool = False
     teacher: TeacherBlock
     settings: SettingsBlock
-    fields: Annotated[list[FieldSpecModel], Field(min_length=1, max_length=4096)]
-    dims: DimsBlock
-    shared: SharedBlock | Annotated[dict[str, Any], Field(max_length=0)]
-    numerics: dict[Short, JsonValue]
+    fields: Annotated[list[FieldSpec], Field(min_length=1, max_length=4096)]
+    dims: DimsBlock = Field(default_factory=DimsBlock)
+    shared: SharedBlock | Annotated[dict[str, Any], Field(max_length=0)] = Field(
+        default_factory=dict
+    )
+    numerics: dict[Short, JsonValue] = Field(default_factory=dict)
     """How the record bits were computed (see docs/cache-format.md)."""
-    header_sha256: dict[Literal[SEALED], Hex64]  # type: ignore[valid-type]
+    header_sha256: dict[Literal[SEALED], Hex64] = Field(default_factory=dict)  # type: ignore[valid-type]
     """sha256 of each sealed block's canonical JSON."""
+    _blocks: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_blocks(cls, data: Any, handler: Any) -> Manifest:
+        made = handler(data)
+        if isinstance(data, dict):
+            made._blocks = {k: data[k] for k in BLOCKS if k in data}
+        return made
+
+    def block_json(self, name: str) -> Any:
+        """A header block as JSON: as read (or built), else dumped from the model."""
+        if name in self._blocks:
+            return self._blocks[name]
+        value = getattr(self, name)
+        if name == "fields":
+            return [f.model_dump(mode="json", exclude_unset=True) for f in value]
+        if isinstance(value, BaseModel):
+            return value.model_dump(mode="json", exclude_unset=True)
+        return value
+
+    @property
+    def num_records(self) -> int:
+        return sum(e.records for e in self.shards)  # type: ignore[attr-defined]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(e.bytes for e in self.shards)  # type: ignore[attr-defined]
 
 
-class WdsManifest(ManifestBase):
-    shards: list[WdsEntry]
+class WdsManifest(Manifest):
+    shards: Entries[WdsEntry] = Field(default_factory=lambda: Entries(WdsEntry, []))
 
 
-class ZarrManifest(ManifestBase):
-    shards: list[ZarrEntry]
+class ZarrManifest(Manifest):
+    shards: Entries[ZarrEntry] = Field(default_factory=lambda: Entries(ZarrEntry, []))
 
 
-MANIFESTS: dict[str, type[ManifestBase]] = {"webdataset": WdsManifest, "zarr": ZarrManifest}
+MANIFESTS: dict[str, type[Manifest]] = {"webdataset": WdsManifest, "zarr": ZarrManifest}
 
 
 class JournalBase(Schema):
@@ -265,11 +467,11 @@ class JournalBase(Schema):
 
 
 class WdsJournal(JournalBase):
-    shards: list[WdsEntry]
+    shards: Entries[WdsEntry]
 
 
 class ZarrJournal(JournalBase):
-    shards: list[ZarrEntry]
+    shards: Entries[ZarrEntry]
 
 
 JOURNALS: dict[str, type[JournalBase]] = {"webdataset": WdsJournal, "zarr": ZarrJournal}

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from wandistill.cache.contract import SCALE_PREFIX
+from wandistill.cache.files import ZarrEntry
 from wandistill.cache.reader import open_cache
 
 WAN_SIZES: dict[str, tuple[int, int, int, int]] = {
@@ -84,20 +85,20 @@ def footprint(path: Any) -> Footprint | None:
             return None
         entry = store.entries[0]
         tensors = store.source.read_record(entry, 0).tensors()  # as stored
-        n = min(int(entry["records"]), 64)
-        if "meta" in entry:
-            lens = [int(m["embed_len"]) for m in entry["meta"][:n]]
+        n = min(entry.records, 64)
+        if isinstance(entry, ZarrEntry):
+            lens = [m.embed_len for m in entry.meta[:n]]
         else:
-            lens = [int(store.source.read_meta(entry, i)["embed_len"]) for i in range(n)]
+            lens = [store.source.read_meta(entry, i).embed_len for i in range(n)]
         embed_len = sum(lens) / len(lens)
         described = {}
         for spec in store.manifest.fields:
-            text = spec["dtype"]
-            if spec.get("decoded"):
-                text += f" (of {spec['decoded']}{' + scale' if spec.get('scaled') else ''})"
-            if spec.get("compression"):
-                text += f", {spec['compression']}-{spec.get('compression_level')}"
-            described[spec["name"]] = text
+            text = spec.dtype
+            if spec.decoded:
+                text += f" (of {spec.decoded}{' + scale' if spec.scaled else ''})"
+            if spec.compression:
+                text += f", {spec.compression}-{spec.compression_level}"
+            described[spec.name] = text
         return Footprint(
             fields=described,
             here=field_bytes(tensors),

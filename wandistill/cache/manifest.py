@@ -2,164 +2,172 @@
 
 A cache directory holds `manifest.json` (header: format, teacher fingerprint, sampler settings,
 field specs; the merged shard list; the `complete` flag) and, while writers are running, one
-journal per writer rank under `journal/`. A writer publishes a shard by renaming it into place and
-then atomically rewriting its own journal, so concurrent ranks never contend for one file. A
-rank's journal is a run of segments (`rank-<r>.json`, then `rank-<r>-<s>.json`): a commit
-rewrites only the last one, so what a commit writes stays bounded however long the run. The
-committed shards are the manifest's list plus every journal's; `finalize` folds the journals into
-the manifest. Nothing ever trusts a directory listing or an array shape.
+journal per writer rank under `journal/` (`cache/journal.py`). The committed shards are the
+manifest's list plus every journal's; `finalize` folds the journals into the manifest. Nothing
+ever trusts a directory listing or an array shape.
 
 Every manifest and journal is checked against its schema (`wandistill/cache/files.py`) when
-read, and is sealed: `header_sha256` holds a sha256 per block that defines what the records mean
-(teacher, settings, numerics, fields, dims, shared, ...), checked on every open, and each shard
-entry carries its own `entry_sha256`. A hand edit is one clear error, never records read under
-a meaning they were not written with.
+read (shard entries when first used: `files.Entries`), and is sealed (`cache/seal.py`). The
+parsed `files.Manifest` is what every reader uses.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from wandistill import __version__
 from wandistill.cache.contract import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
-from wandistill.cache.files import JOURNALS, MANIFESTS, SEALED
-from wandistill.checks.validate import GiB, check, parse_json, seal
+from wandistill.cache.files import BLOCKS, MANIFESTS, Entries, FieldSpec, Manifest
+from wandistill.cache.journal import (
+    JOURNAL_DIR as JOURNAL_DIR,
+)
+from wandistill.cache.journal import (
+    JOURNAL_SEGMENT_BYTES as JOURNAL_SEGMENT_BYTES,
+)
+from wandistill.cache.journal import (
+    MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES,
+)
+from wandistill.cache.journal import (
+    CommitMemo as CommitMemo,
+)
+from wandistill.cache.journal import (
+    JournalSegment as JournalSegment,
+)
+from wandistill.cache.journal import (
+    clear_journals,
+    dump_json,
+)
+from wandistill.cache.journal import (
+    entry_json as entry_json,
+)
+from wandistill.cache.journal import (
+    journal_path as journal_path,
+)
+from wandistill.cache.journal import (
+    journal_segments as journal_segments,
+)
+from wandistill.cache.journal import (
+    read_journals as read_journals,
+)
+from wandistill.cache.journal import (
+    write_journal as write_journal,
+)
+from wandistill.cache.journal import (
+    write_journal_chunks as write_journal_chunks,
+)
+from wandistill.cache.seal import (
+    ENTRY_DIGEST as ENTRY_DIGEST,
+)
+from wandistill.cache.seal import (
+    HEADER_DIGEST as HEADER_DIGEST,
+)
+from wandistill.cache.seal import (
+    check_seal as check_seal,
+)
+from wandistill.cache.seal import (
+    digest_problem as digest_problem,
+)
+from wandistill.cache.seal import (
+    entry_digest as entry_digest,
+)
+from wandistill.cache.seal import (
+    header_digests as header_digests,
+)
+from wandistill.cache.seal import (
+    seal_entry as seal_entry,
+)
+from wandistill.checks.validate import check, parse_json
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
 from wandistill.io.storage import Storage, join, open_storage
 
-JOURNAL_DIR = "journal"
-_JOURNAL_NAME = re.compile(r"rank-(\d{5,7})(?:-(\d{6}))?\.json")
-JOURNAL_SEGMENT_BYTES = 256 << 10
-"""A commit rewrites its rank's last journal segment whole (one atomic put: object stores cannot
-append); once that segment holds this many bytes of entries, the next commit starts a new one.
-One file per rank made a run of n shards write O(n^2) journal bytes (4,000 one-record shards:
-2.75 GB, each commit slower than the last); segments keep it O(n)."""
 FIX_REBUILD = "rebuild the cache: re-run `wandistill precompute` into a new --out directory"
 """A cache of another schema (pre-release wandistill wrote 1 and 2) is rebuilt, not migrated."""
-HEADER_DIGEST = "header_sha256"
-MAX_MANIFEST_BYTES = GiB
-"""Cap on manifest.json and each journal (~150 bytes per record: far beyond any real cache)."""
 FIX_RESTORE = "restore manifest.json, or re-run `wandistill precompute` into a fresh directory"
 
 
-@dataclass(slots=True)
-class Manifest:
-    backend: str
-    teacher: dict[str, Any]
-    """{"fingerprint": sha256 hex, "components": {...}, "path": str} (path is informational)."""
-    settings: dict[str, Any]
-    """Sampler settings: everything that changes the teacher's output for a given prompt+seed."""
-    fields: list[dict[str, str]]
-    dims: dict[str, Any] = field(default_factory=dict)
-    """Sizes a student must match: text_dim, latent_channels, latent_shape, num_recorded_steps."""
-    shards: list[dict[str, Any]] = field(default_factory=list)
-    complete: bool = False
-    shared: dict[str, Any] = field(default_factory=dict)
-    numerics: dict[str, Any] = field(default_factory=dict)
-    """How the records' bits were computed beyond the settings (batch size, threads, library
-    versions, device, math flags; docs/cache-format.md)."""
-    schema_version: int = SCHEMA_VERSION
-    wandistill_version: str = __version__
-    created: str = ""
+def new_manifest(
+    *,
+    backend: str,
+    teacher: dict[str, Any],
+    settings: dict[str, Any],
+    fields: list[dict[str, Any]],
+    dims: dict[str, Any] | None = None,
+    shared: dict[str, Any] | None = None,
+    numerics: dict[str, Any] | None = None,
+) -> Manifest:
+    """A new cache's manifest (no shards yet), from the JSON blocks a run computed, checked
+    against the manifest schema as a read would check it."""
+    data = {
+        "backend": backend,
+        "teacher": teacher,
+        "settings": settings,
+        "fields": fields,
+        "dims": dims or {},
+        "shared": shared or {},
+        "numerics": numerics or {},
+    }
+    model = MANIFESTS.get(backend)
+    if model is None:
+        raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
+    data = json.loads(json.dumps(data))  # as it will be written (tuples become lists)
+    return check(model, data, "the cache header of this run", fix=FIX_REBUILD, error=CacheError)
 
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "schema_version": self.schema_version,
-            "wandistill_version": self.wandistill_version,
-            "backend": self.backend,
-            "created": self.created,
-            "complete": self.complete,
-            "teacher": self.teacher,
-            "settings": self.settings,
-            "fields": self.fields,
-            "dims": self.dims,
-            "shared": self.shared,
-        }
-        data["numerics"] = self.numerics
-        data[HEADER_DIGEST] = header_digests(data)
-        data["shards"] = self.shards
-        return data
 
-    @classmethod
-    def from_json(cls, data: Any, where: str) -> Manifest:
-        """Check parsed manifest JSON against its schema and seal; one CacheError if anything
-        is wrong (naming the field), else the manifest with its blocks as read."""
-        if not isinstance(data, dict):
-            raise CacheError(
-                f"{where} is corrupt: the top level is a JSON {type(data).__name__}, not an object",
-                fix=FIX_RESTORE,
-            )
-        if data.get("format") != FORMAT_NAME:
-            raise CacheError(
-                f"{where} is not a wandistill cache manifest (no format field)", fix=FIX_RESTORE
-            )
-        version = data.get("schema_version")
-        if type(version) is not int or version != SCHEMA_VERSION:
-            raise CacheError(
-                f"{where} has cache schema {_shown(version)}, this wandistill reads schema "
-                f"{SCHEMA_VERSION} only",
-                fix=FIX_REBUILD,
-            )
-        model = MANIFESTS.get(data.get("backend"))  # type: ignore[arg-type]
-        if model is None:
-            raise CacheError(
-                f"{where}: backend = {_shown(data.get('backend'))}: must be webdataset or zarr",
-                fix=FIX_RESTORE,
-            )
-        check(model, data, f"{where} is corrupt", fix=FIX_RESTORE, error=CacheError)
-        check_seal(data, where)
-        return cls(
-            backend=data["backend"],
-            teacher=data["teacher"],
-            settings=data["settings"],
-            fields=data["fields"],
-            dims=data["dims"],
-            shards=list(data["shards"]),
-            complete=data["complete"],
-            shared=data["shared"],
-            numerics=data["numerics"],
-            schema_version=version,
-            wandistill_version=data["wandistill_version"],
-            created=data["created"],
+def manifest_json(manifest: Manifest) -> dict[str, Any]:
+    """The manifest as written: the header blocks as read (or built), the seal recomputed over
+    them, then the shard entries as read; key order as every wandistill wrote it."""
+    data: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "schema_version": manifest.schema_version,
+        "wandistill_version": manifest.wandistill_version,
+        "backend": manifest.backend,
+        "created": manifest.created,
+        "complete": manifest.complete,
+    }
+    for name in BLOCKS:
+        data[name] = manifest.block_json(name)
+    data[HEADER_DIGEST] = header_digests(data)
+    data["shards"] = manifest.shards.json_list()
+    return data
+
+
+def parse_manifest(data: Any, where: str) -> Manifest:
+    """Check parsed manifest JSON against its schema and seal; one CacheError if anything is
+    wrong (naming the field). Shard entries are checked when first used (`files.Entries`)."""
+    if not isinstance(data, dict):
+        raise CacheError(
+            f"{where} is corrupt: the top level is a JSON {type(data).__name__}, not an object",
+            fix=FIX_RESTORE,
         )
-
-    @property
-    def num_records(self) -> int:
-        return sum(int(s["records"]) for s in self.shards)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(int(s["bytes"]) for s in self.shards)
+    if data.get("format") != FORMAT_NAME:
+        raise CacheError(
+            f"{where} is not a wandistill cache manifest (no format field)", fix=FIX_RESTORE
+        )
+    version = data.get("schema_version")
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise CacheError(
+            f"{where} has cache schema {_shown(version)}, this wandistill reads schema "
+            f"{SCHEMA_VERSION} only",
+            fix=FIX_REBUILD,
+        )
+    model = MANIFESTS.get(data.get("backend"))  # type: ignore[arg-type]
+    if model is None:
+        raise CacheError(
+            f"{where}: backend = {_shown(data.get('backend'))}: must be webdataset or zarr",
+            fix=FIX_RESTORE,
+        )
+    manifest = check(model, data, f"{where} is corrupt", fix=FIX_RESTORE, error=CacheError)
+    manifest.shards.where = where
+    check_seal(data, where)
+    return manifest
 
 
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def header_digests(data: dict[str, Any]) -> dict[str, str]:
-    """The manifest seal: sha256 of each block that defines what the records mean."""
-    return {name: seal(data.get(name)) for name in SEALED}
-
-
-def check_seal(data: dict[str, Any], where: str) -> None:
-    """Refuse a manifest whose sealed blocks changed since the cache was created."""
-    want = data.get(HEADER_DIGEST) or {}
-    got = header_digests(data)
-    changed = [name for name in SEALED if want.get(name) != got[name]]
-    if changed:
-        raise CacheError(
-            f"{where}: {', '.join(changed)} changed after the cache was written "
-            f"({HEADER_DIGEST} does not match; a hand edit would change what the records mean)",
-            fix="restore manifest.json; to use other settings, precompute into a new --out",
-        )
 
 
 def manifest_path(cache: str | Path) -> Path:
@@ -176,11 +184,6 @@ def has_manifest(cache: str | Path) -> bool:
     """True once a cache's manifest exists (a file, or an object at a URL)."""
     st = open_storage(cache)
     return st.exists(MANIFEST_NAME) and not st.isdir(MANIFEST_NAME)
-
-
-def _dump(obj: Any) -> bytes:
-    """The bytes of a manifest or journal (the same as `fsutil.atomic_write_json` writes)."""
-    return (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
 
 
 def read_manifest(cache: str | Path | Storage) -> Manifest:
@@ -200,183 +203,40 @@ def read_manifest(cache: str | Path | Storage) -> Manifest:
     cap = MAX_MANIFEST_BYTES
     data = st.read(MANIFEST_NAME, max_bytes=cap, what="manifest", fix=FIX_RESTORE, error=CacheError)
     obj = parse_json(data, f"{where} is corrupt", fix=FIX_RESTORE, error=CacheError)
-    return Manifest.from_json(obj, where)
+    return parse_manifest(obj, where)
 
 
 def write_manifest(cache: str | Path, manifest: Manifest) -> None:
-    open_storage(cache).put(MANIFEST_NAME, _dump(manifest.to_json()))
+    open_storage(cache).put(MANIFEST_NAME, dump_json(manifest_json(manifest)))
 
 
 def create_manifest_exclusive(cache: str | Path, manifest: Manifest) -> bool:
     """Create manifest.json only if absent (several ranks may race); True if this call won."""
     manifest.created = manifest.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return open_storage(cache).create(MANIFEST_NAME, _dump(manifest.to_json()))
-
-
-def journal_path(cache: str | Path, rank: int, segment: int = 0) -> str:
-    return join(cache, _journal_rel(rank, segment))
-
-
-def _journal_rel(rank: int, segment: int = 0) -> str:
-    """Segment 0 keeps the name of a one-file journal, so short runs look as they always did."""
-    tail = f"-{segment:06d}" if segment else ""
-    return f"{JOURNAL_DIR}/rank-{rank:05d}{tail}.json"
-
-
-@dataclass(frozen=True, slots=True)
-class JournalSegment:
-    """One journal file: whose it is, its place in that rank's run, and its shard entries."""
-
-    rank: int
-    segment: int
-    rel: str
-    """Its path in the cache (`journal/rank-...json`)."""
-    name: str
-    """Its path or URL, for messages."""
-    shards: list[dict[str, Any]]
-
-
-def journal_segments(
-    cache: str | Path, backend: str, memo: CommitMemo | None = None
-) -> list[JournalSegment]:
-    """Every journal segment, checked against the journal schema, by rank then segment. With a
-    `memo`, a segment unchanged since the memo last read it is not read again."""
-    st = open_storage(cache)
-    listed = (
-        [(n, None) for n in st.list(JOURNAL_DIR)] if memo is None else st.list_stamped(JOURNAL_DIR)
-    )
-    listed = [(n, s) for n, s in listed if n.startswith("rank-") and n.endswith(".json")]
-    if memo is None:
-        out = [_read_segment(st, name, backend) for name, _ in listed]
-    else:
-        memo.keep({f"{JOURNAL_DIR}/{n}" for n, _ in listed} | {MANIFEST_NAME})
-        out = [
-            memo.load(f"{JOURNAL_DIR}/{n}", stamp, lambda n=n: _read_segment(st, n, backend)).value
-            for n, stamp in listed
-        ]
-    return sorted(out, key=lambda j: (j.rank, j.segment))
-
-
-def _read_segment(st: Storage, name: str, backend: str) -> JournalSegment:
-    rel = f"{JOURNAL_DIR}/{name}"
-    where = f"journal {st.name(rel)!r}"
-    fix = "restore the journal, or re-run `wandistill precompute` into a fresh directory"
-    m = _JOURNAL_NAME.fullmatch(name)
-    if m is None:
-        raise CacheError(
-            f"{where}: not a journal name (rank-<5 digits>[-<6 digits>].json)", fix=fix
-        )
-    data = st.read(rel, max_bytes=MAX_MANIFEST_BYTES, what="journal", fix=fix, error=CacheError)
-    obj = parse_json(data, f"{where} is corrupt", fix=fix, error=CacheError)
-    journal = check(JOURNALS[backend], obj, f"{where} is corrupt", fix=fix, error=CacheError)
-    ranks = {int(m.group(1)), journal.rank, *(e.rank for e in journal.shards)}
-    if len(ranks) != 1:
-        raise CacheError(
-            f"{where} is corrupt: its name, its rank and its entries' ranks disagree "
-            f"({sorted(ranks)})",
-            fix=fix,
-        )
-    segment = int(m.group(2) or 0)
-    return JournalSegment(journal.rank, segment, rel, st.name(rel), obj["shards"])
-
-
-def read_journals(cache: str | Path, backend: str) -> list[dict[str, Any]]:
-    """Shard entries committed by writers since the last finalize, ordered by rank and sequence."""
-    return [e for j in journal_segments(cache, backend) for e in j.shards]
-
-
-def entry_json(entry: dict[str, Any]) -> bytes:
-    """One shard entry as compact JSON (a writer keeps its journal entries in this form)."""
-    return json.dumps(entry, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def write_journal_chunks(
-    cache: str | Path, rank: int, entries: list[bytes], *, segment: int = 0
-) -> None:
-    """`write_journal` for entries already serialized by `entry_json`: the same JSON document,
-    streamed, so a writer never re-serializes (or holds as objects) every entry it committed.
-    The journal segment is the commit: it appears whole (rename, or one completed upload)."""
-    st = open_storage(cache)
-    st.makedirs(JOURNAL_DIR)
-    with st.upload(_journal_rel(rank, segment)) as f:
-        f.write(b'{"rank": %d, "shards": [\n' % rank)
-        for i, chunk in enumerate(entries):
-            if i:
-                f.write(b",\n")
-            f.write(chunk)
-        f.write(b"\n]}\n")
-
-
-def write_journal(cache: str | Path, rank: int, shards: list[dict[str, Any]]) -> None:
-    st = open_storage(cache)
-    st.makedirs(JOURNAL_DIR)
-    st.put(_journal_rel(rank), _dump({"rank": rank, "shards": shards}))
+    return open_storage(cache).create(MANIFEST_NAME, dump_json(manifest_json(manifest)))
 
 
 def committed_shards(
     cache: str | Path, manifest: Manifest, memo: CommitMemo | None = None
-) -> list[dict[str, Any]]:
+) -> Entries[Any]:
     """Every committed shard: the manifest's list, then journal entries not yet folded in."""
-    return _committed(cache, manifest, memo)[0]
+    sources = _committed(cache, manifest, memo)
+    return Entries.join(manifest.shards.model, [(e, i) for _, _, e, i in sources])
 
 
-def _committed(
-    cache: str | Path, manifest: Manifest, memo: CommitMemo | None = None
-) -> tuple[list[dict[str, Any]], list[tuple[str, str, int, dict[str, Any]]]]:
-    """(committed entries, [(the file that lists it, its path in the cache, the entry's index
-    there, entry)]) with journal entries folded in."""
-    seen = {s["name"] for s in manifest.shards}
+Source = tuple[str, str, Entries[Any], int]
+"""(the file that lists an entry, its path in the cache, that file's entries, the index)."""
+
+
+def _committed(cache: str | Path, manifest: Manifest, memo: CommitMemo | None) -> list[Source]:
+    """Where each committed entry is: the manifest's, then journal entries not folded in."""
+    seen = set(manifest.shards.names())
     mpath = manifest_name(cache)
-    sources = [(mpath, MANIFEST_NAME, i, s) for i, s in enumerate(manifest.shards)]
+    sources = [(mpath, MANIFEST_NAME, manifest.shards, i) for i in range(len(manifest.shards))]
     for j in journal_segments(cache, manifest.backend, memo):
-        sources += [(j.name, j.rel, i, s) for i, s in enumerate(j.shards) if s["name"] not in seen]
-    return [s[3] for s in sources], sources
-
-
-class CommitMemo:
-    """The manifest and journal segments `load_committed` already read and checked, each with
-    the version it read (`Storage.stamp`). A reader polling a growing cache (follow mode) then
-    re-reads only what changed, each rank's last journal segment, instead of parsing and
-    digest-checking every entry at every poll (O(n^2) over a run: 20x the time for 4x the
-    shards). Versions come from one listing of `journal/` (object stores: the ETags it returns)
-    and one stamp of the manifest; a file without one is read every time."""
-
-    @dataclass(slots=True)
-    class Loaded:
-        value: Any
-        verdicts: dict[int, str | None] = field(default_factory=dict)
-        """entry index -> its digest problem (None: intact), checked once per version."""
-
-    def __init__(self) -> None:
-        self._files: dict[str, tuple[Any, CommitMemo.Loaded]] = {}
-
-    def load(self, rel: str, stamp: Any, read: Any) -> CommitMemo.Loaded:
-        """The file's content as `read()` gives it, reused while `stamp` (taken before the read:
-        a change during it shows at the next load) is what it was."""
-        hit = self._files.get(rel)
-        if stamp is not None and hit is not None and hit[0] == stamp:
-            return hit[1]
-        loaded = CommitMemo.Loaded(read())
-        if stamp is None:
-            self._files.pop(rel, None)
-        else:
-            self._files[rel] = (stamp, loaded)
-        return loaded
-
-    def keep(self, rels: set[str]) -> None:
-        """Forget files no longer there (journals folded into the manifest)."""
-        for rel in [r for r in self._files if r not in rels]:
-            del self._files[rel]
-
-    def verdict(self, rel: str, index: int, entry: dict[str, Any]) -> str | None:
-        """`digest_problem(entry)`, entry `index` of the file at `rel` as last loaded."""
-        hit = self._files.get(rel)
-        if hit is None:
-            return digest_problem(entry)
-        verdicts = hit[1].verdicts
-        if index not in verdicts:
-            verdicts[index] = digest_problem(entry)
-        return verdicts[index]
+        new = [i for i in range(len(j.shards)) if j.shards.name(i) not in seen]
+        sources += [(j.name, j.rel, j.shards, i) for i in new]
+    return sources
 
 
 def load_committed(
@@ -384,27 +244,33 @@ def load_committed(
 ) -> Manifest:
     """The manifest with journal entries folded in (what a reader may use right now).
 
-    Every file was checked against its schema on the way in; here a shard listed twice, and
-    (`check_entries`) an entry edited after it was committed, are refused, naming the file and
-    the shard. `cache verify` passes check_entries=False and reports those edits itself, with
-    their consequences. A `memo` kept across calls skips files unchanged since its last call.
+    A shard listed twice, an entry without its digest and (`check_entries`) an entry edited
+    after it was committed are refused here, naming the file and the shard; these checks read
+    the entries' JSON, and each entry is checked against its schema when first used
+    (`files.Entries`), so a load costs about a `json.loads` plus one digest per new entry.
+    `cache verify` passes check_entries=False and reports those edits itself, with their
+    consequences. A `memo` kept across calls skips files unchanged since its last call.
     """
     memo = memo or CommitMemo()
     st = open_storage(cache)
     stamp = st.stamp(MANIFEST_NAME)
     read = memo.load(MANIFEST_NAME, stamp, lambda: read_manifest(cache)).value
-    manifest = replace(read, shards=list(read.shards))  # the memo's copy stays as read
-    manifest.shards, sources = _committed(cache, manifest, memo)
+    sources = _committed(cache, read, memo)
+    shards = Entries.join(read.shards.model, [(e, i) for _, _, e, i in sources])
+    manifest = read.model_copy(update={"shards": shards})  # the memo's copy stays as read
     problems: list[tuple[str, str]] = []
-    listed = Counter(e["name"] for e in manifest.shards)  # not list.count: O(n^2) in shards
+    listed = Counter(shards.names())  # not list.count: O(n^2) in shards
     problems += [
         (manifest_name(cache), f"shard {n} is listed twice")
         for n in sorted(n for n, times in listed.items() if times > 1)
     ]
-    for where, rel, i, entry in sources:
-        if ENTRY_DIGEST not in entry:
-            problems.append((where, f"shard {entry['name']}: entry has no {ENTRY_DIGEST}"))
+    for where, rel, entries, i in sources:
+        entry = entries.json(i)
+        if entry.get(ENTRY_DIGEST) is None:
+            entries[i]  # an edit that breaks the schema is reported as that
+            problems.append((where, f"shard {entries.name(i)}: entry has no {ENTRY_DIGEST}"))
         elif check_entries and (edited := memo.verdict(rel, i, entry)):
+            entries[i]
             problems.append((where, edited))
     if problems:
         where = problems[0][0]
@@ -419,44 +285,12 @@ def load_committed(
     return manifest
 
 
-# ------------------------------------------------------------------------- entry integrity
-
-ENTRY_DIGEST = "entry_sha256"
-"""Shard-entry field: sha256 of the entry's own canonical JSON (this field left out), set when
-the shard is committed; `cache verify` reports an entry edited after that."""
-
-
-def entry_digest(entry: dict[str, Any]) -> str:
-    """sha256 of a shard entry's canonical JSON without its own digest field."""
-    return seal({k: v for k, v in entry.items() if k != ENTRY_DIGEST})
-
-
-def seal_entry(entry: dict[str, Any]) -> dict[str, Any]:
-    """Add the entry digest (the writer calls this when it commits a shard)."""
-    entry[ENTRY_DIGEST] = entry_digest(entry)
-    return entry
-
-
-def digest_problem(entry: dict[str, Any]) -> str | None:
-    """A precise line if a sealed entry changed since it was committed (unsealed: None)."""
-    want = entry.get(ENTRY_DIGEST)
-    if want is None or entry_digest(entry) == want:
-        return None
-    return (
-        f"shard {entry['name']}: manifest entry was edited after the shard was committed "
-        f"({ENTRY_DIGEST} does not match its records/keys/offsets/sha256/bytes)"
-    )
-
-
 def finalize(cache: str | Path, *, complete: bool) -> Manifest:
     """Fold journals into manifest.json (one process, after every writer has closed)."""
     manifest = load_committed(cache)
     manifest.complete = complete
     write_manifest(cache, manifest)
-    st = open_storage(cache)
-    for name in st.list(JOURNAL_DIR):
-        if name.startswith("rank-") and name.endswith(".json"):
-            st.rm(f"{JOURNAL_DIR}/{name}")
+    clear_journals(cache)
     return manifest
 
 
@@ -473,13 +307,13 @@ def mismatches(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> li
     return out
 
 
-def _stored(spec: dict[str, Any]) -> str:
+def _stored(spec: FieldSpec) -> str:
     """How a field is stored, in one word: name:dtype, plus its storage options (encoding.py)."""
-    text = f"{spec['name']}:{spec['dtype']}"
-    if spec.get("decoded"):
-        text += f" (of {spec['decoded']}{', scaled' if spec.get('scaled') else ''})"
-    if spec.get("compression"):
-        text += f" {spec['compression']}-{spec.get('compression_level')}"
+    text = f"{spec.name}:{spec.dtype}"
+    if spec.decoded:
+        text += f" (of {spec.decoded}{', scaled' if spec.scaled else ''})"
+    if spec.compression:
+        text += f" {spec.compression}-{spec.compression_level}"
     return text
 
 
@@ -493,23 +327,21 @@ def check_compatible(cache: str | Path, existing: Manifest, new: Manifest) -> No
     if existing.backend != new.backend:
         names.append("backend")
         diffs.append(f"backend: cache has {existing.backend!r}, this run has {new.backend!r}")
-    old_fp = existing.teacher.get("fingerprint")
-    new_fp = new.teacher.get("fingerprint")
+    old_fp = existing.teacher.fingerprint
+    new_fp = new.teacher.fingerprint
     if old_fp != new_fp:
         names.append("teacher")
         diffs.append(
             f"teacher.fingerprint: cache has {str(old_fp)[:16]}..., this run has "
             f"{str(new_fp)[:16]}... (another teacher, or changed weights)"
         )
-        parts = mismatches(
-            existing.teacher.get("components", {}), new.teacher.get("components", {})
-        )
+        parts = mismatches(existing.teacher.components, new.teacher.components)
         changed = sorted({d.split(".", 1)[0].split(":", 1)[0] for d in parts})
         if changed:
             diffs.append(f"teacher components that differ: {', '.join(changed)}")
     for block, old, now in (
-        ("settings", existing.settings, new.settings),
-        ("numerics", existing.numerics or {}, new.numerics or {}),
+        ("settings", existing.block_json("settings"), new.block_json("settings")),
+        ("numerics", existing.numerics, new.numerics),
     ):
         block_diffs = mismatches(old, now)
         names.extend(f"{block}." + d.split(":", 1)[0] for d in block_diffs)

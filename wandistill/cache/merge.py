@@ -42,7 +42,7 @@ from typing import Any
 from wandistill.cache import manifest as mf
 from wandistill.cache.contract import SHARED_NAME, ZARR_DATA_NAME
 from wandistill.cache.encoding import compression_of
-from wandistill.cache.files import SEALED
+from wandistill.cache.files import SEALED, Entries, Entry, Manifest
 from wandistill.cache.reader import CacheReader
 from wandistill.cache.transfer import COPIED, LINKED, SERVER, Transfer
 from wandistill.cache.writer import SHARD_DIR, shard_name
@@ -97,8 +97,10 @@ class _Step:
     """One shard of M: from input `source`, entry `entry`, rows `rows` of it (None: all)."""
 
     source: int
-    entry: dict[str, Any]
+    entry: Entry
     rows: tuple[int, ...] | None
+    raw: dict[str, Any]
+    """The entry's JSON as read (a shard copied whole keeps it, under its new name)."""
 
 
 def _open_input(path: str | Path) -> CacheReader:
@@ -113,9 +115,9 @@ def _open_input(path: str | Path) -> CacheReader:
     return CacheReader(path)
 
 
-def _differences(a: mf.Manifest, b: mf.Manifest) -> list[str]:
+def _differences(a: Manifest, b: Manifest) -> list[str]:
     """Dotted keys of every sealed block in which two manifests differ."""
-    ja, jb = a.to_json(), b.to_json()
+    ja, jb = mf.manifest_json(a), mf.manifest_json(b)
     out: list[str] = []
     for block in SEALED:
         if block in _INFORMATIONAL or ja.get(block) == jb.get(block):
@@ -142,14 +144,14 @@ def _check_same(stores: list[CacheReader]) -> None:
             )
 
 
-def _files(store: CacheReader, entry: dict[str, Any]) -> list[str]:
+def _files(store: CacheReader, entry: Entry) -> list[str]:
     """The files of a shard entry that merge may link or copy, relative to the cache."""
     if store.manifest.backend == "webdataset":
         try:
             return [store.source.rel(entry)]  # type: ignore[attr-defined]
         except CacheError:
             return []  # verify names it
-    return [f"{ZARR_DATA_NAME}/{rel}" for rel in entry.get("sha256", {})]
+    return [f"{ZARR_DATA_NAME}/{rel}" for rel in getattr(entry, "sha256", {})]
 
 
 def _verify(store: CacheReader, entry: dict[str, Any]) -> list[str]:
@@ -193,14 +195,14 @@ def corrupt_shards(
     sha256 of an object). `stamps` gets each file's stamp, taken before its check."""
     bad: dict[tuple[int, str], str] = {}
     for n, store in enumerate(stores):
-        for entry in store.entries:
+        for i, entry in enumerate(store.entries):
             if stamps is not None:
                 for rel in _files(store, entry):
                     stamps[(n, rel)] = store.storage.stamp(rel)
-            problems = [p for p in (mf.digest_problem(entry),) if p]
+            problems = [p for p in (mf.digest_problem(store.entries.json(i)),) if p]
             problems += problems or _verify(store, entry)
             if problems:
-                bad[(n, entry["name"])] = problems[0]
+                bad[(n, entry.name)] = problems[0]
     return bad
 
 
@@ -213,11 +215,11 @@ def plan(
     steps: list[_Step] = []
     dropped = 0
     for n, store in enumerate(stores):
-        for entry in store.entries:
-            if (n, entry["name"]) in skip:
+        for j, entry in enumerate(store.entries):
+            if (n, entry.name) in skip:
                 continue
             keep = []
-            for i, key in enumerate(entry["keys"]):
+            for i, key in enumerate(entry.keys):
                 if key in seen:
                     dropped += 1
                 else:
@@ -225,8 +227,8 @@ def plan(
                     keep.append(i)
             if not keep:
                 continue
-            whole = len(keep) == int(entry["records"])
-            steps.append(_Step(n, entry, None if whole else tuple(keep)))
+            whole = len(keep) == entry.records
+            steps.append(_Step(n, entry, None if whole else tuple(keep), store.entries.json(j)))
     return steps, dropped
 
 
@@ -273,7 +275,7 @@ class _Merger:
         fields = first.manifest.fields
         return ZarrSink(self.out, block_records=block, compression=compression_of(fields))
 
-    def _link_zarr(self, store: CacheReader, src: dict[str, Any]) -> Any:
+    def _link_zarr(self, store: CacheReader, src: Entry) -> Any:
         """(M's entry, how its files got there) for a whole zarr entry put into M; None to
         re-write."""
         if self.backend != "zarr":
@@ -297,17 +299,17 @@ class _Merger:
         if linked_entry is not None:
             entry, ways = linked_entry
             self._count(ways)
-            keys = list(src["keys"])
+            keys = list(src.keys)
             entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
         elif step.rows is None and self.backend == "webdataset":
             dst = f"{SHARD_DIR}/{name}.tar"
             how, _ = self.put(store, store.source.rel(src), dst)  # type: ignore[attr-defined]
             self._count({how})
-            entry = {k: v for k, v in src.items() if k != mf.ENTRY_DIGEST}
+            entry = {k: v for k, v in step.raw.items() if k != mf.ENTRY_DIGEST}
             entry.update(name=name, rank=MERGE_RANK, file=dst)
-            keys = list(src["keys"])
+            keys = list(src.keys)
         else:
-            rows = step.rows if step.rows is not None else range(int(src["records"]))
+            rows = step.rows if step.rows is not None else range(src.records)
             sink = self._sink()
             sink.begin(name)
             try:
@@ -317,34 +319,26 @@ class _Merger:
             except BaseException:
                 sink.abort()
                 raise
-            keys = [src["keys"][i] for i in rows]
+            keys = [src.keys[i] for i in rows]
             entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
             self.summary.rewritten += 1
         self.summary.per_input[step.source] += len(keys)
         return mf.seal_entry(entry)
 
-    def header(self) -> mf.Manifest:
+    def header(self) -> Manifest:
+        """M's header: the first input's, complete, no shards yet."""
         first = self.stores[0].manifest
-        return mf.Manifest(
-            backend=first.backend,
-            teacher=first.teacher,
-            settings=first.settings,
-            fields=first.fields,
-            dims=first.dims,
-            shared=first.shared,
-            numerics=first.numerics,
-            schema_version=first.schema_version,
-            created=first.created,
-            complete=True,
+        return first.model_copy(
+            update={"complete": True, "shards": Entries(first.shards.model, [])}
         )
 
 
-def _existing(out: str | Path, header: mf.Manifest, steps: list[_Step]) -> bool:
+def _existing(out: str | Path, header: Manifest, steps: list[_Step]) -> bool:
     """True if M already is this merge's result; refuse any other cache at M."""
     if not mf.has_manifest(out):
         return False
     have = mf.read_manifest(out)
-    if [e["keys"] for e in have.shards] == [_keys(s) for s in steps] and not _differences(
+    if [e.keys for e in have.shards] == [_keys(s) for s in steps] and not _differences(
         have, header
     ):
         return True
@@ -411,10 +405,10 @@ def merge(cfg: MergeConfig) -> MergeSummary:
                 for (n, name), problem in bad.items()
             ]
             merger.summary.corrupt_records = sum(
-                int(e["records"])
+                e.records
                 for n, store in enumerate(stores)
                 for e in store.entries
-                if (n, e["name"]) in bad
+                if (n, e.name) in bad
             )
             if _existing(folder.path, header, steps):
                 merger.summary.unchanged = True
@@ -425,7 +419,8 @@ def merge(cfg: MergeConfig) -> MergeSummary:
             out.makedirs(SHARD_DIR)
             if stores[0].manifest.shared:
                 merger.put(stores[0], SHARED_NAME, SHARED_NAME)
-            header.shards = [merger.shard(seq, step) for seq, step in enumerate(steps)]
+            made = [merger.shard(seq, step) for seq, step in enumerate(steps)]
+            header.shards = Entries(header.shards.model, made)
             if isinstance(out, LocalStorage):
                 fsync_dir(out.path(SHARD_DIR))
             mf.write_manifest(folder.path, header)
@@ -439,7 +434,7 @@ def merge(cfg: MergeConfig) -> MergeSummary:
 
 
 def _keys(step: _Step) -> list[str]:
-    keys = step.entry["keys"]
+    keys = step.entry.keys
     return list(keys) if step.rows is None else [keys[i] for i in step.rows]
 
 

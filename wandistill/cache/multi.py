@@ -44,8 +44,8 @@ def differences(a: CacheReader, b: CacheReader) -> list[str]:
         for d in _differences(a.manifest, b.manifest)
         if d.split(".", 1)[0] not in OWN_BLOCKS and d not in OWN_SETTINGS
     ]
-    names_a = sorted(f["name"] for f in a.manifest.fields)
-    names_b = sorted(f["name"] for f in b.manifest.fields)
+    names_a = sorted(f.name for f in a.manifest.fields)
+    names_b = sorted(f.name for f in b.manifest.fields)
     if names_a != names_b:
         diffs.append(f"fields ({names_a} vs {names_b})")
     return diffs
@@ -84,7 +84,7 @@ def check_unique_keys(stores: Sequence[CacheReader]) -> None:
     dups: list[str] = []
     for n, store in enumerate(stores):
         for entry in store.entries:
-            for key in entry["keys"]:
+            for key in entry.keys:
                 was = owner.setdefault(key, n)
                 if was != n:
                     dups.append(f"{key} ({str(stores[was].path)!r} and {str(store.path)!r})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,6 +20,7 @@ from wandistill.cache import manifest as mf
 from wandistill.cache.batch import BatchBuffers
 from wandistill.cache.contract import SHARED_NAME, Record, dtype_name, pad_embeds
 from wandistill.cache.encoding import RecordCodec
+from wandistill.cache.files import Entries, Entry, SharedBlock
 from wandistill.checks.validate import MiB
 from wandistill.errors import CacheError, UsageError
 from wandistill.io.storage import Storage, describe, open_storage
@@ -34,16 +36,16 @@ class RecordSource(Protocol):
     straight into the rows of one batch (both backends do; `CacheReader.read_batch`)."""
 
     def read_tensors(
-        self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
+        self, entry: Entry, i: int, wanted: dict[str, int | None]
     ) -> dict[str, torch.Tensor]:
         """Named tensors of record i of a shard; a name mapped to an int reads that step only."""
         ...
 
-    def read_record(self, entry: dict[str, Any], i: int) -> Record: ...
+    def read_record(self, entry: Entry, i: int) -> Record: ...
 
-    def verify(self, entry: dict[str, Any]) -> list[str]: ...
+    def verify(self, entry: Entry) -> list[str]: ...
 
-    def check_file(self, entry: dict[str, Any]) -> str | None:
+    def check_file(self, entry: Entry) -> str | None:
         """Why this shard cannot be read at all (a file missing, truncated, outside the
         cache), or None: a cheap check (a stat, or one listing), not a read."""
         ...
@@ -82,7 +84,7 @@ class CacheReader:
     # --------------------------------------------------------------- layout
 
     @property
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self) -> Entries[Any]:
         return self.manifest.shards
 
     @property
@@ -91,11 +93,11 @@ class CacheReader:
 
     @property
     def max_sequence_length(self) -> int:
-        return int(self.manifest.settings.get("max_sequence_length", 512))
+        return self.manifest.settings.max_sequence_length or 512
 
-    def refresh(self) -> list[dict[str, Any]]:
+    def refresh(self) -> list[Entry]:
         """Re-read the commit record; return the shard entries that are new since last time."""
-        known = {e["name"] for e in self.manifest.shards}
+        known = set(self.manifest.shards.names())
         for attempt in range(3):
             # A writer finishing the cache folds the journals into the manifest and removes
             # them: a poll that read the old manifest can then miss a journal it listed. Read
@@ -109,18 +111,18 @@ class CacheReader:
                 if attempt == 2:
                     raise
                 time.sleep(0.05)
-        return [e for e in self.manifest.shards if e["name"] not in known]
+        return [e for e in self.manifest.shards if e.name not in known]
 
-    def locate(self) -> dict[str, tuple[dict[str, Any], int]]:
+    def locate(self) -> dict[str, tuple[Entry, int]]:
         """key -> (shard entry, row) for every committed record."""
-        return {k: (e, i) for e in self.entries for i, k in enumerate(e["keys"])}
+        return {k: (e, i) for e in self.entries for i, k in enumerate(e.keys)}
 
     def __len__(self) -> int:
         return self.manifest.num_records
 
     # --------------------------------------------------------------- reads
 
-    def read_record(self, entry: dict[str, Any], i: int) -> Record:
+    def read_record(self, entry: Entry, i: int) -> Record:
         """Record i of a shard, decoded (the dtypes it had before the cache stored it)."""
         return self.codec.decode_record(self.source.read_record(entry, i))
 
@@ -133,11 +135,11 @@ class CacheReader:
     def records(self) -> Any:
         """Every committed record, shard by shard (for eval, verify and tests)."""
         for entry in self.entries:
-            for i in range(int(entry["records"])):
+            for i in range(entry.records):
                 yield self.read_record(entry, i)
 
     def read_sample(
-        self, entry: dict[str, Any], i: int, step: int | None, names: list[str], *, pad: bool = True
+        self, entry: Entry, i: int, step: int | None, names: list[str], *, pad: bool = True
     ) -> dict[str, torch.Tensor]:
         """The named fields of one (record, step) sample; step fields sliced to that step.
 
@@ -154,7 +156,7 @@ class CacheReader:
         return out
 
     def read_batch(
-        self, samples: list[tuple[dict[str, Any], int, int]], names: list[str], out: BatchBuffers
+        self, samples: list[tuple[Entry, int, int]], names: list[str], out: BatchBuffers
     ) -> list[BaseException | None] | None:
         """Read (entry, record, step) samples straight into the rows of `out`; each sample's
         error (None when read). None when this cache cannot be read in place (a backend without
@@ -178,7 +180,8 @@ class CacheReader:
         data = self.storage.read(
             SHARED_NAME, max_bytes=MAX_SHARED_BYTES, what="cache file", fix=fix, error=CacheError
         )
-        want = self.manifest.shared.get("sha256")
+        shared = self.manifest.shared
+        want = shared.sha256 if isinstance(shared, SharedBlock) else None
         if want is not None and hashlib.sha256(data).hexdigest() != want:
             raise CacheError(f"{path!r} fails its sha256 check (changed or corrupt)", fix=fix)
         try:
@@ -188,28 +191,26 @@ class CacheReader:
                 f"{path!r} is not a readable safetensors file ({e})", fix=fix
             ) from None
 
-    def unusable(self, entries: list[dict[str, Any]] | None = None) -> dict[str, str]:
+    def unusable(self, entries: Sequence[Entry] | None = None) -> dict[str, str]:
         """Shards that cannot be read at all (file missing, truncated, outside the cache), by
         name, with the reason: a cheap stat per shard, for train to refuse or skip up front."""
         check = self.source.check_file
-        return {e["name"]: why for e in (entries or self.entries) if (why := check(e))}
+        return {e.name: why for e in (entries or self.entries) if (why := check(e))}
 
     def verify(self) -> list[str]:
         """Every problem of the cache, one line each, naming shard and record where it can."""
         problems: list[str] = []
-        for entry in self.entries:
-            edited = mf.digest_problem(entry)
+        for i, entry in enumerate(self.entries):
+            edited = mf.digest_problem(self.entries.json(i))
             if edited:
                 problems.append(edited)
             problems.extend(self.source.verify(entry))
         seen: dict[str, str] = {}
         for entry in self.entries:
-            for key in entry["keys"]:
+            for key in entry.keys:
                 if key in seen:
-                    problems.append(
-                        f"record {key} appears in shards {seen[key]} and {entry['name']}"
-                    )
-                seen[key] = entry["name"]
+                    problems.append(f"record {key} appears in shards {seen[key]} and {entry.name}")
+                seen[key] = entry.name
         if self.manifest.shared:
             if not self.storage.exists(SHARED_NAME):
                 problems.append(f"{SHARED_NAME} is missing")
@@ -224,18 +225,18 @@ class CacheReader:
     def _header_problems(self) -> list[str]:
         """The manifest header (fields, dims, record_steps) against each shard's first record."""
         m = self.manifest
-        dtypes = {f.get("name"): f.get("dtype") for f in m.fields if isinstance(f, dict)}
-        steps = m.settings.get("record_steps")
-        want_steps = len(steps) if isinstance(steps, list) else m.dims.get("num_recorded_steps")
+        dtypes = {f.name: f.dtype for f in m.fields}
+        steps = m.settings.record_steps
+        want_steps = len(steps) if steps is not None else m.dims.num_recorded_steps
         problems: list[str] = []
         for entry in self.entries:
-            if not entry["keys"]:
+            if not entry.keys:
                 continue
             try:
                 tensors = self.source.read_record(entry, 0).tensors()  # as stored
             except Exception:  # already reported by the backend's verify
                 continue
-            where = f"shard {entry['name']} record {entry['keys'][0]}"
+            where = f"shard {entry.name} record {entry.keys[0]}"
             for name, dtype in dtypes.items():
                 t = tensors.get(name)
                 if t is None:
@@ -247,7 +248,7 @@ class CacheReader:
                     )
             checks = [
                 ("xt", 0, want_steps, "recorded steps", "settings.record_steps"),
-                ("prompt_embeds", 1, m.dims.get("text_dim"), "text width", "dims.text_dim"),
+                ("prompt_embeds", 1, m.dims.text_dim, "text width", "dims.text_dim"),
             ]
             for name, axis, want, what, source in checks:
                 t = tensors.get(name)
@@ -256,7 +257,7 @@ class CacheReader:
                         f"{where}: {name!r} has {t.shape[axis]} {what}, the manifest's {source} "
                         f"says {want} (manifest edited?)"
                     )
-            shape = m.dims.get("latent_shape")
+            shape = m.dims.latent_shape
             noise = tensors.get("noise")
             if noise is not None and shape is not None and list(noise.shape) != list(shape):
                 problems.append(

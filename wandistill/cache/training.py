@@ -53,6 +53,7 @@ import torch
 from wandistill.cache.batch import BatchBuffers, RowsOf
 from wandistill.cache.choices import check_weights
 from wandistill.cache.contract import is_holdout
+from wandistill.cache.files import Entry
 from wandistill.cache.multi import check_compatible, check_unique_keys, mix
 from wandistill.cache.reader import CacheReader
 from wandistill.errors import CacheError, CorruptRecordError, UsageError
@@ -63,7 +64,7 @@ DEFAULT_FIELDS = ("prompt_embeds", "xt", "timesteps", "teacher_out")
 SyncFn = Callable[[list[str], bool], tuple[list[str], bool]]
 """(shard names this rank sees, manifest complete?) -> what every rank agrees on."""
 
-Sample = tuple[dict[str, Any], int, int]
+Sample = tuple[Entry, int, int]
 """(shard entry, row in shard, recorded-step slot)."""
 
 
@@ -74,9 +75,7 @@ class SampleSpace:
     rank for 1M records x 8 steps; tests/bench/scale.py); this holds 8 bytes a record plus 8 a
     sample of `order`."""
 
-    def __init__(
-        self, entries: list[dict[str, Any]], rows: list[tuple[int, int]], slots: list[int]
-    ) -> None:
+    def __init__(self, entries: list[Entry], rows: list[tuple[int, int]], slots: list[int]) -> None:
         self.entries = entries
         self._entry = np.fromiter((e for e, _ in rows), dtype=np.int32, count=len(rows))
         self._row = np.fromiter((i for _, i in rows), dtype=np.int32, count=len(rows))
@@ -216,7 +215,7 @@ class TrainingReader:
         self.grad_accum = grad_accum
         self.seed = seed
         self.fields = list(fields)
-        self.num_slots = len(self.store.manifest.settings.get("record_steps", [0]))
+        self.num_slots = len(self.store.manifest.settings.record_steps or [0])
         self.slots = sorted(set(range(self.num_slots) if slots is None else slots))
         if not self.slots or not all(0 <= s < self.num_slots for s in self.slots):
             raise UsageError(f"slots={slots} must be recorded-step slots in [0, {self.num_slots})")
@@ -234,7 +233,7 @@ class TrainingReader:
         self.prefetch_batches = max(1, prefetch_batches, num_threads)
         """Batches read ahead, one task each: at least one per thread."""
         self.holdouts = [
-            0.0 if include_holdout else float(s.manifest.settings.get("holdout_fraction", 0.0))
+            0.0 if include_holdout else (s.manifest.settings.holdout_fraction or 0.0)
             for s in self.stores
         ]
         """Each cache's own held-out fraction."""
@@ -267,24 +266,24 @@ class TrainingReader:
         """A shard's name unique over the caches (cache index prefixed when there are several)."""
         return name if len(self.stores) == 1 else f"{n}:{name}"
 
-    def _usable(self, entries: list[dict[str, Any]], n: int = 0) -> list[dict[str, Any]]:
+    def _usable(self, entries: Sequence[Entry], n: int = 0) -> list[Entry]:
         """Drop shards of cache n whose file is missing or truncated (a stat each): refuse them,
         or with skip_corrupt skip them whole and report each once."""
-        fresh = [e for e in entries if self._qualified(n, e["name"]) not in self._unusable]
+        fresh = [e for e in entries if self._qualified(n, e.name) not in self._unusable]
         bad = self.stores[n].unusable(fresh) if fresh else {}
         for e in fresh:
-            why = bad.get(e["name"])
+            why = bad.get(e.name)
             if why is None:
                 continue
             if not self.skip_corrupt:
                 raise CacheError(
                     f"unusable {why}", fix="run `wandistill cache verify`, or pass --skip-corrupt"
                 )
-            self._unusable[self._qualified(n, e["name"])] = why
-            self.corrupt.append(f"unusable {why}; its {len(e['keys'])} records skipped")
-        return [e for e in entries if self._qualified(n, e["name"]) not in self._unusable]
+            self._unusable[self._qualified(n, e.name)] = why
+            self.corrupt.append(f"unusable {why}; its {len(e.keys)} records skipped")
+        return [e for e in entries if self._qualified(n, e.name) not in self._unusable]
 
-    def _space(self, entries: list[dict[str, Any]], n: int = 0) -> SampleSpace:
+    def _space(self, entries: Sequence[Entry], n: int = 0) -> SampleSpace:
         """Every (record, step) of these shards of cache n, sorted by key so sharding does not
         matter."""
         usable = self._usable(entries, n)
@@ -293,9 +292,9 @@ class TrainingReader:
             self._owner[id(e)] = n
         rows = sorted(
             (
-                (key, e["name"], i, k)
+                (key, e.name, i, k)
                 for k, e in enumerate(usable)
-                for i, key in enumerate(e["keys"])
+                for i, key in enumerate(e.keys)
                 if not is_holdout(key, holdout)
             ),
         )  # by key, then shard name and row: a key listed twice sorts the same every time
@@ -312,7 +311,7 @@ class TrainingReader:
             return spaces[0]
         return mix(spaces, self.weights, self._permutation, epoch)
 
-    def _store_of(self, entry: dict[str, Any]) -> CacheReader:
+    def _store_of(self, entry: Entry) -> CacheReader:
         return self.stores[self._owner.get(id(entry), 0)]
 
     def steps_per_epoch(self) -> int:
@@ -466,7 +465,7 @@ class TrainingReader:
 
     def _follow_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]] | None]:
         """Batches over generations of newly committed shards, until complete and exhausted."""
-        by_name: dict[str, tuple[int, dict[str, Any]]] = {}
+        by_name: dict[str, tuple[int, Entry]] = {}
         self.pool = pool = FollowPool()
         emitted = 0
         resume_at = self.batches_done
@@ -520,17 +519,15 @@ class TrainingReader:
                 )
             time.sleep(self.poll_interval)
 
-    def _poll(self, by_name: dict[str, tuple[int, dict[str, Any]]]) -> bool:
+    def _poll(self, by_name: dict[str, tuple[int, Entry]]) -> bool:
         """Add every cache's committed shards to `by_name` (qualified name -> (cache, entry));
         whether every cache is complete."""
         for n, store in enumerate(self.stores):
             store.refresh()
-            by_name.update({self._qualified(n, e["name"]): (n, e) for e in store.entries})
+            by_name.update({self._qualified(n, e.name): (n, e) for e in store.entries})
         return all(s.complete for s in self.stores)
 
-    def _generation_space(
-        self, names: list[str], by_name: dict[str, tuple[int, dict[str, Any]]]
-    ) -> Any:
+    def _generation_space(self, names: list[str], by_name: dict[str, tuple[int, Entry]]) -> Any:
         """One follow generation's samples: each cache's new shards, back to back."""
         spaces = [
             self._space([by_name[q][1] for q in names if by_name[q][0] == n], n)
@@ -674,7 +671,7 @@ class TrainingReader:
         return errors
 
     def _read_sample(
-        self, entry: dict[str, Any], row: int, slot: int
+        self, entry: Entry, row: int, slot: int
     ) -> dict[str, torch.Tensor] | BaseException:
         try:
             out = self._store_of(entry).read_sample(entry, row, slot, self.fields, pad=False)
@@ -684,20 +681,20 @@ class TrainingReader:
         except Exception as e:
             return e
 
-    def _failed(self, entry: dict[str, Any], row: int, e: BaseException) -> None:
+    def _failed(self, entry: Entry, row: int, e: BaseException) -> None:
         """A sample that could not be read: refuse it, or with skip_corrupt record it. An error
         about the process, not the record (out of file descriptors or memory), is raised as it
         is: skipping would drop good records."""
         if is_transient(e):
             raise e
         detail = e.detail if isinstance(e, CorruptRecordError) else str(e)
-        detail = detail.removeprefix(f"shard {entry['name']} record {entry['keys'][row]}: ")
-        msg = f"corrupt record {entry['keys'][row]} in shard {entry['name']}: {detail}"
+        detail = detail.removeprefix(f"shard {entry.name} record {entry.keys[row]}: ")
+        msg = f"corrupt record {entry.keys[row]} in shard {entry.name}: {detail}"
         if not self.skip_corrupt:
             raise CacheError(msg, fix="run `wandistill cache verify`, or pass --skip-corrupt")
         self.corrupt.append(msg)
 
-    def _read_next(self, entry: dict[str, Any], row: int, slot: int) -> dict[str, torch.Tensor]:
+    def _read_next(self, entry: Entry, row: int, slot: int) -> dict[str, torch.Tensor]:
         """The next point of this sample's trajectory: the next recorded step's x_t and t, or
         after the last recorded step the final latent (in x_t's dtype) at t = 0."""
         store = self._store_of(entry)
@@ -730,7 +727,7 @@ class TrainingReader:
                 for k, v in self._last_good.items()
             }
         batch: dict[str, Any] = dict(tensors)
-        batch["key"] = [samples[b][0]["keys"][samples[b][1]] for b in order]
+        batch["key"] = [samples[b][0].keys[samples[b][1]] for b in order]
         batch["step_slot"] = torch.tensor([samples[b][2] for b in order])
         self._last_good = dict(batch)
         return batch

@@ -53,7 +53,7 @@ from wandistill.cache.contract import (
     is_step_field,
     tensor_bytes,
 )
-from wandistill.cache.files import Name, OwnMeta, RecordMeta, TensorInfo
+from wandistill.cache.files import Name, OwnMeta, RecordMeta, TensorInfo, WdsEntry
 from wandistill.checks.validate import MiB, check, inside, parse_json, rel_path_problem
 from wandistill.errors import CacheError, CorruptRecordError
 from wandistill.io.storage import LocalStorage, Storage, is_transient, open_storage
@@ -323,36 +323,31 @@ class WebDatasetSource:
 
     # ------------------------------------------------------------------ files
 
-    def rel(self, entry: dict[str, Any]) -> str:
+    def rel(self, entry: WdsEntry) -> str:
         """The shard's name in the cache; a manifest `file` outside the cache is refused.
 
         Checked once per (shard, file) and kept: the check resolves symlinks (a `realpath`,
         ~30 us), which the training reader would otherwise pay on every sample."""
-        file = entry.get("file")
-        if not isinstance(file, str):
-            return self._checked_rel(entry)  # raises
-        key = (str(entry.get("name")), file)
+        key = (entry.name, entry.file)
         rel = self._rels.get(key)
         if rel is None:
             rel = self._rels[key] = self._checked_rel(entry)
         return rel
 
-    def _checked_rel(self, entry: dict[str, Any]) -> str:
-        rel = entry.get("file")
-        what = f"shard {entry.get('name')}: manifest file"
-        if not isinstance(rel, str):
-            raise CacheError(f"{what} {rel!r} is not a string")
+    def _checked_rel(self, entry: WdsEntry) -> str:
+        rel = entry.file
+        what = f"shard {entry.name}: manifest file"
         if isinstance(self.store, LocalStorage):
             inside(self.store.root, rel, what, CacheError)
         elif problem := rel_path_problem(rel):  # an object store has no links to follow
             raise CacheError(f"{what} {rel!r} {problem}; refused", fix="restore the manifest")
         return rel
 
-    def path(self, entry: dict[str, Any]) -> str:
+    def path(self, entry: WdsEntry) -> str:
         """The shard's path or URL."""
         return self.store.name(self.rel(entry))
 
-    def check_file(self, entry: dict[str, Any]) -> str | None:
+    def check_file(self, entry: WdsEntry) -> str | None:
         """Why this shard cannot be read at all (missing, wrong size, bad path), or None."""
         try:
             rel = self.rel(entry)
@@ -360,11 +355,11 @@ class WebDatasetSource:
             return e.message
         size = self.store.size(rel)
         if size is None:
-            return f"shard {entry['name']}: file {entry['file']} is missing"
-        if size != entry["bytes"]:
+            return f"shard {entry.name}: file {entry.file} is missing"
+        if size != entry.bytes:
             return (
-                f"shard {entry['name']}: file {entry['file']} has {size} bytes, the manifest "
-                f"says {entry['bytes']} (truncated or replaced)"
+                f"shard {entry.name}: file {entry.file} has {size} bytes, the manifest "
+                f"says {entry.bytes} (truncated or replaced)"
             )
         return None
 
@@ -380,7 +375,7 @@ class WebDatasetSource:
     # ------------------------------------------------------------------ headers
 
     def _parse_header(
-        self, entry: dict[str, Any], i: int, head: bytes, *, typed: bool = False
+        self, entry: WdsEntry, i: int, head: bytes, *, typed: bool = False
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Check a record's header bytes (length prefix + JSON) and split off its metadata.
 
@@ -389,7 +384,7 @@ class WebDatasetSource:
         JSON, ~7 us), and `_span` checks each tensor it uses. Any other header (a cache without
         checksums), and every header `verify` reads (`typed`), is also checked against the
         schema (~17 us more; docs/reliability.md)."""
-        crcs = entry.get("crc32c")
+        crcs = entry.crc32c
         if crcs is not None and crc32c(head) != crcs[i][0]:
             raise ValueError(
                 "safetensors header fails its crc32c check (the header bytes changed, or the "
@@ -405,12 +400,12 @@ class WebDatasetSource:
             return table, None  # written before checksums existed
         own = _checked_json(meta[META_KEY], "safetensors metadata", OwnMeta if typed else Any)
         key, sums = (own.key, own.crc32c) if typed else (own["key"], own["crc32c"])
-        if key != entry["keys"][i]:
+        if key != entry.keys[i]:
             raise ValueError(f"the data belongs to record {key} (manifest keys edited?)")
         return table, sums
 
-    def _header_len(self, entry: dict[str, Any], i: int, prefix: bytes) -> int:
-        length = entry["offsets"][i][1]
+    def _header_len(self, entry: WdsEntry, i: int, prefix: bytes) -> int:
+        length = entry.offsets[i][1]
         hlen = int.from_bytes(prefix[:8], "little")
         if len(prefix) < 8 or hlen <= 0 or 8 + hlen > length or hlen > MAX_HEADER_BYTES:
             raise ValueError(
@@ -419,17 +414,15 @@ class WebDatasetSource:
             )
         return hlen
 
-    def header(
-        self, entry: dict[str, Any], i: int
-    ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
+    def header(self, entry: WdsEntry, i: int) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
         """Record i's safetensors header: (absolute data start, tensor table, checksums).
 
         Kept for the last HEADER_CACHE records read: a committed shard never changes, and a
         training epoch reads each record once per recorded step, so this saves a read (a GET
         round trip on an object store) and a parse per sample. The key holds what the manifest
         says about the record, so an edited entry is read afresh."""
-        crcs = entry.get("crc32c")
-        key = (entry["name"], i, *entry["offsets"][i][:2], crcs[i][0] if crcs else None)
+        crcs = entry.crc32c
+        key = (entry.name, i, *entry.offsets[i][:2], crcs[i][0] if crcs else None)
         with self._headers_lock:
             found = self._headers.get(key)
             if found is not None:
@@ -443,9 +436,9 @@ class WebDatasetSource:
         return found
 
     def _read_header(
-        self, entry: dict[str, Any], i: int
+        self, entry: WdsEntry, i: int
     ) -> tuple[int, dict[str, Any], dict[str, Any] | None]:
-        off, length = entry["offsets"][i][:2]
+        off, length = entry.offsets[i][:2]
         rel = self.rel(entry)
         want = min(length, HEAD_READ)
         head = self.store.read_range(rel, off, want)  # one read covers the header almost always
@@ -461,7 +454,7 @@ class WebDatasetSource:
 
     def _span(
         self,
-        entry: dict[str, Any],
+        entry: WdsEntry,
         i: int,
         base: int,
         table: dict[str, Any],
@@ -479,7 +472,7 @@ class WebDatasetSource:
         nbytes = dtype.itemsize
         for n in shape:
             nbytes *= n
-        if b - a != nbytes or a < 0 or base + b > entry["offsets"][i][0] + entry["offsets"][i][1]:
+        if b - a != nbytes or a < 0 or base + b > entry.offsets[i][0] + entry.offsets[i][1]:
             raise ValueError(f"{name!r}: header offsets {a}..{b} do not fit shape {shape}")
         want = sums.get(name) if sums is not None else None
         if step is not None:
@@ -496,24 +489,24 @@ class WebDatasetSource:
 
     # ------------------------------------------------------------------ reads
 
-    def read_blob(self, entry: dict[str, Any], i: int) -> bytes:
-        off, length = entry["offsets"][i][:2]
+    def read_blob(self, entry: WdsEntry, i: int) -> bytes:
+        off, length = entry.offsets[i][:2]
         return self._pread(self.rel(entry), off, length, "the safetensors member")
 
-    def read_meta(self, entry: dict[str, Any], i: int) -> dict[str, Any]:
-        _, _, joff, jlen = entry["offsets"][i]
+    def read_meta(self, entry: WdsEntry, i: int) -> RecordMeta:
+        _, _, joff, jlen = entry.offsets[i]
         data = self._pread(self.rel(entry), joff, jlen, "the json member")
-        crcs = entry.get("crc32c")
+        crcs = entry.crc32c
         if crcs is not None and crc32c(data) != crcs[i][1]:
             raise ValueError("json member fails its crc32c check")
         meta = _checked_json(data, "json member", dict[str, Any])
-        _checked_json(None, "json member", RecordMeta, meta)
-        if meta["key"] != entry["keys"][i]:
-            raise ValueError(f"json member names key {meta['key']!r} (manifest keys edited?)")
-        return meta
+        typed: RecordMeta = _checked_json(None, "json member", RecordMeta, meta)
+        if typed.key != entry.keys[i]:
+            raise ValueError(f"json member names key {typed.key!r} (manifest keys edited?)")
+        return typed
 
     def read_ranges(
-        self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
+        self, entry: WdsEntry, i: int, wanted: dict[str, int | None]
     ) -> dict[str, tuple[bytes, str, list[int]]]:
         """Raw bytes of the named tensors; for a name mapped to a step index, only that row.
 
@@ -536,10 +529,10 @@ class WebDatasetSource:
         except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError) as e:
             if is_transient(e):  # EMFILE and the like: about the process, not the record
                 raise
-            raise CorruptRecordError(entry["name"], entry["keys"][i], _describe(e)) from None
+            raise CorruptRecordError(entry.name, entry.keys[i], _describe(e)) from None
 
     def read_tensors(
-        self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
+        self, entry: WdsEntry, i: int, wanted: dict[str, int | None]
     ) -> dict[str, torch.Tensor]:
         """Named tensors (one step of a step field) read straight into fresh tensors.
 
@@ -556,7 +549,7 @@ class WebDatasetSource:
             raise self._corrupt(entry, i, e) from None
 
     def read_batch(
-        self, samples: list[tuple[dict[str, Any], int, dict[str, int | None]]], out: BatchBuffers
+        self, samples: list[tuple[WdsEntry, int, dict[str, int | None]]], out: BatchBuffers
     ) -> list[BaseException | None]:
         """Read each (entry, record, wanted) sample straight into its row of `out` (the
         training reader's hot path): headers first (kept, see `header`), then one positioned
@@ -611,7 +604,7 @@ class WebDatasetSource:
         return errors
 
     def _spans(
-        self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
+        self, entry: WdsEntry, i: int, wanted: dict[str, int | None]
     ) -> tuple[str, dict[str, tuple[int, int, torch.dtype, list[int], int | None]]]:
         """(shard name, name -> `_span`) of the named tensors of record i."""
         base, table, sums = self.header(entry, i)
@@ -655,16 +648,16 @@ class WebDatasetSource:
                 )
 
     @staticmethod
-    def _corrupt(entry: dict[str, Any], i: int, e: BaseException) -> BaseException:
+    def _corrupt(entry: WdsEntry, i: int, e: BaseException) -> BaseException:
         """A read failure as the CorruptRecordError naming shard and record (a failure that is
         not about the data, e.g. a bug, as it is)."""
         if isinstance(e, CorruptRecordError) or not isinstance(e, _RECORD_ERRORS):
             return e
         if is_transient(e):
             return e
-        return CorruptRecordError(entry["name"], entry["keys"][i], _describe(e))
+        return CorruptRecordError(entry.name, entry.keys[i], _describe(e))
 
-    def _checked_record(self, entry: dict[str, Any], i: int) -> Record:
+    def _checked_record(self, entry: WdsEntry, i: int) -> Record:
         """Read and check a whole record: header, every tensor and row, the json member."""
         blob = self.read_blob(entry, i)
         hlen = self._header_len(entry, i, blob)
@@ -686,7 +679,7 @@ class WebDatasetSource:
                 raise ValueError(f"{name!r}{where} fails its crc32c check")
         return Record.from_parts(self.read_meta(entry, i), tensors)
 
-    def read_record(self, entry: dict[str, Any], i: int) -> Record:
+    def read_record(self, entry: WdsEntry, i: int) -> Record:
         try:
             return self._checked_record(entry, i)
         except CorruptRecordError:
@@ -694,16 +687,16 @@ class WebDatasetSource:
         except Exception as e:  # safetensors raises its own error types on a bad blob
             if is_transient(e):
                 raise
-            raise CorruptRecordError(entry["name"], entry["keys"][i], _describe(e)) from None
+            raise CorruptRecordError(entry.name, entry.keys[i], _describe(e)) from None
 
     # ------------------------------------------------------------------ verify
 
-    def entry_problems(self, entry: dict[str, Any]) -> list[str]:
+    def entry_problems(self, entry: WdsEntry) -> list[str]:
         """Backend fields of a manifest entry that do not fit its record count."""
-        name, n = entry["name"], len(entry["keys"])
+        name, n = entry.name, len(entry.keys)
         problems = []
         for field_name, width in (("offsets", 4), ("crc32c", 2)):
-            rows = entry.get(field_name)
+            rows = getattr(entry, field_name)
             if rows is None and field_name == "crc32c":
                 continue
             if not isinstance(rows, list) or len(rows) != n:
@@ -724,15 +717,15 @@ class WebDatasetSource:
                 )
         return problems
 
-    def member_problems(self, entry: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    def member_problems(self, entry: WdsEntry) -> tuple[list[str], dict[str, str]]:
         """Walk the tar headers (never extracting): (shard-level problems, key -> problem).
 
         Every member must be `<listed key>.json` or `<listed key>.safetensors`, a regular file,
         at the offsets the manifest lists. Unsafe names (absolute, `..`) and anything else
         (a `.pth`, a link, a stray file) are reported; nothing is decoded.
         """
-        name = entry["name"]
-        index = {k: i for i, k in enumerate(entry["keys"])}
+        name = entry.name
+        index = {k: i for i, k in enumerate(entry.keys)}
         shard: list[str] = []
         per_key: dict[str, str] = {}
         seen: dict[str, tuple[int, int]] = {}
@@ -773,7 +766,7 @@ class WebDatasetSource:
             complete = False
             shard.append(f"shard {name}: tar headers unreadable after {len(seen)} members ({e})")
         for key, i in index.items():
-            o = entry["offsets"][i]
+            o = entry.offsets[i]
             for ext, want in (("safetensors", (o[0], o[1])), ("json", (o[2], o[3]))):
                 got = seen.get(f"{key}.{ext}")
                 if got is None:
@@ -787,13 +780,13 @@ class WebDatasetSource:
                     )
         return shard, per_key
 
-    def frame_digest(self, entry: dict[str, Any], rel: str) -> str:
+    def frame_digest(self, entry: WdsEntry, rel: str) -> str:
         """sha256 of the shard's bytes outside its records' tensor data (schema 3's
         `frame_sha256`): each record's data starts after its safetensors header, whose length is
         read from the file (a changed length moves the frame, so the digest fails). The file
         must have the entry's size (the schema keeps every offset inside it)."""
-        skips, size = [], entry["bytes"]
-        for st_off, length, _, _ in entry["offsets"]:
+        skips, size = [], entry.bytes
+        for st_off, length, _, _ in entry.offsets:
             prefix = self.store.read_range(rel, st_off, min(8, length))
             head = 8 + int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
             skips.append((st_off + min(head, length), st_off + length))
@@ -807,12 +800,12 @@ class WebDatasetSource:
                 pos = max(pos, skip_to)
         return sha.hexdigest()
 
-    def verify(self, entry: dict[str, Any]) -> list[str]:
+    def verify(self, entry: WdsEntry) -> list[str]:
         """Checksum the shard, walk its members, then read and check every record.
 
         Shard-level problems first, then at most one line per record, naming shard and key.
         """
-        name = entry["name"]
+        name = entry.name
         problems = self.entry_problems(entry)
         if problems:
             return problems  # offsets cannot be trusted: nothing more to read by them
@@ -822,11 +815,11 @@ class WebDatasetSource:
             return [e.message]
         size = self.store.size(rel)
         if size is None:
-            return [f"shard {name}: file {entry['file']} is missing"]
-        if size != entry["bytes"]:
-            problems.append(f"shard {name}: {size} bytes on disk, manifest says {entry['bytes']}")
+            return [f"shard {name}: file {entry.file} is missing"]
+        if size != entry.bytes:
+            problems.append(f"shard {name}: {size} bytes on disk, manifest says {entry.bytes}")
         # the records' tensor data is crc32c-checked below; the frame covers every other byte
-        if size == entry["bytes"] and self.frame_digest(entry, rel) != entry["frame_sha256"]:
+        if size == entry.bytes and self.frame_digest(entry, rel) != entry.frame_sha256:
             problems.append(
                 f"shard {name}: sha256 mismatch in its frame (tar headers or padding, "
                 ".json members or safetensors headers changed after it was written, or the "
@@ -834,7 +827,7 @@ class WebDatasetSource:
             )
         shard_level, per_key = self.member_problems(entry)
         problems.extend(shard_level)
-        for i, key in enumerate(entry["keys"]):
+        for i, key in enumerate(entry.keys):
             detail = per_key.get(key)
             if detail is None:
                 try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
@@ -21,6 +22,7 @@ from wandistill.cache import manifest as mf
 from wandistill.cache.choices import ZARR_ONLY
 from wandistill.cache.contract import SHARED_NAME, STEP_FIELDS, Record, dtype_name, plain
 from wandistill.cache.encoding import RecordCodec, compression_of
+from wandistill.cache.files import FieldSpec, Manifest
 from wandistill.cache.keyindex import NameIndex
 from wandistill.checks.finite import refuse_nonfinite_record
 from wandistill.errors import CacheError, UsageError
@@ -58,7 +60,7 @@ def _naming(e: OSError, cache: str | Path) -> OSError:
 
 
 def _make_sink(
-    backend: str, store: Storage, shard_records: int, fields: list[dict[str, Any]]
+    backend: str, store: Storage, shard_records: int, fields: Sequence[FieldSpec]
 ) -> ShardSink:
     compression = compression_of(fields)
     if backend == "webdataset":
@@ -119,34 +121,36 @@ class CacheWriter:
         self.store = open_storage(path)
         self.rank = rank
         self.shard_records = shard_records
-        self.sink = _make_sink(backend, self.store, shard_records, fields)
-        header = mf.Manifest(
+        blob, shared_desc = shared_blob(shared) if shared else (b"", {})
+        header = mf.new_manifest(
             backend=backend,
             teacher=teacher,
             settings=settings,
             fields=fields,
             dims=dims or {},
+            shared=shared_desc,
             numerics=numerics or {},
         )
-        self._open_cache(header, shared or {})
+        self.sink = _make_sink(backend, self.store, shard_records, header.fields)
+        self._open_cache(header, blob)
         self.codec = RecordCodec(self.manifest.fields)
         """Converts each record to the stored dtypes the fields declare (encoding.py)."""
         journals = mf.CommitMemo()  # the journals are read once for both uses below
         committed = mf.committed_shards(self.path, self.manifest, journals)
         self._keys = NameIndex()  # compact: memory must not grow with the prompt file
         for s in committed:
-            for k in s["keys"]:
+            for k in s.keys:
                 self._keys.add(k, 0)
         mine = [j for j in mf.journal_segments(self.path, backend, journals) if j.rank == rank]
         self._segment = mine[-1].segment if mine else 0
         """This rank's last journal segment: each commit rewrites it (manifest.py)."""
-        self._mine = [mf.entry_json(s) for s in mine[-1].shards] if mine else []
+        self._mine = [mf.entry_json(s) for s in mine[-1].shards.json_list()] if mine else []
         """Its entries, serialized once (not held as Python objects)."""
         self._mine_bytes = sum(map(len, self._mine))
         seqs = [
             int(m.group(2))
             for s in committed
-            if (m := _SHARD_RE.fullmatch(s["name"])) and int(m.group(1)) == rank
+            if (m := _SHARD_RE.fullmatch(s.name)) and int(m.group(1)) == rank
         ]
         self._seq = max(seqs, default=-1) + 1
         self._open: dict[str, None] = {}
@@ -157,7 +161,8 @@ class CacheWriter:
         self.records_skipped = 0
         self.bytes_written = 0
 
-    def _open_cache(self, new: mf.Manifest, shared: dict[str, torch.Tensor]) -> None:
+    def _open_cache(self, new: Manifest, blob: bytes) -> None:
+        """Create the cache (or join it: the header must match); `blob`: shared.safetensors."""
         try:
             self.store.makedirs(SHARD_DIR)
         except OSError as e:
@@ -165,8 +170,6 @@ class CacheWriter:
                 f"cannot create cache directory {str(self.path)!r}: {e.strerror}",
                 fix="choose a writable --out directory",
             ) from None
-        if shared:
-            blob, new.shared = shared_blob(shared)
         fresh = True
         if mf.has_manifest(self.path) or not mf.create_manifest_exclusive(self.path, new):
             existing = mf.read_manifest(self.path)
@@ -179,7 +182,7 @@ class CacheWriter:
                 self.manifest = new
         else:
             self.manifest = new
-        if shared and (fresh or not self.store.exists(SHARED_NAME)):
+        if blob and (fresh or not self.store.exists(SHARED_NAME)):
             self.store.put(SHARED_NAME, blob)
 
     # ------------------------------------------------------------------ writing

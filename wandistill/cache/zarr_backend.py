@@ -21,7 +21,7 @@ recorded step reads that chunk (plus the zarr shard's index). Dtypes come from t
 attribute {"wandistill_dtype": "bfloat16"} ("float8_e4m3fn"). With `cache.compression = "zstd"`
 each inner chunk is zstd-compressed (zarr's ZstdCodec) before its crc32c. Dtypes and trailing
 shapes are fixed by the first record that creates an array. Per-record metadata (key, prompt,
-seed, extra) lives in the shard's manifest entry (`schema.ZarrShardEntry.meta`), which is the
+seed, extra) lives in the shard's manifest entry (`schema.ZarrEntry.meta`), which is the
 commit record anyway.
 
 Row ownership and concurrency. zarr 3.1 rewrites a whole zarr shard on every write that touches
@@ -109,10 +109,15 @@ from wandistill.cache.contract import (
     ZARR_DTYPE_ATTR,
     DType,
     Record,
-    ZarrShardEntry,
     is_step_field,
 )
-from wandistill.cache.files import ZarrArrayMeta, ZarrGroupAttrs, ZarrGroupMeta, ZarrNodeMeta
+from wandistill.cache.files import (
+    ZarrArrayMeta,
+    ZarrEntry,
+    ZarrGroupAttrs,
+    ZarrGroupMeta,
+    ZarrNodeMeta,
+)
 from wandistill.checks.validate import MiB, check, inside, parse_json
 from wandistill.errors import CacheError
 from wandistill.io.fsutil import drop_cached, fsync_dir
@@ -834,12 +839,12 @@ class ZarrSink:
             ):
                 self._write(arrays, start, token_rows)
             store.make_durable()  # the claim's zarr.json rewrites and this shard's files
-            entry = ZarrShardEntry(
+            entry = entry_json(
                 rows=(start, start + n),
                 reserved=(start, reserved),
                 token_rows=token_rows,
-                fields=tuple(sorted([*self._dense, *self._spans])),
-                meta=tuple(self._meta),
+                fields=sorted([*self._dense, *self._spans]),
+                meta=self._meta,
                 sha256={key: digest for key, (_, digest) in sorted(store.sealed.items())},
                 nbytes=sum(size for size, _ in store.sealed.values()),
             )
@@ -847,7 +852,32 @@ class ZarrSink:
             if n < self.block_records:  # a short shard is usually a writer's last: free memory
                 self._pool.clear()
             self._reset(None)
-        return entry.to_json()
+        return entry
+
+
+def entry_json(
+    *,
+    rows: tuple[int, int],
+    reserved: tuple[int, int],
+    token_rows: dict[str, tuple[int, int]],
+    fields: list[str],
+    meta: list[dict[str, Any]],
+    sha256: dict[str, str],
+    nbytes: int,
+) -> dict[str, Any]:
+    """A zarr shard entry as the sink commits it (`files.ZarrEntry` once the CacheWriter adds
+    name, rank, records and keys): the rows it committed and reserved, each ragged field's
+    tokens, its tensor names, per-record metadata and every zarr shard file it wrote."""
+    return {
+        "file": DATA_NAME,
+        "rows": list(rows),
+        "reserved": list(reserved),
+        "token_rows": {k: list(v) for k, v in token_rows.items()},
+        "fields": list(fields),
+        "meta": list(meta),
+        "bytes": nbytes,
+        "sha256": dict(sha256),
+    }
 
 
 # ------------------------------------------------------------------------------------ source
@@ -867,7 +897,6 @@ class ZarrSource:
         self._listing: frozenset[str] | None = None
         self._group: Any = None
         self._arrays: dict[str, tuple[Any, DType]] = {}
-        self._entries: dict[tuple[str, str], ZarrShardEntry] = {}
         self._small: dict[tuple[str, int, str], np.ndarray] = {}
         if self._has_group():  # bad metadata: one error at open, not one per record read
             check_metadata(self.storage)
@@ -903,17 +932,9 @@ class ZarrSource:
                 )
         return got
 
-    def entry(self, data: dict[str, Any]) -> ZarrShardEntry:
-        """The typed form of a committed shard entry, parsed once."""
-        key = (str(data.get("name")), str(data.get("rows")))
-        got = self._entries.get(key)
-        if got is None:
-            got = self._entries[key] = ZarrShardEntry.from_json(data)
-        return got
-
     # -------------------------------------------------------------- reads
 
-    def _small_rows(self, e: ZarrShardEntry, path: str) -> np.ndarray | None:
+    def _small_rows(self, e: ZarrEntry, path: str) -> np.ndarray | None:
         """Rows of a small-row array (offsets, timesteps) for a whole shard entry, read once;
         None when that read fails (a damaged record among them): then each record's row is read
         on its own, so one bad record does not take its neighbours down."""
@@ -943,7 +964,7 @@ class ZarrSource:
         return int(np.prod(arr.shape[1:])) * arr.dtype.itemsize <= SMALL_ROW_BYTES
 
     def _plan(
-        self, e: ZarrShardEntry, i: int, name: str, step: int | None
+        self, e: ZarrEntry, i: int, name: str, step: int | None
     ) -> tuple[str, Any, int, int] | torch.Tensor | None:
         """How to read field `name` of record i: (array path, selection, first and stop index
         on axis 0) for zarr, a tensor (a copy) from a small-row cache, or None when absent."""
@@ -963,9 +984,9 @@ class ZarrSource:
         return to_torch(np.array(value), self._array(name, 0)[1])
 
     def _read(
-        self, data: dict[str, Any], i: int, wanted: dict[str, int | None], *, missing_ok: bool
+        self, data: ZarrEntry, i: int, wanted: dict[str, int | None], *, missing_ok: bool
     ) -> dict[str, torch.Tensor]:
-        e = self.entry(data)
+        e = data
         if not 0 <= i < e.records:
             raise IndexError(f"shard {e.name} has {e.records} records, no record {i}")
         key = e.keys[i] if i < len(e.keys) else f"#{i}"
@@ -1004,7 +1025,7 @@ class ZarrSource:
         return out
 
     def read_tensors(
-        self, entry: dict[str, Any], i: int, wanted: dict[str, int | None]
+        self, entry: ZarrEntry, i: int, wanted: dict[str, int | None]
     ) -> dict[str, torch.Tensor]:
         return self._read(entry, i, wanted, missing_ok=False)
 
@@ -1019,7 +1040,7 @@ class ZarrSource:
         return tuple(arr.shape[1 if isinstance(sel, int) else len(sel) :]), dtype.torch
 
     def read_batch(
-        self, samples: list[tuple[dict[str, Any], int, dict[str, int | None]]], out: BatchBuffers
+        self, samples: list[tuple[ZarrEntry, int, dict[str, int | None]]], out: BatchBuffers
     ) -> list[BaseException | None]:
         """Read each (entry, record, wanted) sample straight into its row of `out` (the
         training reader's hot path): every field of every sample is one
@@ -1030,7 +1051,7 @@ class ZarrSource:
         errors: list[BaseException | None] = []
         for entry, i, wanted in samples:
             try:
-                e = self.entry(entry)
+                e = entry
                 if not 0 <= i < e.records:
                     raise IndexError(f"shard {e.name} has {e.records} records, no record {i}")
                 where = f"shard {e.name} record {e.keys[i] if i < len(e.keys) else f'#{i}'}"
@@ -1070,19 +1091,19 @@ class ZarrSource:
                 if isinstance(err, ZarrChunkError):
                     entry, i, _ = samples[b]
                     err = ZarrChunkError(
-                        f"shard {entry['name']} record {entry['keys'][i]}: {name}: {err.message}"
+                        f"shard {entry.name} record {entry.keys[i]}: {name}: {err.message}"
                     )
                 errors[b] = err
         return errors
 
-    def read_record(self, entry: dict[str, Any], i: int) -> Record:
-        e = self.entry(entry)
+    def read_record(self, entry: ZarrEntry, i: int) -> Record:
+        e = entry
         tensors = self._read(entry, i, dict.fromkeys(e.fields), missing_ok=True)
         return Record.from_parts(e.meta[i], tensors)
 
-    def offsets(self, entry: dict[str, Any], name: str) -> np.ndarray:
+    def offsets(self, entry: ZarrEntry, name: str) -> np.ndarray:
         """(records, 2) [start, length] of ragged field `name` for one shard entry."""
-        e = self.entry(entry)
+        e = entry
         got = self._small_rows(e, f"{name}/offsets")
         if got is None:
             got = np.stack([self._row(f"{name}/offsets", r) for r in range(*e.rows)])
@@ -1090,7 +1111,7 @@ class ZarrSource:
 
     # -------------------------------------------------------------- verify
 
-    def _affected(self, e: ZarrShardEntry, rel: str) -> list[int]:
+    def _affected(self, e: ZarrEntry, rel: str) -> list[int]:
         """Indices of the entry's records stored (partly) in zarr shard file `rel`."""
         everything = list(range(e.records))
         path, _, coords = rel.partition("/c/")
@@ -1107,7 +1128,7 @@ class ZarrSource:
         except Exception:  # the metadata itself is broken: blame every record of the shard
             return everything
 
-    def _file_problems(self, e: ZarrShardEntry) -> tuple[list[str], set[int]]:
+    def _file_problems(self, e: ZarrEntry) -> tuple[list[str], set[int]]:
         """Each listed zarr shard file against its sha256 (and the sum of sizes): problems, and
         the records whose file is missing (not decoded: zarr would read fill values)."""
         problems: list[str] = []
@@ -1136,19 +1157,16 @@ class ZarrSource:
                     f"shard {e.name}: {DATA_NAME}/{rel} sha256 mismatch (changed after it was "
                     f"written; records {shown})"
                 )
-        if not missing and total != e.nbytes:
-            problems.append(f"shard {e.name}: {total} bytes on disk, manifest says {e.nbytes}")
+        if not missing and total != e.bytes:
+            problems.append(f"shard {e.name}: {total} bytes on disk, manifest says {e.bytes}")
         return problems, skip
 
-    def check_file(self, entry: dict[str, Any]) -> str | None:
+    def check_file(self, entry: ZarrEntry) -> str | None:
         """Why the shard entry cannot be read at all (a zarr shard file it lists is missing or
         outside the cache), or None. Locally a stat per file; on an object store one listing of
         data.zarr, refreshed when a file is not in it (a HEAD per file would be one request per
         zarr shard file of the whole cache)."""
-        try:
-            e = self.entry(entry)
-        except CacheError as err:
-            return err.message
+        e = entry
         for rel in e.sha256:
             try:
                 found = self._local_file(e, rel)
@@ -1162,7 +1180,7 @@ class ZarrSource:
                 return f"shard {e.name}: file {DATA_NAME}/{rel} is missing"
         return None
 
-    def _local_file(self, e: ZarrShardEntry, rel: str) -> Path | None:
+    def _local_file(self, e: ZarrEntry, rel: str) -> Path | None:
         """The local path of zarr shard file `rel`, refused (CacheError) when it resolves
         outside the cache (a symlink); None on an object store, which has no links to follow
         (the entry's schema already refuses `..` and absolute names)."""
@@ -1178,13 +1196,10 @@ class ZarrSource:
             self._listing = frozenset(k[cut:] for k in self.storage.find(DATA_NAME))
         return self._listing
 
-    def verify(self, entry: dict[str, Any]) -> list[str]:
+    def verify(self, entry: ZarrEntry) -> list[str]:
         """Check every zarr shard file the entry lists exists and matches its sha256, then decode
         every record."""
-        try:
-            e = self.entry(entry)
-        except CacheError as err:
-            return [err.message]
+        e = entry
         if not self._has_group():
             return [f"shard {e.name}: {DATA_NAME} is missing"]
         problems, skip = self._file_problems(e)
@@ -1193,13 +1208,13 @@ class ZarrSource:
                 continue
             try:
                 meta = e.meta[i]
-                if meta.get("key") != key:
-                    raise ValueError(f"metadata names key {meta.get('key')!r}")
+                if meta.key != key:
+                    raise ValueError(f"metadata names key {meta.key!r}")
                 rec = self.read_record(entry, i)
-                if rec.prompt_embeds.shape[0] != int(meta.get("embed_len", -1)):
+                if rec.prompt_embeds.shape[0] != meta.embed_len:
                     raise ValueError(
                         f"prompt_embeds has {rec.prompt_embeds.shape[0]} tokens, "
-                        f"metadata says {meta.get('embed_len')}"
+                        f"metadata says {meta.embed_len}"
                     )
                 for t in rec.tensors().values():
                     if t.is_floating_point() and not bool(t.float().isfinite().all()):
@@ -1213,7 +1228,6 @@ class ZarrSource:
 
     def close(self) -> None:
         self._arrays.clear()
-        self._entries.clear()
         self._small.clear()
         self._group = None
         sync(self.store.indexes.clear_cache())

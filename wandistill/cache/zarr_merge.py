@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from wandistill.cache.contract import ZarrShardEntry
+from wandistill.cache.files import ZarrEntry
 from wandistill.cache.zarr_backend import (
     _WRITE_CONFIG,
     DATA_NAME,
@@ -35,6 +35,7 @@ from wandistill.cache.zarr_backend import (
     ZarrSink,
     _ceil_to,
     _SealingStore,
+    entry_json,
     zarr_store,
 )
 from wandistill.io.storage import Storage
@@ -87,10 +88,9 @@ class ZarrLinker:
         arr = group[path]
         return arr.with_config(_WRITE_CONFIG) if _shape_free(arr) == _shape_free(src) else None
 
-    def add(self, cache: Storage, data: dict[str, Any]) -> tuple[dict[str, Any], set[str]] | None:
-        """Link (or copy) entry `data` of input `cache` into M: (M's entry without name/keys,
+    def add(self, cache: Storage, e: ZarrEntry) -> tuple[dict[str, Any], set[str]] | None:
+        """Link (or copy) entry `e` of input `cache` into M: (M's entry without name/keys,
         how its files got there), or None when the layouts differ (nothing was linked)."""
-        e = ZarrShardEntry.from_json(data)
         src_group = zarr.open_group(
             store=zarr_store(cache, read_only=True), mode="r", zarr_format=3
         )
@@ -147,13 +147,13 @@ class ZarrLinker:
         for key, (size, digest) in self.store.sealed.items():
             sha[key] = digest
             nbytes += size
-        entry = ZarrShardEntry(
+        entry = entry_json(
             rows=(start, start + n),
             reserved=(start, stop),
             token_rows=token_rows,
             fields=e.fields,
-            meta=e.meta,
+            meta=[m.model_dump(mode="json", exclude_unset=True) for m in e.meta],
             sha256=dict(sorted(sha.items())),
             nbytes=nbytes,
         )
-        return entry.to_json(), ways
+        return entry, ways

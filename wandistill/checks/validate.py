@@ -224,15 +224,19 @@ def check(
     *,
     fix: str,
     error: type[WandistillError] = UsageError,
+    at: tuple[str | int, ...] = (),
+    root: Any = None,
 ) -> T:
     """Validate parsed JSON against schema `tp` (a `Schema` or any pydantic-able type).
 
-    The fix is the failing field's own where `tp` declares one, else `fix`."""
+    The fix is the failing field's own where `tp` declares one, else `fix`. `obj` found at `at`
+    inside `root` (one entry of a list validated on its own) is named by its path from `root`."""
     try:
         return _adapter(tp).validate_python(obj, strict=True)
     except ValidationError as e:
         loc = tuple(e.errors(include_url=False)[0]["loc"])
-        raise error(f"{where}: {describe(e, obj)}", fix=field_fix(tp, loc) or fix) from None
+        said = describe(e, obj if root is None else root, at=at)
+        raise error(f"{where}: {said}", fix=field_fix(tp, loc) or fix) from None
 
 
 def load_json_file(
@@ -305,11 +309,14 @@ def json_kind(value: Any) -> str:
     return f"{kind} {_shown(value)}".strip()
 
 
-def describe(e: ValidationError, obj: Any = None) -> str:
-    """The first problem of a validation error as one line (plus how many more there are)."""
+def describe(e: ValidationError, obj: Any = None, at: tuple[str | int, ...] = ()) -> str:
+    """The first problem of a validation error as one line (plus how many more there are);
+    `at`: where the validated value sits in `obj`."""
     errors = e.errors(include_url=False)
     first = errors[0]
-    loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    loc = at + tuple(
+        p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-"))
+    )
     where = loc_text(loc, obj) or "the top level"
     kind, value = first["type"], first.get("input")
     if kind == "missing":

@@ -43,12 +43,13 @@ def cache_info(
     ] = None,
 ) -> None:
     """Records, bytes, fields, footprint (here and at Wan 480p/720p), settings and shards."""
-    from wandistill.cache.manifest import load_committed
+    from wandistill.cache.files import WdsEntry
+    from wandistill.cache.manifest import load_committed, manifest_json
 
     _positive(records=min(records) if records else None)
     m = load_committed(path)
     if as_json:
-        out.print_json(json.dumps(m.to_json()))
+        out.print_json(json.dumps(manifest_json(m)))
         return
     head = Table(title=f"cache {path}", show_header=False)
     head.add_row("backend", m.backend)
@@ -56,19 +57,19 @@ def cache_info(
     head.add_row("records", str(m.num_records))
     head.add_row("shards", str(len(m.shards)))
     head.add_row("bytes", _human(m.num_bytes))
-    head.add_row("teacher", str(m.teacher.get("fingerprint", "?"))[:16])
+    head.add_row("teacher", m.teacher.fingerprint[:16])
     head.add_row("schema", f"v{m.schema_version} (wandistill {m.wandistill_version})")
     out.print(head)
     fields = Table(title="fields")
     for col in ("name", "dtype", "shape"):
         fields.add_column(col)
     for f in m.fields:
-        fields.add_row(f["name"], f["dtype"], f["shape"])
+        fields.add_row(f.name, f.dtype, f.shape)
     out.print(fields)
     _print_footprint(path, tuple(records or (10_000, 100_000)))
     settings = Table(title="sampler settings", show_header=False)
     below: dict[str, Any] = {}  # long JSON (the scheduler's config) goes under the table
-    for k, v in m.settings.items():
+    for k, v in m.block_json("settings").items():
         text = v if isinstance(v, str) else json.dumps(v)
         if isinstance(v, dict) and len(text) > 40:
             below[k] = v
@@ -83,9 +84,9 @@ def cache_info(
     for col in ("name", "records", "bytes", "sha256"):
         shards.add_column(col)
     for s in m.shards:
-        digest = s.get("frame_sha256") or s["sha256"]  # webdataset schema 3: the frame's
+        digest = s.frame_sha256 if isinstance(s, WdsEntry) else s.sha256  # type: ignore[attr-defined]
         sha = digest if isinstance(digest, str) else f"{len(digest)} files"
-        shards.add_row(s["name"], str(s["records"]), _human(s["bytes"]), sha[:16])
+        shards.add_row(s.name, str(s.records), _human(s.bytes), sha[:16])
     out.print(shards)
 
 

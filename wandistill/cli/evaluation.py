@@ -361,12 +361,13 @@ def _teacher_defaults(
         from wandistill.cache.manifest import load_committed
 
         settings = load_committed(cache).settings
-        return sizes_from_settings(settings), settings.get("num_inference_steps")
+        return sizes_from_settings(settings), settings.num_inference_steps
     if recipe is not None:
-        from dataclasses import asdict
-
+        from wandistill.cache.files import SettingsBlock
         from wandistill.config import load_recipe
 
         sampler = load_recipe(recipe, stage="precompute").precompute.sampler
-        return sizes_from_settings(asdict(sampler)), sampler.num_inference_steps
+        sizes = ("height", "width", "num_frames", "max_sequence_length", "guidance_scale")
+        settings = SettingsBlock.model_validate({k: getattr(sampler, k) for k in sizes})
+        return sizes_from_settings(settings), sampler.num_inference_steps
     return None, None

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from wandistill.cache.contract import Record, is_holdout, pad_embeds
+from wandistill.cache.files import DimsBlock, SettingsBlock, TeacherBlock
 from wandistill.cache.reader import CacheReader
 from wandistill.errors import UsageError
 from wandistill.eval import equivalent, viewer
@@ -331,7 +332,7 @@ def evaluate(
         steps_curve = None
         if teacher is not None:
             legs.insert(0, _teacher_leg(teacher, settings, k, placement))
-            n = int(settings["num_inference_steps"])
+            n = int(settings.num_inference_steps)
             points = equivalent.curve_steps(n) if curve is None else sorted(set(curve))
             if any(not 1 <= s <= n for s in points):
                 raise UsageError(
@@ -363,7 +364,7 @@ def evaluate(
 def held_out(store: CacheReader, split: str, limit: int | None) -> list[tuple[dict[str, Any], int]]:
     """Where the records to evaluate are, by key (deterministic): held out, or all of a
     separate cache. Located, not read: eval reads them a batch at a time (`_batches`)."""
-    frac = float(store.manifest.settings.get("holdout_fraction", 0.0))
+    frac = store.manifest.settings.holdout_fraction or 0.0
     located = sorted(store.locate().items())
     if split == "holdout":
         if frac <= 0:
@@ -392,7 +393,7 @@ def few_records(store: CacheReader, split: str, count: int, limit: int | None) -
             f"an eval cache of at least {MIN_RECORDS} prompts"
         )
     total = len(store)
-    frac = float(store.manifest.settings.get("holdout_fraction", 0.0))
+    frac = store.manifest.settings.holdout_fraction or 0.0
     need = min(1.0, 1.5 * MIN_RECORDS / max(total, 1))
     return (
         f"only {count} held-out records in {where} ({total} records, cache.holdout_fraction = "
@@ -421,36 +422,38 @@ def _stderr_warning(message: str) -> None:
 # --------------------------------------------------------------------------- checks
 
 
-def _check_fit(model: torch.nn.Module, dims: dict[str, Any], cache: str | Path, label: str) -> None:
+def _check_fit(model: torch.nn.Module, dims: DimsBlock, cache: str | Path, label: str) -> None:
     cfg = model.config
-    if dims and (cfg.text_dim != dims["text_dim"] or cfg.in_channels != dims["latent_channels"]):
+    if dims.text_dim is not None and (
+        cfg.text_dim != dims.text_dim or cfg.in_channels != dims.latent_channels
+    ):
         raise UsageError(
             f"{label} (text_dim {cfg.text_dim}, in_channels {cfg.in_channels}) does not fit cache "
-            f"{str(cache)!r} (text_dim {dims['text_dim']}, latent channels "
-            f"{dims['latent_channels']})",
+            f"{str(cache)!r} (text_dim {dims.text_dim}, latent channels "
+            f"{dims.latent_channels})",
             fix="evaluate the student on a cache of the teacher it was distilled from",
         )
 
 
-def _check_source(who: FinishedStudent, recorded: dict[str, Any], cache: str | Path) -> None:
+def _check_source(who: FinishedStudent, recorded: TeacherBlock, cache: str | Path) -> None:
     """A run knows its teacher's fingerprint: it must be the cache's (an export does not)."""
     mine = who.sampling.teacher.fingerprint if who.sampling is not None else None
-    want = recorded.get("fingerprint")
+    want = recorded.fingerprint
     if mine and want and mine != want:
         raise UsageError(
             f"{who.label} was distilled from another teacher ({who.sampling.teacher.path}) than "
-            f"cache {str(cache)!r} holds ({recorded.get('path')})",
+            f"cache {str(cache)!r} holds ({recorded.path})",
             fix="evaluate on a cache of the teacher the student was distilled from",
         )
 
 
-def _check_teacher(teacher: TeacherFolder, recorded: dict[str, Any], cache: str | Path) -> None:
+def _check_teacher(teacher: TeacherFolder, recorded: TeacherBlock, cache: str | Path) -> None:
     """teacher@K must be the very teacher whose trajectories the cache holds."""
-    want = recorded.get("fingerprint")
+    want = recorded.fingerprint
     if want and teacher.fingerprint.get("fingerprint") != want:
         raise UsageError(
             f"--teacher {str(teacher.path)!r} is not the teacher cache {str(cache)!r} was made "
-            f"with ({recorded.get('path')})",
+            f"with ({recorded.path})",
             fix="pass the teacher folder precompute ran on",
         )
 
@@ -472,7 +475,7 @@ def _student_leg(
 def _baseline_legs(
     baseline: FinishedStudent,
     k: int,
-    dims: dict[str, Any],
+    dims: DimsBlock,
     cache: str | Path,
     device: torch.device,
 ) -> list[Leg]:
@@ -485,7 +488,7 @@ def _baseline_legs(
 
 
 def _teacher_leg(
-    teacher: TeacherFolder, settings: dict[str, Any], k: int, placement: Placement
+    teacher: TeacherFolder, settings: SettingsBlock, k: int, placement: Placement
 ) -> Leg:
     """The teacher in WanPipeline at K steps: the cache's scheduler, dtype and CFG."""
     from diffusers import WanPipeline
@@ -493,7 +496,7 @@ def _teacher_leg(
     from wandistill.placement import load as pl
     from wandistill.placement.estimate import dtype_from_name
 
-    dtype = dtype_from_name(str(settings.get("dtype", "fp32")))
+    dtype = dtype_from_name(settings.dtype or "fp32")
     experts = {
         name: pl.load_component(teacher, name, dtype=dtype, placement=placement)
         for name in teacher.experts
@@ -506,13 +509,13 @@ def _teacher_leg(
         transformer_2=experts.get("transformer_2"),
         boundary_ratio=teacher.boundary_ratio,
         scheduler=build_scheduler(
-            {**settings["scheduler_config"], "_class_name": settings["scheduler"]}
+            {**(settings.scheduler_config or {}), "_class_name": settings.scheduler}
         ),
         expand_timesteps=teacher.expand_timesteps,
     )
     pipe.set_progress_bar_config(disable=True)
-    g = float(settings["guidance_scale"])
-    g2 = settings.get("guidance_scale_2") if teacher.boundary_ratio is not None else None
+    g = float(settings.guidance_scale)
+    g2 = settings.guidance_scale_2 if teacher.boundary_ratio is not None else None
     cfg = g > 1.0
 
     def sample(batch: Batch, s: int) -> torch.Tensor:
@@ -527,21 +530,21 @@ def _teacher_leg(
         ).cpu()
 
     # At K = N the column re-samples the cached reference: named apart from it.
-    name = f"teacher@{k}" if k != int(settings["num_inference_steps"]) else f"teacher@{k} again"
+    name = f"teacher@{k}" if k != int(settings.num_inference_steps) else f"teacher@{k} again"
     return Leg(Column(name, "teacher", k, k * (2 if cfg else 1), 0.0), sample)
 
 
 def _batches(
     store: CacheReader,
     located: list[tuple[dict[str, Any], int]],
-    settings: dict[str, Any],
+    settings: SettingsBlock,
     shared: dict[str, torch.Tensor],
     size: int,
 ) -> Iterator[Batch]:
     """The records, read `size` at a time (one batch of records in memory, whatever the
     split's size), embeddings zero-padded as the pipeline pads them; the negative is the
     record's own or the cache's shared one."""
-    msl = int(settings["max_sequence_length"])
+    msl = int(settings.max_sequence_length)
     default = shared.get("negative_prompt_embeds")
 
     def negative(r: Record) -> torch.Tensor:
@@ -631,10 +634,10 @@ class Stream:
     curve: Curve | None = None
 
 
-def _run(stream: Stream, settings: dict[str, Any]) -> EvalResult:
+def _run(stream: Stream, settings: SettingsBlock) -> EvalResult:
     """Sample, then score every column against the cached final latents, batch by batch."""
-    n = int(settings["num_inference_steps"])
-    g = float(settings.get("guidance_scale", 1.0))
+    n = int(settings.num_inference_steps)
+    g = settings.guidance_scale if settings.guidance_scale is not None else 1.0
     columns = [
         Column("noise", "noise", 0, 0, None),
         Column(f"teacher@{n}", "reference", n, n * (2 if g > 1 else 1), None),
@@ -788,7 +791,7 @@ def _write(result: EvalResult, grid: _Grid, out: Path) -> None:
 
 
 def _device_placement(
-    device: Placement, folder: TeacherFolder | None, settings: dict[str, Any]
+    device: Placement, folder: TeacherFolder | None, settings: SettingsBlock
 ) -> Placement:
     """`device` made concrete: auto is a GPU if the teacher's experts and VAE fit one at the
     cache's sizes (the first GPU if there is no teacher to plan), else the CPU."""
@@ -797,17 +800,17 @@ def _device_placement(
 
     if folder is not None:
         sizes = SamplerSizes(
-            int(settings["height"]),
-            int(settings["width"]),
-            int(settings["num_frames"]),
+            int(settings.height),
+            int(settings.width),
+            int(settings.num_frames),
             1,
-            int(settings["max_sequence_length"]),
+            int(settings.max_sequence_length),
             previews=True,
         )
         return pl.resolve_placement(
             device,
             folder=folder,
-            dtype=dtype_from_name(str(settings.get("dtype", "fp32"))),
+            dtype=dtype_from_name(settings.dtype or "fp32"),
             sizes=sizes,
             components=(*folder.experts, "vae"),
             only=(Cuda, Cpu),

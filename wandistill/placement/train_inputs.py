@@ -74,10 +74,10 @@ def _manifest(cache: str) -> Manifest | None:
 
 def _shape(cfg: TrainConfig, recipe: Recipe, manifest: Manifest | None) -> TrainShape:
     rows = 2 if cfg.loss.reflow > 0 and cfg.loss.at_recorded_points else 1
-    shape_dims = (manifest.dims.get("latent_shape") if manifest else None) or []
+    shape_dims = (manifest.dims.latent_shape if manifest else None) or []
     if manifest is not None and len(shape_dims) == 4:
         _, f, h, w = (int(v) for v in shape_dims)
-        text = int(manifest.settings.get("max_sequence_length", 512))
+        text = manifest.settings.max_sequence_length or 512
         return TrainShape(f, h, w, text, cfg.batch_size, rows, "cache manifest")
     s = recipe.precompute.sampler
     return TrainShape.from_video(
@@ -96,15 +96,16 @@ def train_inputs(
 ) -> TrainInputs:
     """The student config and batch shape of `recipe.train`. `teacher_config`: the teacher's
     transformer config when the caller has one (a folder or `--config`); else the cache's."""
+    from wandistill.cache.files import DimsBlock
     from wandistill.student.config import resolve_student_config
 
     cfg = recipe.train
     manifest = _manifest(cfg.caches[0] if cfg.caches else "")
     tconf = dict(teacher_config or {})
     if not tconf and manifest is not None:
-        tconf = dict(manifest.teacher.get("transformer_config") or {})
+        tconf = dict(manifest.teacher.transformer_config or {})
         label = f"cache {cfg.caches[0] if cfg.caches else ''}"
-    dims = manifest.dims if manifest is not None else {}
+    dims = manifest.dims if manifest is not None else DimsBlock()
     student = resolve_student_config(cfg.student, tconf, dims)
     return TrainInputs(student, _shape(cfg, recipe, manifest), label)
 

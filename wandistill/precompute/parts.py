@@ -191,10 +191,10 @@ def identity(part: Part, header: mf.Manifest, prompts_sha256: str, prompts: str)
         "prompts": prompts,
         "header": {  # what `check_compatible` compares (the teacher's path may differ by node)
             "backend": header.backend,
-            "teacher": header.teacher.get("fingerprint"),
-            "settings": header.settings,
-            "numerics": header.numerics or {},
-            "fields": header.fields,
+            "teacher": header.teacher.fingerprint,
+            "settings": header.block_json("settings"),
+            "numerics": header.numerics,
+            "fields": header.block_json("fields"),
         },
     }
 

@@ -335,7 +335,7 @@ def _header(
 ) -> mf.Manifest:
     """The manifest this run writes under (or must be compatible with)."""
     dtype = DTYPES[cfg.teacher.dtype]
-    return mf.Manifest(
+    return mf.new_manifest(
         backend=cfg.cache.backend,
         teacher={**teacher.fingerprint, "transformer_config": teacher.transformer_config},
         settings=settings,
@@ -371,7 +371,7 @@ def _committed_keys(cache: str, header: mf.Manifest) -> set[str]:
     existing = mf.load_committed(cache)
     if existing.shards:
         mf.check_compatible(cache, existing, header)
-    return {k for s in existing.shards for k in s["keys"]}
+    return {k for s in existing.shards for k in s.keys}
 
 
 @dataclass(slots=True)
@@ -432,9 +432,9 @@ def _open_writer(w: Work, negative: torch.Tensor) -> BackgroundWriter:
     writer = CacheWriter(
         w.cache,
         backend=w.cfg.cache.backend,
-        teacher=w.header.teacher,
+        teacher=w.header.block_json("teacher"),
         settings=w.settings,
-        fields=w.header.fields,
+        fields=w.header.block_json("fields"),
         dims=_dims(w.teacher, w.shape, w.settings) | _recorded_experts(sampler, timesteps),
         numerics=w.header.numerics,
         shared={"negative_prompt_embeds": negative, "timesteps": timesteps, "sigmas": sigmas},
@@ -726,7 +726,7 @@ def _previews(
     wanted = [k for k in keys[: cfg.previews] if not (out / f"{k}.png").exists()]
     with CacheReader(cfg.cache.path) as store:
         located = store.locate()
-        mine = [k for k in wanted if k in located and located[k][0]["rank"] == info.rank]
+        mine = [k for k in wanted if k in located and located[k][0].rank == info.rank]
         if not mine:
             return
         vae = pl.load_component(teacher, "vae", **load_kw)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import inspect
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 
 from wandistill.checks.validate import OpenSchema, check, load_json_file
 from wandistill.config import StudentConfig
 from wandistill.errors import UsageError
+
+if TYPE_CHECKING:
+    from wandistill.cache.files import DimsBlock
 
 SIZE_KEYS = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim")
 
@@ -113,16 +116,16 @@ def _read_config_file(path: str) -> dict[str, Any]:
 
 
 def resolve_student_config(
-    cfg: StudentConfig, teacher_config: dict[str, Any] | None, dims: dict[str, Any]
+    cfg: StudentConfig, teacher_config: dict[str, Any] | None, dims: DimsBlock
 ) -> dict[str, Any]:
     """The full WanTransformer3DModel kwargs of the student (JSON-able)."""
     base = {k: v for k, v in (teacher_config or {}).items() if k in init_params()}
     if not base:
         # An old cache without the teacher's config: size the interface from the cache itself.
         base = {
-            "text_dim": dims.get("text_dim"),
-            "in_channels": dims.get("latent_channels"),
-            "out_channels": dims.get("latent_channels"),
+            "text_dim": dims.text_dim,
+            "in_channels": dims.latent_channels,
+            "out_channels": dims.latent_channels,
         }
         base = {k: v for k, v in base.items() if v is not None}
     if cfg.config_file:
@@ -141,7 +144,7 @@ def resolve_student_config(
     return base
 
 
-def check_against_cache(config: dict[str, Any], dims: dict[str, Any], cache: str) -> list[str]:
+def check_against_cache(config: dict[str, Any], dims: DimsBlock, cache: str) -> list[str]:
     """Every way this student cannot read this cache, each naming both values and the fix."""
     problems: list[str] = []
     pairs = [
@@ -155,7 +158,7 @@ def check_against_cache(config: dict[str, Any], dims: dict[str, Any], cache: str
         ),
     ]
     for key, mine, dim_key, what in pairs:
-        theirs = dims.get(dim_key)
+        theirs = getattr(dims, dim_key)
         if theirs is not None and int(mine) != int(theirs):
             problems.append(
                 f"student {key}={mine} but the cache {cache!r} has {what} with "
@@ -166,7 +169,7 @@ def check_against_cache(config: dict[str, Any], dims: dict[str, Any], cache: str
     if head_dim % 2:
         problems.append(f"student attention_head_dim={head_dim} must be even (Wan RoPE)")
     patch = list(config.get("patch_size", (1, 2, 2)))
-    shape = dims.get("latent_shape")
+    shape = dims.latent_shape
     if shape and len(shape) == 4 and any(s % p for s, p in zip(shape[1:], patch, strict=True)):
         problems.append(
             f"student patch_size={patch} does not divide the cache's latent frames x height x "

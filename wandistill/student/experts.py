@@ -43,6 +43,7 @@ import torch
 from pydantic import ConfigDict, Field
 from torch import nn
 
+from wandistill.cache.files import DimsBlock, SettingsBlock
 from wandistill.checks.validate import Schema, load_json_file
 from wandistill.errors import UsageError
 from wandistill.io.fsutil import atomic_write_json
@@ -235,8 +236,8 @@ def split_steps(timesteps: tuple[float, ...], boundary: float) -> tuple[tuple[in
 def check(
     student: StudentConfig,
     loss: LossConfig,
-    settings: dict[str, Any],
-    dims: dict[str, Any],
+    settings: SettingsBlock,
+    dims: DimsBlock,
     objectives: ObjectivePlan | None,
     cache: str,
 ) -> list[str]:
@@ -244,7 +245,7 @@ def check(
     `experts = "one"`). Needs only the recipe and the manifest: nothing is built or written."""
     if student.experts != PER_EXPERT:
         return []
-    if settings.get("boundary_ratio") is None:
+    if settings.boundary_ratio is None:
         return [
             f"train.student.experts = 'per-expert' needs a cache of a Wan 2.2 A14B teacher (two "
             f"experts and a boundary_ratio), but cache {cache!r} was made by a one-expert "
@@ -284,13 +285,13 @@ def _init_problems(init: TeacherInitConfig) -> list[str]:
     return []
 
 
-def split_for(objectives: ObjectivePlan, dims: dict[str, Any], k: int | None) -> ExpertSplit:
+def split_for(objectives: ObjectivePlan, dims: DimsBlock, k: int | None) -> ExpertSplit:
     """The K-step schedule split at the boundary, checked against what the cache recorded."""
     teacher, student = objectives.teacher, objectives.student
     b = teacher.boundary_timestep
     assert b is not None, "check() refuses caches without a boundary first"
     key = "train.student.num_inference_steps"
-    said = dims.get("recorded_experts")
+    said = dims.recorded_experts
     derived = recorded_experts(teacher.timesteps, teacher.recorded, b)
     if said is not None and list(said) != derived:
         raise UsageError(
@@ -371,7 +372,7 @@ def resume_problem(student: StudentConfig, saved_meta: dict[str, Any], checkpoin
 def build(
     student: StudentConfig,
     config: dict[str, Any],
-    settings: dict[str, Any],
+    settings: SettingsBlock,
     *,
     seed: int,
 ) -> nn.Module:
@@ -393,8 +394,9 @@ def build(
         if init.path:
             init_from_teacher(model, replace(init, component=name))
         made.append(model)
-    steps = int((settings.get("scheduler_config") or {}).get("num_train_timesteps", 1000))
-    return ExpertPair(made[0], made[1], float(settings["boundary_ratio"]), steps)
+    steps = int((settings.scheduler_config or {}).get("num_train_timesteps", 1000))  # type: ignore[arg-type]
+    assert settings.boundary_ratio is not None, "check() refuses caches without a boundary"
+    return ExpertPair(made[0], made[1], settings.boundary_ratio, steps)
 
 
 class ExpertsMarker(Schema):

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 from torch import nn
 
+from wandistill.cache.files import SettingsBlock
 from wandistill.checks.validate import Schema, load_json_file
 from wandistill.errors import UsageError
 from wandistill.student import experts
@@ -457,18 +458,18 @@ def _cache_sizes(cache: str | None) -> SamplerSizes | None:
     return sizes_from_settings(settings)
 
 
-def sizes_from_settings(settings: dict[str, Any]) -> SamplerSizes | None:
+def sizes_from_settings(settings: SettingsBlock) -> SamplerSizes | None:
     """The sampler sizes of a cache manifest's settings (None if it lacks them)."""
-    try:
-        return SamplerSizes(
-            height=int(settings["height"]),
-            width=int(settings["width"]),
-            num_frames=int(settings["num_frames"]),
-            max_sequence_length=int(settings["max_sequence_length"]),
-            teacher_guidance_scale=float(settings["guidance_scale"]),
-        )
-    except (KeyError, TypeError, ValueError):
+    s = settings
+    if None in (s.height, s.width, s.num_frames, s.max_sequence_length, s.guidance_scale):
         return None
+    return SamplerSizes(
+        height=s.height,  # type: ignore[arg-type]
+        width=s.width,  # type: ignore[arg-type]
+        num_frames=s.num_frames,  # type: ignore[arg-type]
+        max_sequence_length=s.max_sequence_length,  # type: ignore[arg-type]
+        teacher_guidance_scale=s.guidance_scale,  # type: ignore[arg-type]
+    )
 
 
 def open_student(

@@ -39,7 +39,7 @@ v = noise - x_0, so x_0 = x_t - sigma_t * v (diffusers `UniPCMultistepScheduler
 .convert_model_output`: `x0_pred = sample - sigma_t * model_output` with `sigma_t =
 self.sigmas[step_index]`). The timestep fed to the model is `int64(sigma_t * 1000)`, truncated,
 so t / 1000 is off by up to 1e-3. `SigmaTable` therefore takes sigma_t from the cache's
-`shared.safetensors["sigmas"]` at the recorded step indices (`settings["record_steps"]`), and
+`shared.safetensors["sigmas"]` at the recorded step indices (`settings.record_steps`), and
 falls back to t / num_train_timesteps only for a cache that does not store the schedule.
 """
 
@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from wandistill.cache.files import SettingsBlock
 from wandistill.config import LossConfig
 from wandistill.errors import CacheError
 from wandistill.student.experts import is_sharded
@@ -69,11 +70,11 @@ class SigmaTable:
     by_slot: torch.Tensor | None
 
     @classmethod
-    def from_cache(cls, settings: dict[str, Any], shared: dict[str, torch.Tensor]) -> SigmaTable:
+    def from_cache(cls, settings: SettingsBlock, shared: dict[str, torch.Tensor]) -> SigmaTable:
         sigmas = shared.get("sigmas")
-        steps = list(settings.get("record_steps") or [])
+        steps = list(settings.record_steps or [])
         if not steps:
-            steps = list(range(int(settings.get("num_inference_steps", 0))))
+            steps = list(range(settings.num_inference_steps or 0))
         if sigmas is None or not steps or max(steps) >= sigmas.numel():
             return cls(None)
         return cls(sigmas.float().flatten()[torch.tensor(steps)])

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from wandistill.cache.files import SettingsBlock
 from wandistill.config import LossConfig
 from wandistill.errors import UsageError
 
@@ -75,24 +76,21 @@ class TeacherSchedule:
 
     @classmethod
     def from_cache(
-        cls, settings: dict[str, Any], shared: dict[str, torch.Tensor]
+        cls, settings: SettingsBlock, shared: dict[str, torch.Tensor]
     ) -> TeacherSchedule:
-        n = int(settings.get("num_inference_steps", 0))
-        recorded = tuple(settings.get("record_steps") or range(n))
+        n = settings.num_inference_steps or 0
+        recorded = tuple(settings.record_steps or range(n))
         sigmas = shared.get("sigmas")
         if sigmas is None or sigmas.numel() != n + 1:
             sigmas = torch.zeros(0)  # an old cache: step imitation only (student_schedule)
         t = shared.get("timesteps")
-        config = settings.get("scheduler_config") or {}
+        config = settings.scheduler_config or {}
         train_steps = float(config.get("num_train_timesteps", 1000))
         timesteps = t.flatten().tolist() if t is not None else (sigmas[:-1] * train_steps).tolist()
         spec = None
-        if settings.get("scheduler"):
-            spec = {
-                "_class_name": settings["scheduler"],
-                **(settings.get("scheduler_config") or {}),
-            }
-        ratio = settings.get("boundary_ratio")
+        if settings.scheduler:
+            spec = {"_class_name": settings.scheduler, **config}
+        ratio = settings.boundary_ratio
         return cls(
             num_inference_steps=n,
             sigmas=tuple(float(s) for s in sigmas.flatten().tolist()),

@@ -28,6 +28,7 @@ from rich.console import Console
 from torch import nn
 
 from wandistill.cache.contract import SHARED_NAME
+from wandistill.cache.files import SettingsBlock
 from wandistill.cache.manifest import (
     Manifest,
     has_manifest,
@@ -266,13 +267,13 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     manifest = load_committed(primary)
     if len(cfg.caches) > 1:
         check_caches(cfg.caches)
-    tconf = manifest.teacher.get("transformer_config") or {}
+    tconf = manifest.teacher.transformer_config or {}
     student_config = resolve_student_config(cfg.student, tconf, manifest.dims)
     problems = check_against_cache(student_config, manifest.dims, primary)
     problems += init_problems(cfg.student.init_from_teacher, student_config, tconf)
     if cfg.student.lora.enabled:
         problems += lora.plan_problems(cfg.student, student_config, tconf)
-    cached = {f["name"] for f in manifest.fields}
+    cached = {f.name for f in manifest.fields}
     objectives = None
     try:
         objectives = objective_plan(cfg, manifest)
@@ -346,10 +347,10 @@ def unroll_problems(
             "loss.unroll runs K student forwards per backward, which this trainer does not put "
             "through DDP/FSDP yet; train it on one process (no torchrun), or set loss.unroll = 0"
         )
-    dims = manifest.dims.get("latent_shape") or []
+    dims = manifest.dims.latent_shape or []
     if len(dims) == 4:
         _, f, h, w = (int(v) for v in dims)
-        text = int(manifest.settings.get("max_sequence_length", 512))
+        text = manifest.settings.max_sequence_length or 512
         shape = TrainShape(f, h, w, text, cfg.batch_size)
         problem = unroll_memory_problem(
             plan.student.num_inference_steps,
@@ -492,7 +493,7 @@ def run_meta(cfg: TrainConfig, plan: Plan, info: dist.DistInfo) -> dict[str, Any
     --resume (a resume that changes any of it is refused or handled explicitly)."""
     return {
         "student_config": plan.student_config,
-        "teacher_fingerprint": plan.manifest.teacher.get("fingerprint"),
+        "teacher_fingerprint": plan.manifest.teacher.fingerprint,
         "world_size": info.world_size,
         "batch_size": cfg.batch_size,
         "grad_accum": cfg.grad_accum,
@@ -535,17 +536,17 @@ def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
         "objectives": {k: list(v) for k, v in t.plan.objectives.steps.items()},
         "train_steps": steps,
         "teacher": {
-            "fingerprint": m.teacher.get("fingerprint"),
-            "path": m.teacher.get("path"),
-            "num_inference_steps": m.settings.get("num_inference_steps"),
-            "boundary_ratio": m.settings.get("boundary_ratio"),
-            "expand_timesteps": bool(m.settings.get("expand_timesteps", False)),
-            "components": {n: m.teacher.get("components", {}).get(n) for n in LINKED},
+            "fingerprint": m.teacher.fingerprint,
+            "path": m.teacher.path,
+            "num_inference_steps": m.settings.num_inference_steps,
+            "boundary_ratio": m.settings.boundary_ratio,
+            "expand_timesteps": m.settings.expand_timesteps,
+            "components": {n: m.teacher.components.get(n) for n in LINKED},
         },
         "cache": str(t.plan.cache),
         "sampler": _sampler_sizes(m.settings),
         "experts": experts_record(t),
-        "lora": lora.sampling_entry(t.cfg.student, m.teacher.get("components") or {}),
+        "lora": lora.sampling_entry(t.cfg.student, m.teacher.components),
     }
 
 
@@ -557,15 +558,15 @@ def experts_record(t: Trainer) -> dict[str, Any] | None:
     return experts.split_for(o, t.plan.manifest.dims, t.cfg.student.num_inference_steps).to_json()
 
 
-def _sampler_sizes(settings: dict[str, Any]) -> dict[str, Any] | None:
+def _sampler_sizes(settings: SettingsBlock) -> dict[str, Any] | None:
     """What sample / eval default to (wandistill.student.folders.SamplerSizes); None when the
     cache lacks one of them."""
     sizes = {
-        "height": settings.get("height"),
-        "width": settings.get("width"),
-        "num_frames": settings.get("num_frames"),
-        "max_sequence_length": settings.get("max_sequence_length"),
-        "teacher_guidance_scale": settings.get("guidance_scale"),
+        "height": settings.height,
+        "width": settings.width,
+        "num_frames": settings.num_frames,
+        "max_sequence_length": settings.max_sequence_length,
+        "teacher_guidance_scale": settings.guidance_scale,
     }
     return None if None in sizes.values() else sizes
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from wandistill.cache.files import DimsBlock
 from wandistill.config import TrainConfig
 from wandistill.errors import WandistillError
 from wandistill.placement.devices import GiB
@@ -35,15 +36,15 @@ def _inventory(info: DistInfo) -> Inventory:
 
 
 def train_plan_for(
-    cfg: TrainConfig, info: DistInfo, student_config: dict[str, Any], dims: dict[str, Any]
+    cfg: TrainConfig, info: DistInfo, student_config: dict[str, Any], dims: DimsBlock
 ) -> TrainPlan | None:
     """The plan for this run on this machine (None where the cache's shape is unknown)."""
-    shape_dims = dims.get("latent_shape") or []
+    shape_dims = dims.latent_shape or []
     if len(shape_dims) != 4:
         return None
     _, f, h, w = (int(v) for v in shape_dims)
     rows = 2 if cfg.loss.reflow > 0 and cfg.loss.at_recorded_points else 1
-    shape = TrainShape(f, h, w, int(dims.get("max_sequence_length", 512)), cfg.batch_size, rows)
+    shape = TrainShape(f, h, w, 512, cfg.batch_size, rows)  # the dims block records no text length
     return make_train_plan(
         student_config,
         choice_of(cfg),
@@ -76,7 +77,7 @@ def oom_error(
     e: BaseException,
     *,
     student_config: dict[str, Any] | None = None,
-    dims: dict[str, Any] | None = None,
+    dims: DimsBlock | None = None,
 ) -> WandistillError:
     """One message with the figures and the levers, in the order to try them: the plan's next
     lever first (with its figures) when the student config and the cache's sizes are known."""
@@ -99,7 +100,7 @@ def oom_error(
     plan = None
     if student_config is not None:
         with contextlib.suppress(Exception):  # advice must never hide the OOM itself
-            plan = train_plan_for(cfg, info, student_config, dims or {})
+            plan = train_plan_for(cfg, info, student_config, dims or DimsBlock())
     if plan is not None:
         levers.append(_lever_line(plan))
     if cfg.batch_size > 1:
