@@ -115,7 +115,7 @@ def train_cmd(
         if not cfg.cache:
             out.print("(pass --cache to see which recorded steps each objective trains at)")
             return
-        from wandistill.train.loop import objective_plan
+        from wandistill.train.inputs import objective_plan
 
         for line in objective_plan(cfg).describe():
             out.print(line, highlight=False, soft_wrap=True)

@@ -27,7 +27,8 @@ from wandistill.train.ema import EMA, TargetNetwork
 from wandistill.train.metrics import truncate_after
 
 if TYPE_CHECKING:
-    from wandistill.train.loop import Plan, Trainer
+    from wandistill.train.inputs import Plan
+    from wandistill.train.loop import Trainer
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 
