@@ -127,7 +127,7 @@ def precompute_cmd(
 
     s = launch(cfg, part=job_part)
     from wandistill.io.storage import open_storage
-    from wandistill.precompute.run import REPORT_NAME
+    from wandistill.precompute.finish import REPORT_NAME
 
     cache = open_storage(s.cache)
     if cache.exists(REPORT_NAME):  # rank 0 wrote it: what in the prompt file was skipped or cut
@@ -143,7 +143,7 @@ def precompute_cmd(
 def _show_recording(recipe: Recipe) -> None:
     """precompute --dry-run and plan: the steps the recipe records and, against them, the steps
     each of its train objectives would use (problems shown, not raised: nothing runs here)."""
-    from wandistill.precompute.run import inspect_teacher, recorded_steps
+    from wandistill.precompute.header import inspect_teacher, recorded_steps
     from wandistill.student.schedule import TeacherSchedule, plan_objectives
 
     cfg = recipe.precompute
