@@ -20,7 +20,7 @@ from pathlib import Path
 
 from wandistill import plots
 from wandistill.config import LossConfig, TrainConfig, load_recipe
-from wandistill.eval.run import EvalResult
+from wandistill.eval.result import EvalResult
 
 PROMPTS = 240
 """Prompts drawn from the trained teacher's grammar (every one of them, shuffled; a test checks
