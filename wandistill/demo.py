@@ -20,7 +20,7 @@ from pathlib import Path
 
 from wandistill import plots
 from wandistill.config import LossConfig, TrainConfig, load_recipe
-from wandistill.eval.run import EvalResult
+from wandistill.eval.result import EvalResult
 
 PROMPTS = 240
 """Prompts drawn from the trained teacher's grammar (every one of them, shuffled; a test checks
@@ -44,7 +44,7 @@ def write_prompts(path: Path, n: int = PROMPTS) -> None:
     """`n` prompts of the trained teacher's grammar, one per line, deterministic."""
     if path.exists():  # given (--set precompute.prompts=...) or written by an earlier run
         return
-    from wandistill.teacher.trained import synthetic_prompts
+    from wandistill.teacher.world import synthetic_prompts
 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(synthetic_prompts(n, seed=0)) + "\n")

@@ -468,7 +468,7 @@ def placement_api() -> SimpleNamespace:
 
 def plan_estimate(ctx: Ctx, cfg: Any) -> tuple[str, dict[str, int]]:
     """The strategy `wandistill plan` would use for this config and its peak bytes per device."""
-    from wandistill.precompute.run import DTYPES
+    from wandistill.precompute.header import DTYPES
 
     api = placement_api()
     placement = cfg.teacher.placement

@@ -79,7 +79,7 @@ DEPTHS = {
 
 def grammar() -> list[str]:
     """Every prompt of the trained teacher's grammar, shuffled."""
-    from wandistill.teacher.trained import grammar_prompts, synthetic_prompts
+    from wandistill.teacher.world import grammar_prompts, synthetic_prompts
 
     return synthetic_prompts(len(grammar_prompts()), seed=0)
 

@@ -94,7 +94,7 @@ MB = 1024**2
 
 def prompts_for(n: int) -> list[str]:
     """The demo's prompts (the trained teacher's grammar, wandistill/demo.py), deterministic."""
-    from wandistill.teacher.trained import synthetic_prompts
+    from wandistill.teacher.world import synthetic_prompts
 
     return synthetic_prompts(n, seed=0)
 
@@ -363,11 +363,11 @@ def run_loop(cfg: Any, make_source: Callable[[Any], _Source] | None) -> dict[str
         run(cfg)
         return {"leg_seconds": time.perf_counter() - t0}
     from wandistill.runtime import dist
-    from wandistill.train import loop
+    from wandistill.train import inputs, loop, records
     from wandistill.train.export import export_pretrained
 
     t0 = time.perf_counter()
-    plan = loop.validate(cfg, resume=False)
+    plan = inputs.validate(cfg, resume=False)
     info = dist.init(cfg.device)
     trainer = None
     try:
@@ -375,7 +375,7 @@ def run_loop(cfg: Any, make_source: Callable[[Any], _Source] | None) -> dict[str
         source = make_source(trainer)
         trainer.reader = source  # type: ignore[assignment]
         steps = loop.fit(trainer)
-        sampling = loop.sampling_record(trainer, steps)
+        sampling = records.sampling_record(trainer, steps)
         export_pretrained(trainer.model.student, trainer.ema, plan.out, info, sampling)
         trainer.metrics.write({"event": "end", "step": steps, "corrupt": 0})
     finally:

@@ -45,7 +45,7 @@ from PIL import Image, ImageDraw
 
 from wandistill.eval import viewer
 from wandistill.teacher.decode import save_png
-from wandistill.teacher.trained import (
+from wandistill.teacher.world import (
     TRAINED_SAMPLER,
     _training_batch,
     grammar_prompts,

@@ -92,7 +92,7 @@ def test_fixed_sets_show_the_recipes_own_values_and_refuse_others_in_one_line(
 def test_plan_config_choices_are_the_shipped_teacher_configs() -> None:
     from wandistill.teacher.folder import CONFIG_NAMES
 
-    assert cli.TEACHER_CONFIGS == CONFIG_NAMES
+    assert cli.plan.TEACHER_CONFIGS == CONFIG_NAMES
     option = _option("plan", "--config")  # listed in the help (wrapped at words), not the
     assert option.metavar == "NAME"  # metavar column, where a narrow terminal cut the names
     assert all(name in (option.help or "") for name in CONFIG_NAMES)

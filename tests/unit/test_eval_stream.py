@@ -14,11 +14,13 @@ import torch
 
 from wandistill.cache.files import SettingsBlock
 from wandistill.cache.reader import CacheReader
+from wandistill.eval import result as er
 from wandistill.eval import run as ev
+from wandistill.eval import stream as es
 from wandistill.eval import viewer
 from wandistill.eval.equivalent import curve_steps, place
 from wandistill.eval.metrics import mse, psnr
-from wandistill.teacher.trained import parse_prompt
+from wandistill.teacher.world import parse_prompt
 
 from cachefixtures import write_cache
 
@@ -49,22 +51,22 @@ def test_records_are_read_a_batch_at_a_time_and_the_sums_give_the_full_means(
         store.read_record = counted  # type: ignore[method-assign]
         read_when_sampled: list[int] = []
 
-        def sample(batch: ev.Batch, steps: int) -> torch.Tensor:
+        def sample(batch: es.Batch, steps: int) -> torch.Tensor:
             if steps == 3:  # not the warm-up call
                 read_when_sampled.append(len(reads))
             return batch.noise * 0.25
 
-        leg = ev.Leg(ev.Column("student@3", "student", 3, 3, 0.0), sample)
+        leg = es.Leg(er.Column("student@3", "student", 3, 3, 0.0), sample)
         located = ev.held_out(store, "all", None)
         settings = store.manifest.settings
-        stream = ev.Stream(
+        stream = es.Stream(
             legs=[leg],
             batches=ev._batches(store, located, settings, store.read_shared(), 4),
             model=_Half(),
             device=torch.device("cpu"),
-            grid=ev._Grid(rows=6),
+            grid=es._Grid(rows=6),
         )
-        result = ev._run(stream, settings)
+        result = es._run(stream, settings)
         records = [read(*where) for where in located]
 
     # batch b (4 records) is sampled when exactly its records and those before it are read
@@ -76,7 +78,7 @@ def test_records_are_read_a_batch_at_a_time_and_the_sums_give_the_full_means(
     pairs = list(zip(finals, refs, strict=True))
     student = result.column("student@3")
     assert np.isclose(student.latent_mse, np.mean([mse(a, b) for a, b in pairs]))
-    want_psnr = np.mean([min(psnr(a, b), ev.PSNR_CAP) for a, b in pairs])
+    want_psnr = np.mean([min(psnr(a, b), er.PSNR_CAP) for a, b in pairs])
     assert np.isclose(student.latent_psnr, want_psnr)
     noise = result.column("noise")
     assert np.isclose(noise.latent_mse, np.mean([mse(r.noise, r.final_latent) for r in records]))
@@ -94,28 +96,28 @@ def test_the_teacher_curve_is_sampled_per_batch_and_places_the_student_between_i
     with CacheReader(tmp_path / "c") as store:
         records = [store.read_record(*w) for w in ev.held_out(store, "all", None)]
 
-        def teacher(batch: ev.Batch, steps: int) -> torch.Tensor:
+        def teacher(batch: es.Batch, steps: int) -> torch.Tensor:
             ref = torch.stack([r.final_latent for r in batch.records]).float()
             return ref + (batch.noise - ref) * 2.0 ** (-steps)
 
-        def student(batch: ev.Batch, steps: int) -> torch.Tensor:  # between teacher@3 and @4
+        def student(batch: es.Batch, steps: int) -> torch.Tensor:  # between teacher@3 and @4
             ref = torch.stack([r.final_latent for r in batch.records]).float()
             return ref + (batch.noise - ref) * 2.0 ** (-3.5)
 
         legs = [
-            ev.Leg(ev.Column("teacher@2", "teacher", 2, 4, 0.0), teacher),
-            ev.Leg(ev.Column("student@2", "student", 2, 2, 0.0), student),
+            es.Leg(er.Column("teacher@2", "teacher", 2, 4, 0.0), teacher),
+            es.Leg(er.Column("student@2", "student", 2, 2, 0.0), student),
         ]
         settings = store.manifest.settings
-        stream = ev.Stream(
+        stream = es.Stream(
             legs=legs,
             batches=ev._batches(store, ev.held_out(store, "all", None), settings, {}, 3),
             model=_Half(),
             device=torch.device("cpu"),
-            grid=ev._Grid(rows=2),
-            curve=ev.Curve([2, 3, 4, 5], teacher),
+            grid=es._Grid(rows=2),
+            curve=es.Curve([2, 3, 4, 5], teacher),
         )
-        result = ev._run(stream, settings)
+        result = es._run(stream, settings)
     for s in (2, 3, 4, 5):
         refs = [r.final_latent.float() for r in records]
         want = np.mean(
@@ -160,7 +162,7 @@ def test_each_column_reports_what_a_viewer_sees_in_the_table_and_json(tmp_path: 
     prompt, a student drawing the wrong shape loses exactly the shape, noise shows nothing."""
     from dataclasses import replace
 
-    from wandistill.teacher.trained import synthetic_pattern, synthetic_prompts
+    from wandistill.teacher.world import synthetic_pattern, synthetic_prompts
 
     from cachefixtures import make_record
 
@@ -172,23 +174,23 @@ def test_each_column_reports_what_a_viewer_sees_in_the_table_and_json(tmp_path: 
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(len(records), 16, 1, 8, 8, generator=g)
 
-    def batches() -> Iterator[ev.Batch]:
+    def batches() -> Iterator[es.Batch]:
         for i in range(0, len(records), 5):
             chunk = records[i : i + 5]
             embeds = torch.zeros(len(chunk), 24, 32)
-            yield ev.Batch(chunk, noise[i : i + 5], embeds, embeds)
+            yield es.Batch(chunk, noise[i : i + 5], embeds, embeds)
 
-    def upright(batch: ev.Batch, steps: int) -> torch.Tensor:  # each prompt's shape a column
+    def upright(batch: es.Batch, steps: int) -> torch.Tensor:  # each prompt's shape a column
         out = []
         for r in batch.records:
             spec = parse_prompt(r.prompt)
             out.append(synthetic_pattern(replace(spec, shape="column").text))
         return torch.stack(out)
 
-    leg = ev.Leg(ev.Column("student@3", "student", 3, 3, 0.0), upright)
-    stream = ev.Stream(legs=[leg], batches=batches(), model=_Half(),
-                       device=torch.device("cpu"), grid=ev._Grid(rows=2))  # fmt: skip
-    result = ev._run(stream, SettingsBlock(num_inference_steps=4))
+    leg = es.Leg(er.Column("student@3", "student", 3, 3, 0.0), upright)
+    stream = es.Stream(legs=[leg], batches=batches(), model=_Half(),
+                       device=torch.device("cpu"), grid=es._Grid(rows=2))  # fmt: skip
+    result = es._run(stream, SettingsBlock(num_inference_steps=4))
     ref, student = result.column("teacher@4").viewer, result.column("student@3").viewer
     assert (ref.all, ref.shape, ref.spread_ratio) == (1.0, 1.0, 1.0)
     assert (student.all, student.shape) == (0.0, 0.0)
@@ -209,14 +211,14 @@ def test_prompts_outside_the_grammar_leave_the_viewer_columns_out(tmp_path: Path
     write_cache(tmp_path / "c", range(6), shard_records=4)
     with CacheReader(tmp_path / "c") as store:
         settings = store.manifest.settings
-        leg = ev.Leg(ev.Column("student@3", "student", 3, 3, 0.0), lambda b, s: b.noise)
-        stream = ev.Stream(
+        leg = es.Leg(er.Column("student@3", "student", 3, 3, 0.0), lambda b, s: b.noise)
+        stream = es.Stream(
             legs=[leg],
             batches=ev._batches(store, ev.held_out(store, "all", None), settings, {}, 4),
             model=_Half(),
             device=torch.device("cpu"),
-            grid=ev._Grid(rows=1),
+            grid=es._Grid(rows=1),
         )
-        result = ev._run(stream, settings)
+        result = es._run(stream, settings)
     assert all(c.viewer is None for c in result.columns)
     assert viewer.LEGEND not in result.table() and "shown" not in result.per_record[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from wandistill.config import TrainConfig
-from wandistill.precompute.run import _stopped
+from wandistill.precompute.finish import _stopped
 from wandistill.runtime import dist
 from wandistill.runtime.failures import StopRequested, StopSignals, is_oom
 from wandistill.train.loop import explain_failure, stopped

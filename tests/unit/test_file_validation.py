@@ -471,7 +471,7 @@ def test_an_internal_error_is_one_line_and_a_crash_log_and_debug_shows_the_trace
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     import wandistill.cache.manifest as mf
-    import wandistill.cli as cli
+    import wandistill.cli.entry as cli
 
     def bug(*a: Any, **k: Any) -> None:
         raise ZeroDivisionError("division by zero")

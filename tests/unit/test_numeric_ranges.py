@@ -182,7 +182,7 @@ def test_prompt_seeds_beyond_64_bits_or_negative_are_bad_lines(tmp_path: Path) -
 def test_plan_what_if_numbers_have_the_upper_bounds_its_help_names(
     capsys: pytest.CaptureFixture[str], flags: list[str], message: str
 ) -> None:
-    from wandistill.cli import MAX_GPUS, MAX_SIZES
+    from wandistill.cli.plan import MAX_GPUS, MAX_SIZES
 
     from clirun import run_cli
 

@@ -137,7 +137,7 @@ def test_eval_bars_read_both_eval_json_layouts_and_leave_out_the_reference() -> 
 
 def test_a_legacy_runs_config_json_becomes_run_json(tmp_path: Path) -> None:
     from wandistill.io import outputs
-    from wandistill.train.loop import write_run_settings
+    from wandistill.train.records import write_run_settings
 
     (tmp_path / "metrics.jsonl").write_text("")
     (tmp_path / "config.json").write_text(json.dumps({"train": {"steps": 2}}))

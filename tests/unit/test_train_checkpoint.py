@@ -12,11 +12,11 @@ from wandistill.train.checkpoint import (
     Checkpoint,
     flatten_optimizer,
     list_checkpoints,
-    load_checkpoint,
     resolve_latest,
     save_checkpoint,
     unflatten_optimizer,
 )
+from wandistill.train.checkpoint_read import load_checkpoint
 from wandistill.train.optim import build_optimizer, warmup_cosine
 
 

@@ -12,7 +12,8 @@ import torch
 from wandistill.config import load_recipe
 from wandistill.errors import CacheMismatchError, ConfigError
 from wandistill.train import run
-from wandistill.train.checkpoint import check_state, resolve_latest
+from wandistill.train.checkpoint import resolve_latest
+from wandistill.train.checkpoint_read import check_state
 
 from cachefixtures import SETTINGS, write_cache
 

@@ -19,12 +19,11 @@ import torch
 import wandistill.demo
 from wandistill.errors import UsageError
 from wandistill.teacher import trained
-from wandistill.teacher.trained import (
+from wandistill.teacher.trained import ensure_trained_teacher, make_trained_teacher
+from wandistill.teacher.world import (
     COLOURS,
     TRAINED_SAMPLER,
-    ensure_trained_teacher,
     grammar_prompts,
-    make_trained_teacher,
     parse_prompt,
     synthetic_pattern,
     synthetic_prompts,

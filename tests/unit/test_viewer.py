@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from wandistill.eval import viewer
-from wandistill.teacher import trained
+from wandistill.teacher import world
 
 
 def _blurred(latents_BCFHW: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -20,36 +20,36 @@ def _blurred(latents_BCFHW: torch.Tensor, sigma: float) -> torch.Tensor:
     blurred = torch.nn.functional.conv2d(
         torch.nn.functional.pad(image, (3, 3, 3, 3)), k.expand(3, 1, 7, 7), groups=3
     )
-    features = torch.cat([2 * blurred - 1, trained.backdrop((h, w)).expand(b, 2, h, w)], dim=1)
-    return torch.einsum("ck,bkhw->bchw", trained.mixing_matrix(), features).unsqueeze(2)
+    features = torch.cat([2 * blurred - 1, world.backdrop((h, w)).expand(b, 2, h, w)], dim=1)
+    return torch.einsum("ck,bkhw->bchw", world.mixing_matrix(), features).unsqueeze(2)
 
 
 def _patterns(prompts: list[str]) -> torch.Tensor:
-    return torch.stack([trained.synthetic_pattern(p) for p in prompts])
+    return torch.stack([world.synthetic_pattern(p) for p in prompts])
 
 
 def test_every_rendered_pattern_of_the_grammar_is_read_back_exactly() -> None:
-    prompts = trained.grammar_prompts()
+    prompts = world.grammar_prompts()
     readings = viewer.read(_patterns(prompts))
     for prompt, reading in zip(prompts, readings, strict=True):
         assert viewer.judge(reading, prompt) == dict.fromkeys(viewer.ATTRIBUTES, True), prompt
         assert reading.fit > 0.99
-        spec = trained.parse_prompt(prompt)
-        want = torch.tensor(trained.COLOURS[spec.colour]) * sum(trained.BRIGHTNESS) / 2
+        spec = world.parse_prompt(prompt)
+        want = torch.tensor(world.COLOURS[spec.colour]) * sum(world.BRIGHTNESS) / 2
         assert torch.allclose(torch.tensor(reading.rgb), want, atol=0.05)
-        assert abs(reading.radius / trained.SIZES[spec.size] - 1) < 0.05
+        assert abs(reading.radius / world.SIZES[spec.size] - 1) < 0.05
 
 
 def test_a_pattern_rendered_at_another_resolution_is_read_in_the_teachers_units() -> None:
     prompt = "a green column on the left"
-    (reading,) = viewer.read(trained.synthetic_pattern(prompt, hw=(16, 16))[None])
+    (reading,) = viewer.read(world.synthetic_pattern(prompt, hw=(16, 16))[None])
     assert viewer.judge(reading, prompt) == dict.fromkeys(viewer.ATTRIBUTES, True)
-    assert abs(reading.centre[0] - trained.POSITIONS["on the left"][0]) < 0.2
+    assert abs(reading.centre[0] - world.POSITIONS["on the left"][0]) < 0.2
 
 
 def test_noise_on_all_channels_and_brightness_leave_the_reading_unchanged() -> None:
     """Unmixing solves for RGB over all 16 channels, so noise on each one averages out."""
-    prompts = trained.grammar_prompts()[::3]
+    prompts = world.grammar_prompts()[::3]
     g = torch.Generator().manual_seed(0)
     noisy = _patterns(prompts) + 0.1 * torch.randn(len(prompts), 16, 1, 8, 8, generator=g)
     for prompt, reading in zip(prompts, viewer.read(noisy), strict=True):
@@ -59,8 +59,8 @@ def test_noise_on_all_channels_and_brightness_leave_the_reading_unchanged() -> N
 def test_jittered_training_samples_are_read_as_their_prompt() -> None:
     """The teacher's own training data: the jitter stays inside the gaps between sizes and
     positions, so every sample reads as its prompt (the ceiling a teacher can reach)."""
-    specs = trained._grammar()
-    idx, latents = trained._training_batch(specs, 240, torch.Generator().manual_seed(0))
+    specs = world._grammar()
+    idx, latents = world._training_batch(specs, 240, torch.Generator().manual_seed(0))
     tally = viewer.Tally()
     tally.add([specs[i].text for i in idx], {"data": latents})
     score = tally.scores("data")["data"]
@@ -69,8 +69,8 @@ def test_jittered_training_samples_are_read_as_their_prompt() -> None:
 
 
 def test_a_blurred_sampler_scores_low_and_a_collapsed_one_has_no_spread() -> None:
-    specs = trained._grammar()
-    idx, data = trained._training_batch(specs, 96, torch.Generator().manual_seed(1))
+    specs = world._grammar()
+    idx, data = world._training_batch(specs, 96, torch.Generator().manual_seed(1))
     prompts = [specs[i].text for i in idx]
     means = _patterns(prompts)  # each prompt's own centre: crisp, but the same for every seed
     tally = viewer.Tally()

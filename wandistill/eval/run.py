@@ -23,18 +23,18 @@ and each student and baseline column is placed on that error curve ("student@4 ~
 `equivalent.place`), beside R_K.
 
 Streams: records are read `batch_size` at a time, every column samples the batch, every figure
-goes into a running sum, and the batch is dropped (`Stream`, `_run`); only the grid's first rows
-and the per-record figures are kept, so memory does not grow with the held-out records.
+goes into a running sum, and the batch is dropped (`eval.stream`: `Stream`, `_run`); only the
+grid's first rows and the per-record figures are kept, so memory does not grow with the held-out
+records.
 
-Writes eval.md (the table), eval.json (every figure, per record too) and grid.png (see `grid.py`).
+Writes eval.md (the table), eval.json (every figure, per record too; `eval.result`) and
+grid.png (see `grid.py`).
 Deterministic: no randomness is drawn; the figures repeat exactly, the wall times do not.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,18 @@ from wandistill.cache.contract import Record, is_holdout, pad_embeds
 from wandistill.cache.files import DimsBlock, SettingsBlock, TeacherBlock
 from wandistill.cache.reader import CacheReader
 from wandistill.errors import UsageError
-from wandistill.eval import equivalent, viewer
+from wandistill.eval import equivalent
 from wandistill.eval import grid as gridmod
-from wandistill.eval.metrics import image_psnr, mse, psnr
+from wandistill.eval.result import MIN_RECORDS, Column, EvalResult
+from wandistill.eval.stream import (
+    Batch,
+    Curve,
+    Decoder,
+    Leg,
+    Stream,
+    _Grid,
+    _run,
+)
 from wandistill.io import outputs
 from wandistill.io.fsutil import atomic_write_bytes, atomic_write_json
 from wandistill.placement.strategies import Auto, Cpu, Cuda, Placement
@@ -55,230 +64,6 @@ from wandistill.student.folders import FinishedStudent
 from wandistill.student.sampler import sample_latents, student_pipeline
 from wandistill.student.schedule import build_scheduler
 from wandistill.teacher.folder import TeacherFolder
-
-PSNR_CAP = 100.0
-"""PSNR of identical latents is infinite; capped so means and JSON stay finite."""
-MIN_RECORDS = 8
-"""Fewer evaluated records than this and a mean MSE (and R_K) is mostly the luck of the draw:
-eval warns (`few_records`)."""
-
-
-@dataclass(slots=True)
-class Column:
-    """One way of sampling the held-out records, and how close it lands to teacher@N."""
-
-    name: str
-    role: str
-    """noise | reference | teacher | student | baseline"""
-    steps: int
-    forwards_per_sample: int
-    seconds_per_sample: float | None
-    """None: nothing sampled (noise) or taken from the cache (teacher@N)."""
-    latent_mse: float = 0.0
-    latent_psnr: float = PSNR_CAP
-    ratio: float | None = None
-    """latent_mse / latent_mse of teacher@K (None without --teacher)."""
-    image_psnr: float | None = None
-    equivalent_steps: float | None = None
-    """Where latent_mse sits on the teacher's step curve (students, baselines; --teacher)."""
-    equivalent: str | None = None
-    """The same in words: 'teacher@6.4', '< teacher@2', '> teacher@16'."""
-    viewer: viewer.Score | None = None
-    """What its samples show against their prompts (`eval/viewer.py`): shares of all four
-    attributes right, each attribute, clear shapes, and the spread ratio to teacher@N. None
-    unless every prompt is in the trained teacher's grammar."""
-
-
-@dataclass(slots=True)
-class EvalResult:
-    records: int
-    num_inference_steps: int
-    """K: the steps the student sampled with."""
-    teacher_steps: int
-    """N: the steps of the cached teacher trajectories."""
-    columns: list[Column]
-    step_loss: float
-    """The student's output-matching loss at the recorded (x_t, t): a step-imitation
-    diagnostic (a K-step student is not trained for it)."""
-    r_k: float | None = None
-    """MSE(student@K, teacher@N) / MSE(teacher@K, teacher@N); None without --teacher."""
-    baseline_r_k: float | None = None
-    teacher_curve: dict[str, float] = field(default_factory=dict)
-    """Teacher steps (a string: JSON keys) -> the teacher's MSE vs teacher@N from the same noise
-    (`equivalent.curve_steps`; empty without --teacher)."""
-    view: str = "latents"
-    per_record: list[dict[str, Any]] = field(default_factory=list)
-    grid: str | None = None
-    warnings: list[str] = field(default_factory=list)
-    """What makes these figures less meaningful (too few records), also in the table."""
-
-    def column(self, name: str) -> Column:
-        return next(c for c in self.columns if c.name == name)
-
-    @property
-    def student(self) -> Column:
-        return next(c for c in self.columns if c.role == "student")
-
-    @property
-    def latent_mse(self) -> float:
-        return self.student.latent_mse
-
-    @property
-    def latent_psnr(self) -> float:
-        return self.student.latent_psnr
-
-    @property
-    def noise_mse(self) -> float:
-        return self.column("noise").latent_mse
-
-    @property
-    def image_psnr(self) -> float | None:
-        return self.student.image_psnr
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(latent_mse=self.latent_mse, latent_psnr=self.latent_psnr)
-        return out
-
-    def rows(self) -> list[list[str]]:
-        """The header, then one row per column (what eval.md and the terminal table show)."""
-        k, n = self.num_inference_steps, self.teacher_steps
-        head = [
-            "column",
-            "steps",
-            "forwards/sample",
-            "wall s/sample",
-            f"latent MSE vs teacher@{n}",
-            "latent PSNR (dB)",
-            f"MSE / MSE(teacher@{k})",
-        ]
-        images = any(c.image_psnr is not None for c in self.columns)
-        if images:
-            head.append("image PSNR (dB)")
-        if self.teacher_curve:
-            head.append("~ teacher steps")
-        rows = [head]
-        for c in self.columns:
-            row = [
-                c.name,
-                str(c.steps),
-                str(c.forwards_per_sample),
-                _seconds(c),
-                f"{c.latent_mse:.5f}",
-                f"{c.latent_psnr:.2f}",
-                "-" if c.ratio is None else f"{c.ratio:.3f}",
-            ]
-            if images:
-                row.append("-" if c.image_psnr is None else f"{c.image_psnr:.2f}")
-            if self.teacher_curve:
-                row.append(c.equivalent or "-")
-            rows.append(row)
-        return rows
-
-    def notes(self) -> list[str]:
-        """What the table says, in sentences: record count, R_K, the baseline, warnings."""
-        k, n = self.num_inference_steps, self.teacher_steps
-        lines = [f"{self.records} held-out records, each from its own cached noise."]
-        if self.r_k is not None:
-            verdict = "better than" if self.r_k < 1 else "no better than"
-            lines.append(
-                f"R_{k} = MSE(student@{k}, teacher@{n}) / MSE(teacher@{k}, teacher@{n}) = "
-                f"{self.r_k:.3f}: in {k} steps the student lands {verdict} the teacher does."
-            )
-        if self.teacher_curve:
-            lines.append(
-                f"student@{k} ~ {self.student.equivalent} on the teacher's own curve (MSE vs "
-                f"teacher@{n} at each step count: "
-                + ", ".join(f"@{s} {m:.5f}" for s, m in self.teacher_curve.items())
-                + "; interpolated in log MSE)."
-            )
-        elif k >= n:
-            lines.append(
-                f"R_{k} is not defined: at K = {k} >= N = {n} the teacher@{k} column is the "
-                f"reference itself (train the student for fewer steps than the teacher's)."
-            )
-        if self.baseline_r_k is not None:
-            lines.append(
-                f"The step-imitating baseline at {k} steps: ratio {self.baseline_r_k:.3f}."
-            )
-        lines.append(f"Student output-matching loss at the recorded steps: {self.step_loss:.5f}.")
-        lines.extend(f"Warning: {w}" for w in self.warnings)
-        return lines
-
-    def viewer_rows(self) -> list[list[str]]:
-        """What a viewer sees, per column (header first); [] when no column was judged."""
-        scores = [(c.name, c.viewer) for c in self.columns]
-        return viewer.table_rows(scores, self.teacher_steps)
-
-    def table(self) -> str:
-        """eval.md: one row per column (a markdown table), then what R_K says, then what a
-        viewer sees (a second table) where the prompts are the trained teacher's."""
-        lines = _markdown(self.rows())
-        if seen := self.viewer_rows():
-            lines += ["", *_markdown(seen), "", viewer.LEGEND]
-        return "\n".join([*lines, "", *self.notes()])
-
-    def console_table(self) -> Any:
-        """The same for a terminal: a rich table whose cells wrap to the width it is given."""
-        from rich.console import Group
-        from rich.table import Table
-        from rich.text import Text
-
-        k, n = self.num_inference_steps, self.teacher_steps
-        _, *rows = self.rows()
-        short = ["column", "steps", "fwd", "s/sample", f"MSE vs teacher@{n}", "PSNR dB", "ratio"]
-        table = Table(*short, show_lines=False)
-        if any(c.image_psnr is not None for c in self.columns):
-            table.add_column("image PSNR")
-        if self.teacher_curve:
-            table.add_column("~ teacher")
-        table.columns[0].no_wrap = True  # the column names are what a reader looks for
-        for row in rows:
-            if self.teacher_curve:  # '@5.5' under '~ teacher': 'teacher@5.5' is cut at 80 columns
-                row[-1] = row[-1].replace("teacher@", "@")
-            table.add_row(*row)
-        legend = (
-            f"fwd: transformer forwards per sample; ratio: MSE / MSE(teacher@{k}); "
-            "PSNR of latents (images where a VAE decoded them)."
-        )
-        parts: list[Any] = [table, Text(legend)]
-        if seen := self.viewer_rows():
-            head, *rows = seen
-            second = Table(*head, show_lines=False)
-            second.columns[0].no_wrap = True
-            for row in rows:
-                second.add_row(*row)
-            parts += [second, Text(viewer.LEGEND)]
-        return Group(*parts, *(Text(line) for line in self.notes()))
-
-
-def _markdown(rows: list[list[str]]) -> list[str]:
-    rows = [rows[0], ["---"] * len(rows[0]), *rows[1:]]
-    return ["| " + " | ".join(r) + " |" for r in rows]
-
-
-def _seconds(c: Column) -> str:
-    if c.seconds_per_sample is not None:
-        return f"{c.seconds_per_sample:.4f}"
-    return "cached" if c.role == "reference" else "-"
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    records: list[Record]
-    noise: torch.Tensor
-    embeds: torch.Tensor
-    negative: torch.Tensor
-
-
-@dataclass(slots=True)
-class Leg:
-    """A column that samples: `sample(batch)` -> final latents [B, C, F, H, W]."""
-
-    column: Column
-    sample: Callable[[Batch, int], torch.Tensor]
-    """(batch, steps) -> latents; steps = column.steps (1 for the warm-up)."""
-
 
 # --------------------------------------------------------------------------- entry
 
@@ -560,221 +345,6 @@ def _batches(
             embeds=torch.stack([pad_embeds(r.prompt_embeds, msl) for r in chunk]),
             negative=torch.stack([negative(r) for r in chunk]),
         )
-
-
-def _first(batch: Batch) -> Batch:
-    return Batch(batch.records[:1], batch.noise[:1], batch.embeds[:1], batch.negative[:1])
-
-
-# --------------------------------------------------------------------------- run
-
-
-Decoder = Callable[[dict[str, torch.Tensor]], dict[str, np.ndarray]]
-"""Final latents per column -> uint8 frames per column (the teacher's VAE, --decode)."""
-
-
-@dataclass(slots=True)
-class _Grid:
-    """The grid's rows: the first `rows` records' cells, kept as the batches go by (the rest of
-    the finals are dropped with their batch)."""
-
-    rows: int
-    prompts: list[str] = field(default_factory=list)
-    cells: list[list[np.ndarray]] = field(default_factory=list)
-    decoded: bool = False
-
-    def add(
-        self,
-        batch: Batch,
-        names: list[str],
-        finals: dict[str, torch.Tensor],
-        frames: dict[str, np.ndarray] | None,
-    ) -> None:
-        take = min(self.rows - len(self.prompts), len(batch.records))
-        ref = finals[names[1]]
-        for i in range(take):
-            self.prompts.append(batch.records[i].prompt)
-            if frames is not None:
-                self.cells.append([gridmod.frames_cell(frames[c][i]) for c in names])
-            else:
-                self.cells.append([gridmod.latent_cell(finals[c][i], ref[i]) for c in names])
-        self.decoded = frames is not None
-
-
-@dataclass(slots=True)
-class _Sums:
-    """Running sums of one column's per-record figures: the means need nothing else."""
-
-    mse: float = 0.0
-    psnr: float = 0.0
-    image_psnr: float = 0.0
-    seconds: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Curve:
-    """The teacher re-sampled at each of `steps` for the equivalent-steps curve (--teacher)."""
-
-    steps: list[int]
-    sample: Callable[[Batch, int], torch.Tensor]
-
-
-@dataclass(slots=True)
-class Stream:
-    """One pass over the records: every leg samples each batch, every figure is summed, then
-    the batch is dropped. Memory holds one batch (all its recorded steps) and every column's
-    finals for it, whatever the number of records."""
-
-    legs: list[Leg]
-    batches: Iterator[Batch]
-    model: torch.nn.Module
-    device: torch.device
-    grid: _Grid
-    decoder: Decoder | None = None
-    curve: Curve | None = None
-
-
-def _run(stream: Stream, settings: SettingsBlock) -> EvalResult:
-    """Sample, then score every column against the cached final latents, batch by batch."""
-    n = int(settings.num_inference_steps)
-    g = settings.guidance_scale if settings.guidance_scale is not None else 1.0
-    columns = [
-        Column("noise", "noise", 0, 0, None),
-        Column(f"teacher@{n}", "reference", n, n * (2 if g > 1 else 1), None),
-        *(leg.column for leg in stream.legs),
-    ]
-    names = [c.name for c in columns]
-    sums = {c: _Sums() for c in names}
-    per_record: list[dict[str, Any]] = []
-    curve_sums: dict[int, float] = {}
-    tally = viewer.Tally()
-    loss = 0.0
-    for i, b in enumerate(stream.batches):
-        if i == 0:
-            for leg in stream.legs:  # warm-up: lazy inits stay out of the timing
-                leg.sample(_first(b), 1)
-        loss += _step_loss_sum(stream.model, b, stream.device)
-        finals = _sample_batch(stream.legs, b, names[1], sums)
-        rows = [{"key": r.key, "prompt": r.prompt, "latent_mse": {}} for r in b.records]
-        ref = finals[names[1]]
-        for c in names:
-            for row, a, r in zip(rows, finals[c], ref, strict=True):
-                row["latent_mse"][c] = mse(a, r)
-                sums[c].mse += row["latent_mse"][c]
-                sums[c].psnr += min(psnr(a, r), PSNR_CAP)
-        frames = stream.decoder(finals) if stream.decoder is not None else None
-        if frames is not None:
-            for c in names:
-                sums[c].image_psnr += sum(
-                    min(image_psnr(a, r), PSNR_CAP)
-                    for a, r in zip(frames[c], frames[names[1]], strict=True)
-                )
-        stream.grid.add(b, names, finals, frames)
-        for row, shown in zip(rows, tally.add([r.prompt for r in b.records], finals), strict=True):
-            if shown:
-                row["shown"] = shown
-        if stream.curve is not None:
-            teacher = [leg.column for leg in stream.legs if leg.column.role == "teacher"]
-            known = {c.steps: finals[c.name] for c in teacher}
-            _curve_batch(stream.curve, known, b, ref, rows, curve_sums)
-        per_record += rows
-    count = len(per_record)
-    for c in columns:
-        c.latent_mse, c.latent_psnr = sums[c.name].mse / count, sums[c.name].psnr / count
-        if c.seconds_per_sample is not None:
-            c.seconds_per_sample = sums[c.name].seconds / count
-        if stream.decoder is not None:
-            c.image_psnr = sums[c.name].image_psnr / count
-    seen = tally.scores(names[1])
-    for c in columns:
-        c.viewer = seen.get(c.name)
-    result = _summary(columns, count, n, loss / count, per_record)
-    _place_on_curve(result, {s: m / count for s, m in sorted(curve_sums.items())})
-    return result
-
-
-def _curve_batch(
-    curve: Curve,
-    known: dict[int, torch.Tensor],
-    batch: Batch,
-    ref: torch.Tensor,
-    rows: list[dict[str, Any]],
-    sums: dict[int, float],
-) -> None:
-    """The teacher at every curve step count for one batch (`known`: the teacher@K column's
-    finals, reused at K), each record's MSE vs teacher@N summed; the finals are then dropped."""
-    for s in curve.steps:
-        finals = known[s] if s in known else curve.sample(batch, s)
-        for row, a, r in zip(rows, finals, ref, strict=True):
-            row.setdefault("teacher_curve", {})[str(s)] = m = mse(a, r)
-            sums[s] = sums.get(s, 0.0) + m
-
-
-def _place_on_curve(result: EvalResult, curve: dict[int, float]) -> None:
-    """Each student and baseline column placed on the teacher's curve (`equivalent.place`)."""
-    if not curve:
-        return
-    result.teacher_curve = {str(s): m for s, m in curve.items()}
-    for c in result.columns:
-        if c.role in ("student", "baseline"):
-            where = equivalent.place(curve, c.latent_mse)
-            if where is not None:
-                c.equivalent_steps, c.equivalent = where.steps, where.text
-
-
-def _sample_batch(
-    legs: list[Leg], batch: Batch, reference: str, sums: dict[str, _Sums]
-) -> dict[str, torch.Tensor]:
-    """Every column's final latents for one batch; each leg's wall time added to its sums."""
-    finals = {
-        "noise": batch.noise,
-        reference: torch.stack([r.final_latent for r in batch.records]).float(),
-    }
-    for leg in legs:
-        t0 = time.perf_counter()
-        finals[leg.column.name] = leg.sample(batch, leg.column.steps)
-        sums[leg.column.name].seconds += time.perf_counter() - t0
-    return finals
-
-
-def _summary(
-    columns: list[Column], records: int, n: int, step_loss: float, per_record: list[Any]
-) -> EvalResult:
-    """Ratios to teacher@K, R_K and the baseline's ratio at K."""
-    teacher_k = next((c for c in columns if c.role == "teacher"), None)
-    if teacher_k is not None and teacher_k.steps < n and teacher_k.latent_mse > 0:
-        for c in columns:
-            c.ratio = c.latent_mse / teacher_k.latent_mse
-    student = next(c for c in columns if c.role == "student")
-    base_k = next((c for c in columns if c.role == "baseline" and c.steps == student.steps), None)
-    return EvalResult(
-        records=records,
-        num_inference_steps=student.steps,
-        teacher_steps=n,
-        columns=columns,
-        step_loss=step_loss,
-        r_k=student.ratio,
-        baseline_r_k=base_k.ratio if base_k is not None else None,
-        per_record=per_record,
-    )
-
-
-@torch.no_grad()
-def _step_loss_sum(model: torch.nn.Module, batch: Batch, device: torch.device) -> float:
-    """The sum over a batch's records of the student's output vs the teacher's guided output
-    at every recorded (x_t, t) (the mean over records is the step-loss diagnostic)."""
-    dtype = next(model.parameters()).dtype
-    total = 0.0
-    for rec, emb in zip(batch.records, batch.embeds, strict=True):
-        s = rec.xt.shape[0]
-        pred = model(
-            hidden_states=rec.xt.to(device=device, dtype=dtype),
-            timestep=rec.timesteps.to(device),
-            encoder_hidden_states=emb.expand(s, -1, -1).to(device, dtype),
-            return_dict=False,
-        )[0].cpu()
-        total += mse(pred, rec.teacher_out)
-    return total
 
 
 # --------------------------------------------------------------------------- write

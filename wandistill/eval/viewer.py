@@ -2,7 +2,7 @@
 
 Why: R_K and equivalent steps reward per-sample agreement with the teacher, and say nothing of
 whether a sample shows what its prompt asks, nor whether a student collapsed to a blurred mean
-that is "close on average". The trained tiny teacher's world (`wandistill.teacher.trained`) is
+that is "close on average". The trained tiny teacher's world (`wandistill.teacher.world`) is
 rendered by a known function, so a sample can be read back exactly, with no learnt classifier:
 
 1. **Unmix.** The latent is `mixing_matrix() @ (2 rgb mask - 1, x, y)` per pixel. The known
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wandistill.errors import UsageError
-from wandistill.teacher.trained import (
+from wandistill.teacher.world import (
     BRIGHTNESS,
     COLOURS,
     POSITIONS,

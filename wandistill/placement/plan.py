@@ -46,11 +46,8 @@ from wandistill.placement.estimate import (
 from wandistill.placement.inventory import Inventory
 from wandistill.placement.protocol import Need
 from wandistill.placement.strategies import Auto, Cuda, Placement
-from wandistill.teacher.folder import (
-    CONFIG_NAMES,
-    TeacherFolder,
-    validate_config,
-)
+from wandistill.teacher.folder import CONFIG_NAMES, TeacherFolder
+from wandistill.teacher.schema import validate_config
 
 __all__ = [
     "AutoChoice",

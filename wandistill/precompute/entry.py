@@ -15,8 +15,8 @@ from wandistill.precompute import job
 from wandistill.runtime import dist
 
 if TYPE_CHECKING:
+    from wandistill.precompute.finish import Summary
     from wandistill.precompute.parts import Part
-    from wandistill.precompute.run import Summary
 
 
 def launch(cfg: PrecomputeConfig, *, part: Part | None = None) -> Summary:

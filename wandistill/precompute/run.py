@@ -8,6 +8,9 @@ Phases, so that at most one big model is resident at a time:
    batches, then `transformer_2` for their low-noise steps), records written as batches finish;
 3. previews: optionally, the VAE decodes the first few final latents to PNG for eval.
 
+What the cache records of the teacher and sampler (settings, steps, manifest header) is
+`precompute.header`; phase 3 and the job's summary are `precompute.finish`.
+
 Work is split in global batches of `sampler.batch_size` prompts in file order; rank r of W takes
 batches r, r+W, ... so a batch is computed identically whatever W, and the records are the same
 bytes as a single-process run. Resume is per batch: a batch whose keys are all committed is
@@ -24,12 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import shutil
-import signal
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,134 +38,42 @@ import torch
 
 from wandistill.cache import manifest as mf
 from wandistill.cache.background import BackgroundWriter
-from wandistill.cache.contract import Record, dtype_name, field_specs, record_key
+from wandistill.cache.contract import Record, record_key
 from wandistill.cache.embeds import EmbedStore, own_negative_name
 from wandistill.cache.writer import CacheWriter
 from wandistill.checks.finite import NonFiniteError
 from wandistill.config import PrecomputeConfig
-from wandistill.errors import UsageError, WandistillError
 from wandistill.io import outputs, storage
 from wandistill.placement.estimate import SamplerSizes
 from wandistill.precompute import job, parts
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
+from wandistill.precompute.finish import Summary, _finalise, _stopped
+from wandistill.precompute.header import (
+    DTYPES,
+    Teacher,
+    _dims,
+    _header,
+    _recorded_experts,
+    _spec,
+    inspect_teacher,
+    latent_shape,
+    recorded_steps,
+    sampler_settings,
+)
 from wandistill.precompute.job import prompt_sha256
-from wandistill.precompute.numerics import follow_recorded_threads, record_numerics
+from wandistill.precompute.numerics import follow_recorded_threads
 from wandistill.precompute.parts import Part
 from wandistill.precompute.prompts import Prompt, PromptReport, read_prompts
 from wandistill.precompute.table import KeyTable, PromptTable
 from wandistill.runtime import dist, faults
-from wandistill.runtime.failures import Stopped, StopRequested, StopSignals, first_line
-from wandistill.runtime.progress import SUMMARY_WIDTH, Progress, human_bytes, plural, summary_lines
-from wandistill.teacher.folder import TeacherFolder
-from wandistill.teacher.sampler import CFG_FORMULA, Job, RecordingSampler, SamplerSpec
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(slots=True)
-class Summary:
-    """The whole job's outcome (every rank's counts summed; every rank returns the same one),
-    over this run and the runs of the same cache before it."""
-
-    cache: str
-    records_written: int
-    """Records this run committed."""
-    records_skipped: int
-    """Records this run recomputed (a batch partly committed before) that the writer dropped."""
-    bytes_written: int
-    seconds: float
-    prompts: int
-    prompts_encoded: int = 0
-    """Prompts this run ran through the text encoder (0 when a resume found them all)."""
-    records_present: int = 0
-    """Records of this prompt file already committed when this run started."""
-    prompts_truncated: int = 0
-    """Prompts cut to max_sequence_length tokens, by this run or an earlier one."""
-    ranks: int = 1
-    is_main: bool = True
-    """Rank 0 (or a single process): the one that prints the summary."""
-
-    def lines(self, width: int = SUMMARY_WIDTH) -> list[str]:
-        """The closing summary, wrapped to `width` columns."""
-        cached = self.records_present + self.records_written
-        on = f" on {plural(self.ranks, 'rank')}" if self.ranks > 1 else ""
-        return summary_lines(
-            [
-                f"cache: {self.records_written} records written this run,",
-                f"{self.records_present} already there,",
-                f"{self.records_skipped} recomputed and skipped;",
-                f"{cached} of {plural(self.prompts, 'prompt')} in the cache,",
-                f"{self.prompts_truncated} truncated;",
-                f"{self.prompts_encoded} prompts encoded,",
-                f"{human_bytes(self.bytes_written)} in {self.seconds:.1f} s{on};",
-                f"cache folder {self.cache}",
-            ],
-            width,
-        )
-
-
-Teacher = TeacherFolder
-"""What precompute knows of a teacher before loading weights: the folder, opened once."""
-
-
-def inspect_teacher(path: str | Path, flow_shift: float | None) -> Teacher:
-    """The teacher folder, validated (custom code, pickles, bad configs refused), with the
-    recipe's flow_shift override applied to its scheduler."""
-    return TeacherFolder.open(path, flow_shift=flow_shift)
-
-
-def latent_shape(teacher: Teacher, cfg: PrecomputeConfig) -> tuple[int, int, int, int]:
-    s = cfg.sampler
-    c, f, h, w = teacher.latent_shape(num_frames=s.num_frames, height=s.height, width=s.width)
-    return c, f, h, w
-
-
-def sampler_settings(teacher: Teacher, cfg: PrecomputeConfig) -> dict[str, Any]:
-    """Everything that changes the teacher's output for a prompt and seed (the cache key)."""
-    s = cfg.sampler
-    g2 = s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale
-    return {
-        "scheduler": type(teacher.scheduler).__name__,
-        "scheduler_config": json.loads(json.dumps(dict(teacher.scheduler.config), default=str)),
-        "num_inference_steps": s.num_inference_steps,
-        "flow_shift": teacher.scheduler.config.get("flow_shift"),
-        "guidance_scale": s.guidance_scale,
-        "guidance_scale_2": g2 if teacher.boundary_ratio is not None else None,
-        "boundary_ratio": teacher.boundary_ratio,
-        "cfg_formula": CFG_FORMULA if s.guidance_scale > 1.0 else "cond (guidance_scale <= 1)",
-        "negative_prompt": s.negative_prompt,
-        "height": s.height,
-        "width": s.width,
-        "num_frames": s.num_frames,
-        "dtype": cfg.teacher.dtype,
-        "max_sequence_length": s.max_sequence_length,
-        "record_steps": recorded_steps(teacher, cfg),
-        "features": list(s.features),
-        "holdout_fraction": cfg.cache.holdout_fraction,
-        "expand_timesteps": teacher.expand_timesteps,
-    }
-
-
-def recorded_steps(teacher: Teacher, cfg: PrecomputeConfig) -> list[int]:
-    """The steps to record; `sampler.record_for_student_steps` is placed by the teacher's own
-    scheduler (wandistill.student.schedule), so it names what the student will sample at."""
-    from wandistill.student.schedule import student_steps_for
-
-    s = cfg.sampler
-    if not s.record_for_student_steps:
-        return s.recorded_steps()
-    return s.recorded_steps(student_steps_for(teacher.scheduler, s.num_inference_steps))
+from wandistill.runtime.failures import StopRequested, StopSignals
+from wandistill.runtime.progress import Progress
+from wandistill.teacher.sampler import Job, RecordingSampler
 
 
 def _key(p: Prompt, settings: dict[str, Any]) -> str:
     own = {} if p.negative_prompt is None else {"negative_prompt": p.negative_prompt}
     return record_key(p.text, p.seed, {**settings, **own})
-
-
-def _stopped(signum: int | None, records: int, info: dist.DistInfo | None) -> Stopped:
-    """Precompute stopped on SIGTERM / SIGINT; what it wrote is committed."""
-    progress = f"after {records} records"
-    return Stopped(signum or signal.SIGTERM, progress, info, "re-run the same command to resume")
 
 
 def run(
@@ -328,27 +236,6 @@ def _check_part(
     if not storage.is_url(cache):  # (a URL is checked by the claim itself)
         outputs.check(cache, "cache", inputs={"--teacher": teacher.path, "--prompts": cfg.prompts})
     parts.check_and_record(root, part, header, prompt_sha256(cfg.prompts), cfg.prompts)
-
-
-def _header(
-    cfg: PrecomputeConfig, teacher: Teacher, info: dist.DistInfo, settings: dict[str, Any]
-) -> mf.Manifest:
-    """The manifest this run writes under (or must be compatible with)."""
-    dtype = DTYPES[cfg.teacher.dtype]
-    return mf.new_manifest(
-        backend=cfg.cache.backend,
-        teacher={**teacher.fingerprint, "transformer_config": teacher.transformer_config},
-        settings=settings,
-        numerics=record_numerics(batch_size=cfg.sampler.batch_size, device=info.device),
-        fields=cfg.cache.encoding().apply(
-            field_specs(
-                latent_dtype=torch.float32,
-                model_dtype=dtype,
-                embed_dtype=dtype,
-                features=list(cfg.sampler.features),
-            )
-        ),
-    )
 
 
 def _follow_cache_threads(cache: str, device: torch.device) -> str | None:
@@ -566,173 +453,9 @@ class _Denoiser:
             pl.unload(self.resident.pop(other))
 
 
-def _finalise(w: Work, enc: Encoded, report: PromptReport, stop: StopSignals, t0: float) -> Summary:
-    """Phase 3: commit the last shard, previews, wait for every rank, sum every rank's counts;
-    rank 0 marks the cache complete and writes the prompts report."""
-    writer, info = enc.writer, w.info
-    if writer is not None:
-        writer.close()
-        if w.cfg.previews > 0:
-            _previews(w.cfg, w.teacher, w.prompts, w.keys, w.load_kw, info)
-    _barrier(info, stop, writer.records_written if writer else 0)
-    views = dist.all_gather_json(info, _rank_counts(w, enc))  # a collective: every rank
-    cut = {k for v in views for k in v["truncated"]}
-    if writer is not None and info.is_main:
-        mf.finalize(w.cache, complete=True)
-        store = storage.open_storage(w.cache)
-        cut |= set(_earlier_truncations(store))
-        report.truncated_keys = [k for k in w.keys if k in cut]
-        report.truncated = [p.line for p, k in zip(w.prompts, w.keys, strict=True) if k in cut]
-        store.put(REPORT_NAME, (json.dumps(report.to_json(), indent=1) + "\n").encode())
-        if not enc.local:
-            enc.store.remove()  # every record holds its own embeddings now
-    return Summary(
-        cache=str(w.cache),
-        records_written=sum(v["written"] for v in views),
-        records_skipped=sum(v["skipped"] for v in views),
-        bytes_written=sum(v["bytes"] for v in views),
-        seconds=time.perf_counter() - t0,
-        prompts=_prompts_in(w),
-        prompts_encoded=sum(v["encoded"] for v in views),
-        records_present=min(v["present"] for v in views),
-        prompts_truncated=sum(k in cut for k in w.keys),
-        ranks=info.world_size,
-        is_main=info.is_main,
-    )
-
-
-def _prompts_in(w: Work) -> int:
-    """The prompts this job owns: the whole file, or its part's batches."""
-    if w.part is None:
-        return len(w.prompts)
-    n, bs = len(w.prompts), w.cfg.sampler.batch_size
-    return sum(min(bs, n - b * bs) for b in w.part.take(range(-(-n // bs))))
-
-
-def _rank_counts(w: Work, enc: Encoded) -> dict[str, Any]:
-    """This rank's share of the summary, and the truncations it can see (its own commits at
-    least: another rank's may not be visible yet on a network file system)."""
-    writer = enc.writer
-    return {
-        "written": writer.records_written if writer else sum(len(b) for b in w.todo),
-        "skipped": writer.records_skipped if writer else 0,
-        "bytes": writer.bytes_written if writer else 0,
-        "encoded": enc.prompts_encoded,
-        "present": w.present,  # a rank that planned late may also count another's new records
-        "truncated": enc.store.truncated_keys().names(),
-    }
-
-
-REPORT_NAME = "prompts_report.json"
-
-
 def _scratch(cache: str, name: str) -> Path:
     """A local scratch folder for the run: inside a local cache (its temps are cleaned by the
     next claim), in the system temp folder for a cache at a URL."""
     if storage.is_url(cache):
         return Path(tempfile.gettempdir()) / f"wandistill{name}"
     return Path(cache) / name
-
-
-def _earlier_truncations(store: storage.Storage) -> list[str]:
-    """Truncated keys an earlier run of this cache recorded (its embedding store is gone)."""
-    try:
-        if not store.exists(REPORT_NAME):
-            return []
-        data = store.read(
-            REPORT_NAME, max_bytes=1 << 30, what="prompts report", fix="", error=UsageError
-        )
-        keys = json.loads(data).get("truncated_keys", [])
-    except (OSError, ValueError, AttributeError, WandistillError):
-        return []  # a report we cannot read is rewritten from what this run knows
-    return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
-
-
-def _barrier(info: dist.DistInfo, stop: StopSignals, records: int) -> None:
-    """Wait for every rank before rank 0 marks the cache complete; never after a stop, and a
-    rank that stopped or died on the way is one clear line, not a gloo traceback. No deadline
-    while the others are alive (the last rank may still be denoising); `dist_timeout` once one
-    has stopped beating."""
-    if stop.signum is None:
-        try:
-            dist.wait_for_all(info, "precompute-done", lambda: stop.signum is not None)
-        except dist.DistTimeout:
-            raise
-        except Exception as e:
-            if stop.signum is None:
-                raise WandistillError(
-                    f"rank {info.rank}: waiting for the other ranks failed, most likely because "
-                    f"another rank stopped (see its error): {first_line(e)}",
-                    fix="fix that rank's error, then re-run the same command to resume",
-                ) from None
-    if stop.signum is not None:
-        raise _stopped(stop.signum, records, info)
-
-
-def _spec(w: Work) -> SamplerSpec:
-    cfg, teacher, shape = w.cfg, w.teacher, w.shape
-    s = cfg.sampler
-    boundary = (
-        teacher.boundary_ratio * teacher.scheduler.config.num_train_timesteps
-        if teacher.boundary_ratio is not None
-        else None
-    )
-    return SamplerSpec(
-        num_inference_steps=s.num_inference_steps,
-        guidance_scale=s.guidance_scale,
-        guidance_scale_2=s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale,
-        boundary_timestep=boundary,
-        expand_timesteps=teacher.expand_timesteps,
-        record_steps=tuple(recorded_steps(teacher, cfg)),
-        features=tuple(s.features),
-        latent_shape=shape,
-        max_sequence_length=s.max_sequence_length,
-    )
-
-
-def _dims(teacher: Teacher, shape: tuple[int, ...], settings: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "text_dim": int(teacher.transformer_config["text_dim"]),
-        "latent_channels": int(shape[0]),
-        "latent_shape": list(shape),
-        "num_recorded_steps": len(settings["record_steps"]),
-        "teacher_dtype": dtype_name(DTYPES[settings["dtype"]]),
-    }
-
-
-def _recorded_experts(sampler: RecordingSampler, timesteps: torch.Tensor) -> dict[str, Any]:
-    """Wan 2.2: which expert produces each recorded slot (`dims.recorded_experts`, read by
-    per-expert training), by the very rule the sampler switches experts with."""
-    if sampler.spec.boundary_timestep is None:
-        return {}
-    steps = sampler.spec.record_steps
-    return {"recorded_experts": [sampler.expert_for(timesteps[s]) for s in steps]}
-
-
-def _previews(
-    cfg: PrecomputeConfig,
-    teacher: Teacher,
-    prompts: Sequence[Prompt],
-    keys: Sequence[str],
-    load_kw: dict[str, Any],
-    info: dist.DistInfo,
-) -> None:
-    """Decode the first `previews` prompts' final latents (whichever rank wrote them)."""
-    from wandistill.cache.reader import CacheReader
-    from wandistill.placement import load as pl
-    from wandistill.teacher.decode import decode_to_png
-
-    out = Path(cfg.cache.path) / "previews"
-    wanted = [k for k in keys[: cfg.previews] if not (out / f"{k}.png").exists()]
-    with CacheReader(cfg.cache.path) as store:
-        located = store.locate()
-        mine = [k for k in wanted if k in located and located[k][0].rank == info.rank]
-        if not mine:
-            return
-        vae = pl.load_component(teacher, "vae", **load_kw)
-        try:
-            for k in mine:
-                rec = store.read_record(*located[k])
-                decode_to_png(vae, rec.final_latent, out / f"{k}.png")
-        finally:
-            pl.unload(vae)

@@ -140,7 +140,7 @@ class LoraRecord(_Strict):
 
 
 class SamplingFile(_Strict):
-    """`RUN/sampling.json` (written by `wandistill.train.loop.sampling_record`)."""
+    """`RUN/sampling.json` (written by `wandistill.train.records.sampling_record`)."""
 
     format: Literal["wandistill-student"]
     num_inference_steps: PositiveInt

@@ -138,7 +138,7 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 @torch.no_grad()
 def load_trainable_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Inverse of `trainable_state_dict`; the same keys and shapes, or a KeyError/ValueError
-    (checkpoints are matched against the live model first, `checkpoint.check_restorable`)."""
+    (checkpoints are matched against the live model first, `checkpoint_read.check_restorable`)."""
     if not is_lora(model):
         model.load_state_dict(state)
         return

@@ -56,6 +56,7 @@ from wandistill.runtime import dist
 from wandistill.runtime.dist import DistInfo
 from wandistill.runtime.faults import at
 from wandistill.train import checkpoint as ckpt_io
+from wandistill.train import checkpoint_read as ckpt_read
 
 SHARDS = "shards"
 OPT_PREFIX = "optimizer.state."
@@ -181,7 +182,7 @@ def load_checkpoint(
     """Load a sharded checkpoint into the live `parts` (their tensors, DTensors of this run's
     layout, are filled in place) and `optimizer`, on any number of ranks; return the RNG
     states. Every shard is checked against state.json's size and crc32c first (a collective)."""
-    state, _, opt_obj = ckpt_io.check_state(path)
+    state, _, opt_obj = ckpt_read.check_state(path)
     check_shards(path, state, info)
     reader = HuggingFaceStorageReader(str(path / SHARDS))
     saved = reader.read_metadata().state_dict_metadata
@@ -194,7 +195,7 @@ def load_checkpoint(
         f"state.{k.removeprefix(OPT_PREFIX)}": v for k, v in opt.items()
     }
     optimizer.load_state_dict(ckpt_io.unflatten_optimizer(by_index, opt_obj))
-    return ckpt_io.read_tensors(path, "rng.safetensors", state)
+    return ckpt_read.read_tensors(path, "rng.safetensors", state)
 
 
 def check_shards(path: Path, state: ckpt_io.CheckpointState, info: DistInfo) -> None:
@@ -205,7 +206,7 @@ def check_shards(path: Path, state: ckpt_io.CheckpointState, info: DistInfo) -> 
     present = sorted(f"{SHARDS}/{f.name}" for f in (path / SHARDS).iterdir())
     if present != listed:
         extra = sorted(set(present) - set(listed)) or sorted(set(listed) - set(present))
-        raise ckpt_io.CheckpointError(
+        raise ckpt_read.CheckpointError(
             f"sharded checkpoint {str(path / SHARDS)!r} holds {len(present)} files, state.json "
             f"lists {len(listed)} (e.g. {extra[0]!r})",
             fix=ckpt_io.FIX,
@@ -213,12 +214,12 @@ def check_shards(path: Path, state: ckpt_io.CheckpointState, info: DistInfo) -> 
     problems = []
     for name in listed[info.rank :: info.world_size]:
         try:
-            ckpt_io.check_file(path, name, state)
-        except ckpt_io.CheckpointError as e:
+            ckpt_read.check_file(path, name, state)
+        except ckpt_read.CheckpointError as e:
             problems.append(e.message)
     seen = [p for view in dist.all_gather_json(info, problems) for p in view]
     if seen:
-        raise ckpt_io.CheckpointError(seen[0], fix=ckpt_io.FIX)
+        raise ckpt_read.CheckpointError(seen[0], fix=ckpt_io.FIX)
 
 
 def _check_fits(path: Path, saved: dict[str, Any], live: dict[str, torch.Tensor]) -> None:
@@ -227,12 +228,12 @@ def _check_fits(path: Path, saved: dict[str, Any], live: dict[str, torch.Tensor]
     where = f"sharded checkpoint {str(path / SHARDS)!r}"
     if names != set(live):
         diff = sorted(names ^ set(live))
-        raise ckpt_io.CheckpointError(
+        raise ckpt_read.CheckpointError(
             f"{where} does not fit this student (tensors {diff[:3]})", fix=ckpt_io.FIX
         )
     for key, t in live.items():
         if tuple(saved[key].size) != tuple(t.shape):
-            raise ckpt_io.CheckpointError(
+            raise ckpt_read.CheckpointError(
                 f"{where}: {key} is {list(saved[key].size)}, this student has {list(t.shape)}",
                 fix=ckpt_io.FIX,
             )
@@ -250,7 +251,7 @@ def _optimizer_targets(
         idx_text, _, name = key.removeprefix(OPT_PREFIX).partition(".")
         idx = int(idx_text) if idx_text.isdigit() else -1
         if not 0 <= idx < len(params) or not name:
-            raise ckpt_io.CheckpointError(
+            raise ckpt_read.CheckpointError(
                 f"sharded checkpoint {str(path / SHARDS)!r}: optimizer tensor {key[:80]!r} "
                 f"names no parameter of this student ({len(params)} parameters)",
                 fix=ckpt_io.FIX,

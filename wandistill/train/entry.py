@@ -45,7 +45,7 @@ def finished_at(cfg: TrainConfig) -> int | None:
     if at is None or at < cfg.steps:
         return None
     from wandistill.train.export import SAMPLING
-    from wandistill.train.loop import validate
+    from wandistill.train.inputs import validate
 
     if not (out / SAMPLING).is_file():
         return None

@@ -3,6 +3,10 @@
     run(cfg) = validate (manifest + recipe only, no device work) -> dist.init -> setup -> fit
                -> export (save_pretrained of the student and its EMA)
 
+The helpers live by concept: `train.inputs` (validate -> `Plan`), `train.build` (student,
+reader), `train.resume` (save / restore), `train.records` (run.json, sampling.json) and
+`train.metrics` (the log window and its rows).
+
 The loop needs the cache and the recipe, nothing else: it never imports `wandistill.teacher`,
 never opens the teacher's folder (except `student.init_from_teacher`, which reads the chosen
 tensors lazily with safetensors), and works with the teacher deleted. One step = `grad_accum`
@@ -16,9 +20,7 @@ run raises `Stopped` (exit code 143 / 130, "resume with --resume"): no rank is l
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,25 +30,12 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from wandistill.cache.contract import SHARED_NAME
-from wandistill.cache.files import SettingsBlock
-from wandistill.cache.manifest import (
-    Manifest,
-    has_manifest,
-    load_committed,
-    manifest_name,
-    read_manifest,
-)
-from wandistill.cache.multi import check_caches
 from wandistill.cache.reader import CacheReader
-from wandistill.cache.training import DEFAULT_FIELDS, TrainingReader, pad_to
-from wandistill.checks.finite import check_step, check_weights
+from wandistill.cache.training import TrainingReader, pad_to
+from wandistill.checks.finite import check_step
 from wandistill.config import TrainConfig, to_dict
-from wandistill.errors import CacheError, UsageError, WandistillError
-from wandistill.io import folderkind, outputs
-from wandistill.io.fsutil import atomic_write_json
-from wandistill.io.storage import describe as location
-from wandistill.io.storage import open_storage
+from wandistill.errors import WandistillError
+from wandistill.io import outputs
 from wandistill.plots import LOSS_PNG, plot_loss
 from wandistill.runtime import dist
 from wandistill.runtime.failures import (
@@ -59,14 +48,7 @@ from wandistill.runtime.failures import (
 from wandistill.runtime.faults import at
 from wandistill.runtime.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
 from wandistill.student import experts, lora
-from wandistill.student.config import (
-    check_against_cache,
-    describe,
-    resolve_student_config,
-    width,
-)
-from wandistill.student.export import LINKED
-from wandistill.student.init import init_problems
+from wandistill.student.config import describe
 from wandistill.student.losses import (
     SigmaTable,
     consistency_target,
@@ -75,32 +57,18 @@ from wandistill.student.losses import (
     reflow_input,
 )
 from wandistill.student.model import DistillModule
-from wandistill.student.schedule import ObjectivePlan, TeacherSchedule, plan_objectives
-from wandistill.train import checkpoint as ckpt_io
-from wandistill.train import dcp as sharded
 from wandistill.train import job, parallel
+from wandistill.train.build import build_model, build_reader, objective_masks
 from wandistill.train.ema import EMA, TargetNetwork
 from wandistill.train.export import export_pretrained
-from wandistill.train.metrics import MetricsLog, peak_memory, truncate_after
+from wandistill.train.inputs import Plan, run_inputs, validate, wait_for_manifest
+from wandistill.train.metrics import MetricsLog, Window, log_window
 from wandistill.train.oom import oom_error
 from wandistill.train.optim import build_optimizer, build_scheduler
+from wandistill.train.records import experts_record, run_meta, sampling_record, write_run_settings
+from wandistill.train.resume import restore, save
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """What validation resolved from the recipe and the cache manifest."""
-
-    cache: str
-    """The cache's path or fsspec URL."""
-    out: Path
-    manifest: Manifest
-    student_config: dict[str, Any]
-    teacher_width: int
-    fields: list[str]
-    objectives: ObjectivePlan
-    """K, the student's sampler, and the recorded steps each objective trains at."""
 
 
 @dataclass(slots=True)
@@ -216,164 +184,6 @@ def stopped(signum: int, step: int, info: dist.DistInfo) -> Stopped:
     return Stopped(signum, f"at step {step}", info, "resume with --resume", resume_flag="--resume")
 
 
-def run_inputs(cfg: TrainConfig) -> dict[str, str]:
-    """What train reads: its --out may be none of these, nor inside or around one."""
-    return {
-        **{"--cache" + (f" #{i + 1}" if i else ""): c for i, c in enumerate(cfg.caches)},
-        "student.init_from_teacher.path": cfg.student.init_from_teacher.path,
-        "student.config_file": cfg.student.config_file,
-    }
-
-
-def _cache_started(cache: str) -> bool:
-    """The manifest exists and so does the shared schedule it lists (the writer creates the
-    manifest first, then shared.safetensors: the steps plan needs both)."""
-    if not has_manifest(cache):
-        return False
-    listed = bool(read_manifest(cache).shared)
-    return not listed or open_storage(cache).exists(SHARED_NAME)
-
-
-def wait_for_manifest(cfg: TrainConfig) -> None:
-    """--follow may start before precompute has created the cache: wait for its manifest (each
-    cache's, with several)."""
-    for cache in cfg.caches:
-        _wait_for_cache(cfg, cache)
-
-
-def _wait_for_cache(cfg: TrainConfig, cache: str) -> None:
-    path = manifest_name(cache)
-    start = time.monotonic()
-    told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
-    while not _cache_started(cache):
-        if not told:
-            console.print(f"train: waiting for {path} (has precompute started?)")
-            told = True
-        if cfg.follow_timeout and time.monotonic() - start > cfg.follow_timeout:
-            raise CacheError(
-                f"--follow: {str(path)!r} did not appear within {cfg.follow_timeout:.0f} s",
-                fix="start `wandistill precompute` with --out pointing at this cache",
-            )
-        time.sleep(cfg.follow_poll_interval)
-
-
-def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
-    """Every check that needs only the recipe and the manifest, all problems in one error."""
-    if not cfg.caches:
-        raise UsageError("train needs a cache", fix="pass --cache DIR (or set train.cache)")
-    if not cfg.out:
-        raise UsageError("train needs an output directory", fix="pass --out DIR (or train.out)")
-    primary = cfg.caches[0]  # several caches agree with it (cache/multi.py, checked here)
-    manifest = load_committed(primary)
-    if len(cfg.caches) > 1:
-        check_caches(cfg.caches)
-    tconf = manifest.teacher.transformer_config or {}
-    student_config = resolve_student_config(cfg.student, tconf, manifest.dims)
-    problems = check_against_cache(student_config, manifest.dims, primary)
-    problems += init_problems(cfg.student.init_from_teacher, student_config, tconf)
-    if cfg.student.lora.enabled:
-        problems += lora.plan_problems(cfg.student, student_config, tconf)
-    cached = {f.name for f in manifest.fields}
-    objectives = None
-    try:
-        objectives = objective_plan(cfg, manifest)
-    except UsageError as e:
-        problems.append(e.message + (f" ({e.fix})" if e.fix else ""))
-    problems += experts.check(
-        cfg.student, cfg.loss, manifest.settings, manifest.dims, objectives, primary
-    )
-    fields = list(DEFAULT_FIELDS)
-    if cfg.loss.x0_terms:
-        fields.append("final_latent")
-    if cfg.loss.reflow > 0 or cfg.loss.unroll > 0:
-        fields.append("noise")
-    if cfg.loss.unroll > 0 and objectives is not None:
-        problems += unroll_problems(cfg, manifest, student_config, objectives)
-    if cfg.loss.feature > 0:
-        recorded = sorted(n.removeprefix("feature.") for n in cached if n.startswith("feature."))
-        for name in cfg.loss.feature_map:
-            if f"feature.{name}" not in cached:
-                problems.append(
-                    f"loss.feature_map names teacher feature {name!r}, but the cache recorded "
-                    f"{recorded or 'no features'}; add it to precompute.sampler.features or "
-                    "drop it from feature_map"
-                )
-            fields.append(f"feature.{name}")
-    out = Path(cfg.out)
-    latest = ckpt_io.resolve_latest(out / "checkpoints")
-    if resume and latest is not None:
-        _, saved, _ = ckpt_io.check_state(latest)  # a bad one fails here, before any build
-        meta = saved.get("meta", {})
-        problems.append(experts.resume_problem(cfg.student, meta, latest))
-        parallel_was = meta.get("parallel", "ddp")
-        if parallel_was != cfg.parallel:
-            problems.append(
-                f"--resume: {str(latest)!r} was written with train.parallel={parallel_was!r}, this "
-                f"run has {cfg.parallel!r}; resume with --parallel {parallel_was}, or choose a new "
-                "--out"
-            )
-        changed = lora.resume_problem(meta.get("lora"), lora.run_record(cfg.student))
-        if changed:
-            raise UsageError(
-                f"--resume: checkpoint {str(latest)!r} cannot continue under this recipe: "
-                f"{changed}",
-                fix="resume with the [train.student.lora] it was trained with, or choose a new "
-                "--out",
-            )
-    if not resume and latest is not None:
-        problems.append(
-            f"--out {cfg.out!r} holds checkpoints of an earlier run; pass --resume to continue "
-            "it, or choose a new --out"
-        )
-    problems = [p for p in problems if p]
-    if problems or objectives is None:
-        raise UsageError("; ".join(problems))
-    teacher_width = width(tconf) if tconf else width(student_config)
-    cache = location(primary)
-    return Plan(cache, out, manifest, student_config, teacher_width, fields, objectives)
-
-
-def unroll_problems(
-    cfg: TrainConfig, manifest: Manifest, student_config: dict[str, Any], plan: ObjectivePlan
-) -> list[str]:
-    """loss.unroll: one process only (K forwards per backward are not put through DDP/FSDP
-    yet), and K steps' activations must fit the device (`unroll.unroll_memory_problem`)."""
-    from wandistill.placement.train_size import StudentSize, TrainShape
-    from wandistill.student.unroll import device_memory, unroll_memory_problem
-
-    problems = []
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        problems.append(
-            "loss.unroll runs K student forwards per backward, which this trainer does not put "
-            "through DDP/FSDP yet; train it on one process (no torchrun), or set loss.unroll = 0"
-        )
-    dims = manifest.dims.latent_shape or []
-    if len(dims) == 4:
-        _, f, h, w = (int(v) for v in dims)
-        text = manifest.settings.max_sequence_length or 512
-        shape = TrainShape(f, h, w, text, cfg.batch_size)
-        problem = unroll_memory_problem(
-            plan.student.num_inference_steps,
-            StudentSize.from_config(student_config),
-            shape,
-            device_memory(cfg.device),
-            checkpointed=cfg.loss.unroll_checkpoint,
-            blocks=cfg.gradient_checkpointing,
-            bf16=cfg.mixed_precision == "bf16",
-        )
-        problems += [problem] if problem else []
-    return problems
-
-
-def objective_plan(cfg: TrainConfig, manifest: Manifest | None = None) -> ObjectivePlan:
-    """K, the student's scheduler and the recorded steps of each objective, from the cache's
-    manifest and schedule (also what `train --dry-run` prints)."""
-    manifest = manifest or load_committed(cfg.caches[0])
-    with CacheReader(cfg.caches[0]) as store:
-        teacher = TeacherSchedule.from_cache(manifest.settings, store.read_shared())
-    return plan_objectives(cfg.loss, cfg.student.num_inference_steps, teacher)
-
-
 # --------------------------------------------------------------------------- setup
 
 
@@ -426,268 +236,6 @@ def setup(
         )
         announce(trainer, store, follow)
     return trainer
-
-
-def build_model(
-    cfg: TrainConfig, plan: Plan, info: dist.DistInfo
-) -> tuple[DistillModule, TargetNetwork | None]:
-    """The student (LoRA added, checkpointing on), its consistency target and the distillation
-    wrapper, placed on the device or sharded over the ranks (FSDP2)."""
-    student = experts.build(cfg.student, plan.student_config, plan.manifest.settings, seed=cfg.seed)
-    if cfg.student.lora.enabled:  # before any wrapper (DDP here, FSDP2's fully_shard) sees it
-        lora.add_lora(student, cfg.student.lora)
-    if cfg.gradient_checkpointing:
-        student.enable_gradient_checkpointing()
-    target = None
-    if cfg.loss.consistency > 0:  # copied before DistillModule hooks the student's blocks
-        target = TargetNetwork(student, cfg.loss.consistency_target_decay)
-    feature_map = cfg.loss.feature_map if cfg.loss.feature > 0 else {}
-    model = DistillModule(student, feature_map, width(plan.student_config), plan.teacher_width)
-    model.train()
-    modules = [model] + ([target.module] if target is not None else [])
-    if cfg.parallel == "fsdp":  # before the optimizer and EMA: they hold the sharded weights
-        # fully_shard moves each block to the device as it shards it: no rank's device ever
-        # holds the whole student
-        parallel.shard(model, cfg, info, extra=modules[1:])
-    else:
-        for m in modules:
-            m.to(info.device)
-    return model, target
-
-
-def build_reader(
-    cfg: TrainConfig,
-    plan: Plan,
-    info: dist.DistInfo,
-    store: CacheReader,
-    *,
-    follow: bool,
-    skip_corrupt: bool,
-) -> TrainingReader:
-    """This rank's equal share of every epoch over the run's caches (`store` is the first)."""
-    return TrainingReader(
-        [store, *(CacheReader(location(c)) for c in cfg.caches[1:])],
-        weights=cfg.cache_weights,
-        batch_size=cfg.batch_size,
-        rank=info.rank,
-        world_size=info.world_size,
-        grad_accum=cfg.grad_accum,
-        seed=cfg.seed,
-        fields=plan.fields,
-        slots=plan.objectives.slots,
-        with_next=plan.objectives.needs_next,
-        next_slots=plan.objectives.next_slots(),
-        follow=follow,
-        poll_interval=cfg.follow_poll_interval,
-        follow_timeout=cfg.follow_timeout or None,
-        sync=dist.follow_sync(info) if follow and info.distributed else None,
-        agree=dist.all_agree(info) if follow and info.distributed else None,
-        num_threads=cfg.data_threads,
-        skip_corrupt=skip_corrupt,
-        pad="batch",  # padded to max_sequence_length on the device, in forward()
-    )
-
-
-def run_meta(cfg: TrainConfig, plan: Plan, info: dist.DistInfo) -> dict[str, Any]:
-    """What identifies the run: stored in every checkpoint and run.json, and compared on
-    --resume (a resume that changes any of it is refused or handled explicitly)."""
-    return {
-        "student_config": plan.student_config,
-        "teacher_fingerprint": plan.manifest.teacher.fingerprint,
-        "world_size": info.world_size,
-        "batch_size": cfg.batch_size,
-        "grad_accum": cfg.grad_accum,
-        "student_schedule": plan.objectives.student.to_json(),
-        "experts": cfg.student.experts,
-        "lora": lora.run_record(cfg.student),
-        "parallel": cfg.parallel,
-    }
-
-
-def write_run_settings(out: Path, settings: dict[str, Any]) -> None:
-    """run.json; a legacy run's config.json (same content, older name) goes once it is written,
-    so `from_pretrained(out)` never mistakes the run folder for a model folder."""
-    atomic_write_json(out / folderkind.RUN_SETTINGS, settings)
-    legacy = out / folderkind.LEGACY_RUN_SETTINGS
-    if folderkind.is_run_settings(legacy):
-        legacy.unlink()
-
-
-def restore(
-    plan: Plan,
-    info: dist.DistInfo,
-    meta: dict[str, Any],
-    model: DistillModule,
-    ema: EMA,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    reader: TrainingReader,
-    target: TargetNetwork | None,
-) -> int:
-    """Load the newest checkpoint (rank 0 picks it, every rank reads it); return its step.
-
-    One flow for both checkpoint formats: only loading the tensors differs (one set of
-    safetensors files under DDP, DCP shards under FSDP, `_load_files` / `_load_sharded`); the
-    schedule, data position, RNG and metrics rows are restored the same way."""
-    root = plan.out / "checkpoints"
-    latest = ckpt_io.resolve_latest(root)
-    name = dist.broadcast_json(info, latest.name if latest else None)
-    if name is None:
-        if info.is_main:
-            truncate_after(plan.out, 0)  # rows of a run killed before its first checkpoint
-            console.print(f"train: no checkpoint in {root}, starting at step 0")
-        return 0
-    load = _load_sharded if meta["parallel"] == "fsdp" else _load_files
-    step, state, rng = load(root / name, info, meta, model, ema, optimizer, scheduler, target)
-    scheduler.load_state_dict(state["scheduler"])
-    reader.load_state_dict(state["reader"])
-    set_rng(rng, info)
-    if info.is_main:
-        truncate_after(plan.out, step)
-        console.print(f"train: resumed from {root / name} at step {step}")
-    return step
-
-
-Loaded = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
-"""A checkpoint's step, its state.json as read (scheduler, reader) and this rank's RNG states."""
-
-
-def _load_files(
-    path: Path,
-    info: dist.DistInfo,
-    meta: dict[str, Any],
-    model: DistillModule,
-    ema: EMA,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    target: TargetNetwork | None,
-) -> Loaded:
-    """A DDP checkpoint (whole tensors in safetensors files) into the live modules."""
-    ck = ckpt_io.load_checkpoint(path)
-    parts = {
-        "student.safetensors": lora.trainable_state_dict(model.student),
-        "ema.safetensors": ema.state_dict(),
-        "projections.safetensors": model.projection_state(),
-    }
-    if target is not None and ck.target:
-        parts["target.safetensors"] = target.state_dict()
-    ckpt_io.check_restorable(ck, path, parts, optimizer, scheduler)
-    check_same_run(ck.state.get("meta", {}), meta, path)
-    lora.load_trainable_state_dict(model.student, ck.student)
-    model.projections.load_state_dict(
-        {k.removeprefix("projections."): v for k, v in ck.projections.items()}
-    )
-    ema.load_state_dict(ck.ema)
-    if target is not None:  # a run that starts consistency on resume starts it from the student
-        target.load_state_dict(ck.target or ck.student)
-    optimizer.load_state_dict(ck.optimizer)
-    return ck.step, ck.state, ck.rng
-
-
-def _load_sharded(
-    path: Path,
-    info: dist.DistInfo,
-    meta: dict[str, Any],
-    model: DistillModule,
-    ema: EMA,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    target: TargetNetwork | None,
-) -> Loaded:
-    """A sharded (FSDP) checkpoint, on any number of ranks (train/dcp.py)."""
-    state, raw, _ = ckpt_io.check_state(path)
-    check_same_run(raw.get("meta", {}), meta, path)
-    rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer, info)
-    ckpt_io.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
-    return state.step, raw, rng
-
-
-def check_same_run(saved: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
-    """The checkpoint's student and teacher are this run's."""
-    if saved.get("student_config") != meta["student_config"]:
-        raise UsageError(
-            f"checkpoint {str(path)!r} holds a student with another config",
-            fix="resume with the recipe it was trained with, or choose a new --out",
-        )
-    if saved.get("teacher_fingerprint") != meta["teacher_fingerprint"]:
-        raise UsageError(
-            f"checkpoint {str(path)!r} was trained on a cache of another teacher",
-            fix="resume with the same --cache, or choose a new --out",
-        )
-
-
-def checkpoint_parts(
-    model: DistillModule, ema: EMA, target: TargetNetwork | None
-) -> dict[str, dict[str, torch.Tensor]]:
-    """What a sharded checkpoint holds besides the optimizer, by prefix (live tensors)."""
-    parts = {
-        "student": lora.trainable_state_dict(model.student),
-        "ema": ema.state_dict(),
-        "projections": {
-            k.removeprefix("projections."): v for k, v in model.projection_state().items()
-        },
-    }
-    if target is not None:
-        parts["target"] = target.state_dict()
-    return parts
-
-
-def objective_masks(
-    cfg: TrainConfig, objectives: ObjectivePlan, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Objective -> bool per recorded slot. `output` is reported at every sample even at weight
-    0 (a diagnostic; it only enters the loss when weighted)."""
-    masks = {n: objectives.slot_mask(n).to(device) for n in cfg.loss.weights()}
-    if cfg.loss.output == 0:
-        masks["output"] = torch.ones_like(masks["output"])
-    return masks
-
-
-def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
-    """What `wandistill export` needs besides the weights: K, the student's scheduler, the
-    teacher it was distilled from. Written as <out>/sampling.json next to student/."""
-    m = t.plan.manifest
-    return {
-        "format": "wandistill-student",
-        "num_inference_steps": t.plan.objectives.student.num_inference_steps,
-        "guidance_scale": 1.0,
-        "student_schedule": t.plan.objectives.student.to_json(),
-        "objectives": {k: list(v) for k, v in t.plan.objectives.steps.items()},
-        "train_steps": steps,
-        "teacher": {
-            "fingerprint": m.teacher.fingerprint,
-            "path": m.teacher.path,
-            "num_inference_steps": m.settings.num_inference_steps,
-            "boundary_ratio": m.settings.boundary_ratio,
-            "expand_timesteps": m.settings.expand_timesteps,
-            "components": {n: m.teacher.components.get(n) for n in LINKED},
-        },
-        "cache": str(t.plan.cache),
-        "sampler": _sampler_sizes(m.settings),
-        "experts": experts_record(t),
-        "lora": lora.sampling_entry(t.cfg.student, m.teacher.components),
-    }
-
-
-def experts_record(t: Trainer) -> dict[str, Any] | None:
-    """sampling.json's per-expert record: the split of the K steps (None: one student)."""
-    if t.cfg.student.experts != experts.PER_EXPERT:
-        return None
-    o = t.plan.objectives
-    return experts.split_for(o, t.plan.manifest.dims, t.cfg.student.num_inference_steps).to_json()
-
-
-def _sampler_sizes(settings: SettingsBlock) -> dict[str, Any] | None:
-    """What sample / eval default to (wandistill.student.folders.SamplerSizes); None when the
-    cache lacks one of them."""
-    sizes = {
-        "height": settings.height,
-        "width": settings.width,
-        "num_frames": settings.num_frames,
-        "max_sequence_length": settings.max_sequence_length,
-        "teacher_guidance_scale": settings.guidance_scale,
-    }
-    return None if None in sizes.values() else sizes
 
 
 def announce(t: Trainer, store: CacheReader, follow: bool) -> None:
@@ -896,139 +444,9 @@ def _unroll(
 # --------------------------------------------------------------------------- logging
 
 
-@dataclass(slots=True)
-class Window:
-    """Sums over the steps since the last metrics row. A loss term is summed with the number
-    of samples it covered (terms cover only their own steps), `loss` once per optimizer step."""
-
-    steps: int = 0
-    sums: dict[str, torch.Tensor | float] = field(default_factory=dict)
-    counts: dict[str, torch.Tensor | float] = field(default_factory=dict)
-    grad_norm: float | torch.Tensor = 0.0
-    lr: float = 0.0
-    seconds: float = 0.0
-    wait: float = 0.0
-
-    def add_micro(
-        self, terms: dict[str, torch.Tensor], counts: dict[str, torch.Tensor], grad_accum: int
-    ) -> None:
-        for k, v in terms.items():
-            n = 1.0 / grad_accum if k == "loss" else counts[k]
-            self.sums[k] = self.sums.get(k, 0.0) + v.detach() * n
-            self.counts[k] = self.counts.get(k, 0.0) + n
-
-    def add(self, grad_norm: torch.Tensor, lr: float, seconds: float, wait: float) -> None:
-        self.steps += 1
-        self.grad_norm = self.grad_norm + grad_norm
-        self.lr, self.seconds, self.wait = lr, self.seconds + seconds, self.wait + wait
-
-
-def log_window(t: Trainer, step: int, w: Window, samples_per_step: int) -> dict[str, float]:
-    """Average the window over ranks (a collective: every rank calls it), write one row."""
-    local = {
-        "sums": {k: float(v) for k, v in w.sums.items()},
-        "counts": {k: float(v) for k, v in w.counts.items()},
-        "seconds": w.seconds,
-        "wait": w.wait,
-        "corrupt": len(t.reader.corrupt),
-        **peak_memory(t.info.device),
-    }
-    views = dist.all_gather_json(t.info, local)
-    seconds = max(v["seconds"] for v in views)
-    row: dict[str, Any] = {"step": step, "epoch": t.reader.epoch}
-    names = sorted({k for v in views for k in v["sums"]}, key=lambda k: (k != "loss", k))
-    for k in names:
-        total = sum(v["counts"].get(k, 0.0) for v in views)
-        mean = sum(v["sums"].get(k, 0.0) for v in views) / total
-        row["loss" if k == "loss" else f"loss_{k}"] = mean
-    row |= {
-        "lr": w.lr,
-        "grad_norm": float(w.grad_norm) / w.steps,
-        "samples_per_s": samples_per_step * w.steps / max(seconds, 1e-9),
-        "step_time_s": seconds / w.steps,
-        "data_wait_frac": max(v["wait"] / max(v["seconds"], 1e-9) for v in views),
-        "peak_mem_bytes": max(v["peak_mem_bytes"] for v in views),
-        "peak_rss_bytes": max(v["peak_rss_bytes"] for v in views),
-        "corrupt": sum(v["corrupt"] for v in views),
-    }
-    t.metrics.write(row)
-    w.steps, w.sums, w.counts, w.grad_norm, w.seconds, w.wait = 0, {}, {}, 0.0, 0.0, 0.0
-    return {
-        "loss": row["loss"],
-        "samples/s": row["samples_per_s"],
-        "data_wait": row["data_wait_frac"],
-    }
-
-
 def gather_corrupt(t: Trainer) -> list[str]:
     """Every rank's skipped records (reported once, by rank 0)."""
     return [m for view in dist.all_gather_json(t.info, t.reader.corrupt) for m in view]
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def rng_states(info: dist.DistInfo) -> dict[str, torch.Tensor]:
-    """Every rank's torch RNG states, gathered to all ranks as uint8 tensors."""
-    mine = {"cpu": torch.get_rng_state()}
-    if info.device.type == "cuda":
-        mine["cuda"] = torch.cuda.get_rng_state(info.device)
-    encoded = {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in mine.items()}
-    out: dict[str, torch.Tensor] = {}
-    for rank, view in enumerate(dist.all_gather_json(info, encoded)):
-        for k, text in view.items():
-            raw = bytearray(base64.b64decode(text))
-            out[f"rank{rank}.{k}"] = torch.frombuffer(raw, dtype=torch.uint8).clone()
-    return out
-
-
-def set_rng(states: dict[str, torch.Tensor], info: dist.DistInfo) -> None:
-    rank = info.rank if f"rank{info.rank}.cpu" in states else 0
-    torch.set_rng_state(states[f"rank{rank}.cpu"])
-    if info.device.type == "cuda" and f"rank{rank}.cuda" in states:
-        torch.cuda.set_rng_state(states[f"rank{rank}.cuda"], info.device)
-
-
-def save(t: Trainer, step: int) -> None:
-    weights = {
-        "student": [parallel.local(p) for _, p in lora.trainable_parameters(t.model)],
-        "student_ema": [parallel.local(s) for s in t.ema.shadow],
-    }
-    check_weights(t.info, step, weights)  # never a checkpoint (or final student) of NaN weights
-    rng = rng_states(t.info)  # a collective: every rank takes part
-    if t.cfg.parallel == "fsdp":  # every rank writes its shard
-        state = {
-            "step": step,
-            "scheduler": t.scheduler.state_dict(),
-            "reader": t.reader.state_dict(),
-            "meta": {**t.meta, "shards": t.info.world_size},
-        }
-        parts = checkpoint_parts(t.model, t.ema, t.target)
-        root = t.plan.out / "checkpoints"
-        keep = t.cfg.keep_checkpoints
-        sharded.save_checkpoint(root, step, parts, t.optimizer, rng, state, t.info, keep=keep)
-        return
-    if not t.info.is_main:
-        return
-    ckpt_io.save_checkpoint(
-        t.plan.out / "checkpoints",
-        ckpt_io.Checkpoint(
-            step=step,
-            student=lora.trainable_state_dict(t.model.student),
-            ema=t.ema.state_dict(),
-            projections=t.model.projection_state(),
-            target=t.target.state_dict() if t.target is not None else {},
-            optimizer=t.optimizer.state_dict(),
-            rng=rng,
-            state={
-                "step": step,
-                "scheduler": t.scheduler.state_dict(),
-                "reader": t.reader.state_dict(),
-                "meta": t.meta,
-            },
-        ),
-        keep=t.cfg.keep_checkpoints,
-    )
 
 
 # --------------------------------------------------------------------------- failures

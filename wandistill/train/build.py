@@ -1,0 +1,94 @@
+"""The run's parts, built: the student (LoRA, gradient checkpointing, its consistency target,
+placed or sharded over the ranks) and this rank's training reader over the caches."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from wandistill.cache.reader import CacheReader
+from wandistill.cache.training import TrainingReader
+from wandistill.config import TrainConfig
+from wandistill.io.storage import describe as location
+from wandistill.runtime import dist
+from wandistill.student import experts, lora
+from wandistill.student.config import width
+from wandistill.student.model import DistillModule
+from wandistill.student.schedule import ObjectivePlan
+from wandistill.train import parallel
+from wandistill.train.ema import TargetNetwork
+
+if TYPE_CHECKING:
+    from wandistill.train.inputs import Plan
+
+
+def build_model(
+    cfg: TrainConfig, plan: Plan, info: dist.DistInfo
+) -> tuple[DistillModule, TargetNetwork | None]:
+    """The student (LoRA added, checkpointing on), its consistency target and the distillation
+    wrapper, placed on the device or sharded over the ranks (FSDP2)."""
+    student = experts.build(cfg.student, plan.student_config, plan.manifest.settings, seed=cfg.seed)
+    if cfg.student.lora.enabled:  # before any wrapper (DDP here, FSDP2's fully_shard) sees it
+        lora.add_lora(student, cfg.student.lora)
+    if cfg.gradient_checkpointing:
+        student.enable_gradient_checkpointing()
+    target = None
+    if cfg.loss.consistency > 0:  # copied before DistillModule hooks the student's blocks
+        target = TargetNetwork(student, cfg.loss.consistency_target_decay)
+    feature_map = cfg.loss.feature_map if cfg.loss.feature > 0 else {}
+    model = DistillModule(student, feature_map, width(plan.student_config), plan.teacher_width)
+    model.train()
+    modules = [model] + ([target.module] if target is not None else [])
+    if cfg.parallel == "fsdp":  # before the optimizer and EMA: they hold the sharded weights
+        # fully_shard moves each block to the device as it shards it: no rank's device ever
+        # holds the whole student
+        parallel.shard(model, cfg, info, extra=modules[1:])
+    else:
+        for m in modules:
+            m.to(info.device)
+    return model, target
+
+
+def build_reader(
+    cfg: TrainConfig,
+    plan: Plan,
+    info: dist.DistInfo,
+    store: CacheReader,
+    *,
+    follow: bool,
+    skip_corrupt: bool,
+) -> TrainingReader:
+    """This rank's equal share of every epoch over the run's caches (`store` is the first)."""
+    return TrainingReader(
+        [store, *(CacheReader(location(c)) for c in cfg.caches[1:])],
+        weights=cfg.cache_weights,
+        batch_size=cfg.batch_size,
+        rank=info.rank,
+        world_size=info.world_size,
+        grad_accum=cfg.grad_accum,
+        seed=cfg.seed,
+        fields=plan.fields,
+        slots=plan.objectives.slots,
+        with_next=plan.objectives.needs_next,
+        next_slots=plan.objectives.next_slots(),
+        follow=follow,
+        poll_interval=cfg.follow_poll_interval,
+        follow_timeout=cfg.follow_timeout or None,
+        sync=dist.follow_sync(info) if follow and info.distributed else None,
+        agree=dist.all_agree(info) if follow and info.distributed else None,
+        num_threads=cfg.data_threads,
+        skip_corrupt=skip_corrupt,
+        pad="batch",  # padded to max_sequence_length on the device, in forward()
+    )
+
+
+def objective_masks(
+    cfg: TrainConfig, objectives: ObjectivePlan, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Objective -> bool per recorded slot. `output` is reported at every sample even at weight
+    0 (a diagnostic; it only enters the loss when weighted)."""
+    masks = {n: objectives.slot_mask(n).to(device) for n in cfg.loss.weights()}
+    if cfg.loss.output == 0:
+        masks["output"] = torch.ones_like(masks["output"])
+    return masks

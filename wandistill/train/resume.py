@@ -1,0 +1,215 @@
+"""What a run saves at each checkpoint and restores on --resume: the student, EMA, projections,
+consistency target, optimizer, LR schedule, data-reader position and every rank's RNG, in one
+flow for both checkpoint formats (safetensors files under DDP, DCP shards under FSDP); the file
+formats themselves are `train.checkpoint` / `train.checkpoint_read` and `train.dcp`.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from rich.console import Console
+
+from wandistill.cache.training import TrainingReader
+from wandistill.checks.finite import check_weights
+from wandistill.errors import UsageError
+from wandistill.runtime import dist
+from wandistill.student import lora
+from wandistill.student.model import DistillModule
+from wandistill.train import checkpoint as ckpt_io
+from wandistill.train import checkpoint_read as ckpt_read
+from wandistill.train import dcp as sharded
+from wandistill.train import parallel
+from wandistill.train.ema import EMA, TargetNetwork
+from wandistill.train.metrics import truncate_after
+
+if TYPE_CHECKING:
+    from wandistill.train.inputs import Plan
+    from wandistill.train.loop import Trainer
+
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def restore(
+    plan: Plan,
+    info: dist.DistInfo,
+    meta: dict[str, Any],
+    model: DistillModule,
+    ema: EMA,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    reader: TrainingReader,
+    target: TargetNetwork | None,
+) -> int:
+    """Load the newest checkpoint (rank 0 picks it, every rank reads it); return its step.
+
+    One flow for both checkpoint formats: only loading the tensors differs (one set of
+    safetensors files under DDP, DCP shards under FSDP, `_load_files` / `_load_sharded`); the
+    schedule, data position, RNG and metrics rows are restored the same way."""
+    root = plan.out / "checkpoints"
+    latest = ckpt_io.resolve_latest(root)
+    name = dist.broadcast_json(info, latest.name if latest else None)
+    if name is None:
+        if info.is_main:
+            truncate_after(plan.out, 0)  # rows of a run killed before its first checkpoint
+            console.print(f"train: no checkpoint in {root}, starting at step 0")
+        return 0
+    load = _load_sharded if meta["parallel"] == "fsdp" else _load_files
+    step, state, rng = load(root / name, info, meta, model, ema, optimizer, scheduler, target)
+    scheduler.load_state_dict(state["scheduler"])
+    reader.load_state_dict(state["reader"])
+    set_rng(rng, info)
+    if info.is_main:
+        truncate_after(plan.out, step)
+        console.print(f"train: resumed from {root / name} at step {step}")
+    return step
+
+
+Loaded = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
+"""A checkpoint's step, its state.json as read (scheduler, reader) and this rank's RNG states."""
+
+
+def _load_files(
+    path: Path,
+    info: dist.DistInfo,
+    meta: dict[str, Any],
+    model: DistillModule,
+    ema: EMA,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    target: TargetNetwork | None,
+) -> Loaded:
+    """A DDP checkpoint (whole tensors in safetensors files) into the live modules."""
+    ck = ckpt_read.load_checkpoint(path)
+    parts = {
+        "student.safetensors": lora.trainable_state_dict(model.student),
+        "ema.safetensors": ema.state_dict(),
+        "projections.safetensors": model.projection_state(),
+    }
+    if target is not None and ck.target:
+        parts["target.safetensors"] = target.state_dict()
+    ckpt_read.check_restorable(ck, path, parts, optimizer, scheduler)
+    check_same_run(ck.state.get("meta", {}), meta, path)
+    lora.load_trainable_state_dict(model.student, ck.student)
+    model.projections.load_state_dict(
+        {k.removeprefix("projections."): v for k, v in ck.projections.items()}
+    )
+    ema.load_state_dict(ck.ema)
+    if target is not None:  # a run that starts consistency on resume starts it from the student
+        target.load_state_dict(ck.target or ck.student)
+    optimizer.load_state_dict(ck.optimizer)
+    return ck.step, ck.state, ck.rng
+
+
+def _load_sharded(
+    path: Path,
+    info: dist.DistInfo,
+    meta: dict[str, Any],
+    model: DistillModule,
+    ema: EMA,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    target: TargetNetwork | None,
+) -> Loaded:
+    """A sharded (FSDP) checkpoint, on any number of ranks (train/dcp.py)."""
+    state, raw, _ = ckpt_read.check_state(path)
+    check_same_run(raw.get("meta", {}), meta, path)
+    rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer, info)
+    ckpt_read.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
+    return state.step, raw, rng
+
+
+def check_same_run(saved: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
+    """The checkpoint's student and teacher are this run's."""
+    if saved.get("student_config") != meta["student_config"]:
+        raise UsageError(
+            f"checkpoint {str(path)!r} holds a student with another config",
+            fix="resume with the recipe it was trained with, or choose a new --out",
+        )
+    if saved.get("teacher_fingerprint") != meta["teacher_fingerprint"]:
+        raise UsageError(
+            f"checkpoint {str(path)!r} was trained on a cache of another teacher",
+            fix="resume with the same --cache, or choose a new --out",
+        )
+
+
+def checkpoint_parts(
+    model: DistillModule, ema: EMA, target: TargetNetwork | None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """What a sharded checkpoint holds besides the optimizer, by prefix (live tensors)."""
+    parts = {
+        "student": lora.trainable_state_dict(model.student),
+        "ema": ema.state_dict(),
+        "projections": {
+            k.removeprefix("projections."): v for k, v in model.projection_state().items()
+        },
+    }
+    if target is not None:
+        parts["target"] = target.state_dict()
+    return parts
+
+
+def rng_states(info: dist.DistInfo) -> dict[str, torch.Tensor]:
+    """Every rank's torch RNG states, gathered to all ranks as uint8 tensors."""
+    mine = {"cpu": torch.get_rng_state()}
+    if info.device.type == "cuda":
+        mine["cuda"] = torch.cuda.get_rng_state(info.device)
+    encoded = {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in mine.items()}
+    out: dict[str, torch.Tensor] = {}
+    for rank, view in enumerate(dist.all_gather_json(info, encoded)):
+        for k, text in view.items():
+            raw = bytearray(base64.b64decode(text))
+            out[f"rank{rank}.{k}"] = torch.frombuffer(raw, dtype=torch.uint8).clone()
+    return out
+
+
+def set_rng(states: dict[str, torch.Tensor], info: dist.DistInfo) -> None:
+    rank = info.rank if f"rank{info.rank}.cpu" in states else 0
+    torch.set_rng_state(states[f"rank{rank}.cpu"])
+    if info.device.type == "cuda" and f"rank{rank}.cuda" in states:
+        torch.cuda.set_rng_state(states[f"rank{rank}.cuda"], info.device)
+
+
+def save(t: Trainer, step: int) -> None:
+    weights = {
+        "student": [parallel.local(p) for _, p in lora.trainable_parameters(t.model)],
+        "student_ema": [parallel.local(s) for s in t.ema.shadow],
+    }
+    check_weights(t.info, step, weights)  # never a checkpoint (or final student) of NaN weights
+    rng = rng_states(t.info)  # a collective: every rank takes part
+    if t.cfg.parallel == "fsdp":  # every rank writes its shard
+        state = {
+            "step": step,
+            "scheduler": t.scheduler.state_dict(),
+            "reader": t.reader.state_dict(),
+            "meta": {**t.meta, "shards": t.info.world_size},
+        }
+        parts = checkpoint_parts(t.model, t.ema, t.target)
+        root = t.plan.out / "checkpoints"
+        keep = t.cfg.keep_checkpoints
+        sharded.save_checkpoint(root, step, parts, t.optimizer, rng, state, t.info, keep=keep)
+        return
+    if not t.info.is_main:
+        return
+    ckpt_io.save_checkpoint(
+        t.plan.out / "checkpoints",
+        ckpt_io.Checkpoint(
+            step=step,
+            student=lora.trainable_state_dict(t.model.student),
+            ema=t.ema.state_dict(),
+            projections=t.model.projection_state(),
+            target=t.target.state_dict() if t.target is not None else {},
+            optimizer=t.optimizer.state_dict(),
+            rng=rng,
+            state={
+                "step": step,
+                "scheduler": t.scheduler.state_dict(),
+                "reader": t.reader.state_dict(),
+                "meta": t.meta,
+            },
+        ),
+        keep=t.cfg.keep_checkpoints,
+    )
