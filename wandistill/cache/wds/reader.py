@@ -1,46 +1,17 @@
-"""webdataset backend: POSIX tar shards, one `<key>.json` + `<key>.safetensors` pair per record.
-
-Shards are written with `webdataset.TarWriter` (no encoder: we hand it bytes, so nothing is ever
-pickled; the `.safetensors` member is streamed by its tarfile from the header and each tensor's
-own bytes, never serialised into one blob first) into a temp name, fsynced and renamed. Because
-every member name is short and the tar format is USTAR, member data offsets are computable; we
-record each record's safetensors offset and length in the manifest so the training reader can
-`pread` one recorded step directly instead of streaming the tar. Stock `webdataset.WebDataset`
-still reads these shards unchanged.
-
-Checksums (no silent wrong tensors), each byte hashed once. The training reader `pread`s one
-step's rows, so a whole-shard sha256 cannot guard it. Each record's safetensors header carries,
-in its `__metadata__`, the record key and a crc32c of every tensor (one per row of the leading
-step axis for step fields: x_t, teacher output, timesteps, features); the manifest entry's
-`crc32c` lists, per record, the crc32c of that header (8-byte length prefix + JSON) and of the
-`.json` member; its `frame_sha256` hashes every other byte of the tar: headers,
-padding and members outside the tensor data.
-Every read verifies the header against the manifest, then each tensor or row it returns against
-the header (crc32c runs at ~13 GB/s). Caches written before these checksums existed carry neither
-and are read unverified, as before. `verify` also walks the tar headers: any member that is not
-`<listed key>.json` / `<listed key>.safetensors` (a `.pth`, a `../` path, a link) is reported.
-
-Reading with stock webdataset: use `safe_decoder()` (`.decode(safe_decoder())` or
-`.map(safe_decoder())`), never webdataset's default handlers, which unpickle `.pth`/`.pyd`.
-"""
+"""Read webdataset shards: positioned reads at manifest offsets, every read checked against the
+record's checksums; `verify` walks each shard (`WebDatasetSource`)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import tarfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, BinaryIO
+from pathlib import Path
+from typing import Any
 
-import google_crc32c
-import numpy as np
 import torch
-import webdataset as wds
-from pydantic import StringConstraints
 from safetensors.torch import load as st_load
 
 from wandistill.cache.batch import BatchBuffers, empty
@@ -49,243 +20,32 @@ from wandistill.cache.contract import (
     DTYPE_NAMES_BY_SAFETENSORS,
     DTYPES_BY_NAME,
     Record,
-    canonical_json,
-    is_step_field,
-    tensor_bytes,
 )
-from wandistill.cache.files import Name, OwnMeta, RecordMeta, TensorInfo, WdsEntry
-from wandistill.checks.validate import MiB, check, inside, parse_json, rel_path_problem
+from wandistill.cache.files import OwnMeta, RecordMeta, WdsEntry
+from wandistill.cache.wds.format import (
+    _META,
+    HEAD_READ,
+    HEADER_CACHE,
+    MAX_HEADER_BYTES,
+    MEMBER_EXTS,
+    META_KEY,
+    UNSAFE_EXTS,
+    _checked_json,
+    _Metadata,
+    _Table,
+    crc32c,
+    member_name_problem,
+    tensor_checksums,
+)
+from wandistill.checks.validate import inside, rel_path_problem
 from wandistill.errors import CacheError, CorruptRecordError
 from wandistill.io.storage import LocalStorage, Storage, is_transient, open_storage
-from wandistill.runtime.workarounds import safetensors_header
-
-BLOCK = tarfile.BLOCKSIZE
-META_KEY = "wandistill"
-"""The one safetensors `__metadata__` key wandistill writes (one key: safetensors does not keep
-the order of several): JSON {"key": record key, "crc32c": {tensor: crc32c, or [crc32c per step
-row]}}."""
-MEMBER_EXTS = ("json", "safetensors")
-"""The only members a wandistill shard holds, one of each per record."""
-HEAD_READ = 4096
-"""First read of a record: the length prefix and (almost always) the whole header."""
-HEADER_CACHE = 4096
-"""Parsed record headers a WebDatasetSource keeps (a few KB each)."""
-MAX_HEADER_BYTES = 100 * MiB
-"""safetensors' own cap on a header; a longer length prefix is corruption."""
-_META = "__metadata__"
-_Metadata = dict[str, Annotated[str, StringConstraints(max_length=100 * MiB)]]
-_Table = dict[Name, TensorInfo]
-
-
-def _checked_json(data: bytes | str | None, what: str, tp: Any, obj: Any = None) -> Any:
-    """Parse (unless `obj` is given) and check one piece of a record against its schema; a
-    failure is a CacheError that the read paths turn into a CorruptRecordError."""
-    fix = "run `wandistill cache verify`; restore the shard, or pass --skip-corrupt"
-    if data is not None:  # every value is typed by `tp`: no separate walk needed
-        obj = parse_json(data, what, fix=fix, error=CacheError, walk=False)
-    return check(tp, obj, what, fix=fix, error=CacheError)
-
-
-def crc32c(data: Any) -> int:
-    """crc32c of a bytes-like object or a contiguous numpy array."""
-    return int(google_crc32c.value(data))
-
-
-def tensor_checksums(
-    tensors: dict[str, torch.Tensor], raw: dict[str, np.ndarray] | None = None
-) -> dict[str, int | list[int]]:
-    """crc32c of each tensor's bytes; step fields get one per row of their leading step axis.
-    `raw`: the tensors' bytes (`tensor_bytes`) when the caller has them already."""
-    out: dict[str, int | list[int]] = {}
-    for name, t in tensors.items():
-        data = tensor_bytes(t) if raw is None else raw[name]
-        if is_step_field(name) and t.dim() >= 1:
-            rows = int(t.shape[0])
-            out[name] = [crc32c(row) for row in data.reshape(rows, data.size // max(rows, 1))]
-        else:
-            out[name] = crc32c(data)
-    return out
-
-
-def member_name_problem(name: str) -> str | None:
-    """Why a tar member name is unsafe to use anywhere (absolute, `..`, backslash), or None."""
-    if not name:
-        return "is empty"
-    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
-        return "is an absolute path"
-    if "\\" in name:
-        return "contains a backslash"
-    if ".." in PurePosixPath(name).parts:
-        return "contains '..'"
-    return None
-
-
-def _padded(n: int) -> int:
-    return (n + BLOCK - 1) // BLOCK * BLOCK
-
-
-class _Parts:
-    """Some bytes as a list of (buffer, hashed) pieces: what `_PartReader.read` hands tarfile,
-    which only takes its `len` and passes it on to `_HashingFile.write`."""
-
-    def __init__(self, parts: list[tuple[memoryview, bool]]) -> None:
-        self.parts = parts
-        self.size = sum(len(v) for v, _ in parts)
-
-    def __len__(self) -> int:
-        return self.size
-
-
-class _PartReader:
-    """A read-only file over (buffer, hashed) pieces, read without copying a byte: a record's
-    safetensors header (hashed into the shard's frame digest) and its tensors' bytes (covered by
-    the crc32c in that header instead, so hashed once, not twice)."""
-
-    def __init__(self, parts: list[tuple[Any, bool]]) -> None:
-        self.parts = [(memoryview(v).cast("B"), hashed) for v, hashed in parts]
-        self.size = sum(len(v) for v, _ in self.parts)
-
-    def read(self, n: int) -> _Parts:
-        out: list[tuple[memoryview, bool]] = []
-        while n > 0 and self.parts:
-            view, hashed = self.parts[0]
-            out.append((view[:n], hashed))
-            if len(view) <= n:
-                self.parts.pop(0)
-            else:
-                self.parts[0] = (view[n:], hashed)
-            n -= len(out[-1][0])
-        return _Parts(out)
-
-
-class _HashingFile:
-    """A write-only file object that counts what passes through to the real file and hashes the
-    shard's frame: every byte but the records' tensor data (see `WebDatasetSink`)."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self.f = f
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes | _Parts) -> int:
-        parts = data.parts if isinstance(data, _Parts) else [(data, True)]
-        for view, hashed in parts:
-            if hashed:
-                self.sha.update(view)
-            self.f.write(view)
-        self.size += len(data)
-        return len(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def tell(self) -> int:
-        return self.size
-
-
-class _DirectTarWriter(wds.TarWriter):
-    """webdataset's TarWriter over a seekless file in plain "w:" mode, one write per member.
-
-    TarWriter opens tarfile in stream mode ("w|"), whose 10 KiB record buffer re-slices the
-    pending bytes on every write: ~28k writes and hash updates per 64 Wan records. Plain mode with
-    a large copy buffer writes each header, blob and padding once; the bytes are identical.
-    """
-
-    @staticmethod
-    def tarmode(fileobj: Any, compress: Any = None) -> str:
-        return "w:"
-
-    def __init__(self, fileobj: Any, **kw: Any) -> None:
-        super().__init__(fileobj, **kw)
-        self.tarstream.copybufsize = 1 << 30
-
-    def write_parts(self, name: str, parts: list[tuple[Any, bool]]) -> None:
-        """One member streamed from (buffer, hashed) pieces by tarfile, with the header fields
-        `TarWriter.write` gives a member (which takes only one bytes object per member)."""
-        reader = _PartReader(parts)
-        info = tarfile.TarInfo(name)
-        info.size = reader.size
-        info.mtime, info.mode = self.mtime, self.mode
-        info.uname, info.gname = self.user, self.group
-        self.tarstream.addfile(info, reader)
-
-
-class _Aborted(Exception):
-    """Thrown into a shard's upload to drop it (temp file removed, object upload aborted)."""
-
-
-class WebDatasetSink:
-    suffix = ".tar"
-
-    def __init__(self, store: Storage) -> None:
-        self.store = store
-
-    def begin(self, name: str) -> None:
-        self.rel = f"shards/{name}{self.suffix}"
-        self.upload = self.store.upload(self.rel, bulk=True)
-        self.file = self.upload.__enter__()  # left in end (publish) or abort (drop)
-        self.hashing = _HashingFile(self.file)
-        # mtime=0 and fixed owner make shard bytes a pure function of the records.
-        self.tar = _DirectTarWriter(
-            self.hashing, encoder=False, mtime=0, user="wandistill", group="wandistill"
-        )
-        self.offsets: list[list[int]] = []
-        self.crcs: list[list[int]] = []
-
-    def add(self, record: Record) -> None:
-        """Stream the record's members into the tar: no serialised blob, no copy of a tensor.
-
-        The `.safetensors` member is the header `safetensors.torch.save` would write, then each
-        tensor's own bytes. Each byte is checksummed once: tensor bytes by the crc32c (per
-        tensor, per step row) in that header, every other byte of the shard (tar headers and
-        padding, `.json` members, safetensors headers) by the entry's `frame_sha256`."""
-        meta = json.dumps(record.meta(), ensure_ascii=False).encode()
-        tensors = record.tensors()
-        raw = {name: tensor_bytes(t) for name, t in tensors.items()}
-        own = {"key": record.key, "crc32c": tensor_checksums(tensors, raw)}
-        head, order = safetensors_header(tensors, {META_KEY: canonical_json(own)})
-        parts = [(head, True)] + [(raw[name], False) for name in order]
-        start = self.tar.tarstream.offset
-        # Members in webdataset's order (sorted extensions): json, then safetensors.
-        json_off = start + BLOCK
-        st_off = json_off + _padded(len(meta)) + BLOCK
-        self.tar.write({"__key__": record.key, "json": meta})
-        self.tar.write_parts(f"{record.key}.safetensors", parts)
-        size = self.tar.tarstream.members[-1].size
-        assert self.tar.tarstream.offset == st_off + _padded(size), "tar layout changed"
-        self.offsets.append([st_off, size, json_off, len(meta)])
-        self.crcs.append([crc32c(head), crc32c(meta)])
-
-    def end(self) -> dict[str, Any]:
-        try:
-            self.tar.close()
-        except BaseException as e:
-            self._drop(e)
-            raise
-        self.upload.__exit__(None, None, None)  # fsync + rename, or complete the upload
-        return {
-            "file": self.rel,
-            "bytes": self.hashing.size,
-            "frame_sha256": self.hashing.sha.hexdigest(),
-            "offsets": self.offsets,
-            "crc32c": self.crcs,
-        }
-
-    def abort(self) -> None:
-        self._drop(_Aborted())
-
-    def _drop(self, e: BaseException) -> None:
-        with contextlib.suppress(_Aborted):
-            self.upload.__exit__(type(e), e, e.__traceback__)
-
 
 _ST_DTYPES = DTYPE_NAMES_BY_SAFETENSORS
 _Read = tuple[str, int, Any, int | None]
 """One tensor read: (name, offset in the shard, destination buffer, expected crc32c)."""
 _RECORD_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError)
 """What a damaged record or shard raises while it is read (a CorruptRecordError)."""
-UNSAFE_EXTS = frozenset({"pth", "pt", "pyd", "pkl", "pickle", "ckpt", "bin", "npy", "npz"})
-"""Extensions webdataset's default handlers (or their usual loaders) unpickle."""
 
 
 def _step_text(step: int | None) -> str:
@@ -846,147 +606,3 @@ class WebDatasetSource:
 
 
 # ---------------------------------------------------------------------- stock webdataset reads
-
-
-class UnsafeMemberError(CacheError):
-    """A webdataset member wandistill will not decode (pickle-backed, unknown, unsafe name)."""
-
-
-class CorruptMemberError(CacheError):
-    """A member read with stock webdataset whose bytes fail the checksums written with it."""
-
-
-def checked_tensors(blob: bytes) -> dict[str, torch.Tensor]:
-    """Decode a record's `.safetensors` member and check every tensor (and step row) against the
-    crc32c the writer put in its header, so a flipped byte raises instead of returning wrong
-    numbers. Members written before checksums existed carry none and are returned unverified."""
-    try:
-        hlen = int.from_bytes(blob[:8], "little")
-        if len(blob) < 8 or hlen <= 0 or 8 + hlen > len(blob):
-            raise ValueError(f"bad header length {hlen} for a {len(blob)}-byte member")
-        meta = json.loads(blob[8 : 8 + hlen]).get("__metadata__") or {}
-        own = json.loads(meta[META_KEY]) if META_KEY in meta else None
-        tensors = st_load(blob)
-    except Exception as e:  # safetensors / json raise their own types on damaged bytes
-        raise CorruptMemberError(
-            f"a .safetensors member cannot be decoded ({type(e).__name__}: {e})",
-            fix="run `wandistill cache verify` on the cache",
-        ) from None
-    if own is None:
-        return tensors
-    want, got = own.get("crc32c", {}), tensor_checksums(tensors)
-    bad = sorted(n for n in set(want) | set(got) if want.get(n) != got.get(n))
-    if bad:
-        name = bad[0]
-        w, g = want.get(name), got.get(name)
-        pairs = zip(w, g, strict=False) if isinstance(w, list) and isinstance(g, list) else ()
-        rows = [i for i, (a, b) in enumerate(pairs) if a != b]
-        where = f" step {rows[0]}" if rows else ""
-        raise CorruptMemberError(
-            f"record {own.get('key')}: tensor {name!r}{where} fails its crc32c check (its bytes "
-            f"changed after they were written; {len(bad)} tensor(s) differ)",
-            fix="run `wandistill cache verify` on the cache; restore the shard",
-        )
-    return tensors
-
-
-_SAFE_DECODERS: dict[str, Callable[[bytes], Any]] = {
-    "json": json.loads,
-    "safetensors": checked_tensors,
-    "txt": lambda data: data.decode("utf-8"),
-}
-
-
-class SafeDecoder:
-    """Decode wandistill shards read with stock webdataset, with no pickle anywhere.
-
-    `.decode(safe_decoder())`: a webdataset handler `(".ext", bytes)`; it decodes `.json`,
-    `.safetensors` and `.txt` and raises `UnsafeMemberError` for every other extension, so
-    webdataset's default post-handlers (which unpickle `.pth`/`.pyd`) are never reached.
-    `.map(safe_decoder())`: decodes a whole sample the same way and also refuses a sample whose
-    `__key__` is an absolute path or contains `..`, or whose members name another record.
-
-    Checksums are verified by default: every tensor (every step row of x_t, teacher output,
-    timesteps, features) against the crc32c in its own header (`CorruptMemberError` on a
-    mismatch). `verify=False` skips that (e.g. to salvage what is readable of a damaged shard).
-    """
-
-    def __init__(self, *, verify: bool = True, cache: str | Path | None = None) -> None:
-        self.verify = verify
-        self.codec: Any = None
-        """With `cache`: its fields' storage options, so tensors come back decoded (fp8 with
-        its scale, bf16, ... -> the dtype the record had; wandistill/cache/encoding.py)."""
-        if cache is not None:
-            from wandistill.cache.encoding import RecordCodec
-            from wandistill.cache.manifest import read_manifest
-
-            self.codec = RecordCodec(read_manifest(cache).fields)
-
-    def __call__(self, key_or_sample: str | dict[str, Any], data: bytes | None = None) -> Any:
-        if isinstance(key_or_sample, dict):
-            return self.decode_sample(key_or_sample)
-        return self.decode_member(key_or_sample, data if data is not None else b"")
-
-    def decode_member(self, key: str, data: bytes) -> Any:
-        ext = key.rsplit(".", 1)[-1].lower()
-        decode = _SAFE_DECODERS.get(ext)
-        if decode is None:
-            why = "pickle-backed" if ext in UNSAFE_EXTS else "not a wandistill member"
-            raise UnsafeMemberError(
-                f"refusing to decode member extension {ext!r} ({why}); wandistill shards hold "
-                "only .json and .safetensors members",
-                fix="run `wandistill cache verify` on the cache",
-            )
-        if ext == "safetensors" and not self.verify:
-            tensors = st_load(data)
-        else:
-            tensors = decode(data)
-        if ext == "safetensors" and self.codec is not None:
-            return self.codec.decode(tensors)
-        return tensors
-
-    def decode_sample(self, sample: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in sample.items():
-            if k.startswith("__"):
-                if k == "__key__" and (problem := member_name_problem(str(v))):
-                    raise UnsafeMemberError(f"refusing sample {str(v)!r}: its name {problem}")
-                out[k] = v
-                continue
-            out[k] = self.decode_member(k, v)
-        meta = out.get("json")
-        if self.verify and isinstance(meta, dict) and "__key__" in out:
-            if meta.get("key") not in (None, out["__key__"]):
-                raise CorruptMemberError(
-                    f"sample {out['__key__']}: its .json member names record {meta.get('key')!r}",
-                    fix="run `wandistill cache verify` on the cache",
-                )
-        return out
-
-
-def safe_decoder(*, verify: bool = True, cache: str | Path | None = None) -> SafeDecoder:
-    """A decoder for stock webdataset reads of a cache: `.decode(safe_decoder())` or `.map(...)`;
-    every tensor is checked against its crc32c unless `verify=False`. Pass `cache` (its
-    directory) to get tensors decoded from the cache's storage dtypes; without it they come back
-    as stored (an fp8 field with its `scale.<field>` tensor)."""
-    return SafeDecoder(verify=verify, cache=cache)
-
-
-def iter_members(path: str | Path) -> Iterator[tarfile.TarInfo]:
-    """List a tar's members (never extracting), refusing absolute and `..` names and links."""
-    with tarfile.open(path, "r:") as tar:
-        for m in tar:
-            problem = member_name_problem(m.name)
-            if problem:
-                raise UnsafeMemberError(f"tar {str(path)!r}: member {m.name!r} {problem}")
-            if not m.isreg():
-                raise UnsafeMemberError(f"tar {str(path)!r}: member {m.name!r} is not a file")
-            yield m
-
-
-def tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
-    """A writable tensor over a copy of `data` (frombuffer refuses empty and read-only buffers)."""
-    tdtype = DTYPES_BY_NAME[dtype]
-    if not data:
-        return torch.empty(shape, dtype=tdtype)
-    return torch.frombuffer(bytearray(data), dtype=tdtype).reshape(shape)
