@@ -87,3 +87,16 @@ def _padded(n: int) -> int:
 
 UNSAFE_EXTS = frozenset({"pth", "pt", "pyd", "pkl", "pickle", "ckpt", "bin", "npy", "npz"})
 """Extensions webdataset's default handlers (or their usual loaders) unpickle."""
+
+
+def _describe(e: BaseException) -> str:
+    """One line for a failed read (the caller names shard and record)."""
+    if isinstance(e, CacheError):
+        return e.message
+    if isinstance(e, FileNotFoundError):
+        return f"shard file {e.filename} is missing"
+    if isinstance(e, KeyError):
+        return str(e.args[0]) if e.args else "KeyError"
+    if type(e) in (ValueError, EOFError, IndexError):  # raised here, already worded
+        return str(e)
+    return f"{type(e).__name__}: {e}"
