@@ -43,17 +43,16 @@ import functools
 import inspect
 import json
 import os
-import platform
-import resource
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +64,17 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).parent))  # the harness, next to this script
+from harness import (  # noqa: E402
+    bootstrap_interval,
+    busy_cpu_seconds,
+    environment,
+    machine_line,
+    own_cpu_seconds,
+    paired_ratios,
+    write_json,
+)
 
 from wandistill.cache import CacheWriter, Record, record_key
 from wandistill.cache.contract import field_specs, pad_embeds
@@ -219,17 +229,8 @@ def resident_bytes(files: list[Path]) -> int | None:
 
 
 def machine_info(out: Path) -> dict[str, str]:
-    info: dict[str, str] = {}
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = "?"
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
-        mem = f"{kb / 1024**2:.1f} GiB"
+    """What this bench adds to the harness's machine line: the filesystem under --out and the
+    storage libraries' versions."""
     fs = "?"
     with contextlib.suppress(OSError):
         best = ""
@@ -243,33 +244,10 @@ def machine_info(out: Path) -> dict[str, str]:
             versions.append(f"{mod} {__import__(mod).__version__}")
         except Exception:
             versions.append(f"{mod} ?")
-    info["cpu"] = f"{cpu}, nproc={len(os.sched_getaffinity(0))}"
-    info["ram"] = mem
-    info["os"] = f"{platform.system()} {platform.release()}"
-    info["python"] = platform.python_version()
-    info["torch"] = f"{torch.__version__} (intra-op threads {torch.get_num_threads()})"
-    info["libs"] = ", ".join(versions)
-    info["filesystem"] = fs
-    return info
+    return {"libs": ", ".join(versions), "filesystem": fs}
 
 
 # --------------------------------------------------------------------------------- results
-
-
-def _busy_seconds() -> float:
-    """CPU seconds every process on the machine has used so far (/proc/stat)."""
-    with contextlib.suppress(OSError, ValueError):
-        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f[1:9])
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    return float("nan")
-
-
-def _own_seconds() -> float:
-    """CPU seconds of this process (all threads) and its reaped children (workers, cat)."""
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 @dataclass
@@ -308,11 +286,11 @@ def measure(
     name: str, body: Callable[[], tuple[int, int]], dev: tuple[int, int], cache: str = ""
 ) -> Leg:
     """Time `body` (returns samples, bytes) with its CPU, device reads and others' CPU."""
-    d0, b0, c0 = disk_read_bytes(dev), _busy_seconds(), _own_seconds()
+    d0, b0, c0 = disk_read_bytes(dev), busy_cpu_seconds(), own_cpu_seconds()
     t0 = time.perf_counter()
     samples, payload = body()
     dt = time.perf_counter() - t0
-    d1, b1, c1 = disk_read_bytes(dev), _busy_seconds(), _own_seconds()
+    d1, b1, c1 = disk_read_bytes(dev), busy_cpu_seconds(), own_cpu_seconds()
     disk = None if d0 is None or d1 is None else d1 - d0
     others = max(0.0, (b1 - b0) - (c1 - c0)) / dt if dt else 0.0
     leg = Leg(name, dt, samples, payload, disk, c1 - c0, others, cache)
@@ -509,6 +487,17 @@ def _stock_steps(src: Iterator[tuple[dict[str, torch.Tensor], dict[str, Any]]]) 
             }
 
 
+def drain(batches: Iterable[dict[str, Any]], check: Checker, label: str) -> tuple[int, int]:
+    """Every batch of a baseline's loader, checked: (samples, the bytes they needed)."""
+    samples = payload = 0
+    check.checked = 0
+    for batch in batches:
+        samples += len(batch["key"])
+        payload += batch_payload(batch)
+        check(batch, label)
+    return samples, payload
+
+
 def read_stock_wds(
     urls: list[str], batch_size: int, workers: int, check: Checker
 ) -> tuple[int, int]:
@@ -520,13 +509,7 @@ def read_stock_wds(
         .compose(_stock_steps)
     )
     loader = DataLoader(ds, batch_size=batch_size, num_workers=workers)
-    samples = payload = 0
-    check.checked = 0
-    for batch in loader:
-        samples += len(batch["key"])
-        payload += batch_payload(batch)
-        check(batch, "stock webdataset")
-    return samples, payload
+    return drain(loader, check, "stock webdataset")
 
 
 class PerFileSteps(Dataset):
@@ -562,13 +545,7 @@ def read_files(
     loader = DataLoader(
         ds, batch_size=batch_size, sampler=order, num_workers=workers, drop_last=True
     )
-    samples = payload = 0
-    check.checked = 0
-    for batch in loader:
-        samples += len(batch["key"])
-        payload += batch_payload(batch)
-        check(batch, "per-file safetensors")
-    return samples, payload
+    return drain(loader, check, "per-file safetensors")
 
 
 def read_raw(files: list[Path]) -> tuple[int, int]:
@@ -739,7 +716,7 @@ def fsspec_legs(args: Any, records: list[Record], out: Path, check: Checker) -> 
     the S3 server holds the objects in memory)."""
     dtype = DTYPES[args.dtype]
     dev = device_of(out)
-    rows: list[tuple[str, Leg, Leg]] = []
+    rows: list[tuple[str, Leg, Leg, list[float] | None]] = []
     backends = [b for b in args.backends.split(",") if b]
     with moto_process() as bucket:
         places = [(f"{b} {w}", b, out / b if w == "local" else f"{bucket}-{b}")
@@ -758,18 +735,29 @@ def fsspec_legs(args: Any, records: list[Record], out: Path, check: Checker) -> 
                 )
                 reads.append(measure(f"{where} TrainingReader", body, dev))
                 raws.append(measure(f"{where} raw reads of the same bytes", raw, dev))
-            rows.append((where, median_leg(reads), median_leg(raws)))
+            rounds = {"reader": reads, "raw": raws}
+            pair = paired_interval(rounds, "reader", "raw", lambda leg: 1 / leg.seconds)
+            rows.append((where, median_leg(reads), median_leg(raws), pair))
     # Both legs move the same byte ranges (the raw leg also counts the header bytes, which the
     # reader's MB/s leaves out), so the ratio is one of times: raw seconds / reader seconds.
-    print("\n| storage | reader s | reader MB/s | raw same-ranges s | ratio (raw s / reader s) |")
-    print("|---|---|---|---|---|")
-    for where, rd, rw in rows:
+    print(
+        "\n| storage | reader s | reader MB/s | raw same-ranges s | ratio (raw s / reader s) "
+        "| paired rounds, 95% interval |"
+    )
+    print("|---|---|---|---|---|---|")
+    found = []
+    for where, rd, rw, pair in rows:
         ratio = rw.seconds / rd.seconds if rd.seconds else 0.0
         target = 0.9 if where.endswith("local") else 0.8
+        span = "-" if pair is None else f"{pair[0]:.2f}x ({pair[1]:.2f}-{pair[2]:.2f}x)"
         print(
             f"| {where} | {rd.seconds:.2f} {rd.runs} | {rd.mbps:.0f} | {rw.seconds:.3f} {rw.runs} "
-            f"| {verdict(ratio, target)} |"
+            f"| {verdict(ratio, target)} | {span} |"
         )
+        found.append({"storage": where, "reader": vars(rd), "raw": vars(rw), "ratio": ratio})
+        found[-1]["paired_interval"] = pair
+    if args.json:
+        write_json(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": found})
     return 0
 
 
@@ -859,6 +847,19 @@ def print_table(title: str, legs: list[Leg], *, read: bool) -> None:
         print(row + "  " + "; ".join(extra))
 
 
+def paired_interval(
+    runs: dict[str, list[Leg]], leg: str, base: str, rate: Callable[[Leg], float]
+) -> list[float] | None:
+    """[median, low, high] of `rate(leg) / rate(base)` per round (both ran in every round, back
+    to back, so drift between rounds cancels) with its 95% bootstrap interval; None when either
+    leg missed a round."""
+    a, b = runs.get(leg, []), runs.get(base, [])
+    if not a or len(a) != len(b):
+        return None
+    ratios = paired_ratios([rate(x) for x in a], [rate(x) for x in b])
+    return [statistics.median(ratios), *bootstrap_interval(ratios)]
+
+
 def verdict(ratio: float, target: float) -> str:
     return f"{ratio:5.2f}x (target >= {target:g}x: {'met' if ratio >= target else 'MISSED'})"
 
@@ -940,6 +941,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(out)
     cmd = " ".join(shlex.quote(a) for a in [sys.executable.rsplit("/", 1)[-1], *sys.argv])
     print(f"command: {cmd}")
+    print(machine_line())
     for k, v in info.items():
         print(f"{k:>10}: {v}")
     free = shutil.disk_usage(out).free
@@ -1099,7 +1101,7 @@ def main(argv: list[str] | None = None) -> int:
         f"batch {args.batch_size}, median of {args.repeats} run(s)"
     )
     print(f"command: {cmd}")
-    print("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()))
+    print(machine_line() + "; " + "; ".join(f"{k} {v}" for k, v in info.items()))
     print(
         f"page cache before each read leg: {reads[0].cache if reads else '-'}"
         + (f" [drop_caches: {drop.drop_error}]" if drop.drop_error else "")
@@ -1114,6 +1116,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {backend + ' ' + label:<48} {value}")
 
     ratios: dict[str, float] = {}
+    intervals: dict[str, list[float]] = {}
+    rounds = {**w_runs, **r_runs}
+
+    def paired(key: str, leg: str, base: str, rate: Callable[[Leg], float]) -> None:
+        """The same ratio per round, paired: its median and 95% interval under the verdict."""
+        got = paired_interval(rounds, leg, base, rate)
+        if got is not None and args.repeats > 1:
+            intervals[key] = got
+            print(f"  {'':<48}   paired rounds: {got[0]:.2f}x, 95% {got[1]:.2f}-{got[2]:.2f}x")
+
     for backend in backends:
         if backend in skipped or backend not in caches:
             print(f"  {backend}: skipped ({skipped.get(backend, 'not run')})")
@@ -1125,6 +1137,12 @@ def main(argv: list[str] | None = None) -> int:
         ratios[f"{backend}.write_cpu_vs_files"] = r3 = base.cpu / w.cpu
         line(backend, "write vs per-file (no fsync)", verdict(r1, 1.0))
         line(backend, "write vs per-file + fsync", verdict(r2, 1.0))
+        paired(
+            f"{backend}.write_vs_files_fsync",
+            w.name,
+            durable.name,
+            lambda leg: 1 / leg.seconds,
+        )
         line(backend, "write CPU-s vs per-file (no fsync)", f"{r3:5.2f}x (info: CPU efficiency)")
         tr = by.get(f"TrainingReader {backend}")
         if tr is None:
@@ -1132,6 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
         raw = by[f"raw cat {backend} files"]
         ratios[f"{backend}.read_vs_raw"] = r = tr.mbps / raw.mbps
         line(backend, "read MB/s vs raw cat", verdict(r, 0.9))
+        paired(f"{backend}.read_vs_raw", tr.name, raw.name, lambda leg: leg.mbps)
         same = by.get(f"raw preads {backend} ranges")
         if same is not None:
             ratios[f"{backend}.read_vs_own_ranges"] = r = same.seconds / tr.seconds
@@ -1145,6 +1164,7 @@ def main(argv: list[str] | None = None) -> int:
         if stock is not None:
             ratios[f"{backend}.read_vs_stock_wds"] = r = tr.sps / stock.sps
             line(backend, "read samples/s vs stock webdataset", verdict(r, 1.5))
+            paired(f"{backend}.read_vs_stock_wds", tr.name, stock.name, lambda leg: leg.sps)
         files_leg = by["per-file safe_open+DataLoader"]
         ratios[f"{backend}.read_vs_files"] = r = tr.sps / files_leg.sps
         line(backend, "read samples/s vs per-file safe_open", f"{r:5.2f}x (info)")
@@ -1155,19 +1175,18 @@ def main(argv: list[str] | None = None) -> int:
             "(see the 'others' column); those figures are noisy"
         )
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "command": cmd,
-                    "machine": info,
-                    "args": {k: str(v) for k, v in vars(args).items()},
-                    "writes": [vars(x) for x in writes],
-                    "reads": [vars(x) for x in reads],
-                    "ratios": ratios,
-                    "skipped": skipped,
-                },
-                indent=1,
-            )
+        write_json(
+            args.json,
+            {
+                "command": cmd,
+                "environment": environment() | info,
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "writes": [vars(x) for x in writes],
+                "reads": [vars(x) for x in reads],
+                "ratios": ratios,
+                "paired_intervals": intervals,
+                "skipped": skipped,
+            },
         )
     return 0
 

@@ -21,8 +21,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from harness import MiB, machine_line, max_rss_bytes  # tests/bench, next to this script
+from harness import MiB, machine_line, max_rss_bytes, write_json  # tests/bench, next to this script
 
 REPO = Path(__file__).parents[2]
 DEMO_HELD_OUT = 26
@@ -102,6 +103,7 @@ def main() -> None:
     ap.add_argument("--times", type=int, nargs="+", default=[1, 10, 100])
     ap.add_argument("--repo", type=Path, action="append", default=[], help="baseline checkout")
     ap.add_argument("--work", type=Path, help="keep the cache and run here (default: a temp dir)")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--child", nargs=4, metavar=("CACHE", "RUN", "OUT", "RECORDS"))
     args = ap.parse_args()
     if args.child:
@@ -116,8 +118,9 @@ def main() -> None:
             if (work / "run").exists()
             else build(work, args.n * max(args.times))
         )
+        found: dict[str, list[dict[str, Any]]] = {}
         for repo in [REPO, *args.repo]:
-            rows = [measure(repo, cache, run, args.n * t) for t in args.times]
+            rows = found[str(repo)] = [measure(repo, cache, run, args.n * t) for t in args.times]
             base = rows[0]["peak_rss_mib"]
             for r in rows:
                 print(
@@ -126,6 +129,8 @@ def main() -> None:
                     f"vs {rows[0]['records']}), {r['seconds']:6.1f} s, latent MSE "
                     f"{r['latent_mse']:.6f}"
                 )
+    if args.json:
+        write_json(args.json, {"command": " ".join(sys.argv), "rows_by_checkout": found})
 
 
 if __name__ == "__main__":

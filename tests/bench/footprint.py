@@ -30,14 +30,13 @@ Not a pytest test (tests/bench is excluded from collection).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from harness import machine_line  # tests/bench, next to this script
+from harness import machine_line, write_json  # tests/bench, next to this script
 
 from wandistill.cache.contract import Record, field_specs, record_key
 from wandistill.cache.encoding import STORE_DTYPES, Encoding
@@ -202,7 +201,7 @@ def main() -> None:
         for field, (mx, rms) in row.items():
             print(f"| {choice} | {field} | {mx:.3g} | {rms:.3g} |")
     if args.json:
-        args.json.write_text(json.dumps({"layouts": results, "errors": errs}, indent=1))
+        write_json(args.json, {"layouts": results, "errors": errs})
     shutil.rmtree(args.out, ignore_errors=True)
 
 

@@ -988,7 +988,7 @@ def train_leg(ctx: Ctx, args: list[str], out: Path) -> dict[str, Any]:
 
 
 def storage(sec: Section, ctx: Ctx) -> None:
-    """The two benches docs/benchmarks.md names for the GPU box, at bounded sizes, each called
+    """The two storage benches (cache_io.py, precompute_write.py), at bounded sizes, each called
     through its `main(argv)` in this process (its output captured): what they measure is the
     disk and the writer thread, which a process of their own would not change."""
     cio_json = ctx.work / "cache_io.json"

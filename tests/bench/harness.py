@@ -1,11 +1,14 @@
 """What every bench needs around its legs: the machine, memory peaks, and results on disk.
 
 Why one module: each bench printed its own machine line and sampled memory its own way, so
-figures from two benches could not be put side by side (issue 26, item 8). `gpu.py` uses all
-of it; the older benches can move here one at a time.
+figures from two benches could not be put side by side (issue 26, item 8). Every bench under
+tests/bench prints `machine_line()` (gpu.py and scale.py write `environment()` through
+`Report`) and writes its `--json` through `write_json`.
 
-* `environment()`: host, cores, load, versions, git commit, and each visible GPU;
-  `machine_line()`: the same as the one line a bench prints above its table;
+* `environment()`: host, CPU model, cores, RAM, load, versions, git commit, and each visible
+  GPU; `machine_line()`: the same as the one line a bench prints above its table;
+* `busy_cpu_seconds()` / `own_cpu_seconds()`: the whole machine's CPU time and this process's
+  (with its reaped children), so a leg can say how many cores other processes took meanwhile;
 * `Peak`: a thread sampling this process's RSS (anonymous and file-backed) and, on CUDA, the
   device's used memory (total - free, which counts the CUDA context the allocator's figures
   leave out), every 5 ms; the maxima above the figures at the start;
@@ -13,11 +16,13 @@ of it; the older benches can move here one at a time.
 * `paired_ratios` / `bootstrap_interval`: leg / baseline of the same round, so drift between
   rounds cancels, and a 95% interval of their median;
 * `Report`: sections of results rewritten as JSON and Markdown (atomically) after every change,
-  so a run killed half-way leaves everything it finished.
+  so a run killed half-way leaves everything it finished; `write_json()`: one bench's figures as
+  one JSON file, with the environment and the peak RSS beside them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -48,13 +53,31 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def _ram_bytes() -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) * 1024
+    return None
+
+
 def environment() -> dict[str, Any]:
     """The machine and software a result came from (GPUs only where torch sees CUDA)."""
     import torch
 
     env: dict[str, Any] = {
         "host": platform.node(),
+        "cpu_model": _cpu_model(),
         "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "ram_bytes": _ram_bytes(),
+        "os": f"{platform.system()} {platform.release()}",
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -85,10 +108,34 @@ def machine_line() -> str:
     """`environment()` as the one `machine:` line a bench prints above its table."""
     env = environment()
     gpus = ", ".join(g["name"] for g in env["gpus"]) or "no GPU"
+    ram = "?" if env["ram_bytes"] is None else f"{env['ram_bytes'] / GiB:.1f} GiB"
     return (
-        f"machine: {env['host']}, {env['cpus']} cpus, load {env['load_average'][0]}, "
-        f"python {env['python']}, torch {env['torch']}, commit {env['commit']}, {gpus}"
+        f"machine: {env['host']}, {env['cpu_model']}, {env['cpus']} cpus, {ram}, "
+        f"load {env['load_average'][0]}, python {env['python']}, torch {env['torch']} "
+        f"({env['torch_threads']} threads), diffusers {env['diffusers']}, "
+        f"commit {env['commit']}, {gpus}"
     )
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds every process on the machine has used so far (/proc/stat; nan elsewhere)."""
+    with contextlib.suppress(OSError, ValueError):
+        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f[1:9])
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return float("nan")
+
+
+def own_cpu_seconds(children_only: bool = False) -> float:
+    """CPU seconds of this process (all threads) and its reaped children; the children alone
+    where the work ran in subprocesses. Subtracted from `busy_cpu_seconds()` over a leg, it
+    leaves what other processes took meanwhile."""
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = kids.ru_utime + kids.ru_stime
+    if not children_only:
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        total += me.ru_utime + me.ru_stime
+    return total
 
 
 def proc_status() -> dict[str, int]:
@@ -198,6 +245,13 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(_cell(row.get(k)) for k in keys) + " |" for row in rows]
     return lines
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    """`data` with `environment` (unless it has one) and this process's `max_rss_bytes`, written
+    atomically: a bench's `--json FILE`."""
+    out = {"environment": environment(), **data, "max_rss_bytes": max_rss_bytes()}
+    atomic_write_text(Path(path), json.dumps(out, indent=1, default=str) + "\n")
 
 
 class Report:

@@ -18,7 +18,6 @@ Not a pytest test.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from harness import environment, machine_line, paired_ratios  # noqa: E402  (tests/bench)
+from harness import environment, machine_line, paired_ratios, write_json  # noqa: E402  (tests/bench)
 
 from wandistill.cache.training import TrainingReader  # noqa: E402
 from wandistill.config import load_recipe  # noqa: E402
@@ -149,7 +148,7 @@ def main() -> None:
         )
     print(machine_line())
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import machine_line  # tests/bench, next to this script
+from harness import machine_line, write_json  # tests/bench, next to this script
 
 REPO = Path(__file__).parents[2]
 
@@ -67,6 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=96)
     ap.add_argument("--parts", type=int, default=3)
+    ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     from wandistill.teacher.tiny import make_tiny_teacher
 
@@ -99,6 +100,9 @@ def main() -> None:
             f"job), max {max(times):.1f} s ({max(times) / whole:.2f}x); union equals one job, "
             f"record for record: {same}"
         )
+    if args.json:
+        figures = {"one_job_s": whole, "parts_s": times, "part_records": counts}
+        write_json(args.json, {"command": " ".join(sys.argv), **figures, "same_records": same})
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from harness import machine_line  # tests/bench, next to this script
+
 ROOT = Path(__file__).parents[2]
 GiB = 1 << 30
 SIZES = {"height": 128, "width": 128, "num_frames": 5}  # 2 latent frames x 8 x 8 = 128 tokens;
@@ -216,6 +218,7 @@ def main() -> None:
     estimates = plan_estimates(teacher)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     act = _size(estimates["activations"])
+    print(f"# {' '.join(sys.argv)}\n# {machine_line()}")
     print(f"teacher {args.teacher}, bf16, {SIZES}, plan's activation estimate {act}, work {work}\n")
     print(
         "| placement | plan: weights + act. | peak anon | /plan | peak RSS | /plan "

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 from cache_io import prefault  # tests/bench, next to this script
-from harness import bootstrap_interval
+from harness import bootstrap_interval, machine_line
 
 from wandistill.cache.background import BackgroundWriter as _BACKGROUND
 
@@ -257,12 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                 shutil.rmtree(target, ignore_errors=True)
         legs = {name: min(ts) for name, ts in runs.items()}
         print(f"# {' '.join(sys.argv)}")
-        print(
-            f"# {platform.node()} {os.cpu_count()} cpus, load average "
-            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, python "
-            f"{platform.python_version()}, torch {torch.__version__}, "
-            f"threads {torch.get_num_threads()}"
-        )
+        print(f"# {machine_line()}")
         print(
             f"# {args.prompts} prompts, {args.steps} steps, guidance {args.guidance}, "
             f"batch {args.batch_size}, backend {args.backend}, store {args.store_dtype}, "

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import shutil
 import statistics
 import sys
@@ -49,6 +48,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from harness import write_json  # tests/bench, next to this script
 
 
 def load_train_bench() -> ModuleType:
@@ -64,10 +64,13 @@ def load_train_bench() -> ModuleType:
 
 def scores(run: Path, cache: Path) -> dict[str, Any]:
     from wandistill.eval.run import evaluate
+    from wandistill.student.folders import read_run
 
     out: dict[str, Any] = {}
     for name in ("student", "student_ema"):
-        ev = evaluate(cache, run / name, run / f"eval-{name}", teacher=None, split="holdout")
+        student = read_run(run, ema=name == "student_ema")  # evaluate takes the typed run
+        out_dir = run.parent / f"eval-{run.name}-{name}"  # eval never writes inside its --run
+        ev = evaluate(cache, student, out_dir, teacher=None, split="holdout")
         out[name] = {
             "records": ev.records,
             "latent_mse": ev.latent_mse,
@@ -225,7 +228,7 @@ def report(
                 f"negative prompt): break-even after {breakeven_credited:.2f} epochs"
             )
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args), **figures}, default=str, indent=1))
+        write_json(args.json, {"command": " ".join(sys.argv), "args": vars(args), **figures})
 
 
 if __name__ == "__main__":

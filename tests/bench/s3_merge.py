@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from harness import environment  # noqa: E402  (tests/bench)
+from harness import machine_line, write_json  # noqa: E402  (tests/bench)
 
 from wandistill.cache import CacheWriter, Record, record_key  # noqa: E402
 from wandistill.cache.contract import field_specs  # noqa: E402
@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--backend", default="webdataset", choices=["webdataset", "zarr"])
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
+    print(f"# {' '.join(sys.argv)}\n# {machine_line()}", flush=True)
     latent = tuple(int(x) for x in a.latent.split(","))
     spans = [range(n * a.records, (n + 1) * a.records) for n in range(a.caches)]
     with tempfile.TemporaryDirectory() as tmp, s3_server():
@@ -132,7 +133,6 @@ def main() -> None:
             leg("s3 -> local (download)", remote, Path(tmp) / "m3", total),
         ]
     meta = {
-        "machine": environment(),
         "backend": a.backend,
         "caches": a.caches,
         "records_per_cache": a.records,
@@ -140,7 +140,7 @@ def main() -> None:
         "store": "moto S3 server on 127.0.0.1 (in-process)",
     }
     if a.json:
-        a.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        write_json(a.json, {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness import machine_line, write_json  # tests/bench, next to this script
+
 ROOT = Path(__file__).parents[2]
 CASES = ("stalled", "unreachable", "not_s3", "follow", "rendezvous", "plan")
 """The cases' names, in the order they run (`--only`)."""
@@ -101,6 +103,7 @@ def main() -> None:
     ap.add_argument("--real", type=Path, default=None, help="tests/realfiles.py output to reuse")
     ap.add_argument("--only", nargs="+", choices=CASES, default=list(CASES))
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     from s3server import hostile_endpoints  # tests/ is on sys.path (above)
 
     with hostile_endpoints() as ends:  # stopped when the cases are done
@@ -141,7 +144,7 @@ def measure(args: argparse.Namespace, ends: dict[str, str]) -> None:
         f"{max(r['longest_gap_s'] for r in results)} s"
     )
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.json, {"command": " ".join(sys.argv), "cases": results})
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import machine_line
+from harness import bootstrap_interval, machine_line, max_rss_bytes, paired_ratios, write_json
 
 RECIPE = "tiny-fewstep"
 OBJECTIVES = {
@@ -231,7 +231,11 @@ def speed(work: Path, run: Path, teacher: Path, prompts: list[str]) -> dict[str,
         out[name] = {
             "seconds_per_sample": statistics.median(times),
             "forwards_per_sample": call["num_inference_steps"] * (2 if cfg else 1),
+            "seconds": times,
         }
+    student, teacher_leg = (out[name]["seconds"] for name in legs)
+    per_prompt = paired_ratios(teacher_leg, student)  # the same prompt and noise in both legs
+    out["speedup_per_prompt"] = [statistics.median(per_prompt), *bootstrap_interval(per_prompt)]
     return out
 
 
@@ -321,10 +325,14 @@ def main() -> None:
     if best is not None:
         held_out = (args.work / "eval.txt").read_text().splitlines()[:8]
         timing = speed(args.work, runs[best], teacher, held_out)
+        med, lo, hi = timing.pop("speedup_per_prompt")
         for name, t in timing.items():
             print(f"{name}: {t['seconds_per_sample']:.4f} s/sample, {t['forwards_per_sample']} fwd")
+        print(f"speed-up, paired per prompt: {med:.1f}x, 95% {lo:.1f}-{hi:.1f}x")
+        timing["speedup_per_prompt"] = [med, lo, hi]
+    print(f"# peak RSS {max_rss_bytes() / 2**20:.0f} MiB", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "speed": timing}, indent=1))
+        write_json(args.json, {"command": " ".join(sys.argv), "results": results, "speed": timing})
 
 
 if __name__ == "__main__":

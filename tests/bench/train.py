@@ -54,12 +54,8 @@ of (a) vs (c). Targets (issue 4, item 7): (a)/(c) >= 0.95, data wait of (a) <= 2
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
-import os
-import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -71,7 +67,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import max_rss_bytes  # tests/bench, next to this script
+from harness import (  # tests/bench, next to this script
+    bootstrap_interval,
+    busy_cpu_seconds,
+    machine_line,
+    max_rss_bytes,
+    own_cpu_seconds,
+    paired_ratios,
+    proc_status,
+    write_json,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "pipelines" / "tiny.toml"
@@ -348,14 +353,6 @@ class Online(_Source):
 # --------------------------------------------------------------------------------- one leg
 
 
-def rss_now() -> int:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def run_loop(cfg: Any, make_source: Callable[[Any], _Source] | None) -> dict[str, Any]:
     """`wandistill.train.run(cfg)` when make_source is None; else the same validate -> setup ->
     fit -> export with the trainer's TrainingReader swapped for another batch source."""
@@ -405,7 +402,7 @@ def child(spec_path: Path) -> None:
     from wandistill.config import load_recipe
     from wandistill.train import loop  # noqa: F401
 
-    rss0 = rss_now()
+    rss0 = proc_status().get("VmRSS", 0)
     recipe = load_recipe(RECIPE, spec["overrides"])
     cfg, pre_batch = recipe.train, recipe.precompute.sampler.batch_size
     leg, teacher, seed = spec["leg"], Path(spec["teacher"]), spec["online_seed"]
@@ -441,20 +438,6 @@ def child(spec_path: Path) -> None:
 # --------------------------------------------------------------------------------- parent
 
 
-def busy_seconds() -> float:
-    """CPU seconds every process on the machine has used so far (/proc/stat)."""
-    with contextlib.suppress(OSError, ValueError):
-        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f[1:9])
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    return float("nan")
-
-
-def children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def spawn_leg(
     leg: str, overrides: list[str], work: Path, tag: str, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -469,7 +452,7 @@ def spawn_leg(
     spec_path = work / f"spec-{tag}.json"
     spec_path.write_text(json.dumps(spec))
     log = work / f"log-{tag}.txt"
-    b0, c0, t0 = busy_seconds(), children_cpu(), time.perf_counter()
+    b0, c0, t0 = busy_cpu_seconds(), own_cpu_seconds(children_only=True), time.perf_counter()
     with open(log, "w") as fh:
         proc = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)],
@@ -478,13 +461,13 @@ def spawn_leg(
             cwd=REPO,
         )
     wall = time.perf_counter() - t0
-    cpu = children_cpu() - c0
+    cpu = own_cpu_seconds(children_only=True) - c0
     if proc.returncode != 0:
         sys.stderr.write(log.read_text()[-4000:])
         raise SystemExit(f"leg {leg} failed (exit {proc.returncode}); log: {log}")
     res = json.loads(Path(spec["result"]).read_text())
     res["cpu_seconds"] = cpu
-    res["others_cores"] = max(0.0, (busy_seconds() - b0) - cpu) / wall
+    res["others_cores"] = max(0.0, (busy_cpu_seconds() - b0) - cpu) / wall
     res["process_seconds"] = wall
     return summarize(res)
 
@@ -526,29 +509,18 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def paired_rounds(xs: list[dict[str, Any]], ys: list[dict[str, Any]]) -> list[float]:
+    """[median, low, high] of round r's (x) steady steps/s over round r's (y), with the 95%
+    interval: the legs of a round ran back to back, so load that drifts between rounds cancels."""
+    ratios = paired_ratios(
+        [r["steady"]["steps_per_s"] for r in xs], [r["steady"]["steps_per_s"] for r in ys]
+    )
+    return [statistics.median(ratios), *bootstrap_interval(ratios)]
+
+
 def student_digest(out: Path) -> str:
     f = out / "student" / "diffusion_pytorch_model.safetensors"
     return hashlib.sha256(f.read_bytes()).hexdigest()[:16] if f.is_file() else "-"
-
-
-def machine() -> str:
-    mem = "?"
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
-        mem = f"{kb / 1024**2:.1f} GiB"
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    import diffusers
-
-    return (
-        f"{cpu}, nproc {len(os.sched_getaffinity(0))}, RAM {mem}, {platform.system()} "
-        f"{platform.release()}, python {platform.python_version()}, torch {torch.__version__}, "
-        f"diffusers {diffusers.__version__}"
-    )
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -575,7 +547,7 @@ def describe_setup(args: argparse.Namespace, cache: dict[str, Any]) -> list[str]
     lat = (args.height // 8, args.width // 8)
     return [
         f"# {' '.join(sys.argv)}",
-        f"# machine: {machine()}",
+        f"# {machine_line()}",
         f"# teacher: tiny Wan 2.1 (2 blocks, width 24, ffn 32), {args.height}x{args.width}x1 "
         f"(latent 16x1x{lat[0]}x{lat[1]}, {lat[0] * lat[1] // 4} tokens), "
         f"{args.sampler_steps} steps, CFG 5.0, fp32",
@@ -683,6 +655,10 @@ def report(
                 f"steps/s ({x})/({y}): {r['steps_per_s']:.2f}x (median window "
                 f"{r['median_window']:.2f}x, best window {r['best_window']:.2f}x){note}"
             )
+            if args.repeats > 1:
+                r["paired_rounds"] = paired_rounds(runs[x], runs[y])
+                med, lo, hi = r["paired_rounds"]
+                print(f"  paired rounds ({x})/({y}): {med:.2f}x, 95% {lo:.2f}-{hi:.2f}x")
     if "a" in legs:
         w = legs["a"]["wait_frac"]
         figures["a_wait"] = w
@@ -712,7 +688,7 @@ def report(
                 "max |diff|: " + ", ".join(f"{k} {v:.1e}" for k, v in chk.items())
             )
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args), **figures}, default=str, indent=1))
+        write_json(args.json, {"command": " ".join(sys.argv), "args": vars(args), **figures})
 
 
 if __name__ == "__main__":

@@ -36,13 +36,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from harness import machine_line, write_json  # tests/bench, next to this script
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "pipelines" / "tiny.toml"
@@ -328,6 +329,7 @@ def main() -> None:
     if args.calibrate:
         return calibrate()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"# {' '.join(sys.argv)}\n# {machine_line()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="train-memory-") as tmp:
         work, runs = _work(args, Path(tmp))
         cache = work / "cache"
@@ -346,11 +348,8 @@ def main() -> None:
                     f"{r['plan']['params'] / 1e6:>11.1f}M{r['steps_per_s']:>9.2f}"
                     f"{r['libraries'] / MiB:>10.1f}"
                 )
-    env = {"python": platform.python_version(), "machine": platform.machine()}
     if args.json:
-        args.json.write_text(
-            json.dumps({"env": env, "args": vars(args), "legs": results}, indent=1, default=str)
-        )
+        write_json(args.json, {"command": " ".join(sys.argv), "args": vars(args), "legs": results})
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from harness import atomic_write_text, environment
+from harness import busy_cpu_seconds, environment, machine_line, own_cpu_seconds, write_json
 from PIL import Image, ImageDraw
 
 from wandistill.eval import viewer
@@ -60,17 +59,22 @@ GUIDANCE = (1.0, 3.0, 5.0)
 
 
 def timed_cli(args: list[str], threads: int) -> dict[str, float]:
-    """Run `python -m wandistill ARGS` with OMP_NUM_THREADS=threads: wall and CPU seconds."""
+    """Run `python -m wandistill ARGS` with OMP_NUM_THREADS=threads: wall and CPU seconds, and
+    the cores other processes kept busy meanwhile (the box may be shared)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    wall = time.perf_counter()
+    busy, cpu, wall = busy_cpu_seconds(), own_cpu_seconds(children_only=True), time.perf_counter()
     subprocess.run([sys.executable, "-m", "wandistill", *args], env=env, check=True,
                    stdout=subprocess.DEVNULL)  # fmt: skip
     wall = time.perf_counter() - wall
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"threads": threads, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-            "load_after": round(os.getloadavg()[0], 2)}  # fmt: skip
+    cpu = own_cpu_seconds(children_only=True) - cpu
+    others = max(0.0, busy_cpu_seconds() - busy - cpu) / wall
+    return {
+        "threads": threads,
+        "wall_s": round(wall, 1),
+        "cpu_s": round(cpu, 1),
+        "others_cores": round(others, 2),
+        "load_after": round(os.getloadavg()[0], 2),
+    }
 
 
 def weights_digest(folder: Path) -> str:
@@ -213,9 +217,7 @@ def main() -> None:
     args = ap.parse_args()
 
     env = environment()
-    print(
-        f"# {env['cpus']} cpus, load {env['load_average']}, torch {env['torch']}", file=sys.stderr
-    )
+    print(f"# {' '.join(sys.argv)}\n# {machine_line()}", file=sys.stderr)
     prompts = synthetic_prompts(args.prompts, seed=1000)
     with tempfile.TemporaryDirectory() as tmp:
         builds, folder, base = build_all(Path(tmp), args.steps)
@@ -229,6 +231,7 @@ def main() -> None:
         return {g: {k: v for k, v in d.items() if k != "runs"} for g, d in r.items()}
 
     report = {
+        "command": " ".join(sys.argv),
         "environment": env,
         "builds": builds,
         "settings": meta["settings"],
@@ -238,10 +241,9 @@ def main() -> None:
         "random_baseline": strip(random_teacher),
         "png": str(args.png),
     }
-    text = json.dumps(report, indent=1)
-    print(text)
+    print(json.dumps(report, indent=1))
     if args.json:
-        atomic_write_text(args.json, text + "\n")
+        write_json(args.json, report)  # with the bench's own peak RSS
 
 
 if __name__ == "__main__":

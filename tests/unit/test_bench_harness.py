@@ -46,3 +46,38 @@ def test_paired_ratios_and_their_interval() -> None:
     assert bootstrap_interval([1.1, 1.1, 1.1]) == (1.1, 1.1)
     lo, hi = bootstrap_interval([1.0, 1.1, 1.2, 1.3])
     assert 1.0 <= lo <= hi <= 1.3
+
+
+def test_write_json_puts_the_environment_and_the_peak_rss_beside_the_figures(
+    tmp_path: Path,
+) -> None:
+    from harness import max_rss_bytes, write_json
+
+    write_json(tmp_path / "r.json", {"ratios": {"a/b": 1.5}})
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["ratios"] == {"a/b": 1.5}
+    env = data["environment"]
+    assert env["cpus"] >= 1 and env["torch"] and env["cpu_model"]
+    assert 0 < data["max_rss_bytes"] <= max_rss_bytes()
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temp file left
+
+
+def test_own_cpu_seconds_counts_this_process_and_children_only_the_children() -> None:
+    from harness import busy_cpu_seconds, own_cpu_seconds
+
+    own, kids, busy = own_cpu_seconds(), own_cpu_seconds(children_only=True), busy_cpu_seconds()
+    x = np.random.default_rng(0).random((400, 400))
+    for _ in range(20):
+        x = x @ x / 400
+    assert own_cpu_seconds() > own
+    assert own_cpu_seconds(children_only=True) == kids  # no child ran
+    assert busy_cpu_seconds() >= busy
+
+
+def test_machine_line_names_the_cpu_torch_and_the_commit() -> None:
+    from harness import environment, machine_line
+
+    line, env = machine_line(), environment()
+    assert line.startswith("machine: ")
+    assert env["cpu_model"] in line and f"torch {env['torch']}" in line
+    assert f"commit {env['commit']}" in line

@@ -111,3 +111,47 @@ def test_environment_integers_are_bounded(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setenv("WORLD_SIZE", value)
         with pytest.raises(UsageError, match="environment variable WORLD_SIZE="):
             dist.init("cpu")
+
+
+def test_a_section_built_in_code_or_copied_with_replace_is_checked_like_a_recipe() -> None:
+    import dataclasses
+
+    from wandistill.config import LossConfig, OptimConfig
+
+    with pytest.raises(ConfigError, match=r"optim\.lr=nan must be a finite number in \(0, 10\]"):
+        OptimConfig(lr=float("nan"))
+    with pytest.raises(ConfigError, match="did you mean loss.output"):
+        LossConfig(outptu=1.0)
+    train = load_recipe("tiny").train
+    with pytest.raises(ConfigError, match=r"train\.steps=0 must be positive \(allowed: \[1, "):
+        dataclasses.replace(train, steps=0)
+    copied = dataclasses.replace(train, steps=5)
+    assert copied.steps == 5 and copied.optim == train.optim
+    assert dataclasses.asdict(copied)["optim"]["betas"] == train.optim.betas
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.cache=3", "train.cache=3 must be str | list[str]"),
+        ("train.steps=true", "train.steps=True must be int, not a boolean"),
+        ("train.steps=2.0", "train.steps=2.0 must be int, got float"),
+        ("train.loss.feature_map={a = 1}", "train.loss.feature_map.a=1 must be str, got int"),
+        (
+            "precompute.teacher.placement=3",
+            'precompute.teacher.placement=3 must be a string, e.g. "auto"',
+        ),
+    ],
+)
+def test_wrong_types_are_refused_without_conversion_naming_the_key_path(
+    override: str, message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_recipe(None, [override])
+    assert info.value.message == message
+
+
+def test_an_int_fills_a_float_key() -> None:
+    r = load_recipe(None, ["train.optim.lr=1", "train.optim.betas=[0, 0.5]"])
+    assert r.train.optim.lr == 1.0 and type(r.train.optim.lr) is float
+    assert r.train.optim.betas == [0.0, 0.5] and type(r.train.optim.betas[0]) is float

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from wandistill.checks.bounds import RANGE, Range
+from wandistill.checks.bounds import Range, range_of
 from wandistill.cli import main
 from wandistill.config import Recipe, load_recipe
 from wandistill.errors import ConfigError
@@ -42,7 +42,7 @@ def _numeric_fields(cls: type = Recipe, path: str = "") -> list[tuple[str, type,
             out.extend(_numeric_fields(tp, name))
         elif (kind := _numeric(tp)) is not None:
             is_list = typing.get_origin(tp) is list
-            out.append((name + ("[]" if is_list else ""), kind, f.metadata.get(RANGE)))
+            out.append((name + ("[]" if is_list else ""), kind, range_of(cls, f.name)))
     return out
 
 

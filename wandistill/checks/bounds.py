@@ -1,15 +1,16 @@
 """Declarative numeric ranges: every number a user can set is finite and in range before any work.
 
-A config field states its range once, next to its default, in the dataclass field metadata:
+A recipe field states its range once, in its annotation, as pydantic constraint metadata:
 
-    lr: float = num(1e-4, gt=0, le=10)
-    betas: list[float] = num(list_of=(0.9, 0.999), ge=0, lt=1)   # every element
+    lr: Annotated[float, Range(gt=0, le=10)] = 1e-4
+    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(...)   # every element
 
-and the class is marked `@checked("optim")` (under `@dataclass`), which runs every declared range
-before the class's own relational checks (`height % 16`, `record_steps < num_inference_steps`),
-so those never see a NaN. One error names every bad key, its value and the allowed range. CLI
-flags that do not go through a recipe use the same `Range` objects (`flag_problem`), and so do
-numbers read from files (a prompt's seed) and the environment (`WANDISTILL_DIST_TIMEOUT`).
+pydantic enforces it (with the recipe config's `allow_inf_nan=False`) before the class's own
+relational checks (`height % 16`, `record_steps < num_inference_steps`), so those never see a
+NaN; `wandistill.config.common` turns each failure back into one line naming the key, its value
+and the allowed range (`Range.problem`). CLI flags that do not go through a recipe use the same
+`Range` objects (`flag_problem`), and so do numbers read from files (a prompt's seed) and the
+environment (`WANDISTILL_DIST_TIMEOUT`).
 
 Why a range and not just a sign: a NaN passes `x > 0 is False` checks as "not positive" but
 `inf`, `1e308` or a 70-bit seed pass them and then poison the run hours later (an inf guidance
@@ -19,27 +20,18 @@ seed aliases another seed).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+import typing
+from dataclasses import dataclass
+from typing import Any
 
-from wandistill.errors import ConfigError
-
-T = TypeVar("T")
-RANGE = "wandistill.range"
-"""The field-metadata key holding a field's `Range`."""
+from annotated_types import Interval
 
 
 @dataclass(frozen=True, slots=True)
-class Range:
-    """An interval; None means unbounded on that side (a number still has to be finite)."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
+class Range(Interval):
+    """An interval pydantic enforces (it is an `annotated_types.Interval`); None means unbounded
+    on that side (a number still has to be finite). `problem` words a breach for the user."""
 
     def text(self) -> str:
         lo = f"[{_fmt(self.ge)}" if self.ge is not None else f"({_fmt(self.gt)}"
@@ -68,7 +60,7 @@ class Range:
         return None
 
 
-def _fmt(x: float | None) -> str:
+def _fmt(x: Any) -> str:
     if x is None:
         return ""
     if isinstance(x, int) or float(x).is_integer() and abs(x) < 1e15:
@@ -84,69 +76,21 @@ PROMPT_SEED = Range(ge=0, le=2**64 - 1)
 TIMEOUT_S = Range(gt=0, le=7 * 86400)
 
 
-def num(
-    default: Any = dataclasses.MISSING,
-    *,
-    list_of: tuple[Any, ...] | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-) -> Any:
-    """A dataclass field with a declared range (for a list field: every element's range)."""
-    meta = {RANGE: Range(ge=ge, gt=gt, le=le, lt=lt)}
-    if list_of is not None:
-        items = list(list_of)
-        return field(default_factory=lambda: list(items), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def range_of(cls: type, name: str) -> Range | None:
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name == name:
-            return f.metadata.get(RANGE)
+def range_in(annotation: Any) -> Range | None:
+    """The `Range` an annotation declares: on the number itself, on an optional number, or on a
+    list's elements (`list[Annotated[float, Range(...)]]`)."""
+    for meta in getattr(annotation, "__metadata__", ()):
+        if isinstance(meta, Range):
+            return meta
+    for arg in typing.get_args(annotation):
+        if (found := range_in(arg)) is not None:
+            return found
     return None
 
 
-def range_problems(obj: Any, section: str) -> list[str]:
-    """Every declared range of a config object that its value breaks, as message lines."""
-    out: list[str] = []
-    for f in dataclasses.fields(obj):
-        rng: Range | None = f.metadata.get(RANGE)
-        if rng is None:
-            continue
-        value = getattr(obj, f.name)
-        name = f"{section}.{f.name}" if section else f.name
-        if isinstance(value, list | tuple):
-            found = [rng.problem(f"{name}[{i}]", v) for i, v in enumerate(value)]
-            out.extend(p for p in found if p)
-        elif (p := rng.problem(name, value)) is not None:
-            out.append(p)
-    return out
-
-
-def checked(section: str) -> Callable[[type[T]], type[T]]:
-    """Class decorator (put it under `@dataclass`): check declared ranges before `__post_init__`.
-
-    `section` is how messages name the class's keys (`optim` -> `optim.lr=nan ...`)."""
-
-    def wrap(cls: type[T]) -> type[T]:
-        own = cls.__dict__.get("__post_init__")
-
-        def __post_init__(self: Any) -> None:
-            problems = range_problems(self, section)
-            if problems:
-                raise ConfigError(
-                    "; ".join(problems), fix="set each named key to a value in its allowed range"
-                )
-            if own is not None:
-                own(self)
-
-        __post_init__.__doc__ = own.__doc__ if own is not None else None
-        cls.__post_init__ = __post_init__  # type: ignore[attr-defined]
-        return cls
-
-    return wrap
+def range_of(cls: type, name: str) -> Range | None:
+    """The declared range of field `name` of config class `cls`, or None."""
+    return range_in(typing.get_type_hints(cls, include_extras=True).get(name))
 
 
 def flag_problem(flag: str, value: Any, rng: Range) -> str | None:

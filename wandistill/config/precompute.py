@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated, Any
 
-from wandistill.checks.bounds import SEED, TIMEOUT_S, checked, num
-from wandistill.config.common import BACKENDS, DTYPES, _locations, _problems
+from pydantic import PlainValidator
+from pydantic_core import PydanticCustomError
+
+from wandistill.checks.bounds import SEED, TIMEOUT_S, Range
+from wandistill.config.common import BACKENDS, DTYPES, _locations, _problems, section
 from wandistill.errors import ConfigError, UsageError
 from wandistill.placement.parse import GROUP_LEVELS, parse_placement
 from wandistill.placement.strategies import Cpu, Placement
@@ -16,11 +20,19 @@ if typing.TYPE_CHECKING:
     from wandistill.cache.encoding import Encoding
 
 
-@dataclass(kw_only=True, slots=True)
+def _placement_text(value: Any) -> Any:
+    """A placement is written as text and parsed in `TeacherConfig.__post_init__` (with its
+    sibling keys); a parsed one (a config copied with `dataclasses.replace`) passes as it is."""
+    if isinstance(value, str | Placement):
+        return value
+    raise PydanticCustomError("placement_type", 'must be a string, e.g. "auto"')
+
+
+@section("teacher")
 class TeacherConfig:
     path: str = ""
     """Local diffusers Wan folder (Wan 2.1: `transformer`; Wan 2.2 A14B: also `transformer_2`)."""
-    placement: Placement = field(default_factory=Cpu)
+    placement: Annotated[Placement, PlainValidator(_placement_text)] = field(default_factory=Cpu)
     """cpu, cuda, cuda:N, gpu0, balanced, balanced_low_0, sequential, auto, a device-map .json,
     model-offload, group-offload or disk-offload. Written as text, parsed here once into its
     typed strategy (`wandistill.placement`), with group_offload_level and max_memory folded
@@ -58,44 +70,45 @@ class TeacherConfig:
             raise ConfigError(f"teacher.{e.message}", fix=e.fix) from None
 
 
-@dataclass(kw_only=True, slots=True)
-@checked("sampler")
+@section("sampler")
 class SamplerConfig:
-    height: int = num(480, ge=16, le=8192)
+    height: Annotated[int, Range(ge=16, le=8192)] = 480
     """Pixel height; divisible by 16 (VAE factor 8 x patch 2)."""
-    width: int = num(832, ge=16, le=8192)
+    width: Annotated[int, Range(ge=16, le=8192)] = 832
     """Pixel width; divisible by 16."""
-    num_frames: int = num(81, ge=1, le=4097)
+    num_frames: Annotated[int, Range(ge=1, le=4097)] = 81
     """Frames; 4k+1 (the Wan VAE compresses time by 4)."""
-    num_inference_steps: int = num(50, ge=1, le=1000)
+    num_inference_steps: Annotated[int, Range(ge=1, le=1000)] = 50
     """Teacher sampler steps (at most the scheduler's 1000 training timesteps)."""
-    guidance_scale: float = num(5.0, ge=0, le=100)
+    guidance_scale: Annotated[float, Range(ge=0, le=100)] = 5.0
     """CFG scale g in uncond + g * (cond - uncond); 1.0 disables the uncond pass."""
-    guidance_scale_2: float | None = num(None, ge=0, le=100)
+    guidance_scale_2: Annotated[float, Range(ge=0, le=100)] | None = None
     """Wan 2.2 A14B: scale for the low-noise expert (transformer_2); defaults to guidance_scale."""
-    flow_shift: float | None = num(None, gt=0, le=100)
+    flow_shift: Annotated[float, Range(gt=0, le=100)] | None = None
     """Override of the scheduler's flow shift; None keeps the teacher folder's value."""
     negative_prompt: str = ""
-    max_sequence_length: int = num(512, ge=1, le=8192)
+    max_sequence_length: Annotated[int, Range(ge=1, le=8192)] = 512
     """Text length the pipeline pads to; embeddings are stored trimmed and re-padded on read."""
-    record_steps: list[int] = num(list_of=(), ge=0, le=999)
+    record_steps: list[Annotated[int, Range(ge=0, le=999)]] = field(default_factory=list)
     """Step indices whose (x_t, t, teacher output) are recorded. With record_every and
     record_for_student_steps also empty, every step is recorded; otherwise the recorded steps are
     the union of the three (see `recorded_steps`)."""
-    record_every: int = num(0, ge=0, le=1000)
+    record_every: Annotated[int, Range(ge=0, le=1000)] = 0
     """Also record every n-th step (0, n, 2n, ...); 0: off. `record_every = 4` of 16 steps
     records what a 4-step student needs (the steps its schedule visits) when 4 divides 16."""
-    record_for_student_steps: list[int] = num(list_of=(), ge=1, le=1000)
+    record_for_student_steps: list[Annotated[int, Range(ge=1, le=1000)]] = field(
+        default_factory=list
+    )
     """Also record the teacher steps a K-step student is trained at (trajectory objective), for
     each K listed, e.g. [1, 2, 4]: the steps where the student's K-step schedule meets the
     teacher's N-step one (every N/K-th step for Wan's UniPC flow schedule; K must land on it)."""
     features: list[str] = field(default_factory=list)
     """Named teacher blocks whose outputs are recorded, e.g. ["blocks.3", "blocks.7"]."""
-    seed: int = num(0, ge=SEED.ge, le=SEED.le)
+    seed: Annotated[int, SEED] = 0
     """Base seed; a prompt without its own seed gets seed + its line index."""
-    batch_size: int = num(1, ge=1, le=4096)
+    batch_size: Annotated[int, Range(ge=1, le=4096)] = 1
     """Prompts denoised together."""
-    expert_group_batches: int = num(16, ge=1, le=100_000)
+    expert_group_batches: Annotated[int, Range(ge=1, le=100_000)] = 16
     """Wan 2.2: batches that run their high-noise steps before the swap to transformer_2
     (bigger groups mean fewer expert loads, more latents held in memory)."""
 
@@ -121,10 +134,6 @@ class SamplerConfig:
             (
                 len(set(self.record_steps)) == len(self.record_steps),
                 f"sampler.record_steps={self.record_steps} has duplicates",
-            ),
-            (
-                self.record_every >= 0,
-                f"sampler.record_every={self.record_every} must be >= 0 (0: off)",
             ),
             (
                 all(0 < k <= self.num_inference_steps for k in self.record_for_student_steps),
@@ -153,16 +162,15 @@ class SamplerConfig:
         return sorted(chosen)
 
 
-@dataclass(kw_only=True, slots=True)
-@checked("cache")
+@section("cache")
 class CacheConfig:
     path: str = "cache/default"
     """Cache directory, or an fsspec URL (s3://bucket/prefix)."""
     backend: str = "webdataset"
     """webdataset (tar shards) or zarr (v3 group)."""
-    shard_records: int = num(64, ge=1, le=1_000_000)
+    shard_records: Annotated[int, Range(ge=1, le=1_000_000)] = 64
     """Records per shard: the unit of atomic publication, resume and follow mode."""
-    holdout_fraction: float = num(0.0, ge=0, lt=1)
+    holdout_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.0
     """Share of prompts marked held-out (by key hash) for eval; train skips them."""
     store_dtype: str = "model"
     """Stored dtype of x_t, teacher output, final latent and features: model (as computed: the
@@ -172,7 +180,7 @@ class CacheConfig:
     """Per-field overrides of store_dtype: keys xt, teacher_out, final_latent, features."""
     compression: str = "none"
     """none or zstd (zarr backend: each inner chunk, before its crc32c)."""
-    compression_level: int = num(3, ge=1, le=22)
+    compression_level: Annotated[int, Range(ge=1, le=22)] = 3
 
     def __post_init__(self) -> None:
         from wandistill.cache.choices import COMPRESSIONS, STORE_DTYPES, TRAJECTORY, ZARR_ONLY
@@ -208,16 +216,15 @@ class CacheConfig:
         )
 
 
-@dataclass(kw_only=True, slots=True)
-@checked("precompute")
+@section("precompute")
 class PrecomputeConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     prompts: str = ""
     """Prompt file: .txt (one per line) or .jsonl ({"prompt", "seed"?, "negative_prompt"?})."""
-    previews: int = num(0, ge=0, le=100_000)
+    previews: Annotated[int, Range(ge=0, le=100_000)] = 0
     """VAE-decode this many teacher samples to PNG for eval."""
-    dist_timeout: float | None = num(None, gt=TIMEOUT_S.gt, le=TIMEOUT_S.le)
+    dist_timeout: Annotated[float, TIMEOUT_S] | None = None
     """Seconds a rank waits for the others (rendezvous, collectives) before it exits naming the
     missing rank. None: WANDISTILL_DIST_TIMEOUT, else 300."""

@@ -1,8 +1,9 @@
 """Loading a recipe: strict TOML into the typed sections, `--set` overrides, shipped recipes.
 
-Loading is strict: an unknown key is an error naming the closest valid key, and a value of the
-wrong type is an error naming the key, the value and the type it needs. Overrides are applied to
-the raw TOML before validation, so they are checked the same way.
+Loading is strict (pydantic, `config.common.section`): an unknown key is an error naming the
+closest valid key, and a value of the wrong type is an error naming the key, the value and the
+type it needs. Overrides are applied to the raw TOML before validation, so they are checked the
+same way.
 """
 
 from __future__ import annotations
@@ -12,17 +13,16 @@ import difflib
 import importlib.resources
 import os
 import tomllib
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from wandistill.checks.validate import MiB, read_capped
+from wandistill.config.common import build, section, unknown_key
 from wandistill.config.precompute import PrecomputeConfig
 from wandistill.config.train import TrainConfig
 from wandistill.errors import ConfigError
-from wandistill.placement.strategies import Placement
 
 if typing.TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -33,7 +33,7 @@ MAX_RECIPE_BYTES = MiB
 """A recipe picks values; a bigger file is not a recipe."""
 
 
-@dataclass(kw_only=True, slots=True)
+@section("")
 class Recipe:
     name: str = ""
     description: str = ""
@@ -44,81 +44,20 @@ class Recipe:
 # --------------------------------------------------------------------------- strict loading
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check `value` against annotation `tp`; ints widen to float, nothing else is converted."""
-    origin = typing.get_origin(tp)
-    if tp is Placement:  # parsed (with its sibling keys) in TeacherConfig.__post_init__
-        if not isinstance(value, str):
-            raise ConfigError(f'{where}={value!r} must be a string, e.g. "auto"')
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a table ([{where}]), got {value!r}")
-        return from_dict(tp, value, where)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}={value!r} must be {_type_name(tp)}")
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}={value!r} must be a list")
-        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        key_tp, val_tp = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}={value!r} must be a table")
-        return {str(k): _coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
-    if tp in (int, float) and isinstance(value, int) and not isinstance(value, bool):
-        # Widen to float only where it cannot overflow; every numeric field declares its range
-        # (checks/bounds.py), which refuses a huge int or a NaN / inf with the range named.
-        return float(value) if tp is float and -(1 << 63) <= value < 1 << 63 else value
-    if tp is Any:
-        return value
-    if tp in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"{where}={value!r} must be {tp.__name__}, not a boolean")
-    if not isinstance(value, tp):
-        raise ConfigError(f"{where}={value!r} must be {_type_name(tp)}, got {type(value).__name__}")
-    return value
-
-
-def _unknown_key(key: str, valid: list[str], where: str) -> ConfigError:
-    name = f"{where}.{key}" if where else key
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    prefix = where + "." if where else ""
-    if close:
-        return ConfigError(
-            f"unknown key {name!r}: did you mean {prefix}{close[0]}?",
-            fix=f"spell it {prefix}{close[0]}",
-        )
-    return ConfigError(
-        f"unknown key {name!r}: valid keys here: {', '.join(valid)}",
-        fix=f"use one of the keys of [{where or 'the recipe'}] listed above",
-    )
-
-
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
-    """Build dataclass `cls` from a TOML table, refusing unknown keys and wrong types."""
+    """Build config class `cls` from a TOML table: its sub-tables first (strict pydantic takes a
+    section only as an instance of its class), then `cls` itself, which refuses unknown keys
+    ("did you mean"), wrong types and out-of-range numbers with the key's path `where`."""
     hints = typing.get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    kwargs: dict[str, Any] = {}
+    values = dict(data)
     for key, value in data.items():
-        if key not in fields:
-            raise _unknown_key(key, fields, where)
-        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}" if where else key)
-    return cls(**kwargs)
+        if not hasattr(tp := hints.get(key), "section_name"):
+            continue
+        name = f"{where}.{key}" if where else key
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a table ([{name}]), got {value!r}")
+        values[key] = from_dict(tp, value, name)
+    return build(cls, values, where)
 
 
 def to_dict(cfg: Any) -> Any:
@@ -178,12 +117,13 @@ def apply_override(data: dict[str, Any], assignment: str, stage: str | None = No
     for i, part in enumerate(parts):
         names = [f.name for f in dataclasses.fields(cls)]
         if part not in names:
-            raise _unknown_key(part, names, ".".join(parts[:i]))
+            message, fix = unknown_key(part, names, ".".join(parts[:i]))
+            raise ConfigError(message, fix=fix)
         tp = typing.get_type_hints(cls)[part]
         if i == len(parts) - 1:
             node[part] = _parse_value(text.strip())
             return
-        if not dataclasses.is_dataclass(tp):
+        if not hasattr(tp, "section_name"):
             raise ConfigError(f"--set {dotted}: {'.'.join(parts[: i + 1])} is not a section")
         node = node.setdefault(part, {})
         cls = tp

@@ -3,21 +3,21 @@ fsdp, and `[train]` itself."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 
-from wandistill.checks.bounds import SEED, TIMEOUT_S, checked, num
-from wandistill.config.common import _locations, _problems
+from wandistill.checks.bounds import SEED, TIMEOUT_S, Range
+from wandistill.config.common import _locations, _problems, section
 
 
-@dataclass(kw_only=True, slots=True)
-@checked("student.init_from_teacher")
+@section("student.init_from_teacher")
 class TeacherInitConfig:
     path: str = ""
     """Teacher folder (or its transformer folder, or a .safetensors file) whose tensors initialise
     the student; empty: random init. Read lazily with safetensors, never the whole teacher."""
     component: str = "transformer"
     """Which transformer of the teacher folder (Wan 2.2 A14B: transformer or transformer_2)."""
-    blocks: list[int] = num(list_of=(), ge=0, le=10_000)
+    blocks: list[Annotated[int, Range(ge=0, le=10_000)]] = field(default_factory=list)
     """Teacher block indices copied into student blocks 0..k-1 (k <= student.num_layers); the
     embedders and output head are copied too. Empty: only those non-block tensors."""
 
@@ -35,19 +35,18 @@ LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2
 DiffSynth's Wan LoRAs target as q,k,v,o,ffn.0,ffn.2; diffusers names them as here)."""
 
 
-@dataclass(kw_only=True, slots=True)
-@checked("student.lora")
+@section("student.lora")
 class StudentLoraConfig:
-    rank: int = num(0, ge=0, le=4096)
+    rank: Annotated[int, Range(ge=0, le=4096)] = 0
     """LoRA rank r. 0: no LoRA, a full student. > 0: the student is the teacher's transformer
     (student.init_from_teacher.path, all blocks) frozen, plus peft LoRA adapters of rank r on
     target_modules; only the adapters are trained, checkpointed and kept in EMA."""
-    alpha: float | None = num(None, gt=0, le=1e6)
+    alpha: Annotated[float, Range(gt=0, le=1e6)] | None = None
     """LoRA alpha (the update is scaled by alpha / rank). None: alpha = rank (scale 1)."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Module names (or name suffixes at a dot, peft's rule) of the nn.Linear layers that get an
     adapter, e.g. "to_q" (every block's attn1 and attn2) or "blocks.0.attn1.to_q"."""
-    dropout: float = num(0.0, ge=0, lt=1)
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     """Dropout on the adapter's input during training (peft lora_dropout)."""
 
     def __post_init__(self) -> None:
@@ -73,22 +72,21 @@ class StudentLoraConfig:
         return float(self.rank) if self.alpha is None else float(self.alpha)
 
 
-@dataclass(kw_only=True, slots=True)
-@checked("student")
+@section("student")
 class StudentConfig:
-    num_layers: int | None = num(None, ge=1, le=1024)
+    num_layers: Annotated[int, Range(ge=1, le=1024)] | None = None
     """Transformer blocks. None: from config_file, else the teacher's (the cache records the
     teacher's transformer config; the student starts from it)."""
-    num_attention_heads: int | None = num(None, ge=1, le=1024)
-    attention_head_dim: int | None = num(None, ge=2, le=4096)
+    num_attention_heads: Annotated[int, Range(ge=1, le=1024)] | None = None
+    attention_head_dim: Annotated[int, Range(ge=2, le=4096)] | None = None
     """Per-head width; even (Wan's 3-axis RoPE splits it). Width = heads x head_dim."""
-    ffn_dim: int | None = num(None, ge=1, le=1 << 20)
+    ffn_dim: Annotated[int, Range(ge=1, le=1 << 20)] | None = None
     config_file: str = ""
     """Optional JSON with WanTransformer3DModel config keys; the four fields above override it.
     text_dim, in_channels and out_channels must match the cache."""
     init_from_teacher: TeacherInitConfig = field(default_factory=TeacherInitConfig)
     """Optional init from teacher tensors: `init_from_teacher = {path = "...", blocks = [0, 4]}`."""
-    num_inference_steps: int | None = num(None, ge=1, le=1000)
+    num_inference_steps: Annotated[int, Range(ge=1, le=1000)] | None = None
     """K: the sampler steps the student is trained for (1, 2, 4, ...). None: the teacher's N,
     i.e. step imitation with the teacher's own scheduler. A K-step student samples with a
     first-order flow scheduler whose K steps land on the teacher's schedule (see docs/export.md);
@@ -113,10 +111,6 @@ class StudentConfig:
                 "(Wan's RoPE splits each head over frames, height and width)",
             ),
             (
-                self.num_inference_steps is None or self.num_inference_steps > 0,
-                f"student.num_inference_steps={self.num_inference_steps} must be positive",
-            ),
-            (
                 self.num_layers is None or len(self.init_from_teacher.blocks) <= self.num_layers,
                 f"student.init_from_teacher.blocks lists {len(self.init_from_teacher.blocks)} "
                 f"blocks but the student has num_layers={self.num_layers}",
@@ -129,51 +123,49 @@ class StudentConfig:
         )
 
 
-@dataclass(kw_only=True, slots=True)
-@checked("optim")
+@section("optim")
 class OptimConfig:
-    lr: float = num(1e-4, gt=0, le=10)
+    lr: Annotated[float, Range(gt=0, le=10)] = 1e-4
     """Peak learning rate of AdamW (reached after warmup, then cosine decay)."""
-    weight_decay: float = num(0.01, ge=0, le=10)
+    weight_decay: Annotated[float, Range(ge=0, le=10)] = 0.01
     """Applied to matrices only; biases, norms and modulation tables are not decayed."""
-    betas: list[float] = num(list_of=(0.9, 0.999), ge=0, lt=1)
+    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW (beta1, beta2)."""
-    warmup_steps: int = num(0, ge=0, le=10**9)
+    warmup_steps: Annotated[int, Range(ge=0, le=10**9)] = 0
     """Linear warmup from lr/warmup_steps to lr."""
-    min_lr_ratio: float = num(0.0, ge=0, le=1)
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0
     """Cosine decay ends at lr * min_lr_ratio on the last step."""
-    grad_clip: float = num(1.0, ge=0, le=1e6)
+    grad_clip: Annotated[float, Range(ge=0, le=1e6)] = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
-    ema_decay: float = num(0.999, ge=0, lt=1)
+    ema_decay: Annotated[float, Range(ge=0, lt=1)] = 0.999
     """EMA of the student's weights, updated after every optimizer step; 0 keeps a plain copy."""
 
     def __post_init__(self) -> None:
         _problems((len(self.betas) == 2, f"optim.betas={self.betas} needs two values"))
 
 
-@dataclass(kw_only=True, slots=True)
-@checked("loss")
+@section("loss")
 class LossConfig:
-    output: float = num(1.0, ge=0, le=1e6)
+    output: Annotated[float, Range(ge=0, le=1e6)] = 1.0
     """Weight of teacher-output matching: MSE between the student's prediction at a recorded
     (x_t, t) and the teacher's guided (CFG) output there."""
-    final_latent: float = num(0.0, ge=0, le=1e6)
+    final_latent: Annotated[float, Range(ge=0, le=1e6)] = 0.0
     """Weight of final-latent matching: MSE between x0 = x_t - sigma_t * v_student and the
     teacher's final latent."""
-    feature: float = num(0.0, ge=0, le=1e6)
+    feature: Annotated[float, Range(ge=0, le=1e6)] = 0.0
     """Weight of feature matching through learned student-to-teacher-width projections."""
     feature_map: dict[str, str] = field(default_factory=dict)
     """Teacher feature (recorded by precompute) -> student block, e.g. {"blocks.8" = "blocks.1"}."""
-    trajectory: float = num(0.0, ge=0, le=1e6)
+    trajectory: Annotated[float, Range(ge=0, le=1e6)] = 0.0
     """Weight of trajectory regression (ODE / knowledge distillation for a K-step student): at
     the recorded points the K-step student is sampled at, x0 = x_t - sigma_t * v_student matches
     the final latent of that teacher trajectory. Needs those K steps recorded."""
-    consistency: float = num(0.0, ge=0, le=1e6)
+    consistency: Annotated[float, Range(ge=0, le=1e6)] = 0.0
     """Weight of consistency distillation: x0 of the student at a recorded point x_{t_n} matches
     x0 of a stop-gradient EMA copy of the student at the cached next point x_{t_(n+1)} (the
     teacher's ODE step, read from the cache); at the last step the target is the final latent.
     Needs every teacher step recorded."""
-    reflow: float = num(0.0, ge=0, le=1e6)
+    reflow: Annotated[float, Range(ge=0, le=1e6)] = 0.0
     """Weight of reflow (rectified-flow distillation, Liu et al. 2023 / InstaFlow): at the K-step
     student's sigmas, the input is the straight-line point sigma * noise + (1 - sigma) * x_0
     between the trajectory's cached noise and its final latent, and x0 = x - sigma * v_student
@@ -181,19 +173,19 @@ class LossConfig:
     when its earlier estimates were right (the recorded x_t of the teacher's curved trajectory
     are not), so it trains the student where it samples. Needs the noise and final latent only
     (and the K steps recorded, which are its samples' slots)."""
-    unroll: float = num(0.0, ge=0, le=1e6)
+    unroll: Annotated[float, Range(ge=0, le=1e6)] = 0.0
     """Weight of the unroll objective (`wandistill.student.unroll`): the student's own K-step
     sampler runs from each record's cached noise and its final latent matches the cached one,
     backpropagated through all K steps. One sample per record (at the student's first step)."""
     unroll_checkpoint: bool = True
     """Make each unrolled step an activation checkpoint: hold K latents instead of K steps'
     activations, for one more forward per step (the lever when a large K does not fit)."""
-    perflow: float = num(0.0, ge=0, le=1e6)
+    perflow: Annotated[float, Range(ge=0, le=1e6)] = 0.0
     """Weight of piecewise reflow (PeRFlow, Yan et al. 2024; `wandistill.student.perflow`): at
     the recorded x_t of each student step k, the student's velocity matches the straight one
     across the window to the cached point at the student's next sigma (the final latent after the
     last): (x_k - x_(k+1)) / (sigma_k - sigma_(k+1)). Needs the K student steps recorded."""
-    consistency_target_decay: float = num(0.95, ge=0, lt=1)
+    consistency_target_decay: Annotated[float, Range(ge=0, lt=1)] = 0.95
     """EMA decay of the consistency target network (updated after every optimizer step; 0 makes
     the target a stop-gradient copy of the current student). 0.95 as in Song et al. 2023 (CD)."""
 
@@ -243,7 +235,7 @@ class LossConfig:
         )
 
 
-@dataclass(kw_only=True, slots=True)
+@section("fsdp")
 class FsdpConfig:
     """`[train.fsdp]`: how `train.parallel = "fsdp"` shards the student (torch FSDP2)."""
 
@@ -267,25 +259,24 @@ class FsdpConfig:
 PARALLEL = ("ddp", "fsdp")
 
 
-@dataclass(kw_only=True, slots=True)
-@checked("train")
+@section("train")
 class TrainConfig:
     cache: str | list[str] = ""
     """Cache directory written by `wandistill precompute` (the only input besides this recipe),
     or a list of caches of one teacher and settings trained on as one dataset (docs/training.md,
     "Several caches")."""
-    cache_weights: list[float] = num(list_of=(), gt=0, le=1e6)
+    cache_weights: list[Annotated[float, Range(gt=0, le=1e6)]] = field(default_factory=list)
     """With several caches: each cache's share of every epoch's samples, relative (mosaicml
     streaming's stream `proportion`); empty: every sample of every cache once an epoch."""
     out: str = ""
     """Run directory: checkpoints/, metrics.jsonl, student/ and student_ema/ at the end."""
-    steps: int = num(100, ge=1, le=10**9)
+    steps: Annotated[int, Range(ge=1, le=10**9)] = 100
     """Optimizer steps (each = grad_accum micro-batches on every rank)."""
-    batch_size: int = num(1, ge=1, le=65_536)
+    batch_size: Annotated[int, Range(ge=1, le=65_536)] = 1
     """Per-rank micro-batch of (record, recorded step) samples."""
-    grad_accum: int = num(1, ge=1, le=65_536)
+    grad_accum: Annotated[int, Range(ge=1, le=65_536)] = 1
     """Micro-batches per optimizer step; gradients are synchronised on the last one only."""
-    seed: int = num(0, ge=SEED.ge, le=SEED.le)
+    seed: Annotated[int, SEED] = 0
     """Student init and data order."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK when there is a GPU, else cpu), cpu or cuda."""
@@ -296,22 +287,22 @@ class TrainConfig:
     parallel: str = "ddp"
     """ddp (every rank holds the whole student) or fsdp (FSDP2: each transformer block, then
     the root, sharded over the ranks; sharded checkpoints). See [train.fsdp]."""
-    checkpoint_every: int = num(50, ge=1, le=10**9)
+    checkpoint_every: Annotated[int, Range(ge=1, le=10**9)] = 50
     """Write checkpoints/checkpoint-<step>/ every this many steps (and at the last step)."""
-    keep_checkpoints: int = num(2, ge=1, le=10_000)
+    keep_checkpoints: Annotated[int, Range(ge=1, le=10_000)] = 2
     """Keep only the newest this many checkpoints."""
-    log_every: int = num(10, ge=1, le=10**9)
+    log_every: Annotated[int, Range(ge=1, le=10**9)] = 10
     """Write a metrics.jsonl row (losses averaged over ranks) every this many steps."""
     tensorboard: bool = True
     """Also write TensorBoard events to <out>/tensorboard when tensorboard is installed."""
-    data_threads: int = num(4, ge=1, le=256)
+    data_threads: Annotated[int, Range(ge=1, le=256)] = 4
     """Reader threads per rank. Each reads one whole batch, so this many batches are read ahead
     (host memory: data_threads batches)."""
-    follow_poll_interval: float = num(2.0, gt=0, le=3600)
+    follow_poll_interval: Annotated[float, Range(gt=0, le=3600)] = 2.0
     """--follow: seconds between looks for newly committed shards."""
-    follow_timeout: float = num(3600.0, ge=0, le=TIMEOUT_S.le)
+    follow_timeout: Annotated[float, Range(ge=0, le=TIMEOUT_S.le)] = 3600.0
     """--follow: give up after this many seconds without a new shard; 0 waits forever."""
-    dist_timeout: float | None = num(None, gt=TIMEOUT_S.gt, le=TIMEOUT_S.le)
+    dist_timeout: Annotated[float, TIMEOUT_S] | None = None
     """Seconds a rank waits for the others (rendezvous, collectives, a checkpoint being saved)
     before it exits naming the missing rank. None: WANDISTILL_DIST_TIMEOUT, else 300."""
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
