@@ -99,7 +99,7 @@ def write_cache(
 
 def without_tensor_checksums(monkeypatch: pytest.MonkeyPatch) -> None:
     """Write records as wandistill did before per-tensor checksums: no header metadata."""
-    import wandistill.cache.wds_backend as wds
+    import wandistill.cache.wds.writer as wds
 
     header = wds.safetensors_header
     monkeypatch.setattr(wds, "safetensors_header", lambda tensors, metadata=None: header(tensors))

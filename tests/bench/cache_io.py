@@ -587,7 +587,7 @@ class ZarrRangeLog:
         from zarr.abc.store import RangeByteRequest, SuffixByteRequest
         from zarr.storage import WrapperStore
 
-        from wandistill.cache.zarr_backend import _ReadStore
+        from wandistill.cache.zarr.store import _ReadStore
 
         ranges: list[tuple[str, int, int]] = []
 
@@ -972,9 +972,9 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     if "zarr" in backends:
         try:
-            import wandistill.cache.zarr_backend  # noqa: F401
+            import wandistill.cache.zarr.reader  # noqa: F401
         except Exception as e:
-            skipped["zarr"] = f"wandistill.cache.zarr_backend does not import: {e!r}"
+            skipped["zarr"] = f"wandistill.cache.zarr does not import: {e!r}"
             print(f"zarr: skipped ({skipped['zarr']})", flush=True)
     w_runs: dict[str, list[Leg]] = {}
     r_runs: dict[str, list[Leg]] = {}

@@ -478,7 +478,7 @@ def test_disk_full_in_precompute_keeps_every_committed_shard(
     where: str,
 ) -> None:
     import wandistill.cache.manifest as mf
-    import wandistill.cache.wds_backend as wds
+    import wandistill.cache.wds.writer as wds
     from wandistill.cache import open_cache
 
     prompts = tmp_path / "p.txt"

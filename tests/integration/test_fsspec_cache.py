@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from wandistill.cache.manifest import has_manifest, load_committed
-from wandistill.cache.wds_backend import WebDatasetSource
+from wandistill.cache.wds.reader import WebDatasetSource
 from wandistill.teacher.tiny import make_tiny_teacher
 
 from s3server import BUCKET, s3_server

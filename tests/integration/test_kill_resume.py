@@ -39,7 +39,7 @@ from safetensors.torch import save as st_save
 from wandistill.cache.contract import Record
 from wandistill.cache.manifest import load_committed, manifest_path
 from wandistill.cache.reader import open_cache
-from wandistill.cache.wds_backend import WebDatasetSource
+from wandistill.cache.wds.reader import WebDatasetSource
 from wandistill.train.checkpoint import resolve_latest
 from wandistill.train.metrics import read_metrics
 

@@ -190,7 +190,7 @@ def test_a_second_run_skips_every_record_and_a_changed_setting_is_refused(
 
 
 def _blobs(cache: Path) -> dict[str, bytes]:
-    from wandistill.cache.wds_backend import WebDatasetSource
+    from wandistill.cache.wds.reader import WebDatasetSource
 
     m = read_manifest(cache)
     src = WebDatasetSource(cache)

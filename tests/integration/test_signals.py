@@ -33,7 +33,7 @@ import torch
 
 import wandistill
 from wandistill.cache.manifest import load_committed, read_manifest
-from wandistill.cache.wds_backend import WebDatasetSource
+from wandistill.cache.wds.reader import WebDatasetSource
 from wandistill.config import load_recipe
 from wandistill.train.checkpoint import resolve_latest
 

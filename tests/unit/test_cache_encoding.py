@@ -14,7 +14,7 @@ import zarr
 from wandistill.cache.encoding import FP8_MAX, Encoding, fp8_decode, fp8_encode
 from wandistill.cache.footprint import footprint
 from wandistill.cache.reader import open_cache
-from wandistill.cache.wds_backend import safe_decoder
+from wandistill.cache.wds.decoder import safe_decoder
 from wandistill.cli import main
 from wandistill.config import CacheConfig
 from wandistill.errors import CacheMismatchError, ConfigError

@@ -15,7 +15,7 @@ import zarr
 from wandistill.cache.contract import is_holdout
 from wandistill.cache.merge import MergeConfig, merge
 from wandistill.cache.reader import open_cache
-from wandistill.cache.wds_backend import safe_decoder
+from wandistill.cache.wds.decoder import safe_decoder
 
 from cachefixtures import SETTINGS, write_cache
 from clirun import run_cli as _run

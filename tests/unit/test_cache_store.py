@@ -167,7 +167,7 @@ def test_each_safetensors_member_is_what_the_library_writes_streamed_in_any_read
 ) -> None:
     from safetensors.torch import load, save
 
-    import wandistill.cache.wds_backend as wds
+    import wandistill.cache.wds.writer as wds
 
     write_cache(tmp_path / "a", range(3), shard_records=3)
     init = wds._DirectTarWriter.__init__
@@ -495,7 +495,7 @@ def test_tensor_checksums_match_the_bytes_of_every_step_row(
     """One conversion per tensor, rows sliced in numpy: the same crc32c per step row (and per
     tensor) as the tensor's own bytes, whatever its layout, dtype or autograd state."""
     from wandistill.cache.contract import is_step_field
-    from wandistill.cache.wds_backend import crc32c, tensor_checksums
+    from wandistill.cache.wds.format import crc32c, tensor_checksums
 
     got = tensor_checksums({name: tensor})[name]
     if is_step_field(name) and tensor.dim():

@@ -13,9 +13,11 @@ import torch
 import zarr
 
 from wandistill.cache import open_cache, open_writer
-from wandistill.cache import zarr_backend as zb
 from wandistill.cache.contract import Record, field_specs, record_key
 from wandistill.cache.files import ZarrEntry
+from wandistill.cache.zarr import layout as zl
+from wandistill.cache.zarr import reader as zr
+from wandistill.cache.zarr import writer as zw
 
 SETTINGS = {"steps": 8, "guidance": 5.0, "max_sequence_length": 24}
 C, F, H, W, S = 2, 1, 3, 4, 3
@@ -210,12 +212,12 @@ def test_uncommitted_rows_are_ignored(tmp_path: Path) -> None:
     records = [make_record(i) for i in range(4)]
     with writer(tmp_path, shard_records=4):
         pass
-    ghost = zb.ZarrSink(tmp_path)
+    ghost = zw.ZarrSink(tmp_path)
     ghost.begin("r00009-000000")
     for r in records[:2]:
         ghost.add(r)
     ghost_entry = ghost.end()  # data written, never journaled
-    aborted = zb.ZarrSink(tmp_path)
+    aborted = zw.ZarrSink(tmp_path)
     aborted.begin("r00008-000000")
     aborted.add(records[3])
     aborted.abort()
@@ -232,7 +234,7 @@ def test_uncommitted_rows_are_ignored(tmp_path: Path) -> None:
 
 
 def _write_rank(path: str, rank: int, indices: list[int], block: int) -> None:
-    zb.BLOCK_RECORDS = block  # module default, read when a sink creates the group
+    zw.BLOCK_RECORDS = block  # module default, read when a sink creates the group
     with writer(Path(path), rank=rank, shard_records=block) as w:
         for i in indices:
             w.write(make_record(i))
@@ -242,7 +244,7 @@ def _write_rank(path: str, rank: int, indices: list[int], block: int) -> None:
 def test_concurrent_writer_threads_lose_no_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
-    monkeypatch.setattr(zb, "BLOCK_RECORDS", block)
+    monkeypatch.setattr(zw, "BLOCK_RECORDS", block)
     jobs = {rank: list(range(rank, 40, 4)) for rank in range(4)}
     errors: list[BaseException] = []
     # The manifest's temp name is pid-unique, not thread-unique: create the cache up front so
@@ -421,7 +423,7 @@ def _all_dtype_record(i: int) -> Record:
 
 def _sink_entries(path: Path, records: list[Record], per_shard: int, **kw) -> list[ZarrEntry]:
     """Write `records` with ZarrSink directly; entries as CacheWriter would journal them."""
-    sink = zb.ZarrSink(path, **kw)
+    sink = zw.ZarrSink(path, **kw)
     entries = []
     for k in range(0, len(records), per_shard):
         sink.begin(f"r00000-{k:06d}")
@@ -452,7 +454,7 @@ def _stock(group: zarr.Group, path: str, selection) -> torch.Tensor:
 def test_every_dtype_reads_bit_exact_through_the_source_and_stock_zarr(tmp_path: Path) -> None:
     records = [_all_dtype_record(i) for i in range(7)]
     entries = _sink_entries(tmp_path, records, 3, block_records=2, token_chunk=4, token_block=8)
-    src = zb.ZarrSource(tmp_path)
+    src = zr.ZarrSource(tmp_path)
     group = zarr.open_group(tmp_path / "data.zarr", mode="r")
     k = 0
     for entry in entries:
@@ -534,10 +536,10 @@ def test_threads_read_bit_exact_with_a_tiny_index_cache(
 ) -> None:
     """Many threads, an index cache smaller than the indexes in use (evictions): every read is
     still bit-exact and the cache stays within its budget."""
-    monkeypatch.setattr(zb, "SMALL_ROW_BYTES", 0)  # these rows are tiny: read them one by one
+    monkeypatch.setattr(zr, "SMALL_ROW_BYTES", 0)  # these rows are tiny: read them one by one
     records = [make_record(i, latent=torch.bfloat16) for i in range(12)]
     entries = _sink_entries(tmp_path, records, 4, block_records=2, token_chunk=4, token_block=8)
-    src = zb.ZarrSource(tmp_path, index_cache_bytes=400)
+    src = zr.ZarrSource(tmp_path, index_cache_bytes=400)
     jobs = [
         (e, i, records[n * 4 + i], s)
         for n, e in enumerate(entries)
@@ -585,13 +587,13 @@ def test_one_index_read_per_shard_file_then_one_read_per_chunk(
 ) -> None:
     """Reading one (record, step) reads that inner chunk; the zarr shard's index is read once
     per shard file and then served from zarr's CacheReader."""
-    monkeypatch.setattr(zb, "SMALL_ROW_BYTES", 0)  # these rows are tiny: read them one by one
+    monkeypatch.setattr(zr, "SMALL_ROW_BYTES", 0)  # these rows are tiny: read them one by one
     from zarr.abc.store import RangeByteRequest, SuffixByteRequest
     from zarr.storage import LocalStore
 
     records = [make_record(i) for i in range(4)]
     (entry,) = _sink_entries(tmp_path, records, 4, block_records=4)
-    src = zb.ZarrSource(tmp_path)
+    src = zr.ZarrSource(tmp_path)
     src.read_tensors(entry, 0, {"xt": 0})  # opens the group and the array
     calls: list[tuple[str, object]] = []
     real_get = LocalStore.get
@@ -626,7 +628,7 @@ def test_a_missing_inner_chunk_reads_as_the_fill_value(tmp_path: Path) -> None:
     g["xt"].with_config({"write_empty_chunks": False})[row, 1] = 0
     g["noise"].with_config({"write_empty_chunks": False})[row] = 0
     assert size - path.stat().st_size == C * F * H * W * 4 + 4  # the chunk is really gone
-    src = zb.ZarrSource(tmp_path)
+    src = zr.ZarrSource(tmp_path)
     for i, r in enumerate(records):
         got = src.read_record(entry, i)
         want_xt = r.xt.clone()
@@ -646,7 +648,7 @@ def test_a_missing_shard_file_names_shard_record_and_file(tmp_path: Path) -> Non
     rel, path = _shard_file(tmp_path, entry, "teacher_out/")
     path.unlink()
     with open_cache(tmp_path) as store:
-        with pytest.raises(zb.ZarrChunkError) as info:
+        with pytest.raises(zl.ZarrChunkError) as info:
             store.read_sample(entry, 1, 0, ["teacher_out"])
         msg = str(info.value)
         assert entry.name in msg and entry.keys[1] in msg and rel in msg and "missing" in msg
@@ -668,7 +670,7 @@ def test_a_truncated_shard_file_names_the_record(tmp_path: Path, how: str) -> No
         path.write_bytes(data[: (len(data) - cut) // 2] + data[-cut:])
     with open_cache(tmp_path) as store:
         key = entry.keys[2]
-        with pytest.raises(zb.ZarrChunkError, match="truncated") as info:
+        with pytest.raises(zl.ZarrChunkError, match="truncated") as info:
             store.read_sample(entry, 2, 1, ["xt", "prompt_embeds"])
         msg = str(info.value)
         assert entry.name in msg and key in msg and rel in msg
@@ -687,7 +689,7 @@ def test_the_checksum_guards_the_hot_path(tmp_path: Path) -> None:
     assert off >= 0 and raw.find(bits(records[4].xt[2]), off + 1) < 0
     raw[off + 3] ^= 0x10
     path.write_bytes(bytes(raw))
-    src = zb.ZarrSource(tmp_path)
+    src = zr.ZarrSource(tmp_path)
     with pytest.raises(ValueError, match=f"{entry.keys[1]}.*{rel}.*checksum"):
         src.read_tensors(entry, 1, {"xt": 2})
     assert_same(src.read_tensors(entry, 1, {"xt": 1})["xt"], records[4].xt[1].contiguous())
@@ -715,7 +717,7 @@ def test_sink_hashes_what_it_wrote_and_reuses_its_blocks(tmp_path: Path) -> None
         }
         total += entry.records
     assert total == 9
-    src = zb.ZarrSource(tmp_path)
+    src = zr.ZarrSource(tmp_path)
     k = 0
     for entry in entries:
         for i in range(entry.records):
@@ -740,7 +742,7 @@ def test_sink_fsyncs_every_file_it_wrote_once_before_returning_the_entry(
         synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
         real(fd)
 
-    zb.ZarrSink(tmp_path, block_records=2)  # nothing written yet
+    zw.ZarrSink(tmp_path, block_records=2)  # nothing written yet
     _sink_entries(tmp_path, [make_record(0)], 1, block_records=2)  # the group and its arrays
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "data.zarr").rglob("*")}
     monkeypatch.setattr(os, "fsync", record)
@@ -757,7 +759,7 @@ def test_sink_fsyncs_every_file_it_wrote_once_before_returning_the_entry(
 
 
 def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None:
-    sink = zb.ZarrSink(tmp_path, block_records=4)
+    sink = zw.ZarrSink(tmp_path, block_records=4)
     sink.begin("r00000-000000")
     good = [make_record(0), make_record(1)]
     sink.add(good[0])
@@ -769,7 +771,7 @@ def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None
     entry = sink.end()
     entry.update(name="r00000-000000", rank=0, records=2, keys=[r.key for r in good])
     entry = ZarrEntry.model_validate(entry, strict=True)
-    src = zb.ZarrSource(tmp_path)
+    src = zr.ZarrSource(tmp_path)
     for i, r in enumerate(good):
         assert_same_record(src.read_record(entry, i), r)
     src.close()
@@ -789,11 +791,11 @@ def test_partly_wanted_chunks_are_checked_too(
     raw = bytearray(path.read_bytes())
     raw[1] ^= 0x04  # the shard's first inner chunk: record 3's first token / first timestep
     path.write_bytes(bytes(raw))
-    src = zb.ZarrSource(tmp_path)
-    with pytest.raises(zb.ZarrChunkError, match=f"{entry.keys[0]}: {name}: .*checksum"):
+    src = zr.ZarrSource(tmp_path)
+    with pytest.raises(zl.ZarrChunkError, match=f"{entry.keys[0]}: {name}: .*checksum"):
         src.read_tensors(entry, 0, {name: step})
     if name == "prompt_embeds":  # the same 32-token chunk holds record 4's 8 tokens
-        with pytest.raises(zb.ZarrChunkError, match="checksum"):
+        with pytest.raises(zl.ZarrChunkError, match="checksum"):
             src.read_tensors(entry, 1, {name: None})
     else:  # record 4's timesteps are another chunk
         got = src.read_tensors(entry, 1, {name: step})[name]
@@ -866,7 +868,7 @@ def test_a_failed_file_write_is_raised_after_every_other_file_of_the_shard_finis
         await real_set(self, key, value)
         finished.append(key)
 
-    zb.ZarrSink(tmp_path, block_records=2)
+    zw.ZarrSink(tmp_path, block_records=2)
     monkeypatch.setattr(LocalStore, "set", flaky)
     with pytest.raises(OSError, match="Input/output error"):
         _sink_entries(tmp_path, [make_record(0), make_record(1)], 2, block_records=2)
@@ -883,10 +885,10 @@ def test_a_shard_written_in_several_gathers_has_the_same_bytes_as_one_gather(
     their sha256 and what reads back are the same as with every array in one gather."""
     records = [make_record(i, negative=True) for i in range(5)]
     (one,) = _sink_entries(tmp_path / "one", records, 5, block_records=2)
-    monkeypatch.setattr(zb, "WRITE_GATHER_BYTES", 1)  # every array on its own
+    monkeypatch.setattr(zw, "WRITE_GATHER_BYTES", 1)  # every array on its own
     (split,) = _sink_entries(tmp_path / "split", records, 5, block_records=2)
     assert one.sha256 == split.sha256 and len(one.sha256) > 4
-    src = zb.ZarrSource(tmp_path / "split")
+    src = zr.ZarrSource(tmp_path / "split")
     for i, r in enumerate(records):
         assert_same_record(src.read_record(split, i), r)
     src.close()
@@ -899,7 +901,7 @@ def test_writes_group_biggest_first_and_no_group_passes_the_budget_but_a_lone_wr
     sizes: list[int], budget: int
 ) -> None:
     writes = [(k, slice(0, n), np.zeros(n, dtype=np.uint8)) for k, n in enumerate(sizes)]
-    groups = zb._by_bytes(writes, budget)
+    groups = zl._by_bytes(writes, budget)
     flat = [w for g in groups for w in g]
     assert sorted(w[0] for w in flat) == list(range(len(sizes)))
     assert [w[2].nbytes for w in flat] == sorted(sizes, reverse=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from wandistill.cache.manifest import load_committed
-from wandistill.cache.wds_backend import CorruptMemberError, safe_decoder
+from wandistill.cache.wds.decoder import CorruptMemberError, safe_decoder
 
 from cachefixtures import make_record, write_cache
 

@@ -82,7 +82,8 @@ def test_importing_the_cache_room_loads_no_diffusers() -> None:
     code = """
 import json, sys
 import wandistill.cache, wandistill.cache.reader, wandistill.cache.writer
-import wandistill.cache.training, wandistill.cache.manifest, wandistill.cache.zarr_backend
+import wandistill.cache.training, wandistill.cache.manifest
+import wandistill.cache.zarr.reader, wandistill.cache.zarr.writer
 print(json.dumps(sorted(sys.modules)))
 """
     proc = subprocess.run(

@@ -7,7 +7,7 @@ held-out split (a function of the key and `settings.holdout_fraction`), are thos
 
 No copy where the store allows. A shard whose records are all kept is put into M whole: a
 webdataset tar into `M/shards/` under a new name (`r00000-<seq>`), a zarr entry's zarr shard
-files into M's `data.zarr` at shifted whole-shard coordinates (`zarr_merge.py`). On one local
+files into M's `data.zarr` at shifted whole-shard coordinates (`zarr/merge.py`). On one local
 filesystem that is a hard link (same inode, no byte copied); on one object store a copy the
 store makes itself (S3 CopyObject: no byte through this machine); otherwise (across
 filesystems or stores: local -> S3, S3 -> local) a copy streamed through this process
@@ -51,7 +51,7 @@ from wandistill.io.fsutil import fsync_dir
 from wandistill.io.storage import LocalStorage, Storage, is_url, open_storage
 
 ZARR_LOCK = "data.zarr.lock"
-"""zarr_backend.LOCK_NAME (not imported: merging webdataset caches needs no zarr)."""
+"""zarr.layout.LOCK_NAME (not imported: merging webdataset caches needs no zarr)."""
 MERGE_RANK = 0
 """M's shards are named as rank 0's (`r00000-<seq>`): a later precompute into M resumes after
 them like after its own."""
@@ -161,7 +161,7 @@ def _verify(store: CacheReader, entry: dict[str, Any]) -> list[str]:
     (docs/benchmarks.md, "cache merge on S3")."""
     if not store.storage.remote or store.manifest.backend != "webdataset":
         return store.source.verify(entry)
-    from wandistill.cache.wds_backend import WebDatasetSource
+    from wandistill.cache.wds.reader import WebDatasetSource
 
     try:
         rel = store.source.rel(entry)  # type: ignore[attr-defined]
@@ -257,10 +257,11 @@ class _Merger:
 
     def _sink(self) -> Any:
         if self.backend == "webdataset":
-            from wandistill.cache.wds_backend import WebDatasetSink
+            from wandistill.cache.wds.writer import WebDatasetSink
 
             return WebDatasetSink(self.out)
-        from wandistill.cache.zarr_backend import BLOCK_RECORDS, MAX_META_BYTES, ZarrSink
+        from wandistill.cache.zarr.layout import BLOCK_RECORDS, MAX_META_BYTES
+        from wandistill.cache.zarr.writer import ZarrSink
 
         first = self.stores[0]
         meta = first.storage.read(
@@ -281,7 +282,7 @@ class _Merger:
         if self.backend != "zarr":
             return None
         if self._linker is None:
-            from wandistill.cache.zarr_merge import ZarrLinker
+            from wandistill.cache.zarr.merge import ZarrLinker
 
             self._linker = ZarrLinker(self.out, self._put_any)
         return self._linker.add(store.storage, src)

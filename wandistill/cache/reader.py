@@ -55,11 +55,11 @@ class RecordSource(Protocol):
 
 def _make_source(backend: str, store: Storage) -> RecordSource:
     if backend == "webdataset":
-        from wandistill.cache.wds_backend import WebDatasetSource
+        from wandistill.cache.wds.reader import WebDatasetSource
 
         return WebDatasetSource(store)
     if backend == "zarr":
-        from wandistill.cache.zarr_backend import ZarrSource
+        from wandistill.cache.zarr.reader import ZarrSource
 
         return ZarrSource(store)
     raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")

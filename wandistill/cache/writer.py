@@ -64,7 +64,7 @@ def _make_sink(
 ) -> ShardSink:
     compression = compression_of(fields)
     if backend == "webdataset":
-        from wandistill.cache.wds_backend import WebDatasetSink
+        from wandistill.cache.wds.writer import WebDatasetSink
 
         if compression is not None:
             raise UsageError(
@@ -73,7 +73,7 @@ def _make_sink(
             )
         return WebDatasetSink(store)
     if backend == "zarr":
-        from wandistill.cache.zarr_backend import ZarrSink
+        from wandistill.cache.zarr.writer import ZarrSink
 
         return ZarrSink(store, block_records=shard_records, compression=compression)
     raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")

@@ -27,17 +27,16 @@ import numpy as np
 import zarr
 
 from wandistill.cache.files import ZarrEntry
-from wandistill.cache.zarr_backend import (
+from wandistill.cache.zarr.layout import (
     _WRITE_CONFIG,
     DATA_NAME,
     GROUP_ATTR,
     RAGGED,
-    ZarrSink,
     _ceil_to,
-    _SealingStore,
-    entry_json,
     zarr_store,
 )
+from wandistill.cache.zarr.store import _SealingStore
+from wandistill.cache.zarr.writer import ZarrSink, entry_json
 from wandistill.io.storage import Storage
 
 LAYOUT = ("block_records", "token_chunk", "token_block")
