@@ -105,11 +105,11 @@ def _no_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def zygote() -> Iterator[object]:
-    """A forking CLI process (tests/zygote.py) for the module: runs of `wandistill` in real
-    processes without seconds of imports each. It inherits this process's environment as it is
-    when the module's first test asks for it."""
+    """A forking process (tests/zygote.py) for the whole session (one per pytest-xdist worker):
+    runs of `wandistill`, `python` and `torchrun` in real processes without seconds of imports
+    each. Each run gets the environment of this process as it is when the run starts."""
     from zygote import Zygote
 
     z = Zygote()
