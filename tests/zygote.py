@@ -14,7 +14,8 @@ the real command line, in a real process with its own pid, exit code, stdout/std
   to that fork and exits as it did (a fork killed by a signal kills it with the same signal).
   `PYTHON_EXEC` (torchrun's own knob) makes torchrun start its ranks this way. So a command line
   run by bash, torchrun's agent and its ranks are all forks, unchanged in what they run. The
-  shim's own pid is not the fork's: a test that signals or inspects a rank by pid uses `start`.
+  shim's own pid is not the fork's: with `ZYGOTE_PID_FILE=PATH` in its environment the shim
+  writes the fork's pid there (`fork_pid`); a test that signals a rank by pid uses `start`.
 
 What a fork does not test: the interpreter's start-up and the imports themselves (library
 output at import time, the console script). Tests about those start `python -m wandistill`
@@ -301,10 +302,16 @@ for fd in (0, 1, 2):
     except OSError:
         break
     fds.append(fd)
-req = {{"kind": {kind!r}, "argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}}
+env = dict(os.environ)
+pidfile = env.pop("ZYGOTE_PID_FILE", None)  # this process's own, not its run's children's
+req = {{"kind": {kind!r}, "argv": sys.argv[1:], "env": env, "cwd": os.getcwd()}}
 socket.send_fds(s, [json.dumps(req).encode() + b"\n"], fds)
 f = s.makefile("rb")
 pid = json.loads(f.readline())["pid"]
+if pidfile:  # the fork's pid, for a test that looks for its children (a torchrun's ranks)
+    with open(pidfile + ".tmp", "w") as out:
+        out.write(str(pid))
+    os.replace(pidfile + ".tmp", pidfile)
 
 
 def forward(sig, _frame):
@@ -444,6 +451,17 @@ class Zygote:
         for p in sorted(self.dir.rglob("*"), reverse=True):
             p.rmdir() if p.is_dir() else p.unlink()
         self.dir.rmdir()
+
+
+def fork_pid(pidfile: Path, shim: subprocess.Popen) -> int | None:
+    """The pid of the fork a shim started with `ZYGOTE_PID_FILE=pidfile` runs in (None once the
+    shim ended without one)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not pidfile.exists():
+        if shim.poll() is not None or time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+    return int(pidfile.read_text())
 
 
 def kill(pid: int, sig: int) -> None:
