@@ -439,6 +439,30 @@ class Zygote:
         err = Path(f"{log}.0.err").read_text(errors="replace")
         return subprocess.CompletedProcess(["wandistill", *argv], code, out, err)
 
+    def torchrun(
+        self, args: list[str], *, nproc: int = 2, env: dict[str, str] | None = None, **kw
+    ) -> subprocess.CompletedProcess:
+        """`torchrun --standalone --nproc_per_node=NPROC ARGS` (ARGS: `-m wandistill ...` or a
+        script), its agent and ranks forks of this zygote, in a session of its own; stdout and
+        stderr captured as text. `env`: the environment (default: this process's); `kw` go to
+        Popen (cwd: the repository)."""
+        cmd = [self.python, "-m", "torch.distributed.run", "--standalone"]
+        proc = subprocess.Popen(
+            [*cmd, f"--nproc_per_node={nproc}", *args],
+            env=self.env(env),
+            **{"cwd": REPO, **kw},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=HANG_GUARD_S)  # a hang guard, not a timing
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"torchrun hung:\n{proc.communicate()[1][-3000:]}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
     def close(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
