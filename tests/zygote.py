@@ -16,6 +16,7 @@ the real command line, in a real process with its own pid, exit code, stdout/std
   run by bash, torchrun's agent and its ranks are all forks, unchanged in what they run. The
   shim's own pid is not the fork's: with `ZYGOTE_PID_FILE=PATH` in its environment the shim
   writes the fork's pid there (`fork_pid`); a test that signals a rank by pid uses `start`.
+  A `python` fork's `sys.executable` is that shim, so what it starts with it is a fork too.
 
 What a fork does not test: the interpreter's start-up and the imports themselves (library
 output at import time, the console script). Tests about those start `python -m wandistill`
@@ -145,13 +146,15 @@ def log_fds(log, split):
     return [os.open(os.devnull, os.O_RDONLY), out, err]
 
 
-def fork(env, fds, kind, argv, cwd=None):
+def fork(env, fds, kind, argv, cwd=None, exe=None):
     pid = os.fork()
     if pid == 0:
         try:
             become(env, fds)
             if cwd:
                 os.chdir(cwd)
+            if exe:  # a `python` fork's interpreter is the `python` that started it
+                sys.executable = exe
         except BaseException:
             traceback.print_exc()
             os._exit(1)
@@ -204,7 +207,8 @@ def shim(conn):
     keep.add(conn.fileno())  # not inherited by the fork: only the shim holds its end
     while len(fds) < 3:  # a standard stream the shim did not have open
         fds.append(os.open(os.devnull, os.O_RDWR))
-    pid = fork(req["env"], fds, req["kind"], req["argv"], req["cwd"])
+    exe = req["exe"] if req["kind"] == "python" else None
+    pid = fork(req["env"], fds, req["kind"], req["argv"], req["cwd"], exe)
     conn.settimeout(None)
     conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
     owner[pid] = ("shim", conn)
@@ -304,7 +308,7 @@ for fd in (0, 1, 2):
     fds.append(fd)
 env = dict(os.environ)
 pidfile = env.pop("ZYGOTE_PID_FILE", None)  # this process's own, not its run's children's
-req = {{"kind": {kind!r}, "argv": sys.argv[1:], "env": env, "cwd": os.getcwd()}}
+req = {{"kind": {kind!r}, "argv": sys.argv[1:], "env": env, "cwd": os.getcwd(), "exe": __file__}}
 socket.send_fds(s, [json.dumps(req).encode() + b"\n"], fds)
 f = s.makefile("rb")
 pid = json.loads(f.readline())["pid"]
