@@ -115,3 +115,18 @@ def zygote() -> Iterator[object]:
     z = Zygote()
     yield z
     z.close()
+
+
+@pytest.fixture(scope="session")
+def zygote_nopickle() -> Iterator[object]:
+    """A second zygote (one per pytest-xdist worker) with every way to unpickle made to raise in
+    it and so in every run forked from it (tests/nopickle: its `sitecustomize` patches pickle
+    before torch binds it at import). torchrun's agent unpickles its rendezvous state: start
+    the agent with `sys.executable` and its ranks through this zygote (`PYTHON_EXEC`)."""
+    from zygote import Zygote
+
+    root = Path(__file__).parents[1]
+    path = [str(root / "tests" / "nopickle"), str(root), str(root / "tests")]
+    z = Zygote(PYTHONPATH=os.pathsep.join(path), WANDISTILL_TEST_NO_PICKLE="1")
+    yield z
+    z.close()

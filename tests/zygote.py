@@ -341,7 +341,9 @@ sys.exit(code)
 class Zygote:
     """A process that imported everything once and forks one process per rank per run."""
 
-    def __init__(self) -> None:
+    def __init__(self, **own_env: str) -> None:
+        """`own_env`: set in the zygote's own environment, so in what runs at its start-up (a
+        `sitecustomize`) and what its imports read (each run still gets its own environment)."""
         self.dir = Path(tempfile.mkdtemp(prefix="zygote-"))  # short: a socket path has a limit
         sock = self.dir / "s"
         self.bin = self.dir / "bin"
@@ -353,7 +355,8 @@ class Zygote:
         self.python = str(self.bin / "python")
         """`python` for subprocess argv: `[zygote.python, "-m", "wandistill", ...]`."""
         rfd, wfd = os.pipe()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.own_env = own_env
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **own_env}
         # Read when torch and rich start: left to each run's own environment (see `become`).
         for k in ("WANDISTILL_FAULT", "RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "COLUMNS"):
             env.pop(k, None)
@@ -374,9 +377,9 @@ class Zygote:
         self._reply((0, "pids"), HANG_GUARD_S)  # its imports done, it listens
 
     def env(self, env: dict[str, str] | None = None) -> dict[str, str]:
-        """`env` (default: this process's) with `python`, `wandistill` and `torchrun` first on
-        PATH and torchrun's ranks started through the zygote (`PYTHON_EXEC`)."""
-        env = dict(os.environ if env is None else env)
+        """`env` (default: this process's) and the zygote's own, with `python`, `wandistill` and
+        `torchrun` first on PATH and torchrun's ranks started through the zygote (`PYTHON_EXEC`)."""
+        env = {**(os.environ if env is None else env), **self.own_env}
         env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"
         env["PYTHON_EXEC"] = self.python
         return env
@@ -402,10 +405,11 @@ class Zygote:
         self, argv: list[str], log: Path, *, nproc: int = 1, split: bool = False, **env: str | None
     ) -> list[int]:
         """Fork the run; `env` is set (None: unset) in the children only, over this process's
-        environment with one intra-op thread and 120 columns. Output goes to `<log>.<rank>`
-        (with `split`, stderr to `<log>.<rank>.err`)."""
+        environment and the zygote's own, with one intra-op thread and 120 columns. Output goes
+        to `<log>.<rank>` (with `split`, stderr to `<log>.<rank>.err`)."""
         assert self.proc.stdin is not None
-        base = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120", "PYTHONUNBUFFERED": "1"}
+        base = {**os.environ, **self.own_env, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
+        base["PYTHONUNBUFFERED"] = "1"
         for k in ("WANDISTILL_FAULT", "RANK", "WORLD_SIZE"):
             base.pop(k, None)
         for k, v in env.items():
