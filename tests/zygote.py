@@ -91,6 +91,8 @@ def python(argv):
     while argv and argv[0] in ("-u", "-B"):
         argv = argv[1:]
     if argv[:1] == ["-m"]:
+        if not hasattr(sys.modules.get(argv[1]), "__path__"):  # a module, not a package:
+            sys.modules.pop(argv[1], None)  # unimported, as in a fresh `python -m` (no warning)
         sys.argv = ["-m", *argv[2:]]
         runpy._run_module_as_main(argv[1], alter_argv=True)
     elif argv[:1] == ["-c"]:
