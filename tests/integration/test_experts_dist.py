@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,13 +37,6 @@ SETS = [
     "student.ffn_dim=32",
 ]
 WEIGHTS = "diffusion_pytorch_model.safetensors"
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _torchrun_train(zygote: Zygote, cache: Path, out: Path) -> subprocess.CompletedProcess[str]:

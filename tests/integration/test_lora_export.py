@@ -5,7 +5,6 @@ the project's own sampler samples; `--merge-lora` gives a pipeline that samples 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,6 @@ pytestmark = pytest.mark.slow
 K = 2
 PROMPTS = ["a cat on a mat", "a dog in the park", "a red car", "the sea at night"]
 MSL = 32
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
