@@ -39,6 +39,7 @@ import pytest
 
 REPO = Path(__file__).parents[1]
 HANG_GUARD_S = 240.0  # a run that takes this long is stuck; never a measure of speed
+START_GUARD_S = 900.0  # the imports, on a box loaded many times over: only a hang guard
 
 ZYGOTE = r"""
 import atexit, json, os, runpy, select, signal, socket, sys, time, traceback
@@ -192,7 +193,7 @@ def job(req):
 
 
 def shim(conn):
-    conn.settimeout(10)
+    conn.settimeout(120)  # the shim sends at once; only a stuck one waits this long
     data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
     while data and not data.endswith(b"\n"):
         more = conn.recv(1 << 20)
@@ -376,7 +377,7 @@ class Zygote:
         self._ids = 0
         self._replies: dict[tuple[int, str], list[int]] = {}
         self._jobs: dict[tuple[int, ...], int] = {}
-        self._reply((0, "pids"), HANG_GUARD_S)  # its imports done, it listens
+        self._reply((0, "pids"), START_GUARD_S)  # its imports done, it listens
 
     def env(self, env: dict[str, str] | None = None) -> dict[str, str]:
         """`env` (default: this process's) and the zygote's own, with `python`, `wandistill` and
