@@ -84,7 +84,10 @@ def become(env, fds):
     threads = env.get("OMP_NUM_THREADS", "")
     threads = int(threads) if threads.isdigit() and int(threads) > 0 else DEFAULT_THREADS
     torch.set_num_threads(threads)
-    wandistill.cli._debug = bool(env.get("WANDISTILL_DEBUG"))  # read at import by the CLI
+    for name in ("wandistill.cli", "wandistill.cli.entry"):  # read at import by the CLI
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "_debug"):
+            module._debug = bool(env.get("WANDISTILL_DEBUG"))
 
 
 def python(argv):
