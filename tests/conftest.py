@@ -105,13 +105,28 @@ def _no_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def zygote() -> Iterator[object]:
-    """A forking CLI process (tests/zygote.py) for the module: runs of `wandistill` in real
-    processes without seconds of imports each. It inherits this process's environment as it is
-    when the module's first test asks for it."""
+    """A forking process (tests/zygote.py) for the whole session (one per pytest-xdist worker):
+    runs of `wandistill`, `python` and `torchrun` in real processes without seconds of imports
+    each. Each run gets the environment of this process as it is when the run starts."""
     from zygote import Zygote
 
     z = Zygote()
+    yield z
+    z.close()
+
+
+@pytest.fixture(scope="session")
+def zygote_nopickle() -> Iterator[object]:
+    """A second zygote (one per pytest-xdist worker) with every way to unpickle made to raise in
+    it and so in every run forked from it (tests/nopickle: its `sitecustomize` patches pickle
+    before torch binds it at import). torchrun's agent unpickles its rendezvous state: start
+    the agent with `sys.executable` and its ranks through this zygote (`PYTHON_EXEC`)."""
+    from zygote import Zygote
+
+    root = Path(__file__).parents[1]
+    path = [str(root / "tests" / "nopickle"), str(root), str(root / "tests")]
+    z = Zygote(PYTHONPATH=os.pathsep.join(path), WANDISTILL_TEST_NO_PICKLE="1")
     yield z
     z.close()

@@ -32,6 +32,7 @@ import torch
 from wandistill.cli import main
 
 from cachefixtures import SETTINGS, write_cache
+from zygote import Zygote
 
 REPO = Path(__file__).parents[2]
 CPU_ONLY = not torch.cuda.is_available()
@@ -561,12 +562,18 @@ def public(world: dict[str, str]) -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _wandistill(prefix: list[str], *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _wandistill(
+    prefix: list[str], *args: str, cwd: Path, zygote: Zygote | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m wandistill ARGS` in a real process: a fresh interpreter (under `prefix`: as
+    another user), or a fork of the session's zygote (tests/zygote.py) when one is given."""
     env = {**os.environ, "HOME": str(cwd), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(REPO), "COLUMNS": "200"}  # fmt: skip
     env.pop("WANDISTILL_DEBUG", None)
+    python = sys.executable if zygote is None else zygote.python
+    env = env if zygote is None else zygote.env(env)
     return subprocess.run(
-        [*prefix, sys.executable, "-m", "wandistill", *args],
+        [*prefix, python, "-m", "wandistill", *args],
         capture_output=True,
         text=True,
         timeout=180,
@@ -613,18 +620,20 @@ def test_permission_errors_as_a_user_are_usage_errors(
 
 @pytest.mark.slow
 def test_debug_shows_the_traceback_and_plain_runs_do_not(
-    world: dict[str, str], tmp_path: Path
+    zygote: Zygote, world: dict[str, str], tmp_path: Path
 ) -> None:
     args = ["cache", "verify", str(tmp_path / "nope")]
-    plain = _wandistill([], *args, cwd=tmp_path)
-    debug = _wandistill([], "--debug", *args, cwd=tmp_path)
+    plain = _wandistill([], *args, cwd=tmp_path, zygote=zygote)
+    debug = _wandistill([], "--debug", *args, cwd=tmp_path, zygote=zygote)
     assert plain.returncode == 2 and "Traceback" not in plain.stderr
     assert plain.stderr.startswith("error: cache path")
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "UsageError" in debug.stderr
 
 
 @pytest.mark.slow
-def test_a_corrupt_cache_through_the_console_script(world: dict[str, str], tmp_path: Path) -> None:
+def test_a_corrupt_cache_through_the_console_script(
+    zygote: Zygote, world: dict[str, str], tmp_path: Path
+) -> None:
     """Runtime failure (exit 1) end to end: verify names shard and record; train refuses."""
     cache = tmp_path / "cache"
     shutil.copytree(world["cache"], cache)
@@ -634,12 +643,12 @@ def test_a_corrupt_cache_through_the_console_script(world: dict[str, str], tmp_p
     data = bytearray(path.read_bytes())
     data[entry["offsets"][0][0] + entry["offsets"][0][1] - 5] ^= 0xFF  # last tensor's data
     path.write_bytes(bytes(data))
-    verify = _wandistill([], "cache", "verify", str(cache), cwd=tmp_path)
+    verify = _wandistill([], "cache", "verify", str(cache), cwd=tmp_path, zygote=zygote)
     assert verify.returncode == 1 and "Traceback" not in verify.stderr
     assert f"BAD shard {entry['name']} record {entry['keys'][0]}: " in verify.stderr
     train = _wandistill([], "train", "--cache", str(cache), "--out", str(tmp_path / "run"),
                         "--set", 'device="cpu"', "--set", "student.num_layers=1", "--set",
-                        "batch_size=6", "--steps", "3", cwd=tmp_path)  # fmt: skip
+                        "batch_size=6", "--steps", "3", cwd=tmp_path, zygote=zygote)  # fmt: skip
     assert train.returncode == 1 and "Traceback" not in train.stderr, train.stderr
     (line,) = _error_lines(train.stderr)
     assert f"corrupt record {entry['keys'][0]} in shard {entry['name']}" in line

@@ -11,10 +11,11 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from zygote import Zygote
 
 pytestmark = pytest.mark.dist
 
@@ -57,13 +58,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_ranks(mode: str) -> list[dict[str, float]]:
+def _two_ranks(zygote: Zygote, mode: str) -> list[dict[str, float]]:
+    """Two gloo ranks, each a fork of the session's zygote (tests/zygote.py)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, mode],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            [zygote.python, "-c", RANK_SCRIPT, mode],
+            env=zygote.env({**env, "RANK": str(r), "LOCAL_RANK": str(r)}),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -76,16 +78,18 @@ def _two_ranks(mode: str) -> list[dict[str, float]]:
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
-def test_a_frozen_base_stays_where_it_was_loaded_and_only_trained_tensors_cross() -> None:
-    r0, r1 = _two_ranks("frozen")
+def test_a_frozen_base_stays_where_it_was_loaded_and_only_trained_tensors_cross(
+    zygote: Zygote,
+) -> None:
+    r0, r1 = _two_ranks(zygote, "frozen")
     assert (r0["base"], r1["base"]) == (0.0, 10.0)  # not broadcast: each rank's own
     assert r0["head"] == r1["head"] == 2.0  # the trained head: rank 0's
     assert r0["table"] == r1["table"] == 0.0  # buffers: rank 0's, as DDP's own sync
     assert r0["head_grad"] == r1["head_grad"]  # gradients still all-reduced
 
 
-def test_a_model_without_frozen_parameters_gets_ddps_own_broadcast() -> None:
-    r0, r1 = _two_ranks("full")
+def test_a_model_without_frozen_parameters_gets_ddps_own_broadcast(zygote: Zygote) -> None:
+    r0, r1 = _two_ranks(zygote, "full")
     assert r0["base"] == r1["base"] == 0.0
     assert r0["head"] == r1["head"] == 2.0
     assert r0["head_grad"] == r1["head_grad"]

@@ -6,6 +6,10 @@ shards; train: a peer lost mid-collective is one line, never a wait), so every r
 within 60 s of the failure, and the output on disk resumes (1 process or 2) to exactly the result
 of an uninterrupted run. Failures are injected at exact points with `WANDISTILL_FAULT`
 (wandistill/runtime/failures.py) and train's `WANDISTILL_FAULT`. 2 gloo ranks on CPU.
+
+torchrun's agent and its ranks are forks of the session's zygote (tests/zygote.py: real
+processes running torch.distributed.run and `-m wandistill`, the signals torchrun sends forwarded
+to them); test_signals.py and test_train_dist.py start torchrun and its ranks afresh.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +33,7 @@ from wandistill.config import load_recipe
 from wandistill.train.checkpoint import resolve_latest
 
 from cachefixtures import write_cache
+from zygote import Zygote, fork_pid
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -43,9 +47,9 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "COLUMNS": "120", "PYTHONUNBUFFERED": "1", **extra}
 
 
-def _torchrun(*args: str) -> list[str]:
+def _torchrun(python: str, *args: str) -> list[str]:
     return [
-        sys.executable,
+        python,
         "-m",
         "torch.distributed.run",
         "--standalone",
@@ -67,20 +71,21 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # gone (even mid-read)
         return False
 
 
 class Job:
     """torchrun in its own session; stderr in a file; knows its ranks' pids."""
 
-    def __init__(self, args: list[str], log: Path, **env: str) -> None:
+    def __init__(self, zygote: Zygote, args: list[str], log: Path, **env: str) -> None:
         self.log = log
         self._err = open(log, "w")  # noqa: SIM115 - closed in the wait methods
+        self._pidfile = log.with_name(log.name + ".pid")
         self.proc = subprocess.Popen(
-            _torchrun(*args),
+            _torchrun(zygote.python, *args),
             cwd=REPO,
-            env=_env(**env),
+            env=zygote.env(_env(ZYGOTE_PID_FILE=str(self._pidfile), **env)),
             stdout=subprocess.DEVNULL,
             stderr=self._err,
             start_new_session=True,
@@ -108,9 +113,10 @@ class Job:
     def wait_failure(self) -> int:
         """Wait until a rank has exited, then give every other rank EXIT_WITHIN_S to be gone."""
         deadline = time.monotonic() + HANG_GUARD_S
+        agent = fork_pid(self._pidfile, self.proc)  # torchrun's agent: the ranks' parent
         ranks: set[int] = set()
-        while len(ranks) < 2 and self.proc.poll() is None:
-            ranks |= _children(self.proc.pid)
+        while len(ranks) < 2 and self.proc.poll() is None and agent is not None:
+            ranks |= _children(agent)
             time.sleep(0.01)
         while all(_alive(p) for p in ranks) and self.proc.poll() is None:
             if time.monotonic() > deadline:
@@ -204,7 +210,7 @@ def pre(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return pre
 
 
-def _failed_cache_resumes(pre: dict, cache: Path, *, ranks: int, log: Path) -> None:
+def _failed_cache_resumes(zygote: Zygote, pre: dict, cache: Path, *, ranks: int, log: Path) -> None:
     """Not complete, what is committed is right; a rerun with `ranks` processes completes it."""
     assert not read_manifest(cache).complete
     keys, blobs = _records(cache)
@@ -212,7 +218,7 @@ def _failed_cache_resumes(pre: dict, cache: Path, *, ranks: int, log: Path) -> N
     if ranks == 1:
         _pre_inprocess(_pre_sets(pre, cache))
     else:
-        rerun = Job(_pre_args(_pre_sets(pre, cache)), log)
+        rerun = Job(zygote, _pre_args(_pre_sets(pre, cache)), log)
         assert rerun.wait() == 0, rerun.err[-3000:]
     keys, blobs = _records(cache)
     assert read_manifest(cache).complete and len(keys) == len(set(keys)) == N_PROMPTS
@@ -220,10 +226,11 @@ def _failed_cache_resumes(pre: dict, cache: Path, *, ranks: int, log: Path) -> N
 
 
 def test_precompute_rank_raising_stops_every_rank_and_one_process_resumes(
-    pre: dict, tmp_path: Path
+    zygote: Zygote, pre: dict, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
     job = Job(
+        zygote,
         _pre_args(_pre_sets(pre, cache)),
         tmp_path / "run.err",
         WANDISTILL_FAULT="precompute:record:3:1:raise",
@@ -234,14 +241,15 @@ def test_precompute_rank_raising_stops_every_rank_and_one_process_resumes(
     # Rank 0 was SIGTERMed by torchrun (or saw rank 1 vanish at the final barrier): one line.
     assert other_rank_ended_cleanly(err, 0), err[-3000:]
     assert not rank_traceback(err)
-    _failed_cache_resumes(pre, cache, ranks=1, log=tmp_path / "rerun.err")
+    _failed_cache_resumes(zygote, pre, cache, ranks=1, log=tmp_path / "rerun.err")
 
 
 def test_precompute_rank_killed_stops_every_rank_and_two_ranks_resume(
-    pre: dict, tmp_path: Path
+    zygote: Zygote, pre: dict, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
     job = Job(
+        zygote,
         _pre_args(_pre_sets(pre, cache)),
         tmp_path / "run.err",
         WANDISTILL_FAULT="precompute:record:4:0:kill",
@@ -251,7 +259,7 @@ def test_precompute_rank_killed_stops_every_rank_and_two_ranks_resume(
     assert "Signal 9 (SIGKILL) received by PID" in err or "exitcode  : -9" in err, err[-3000:]
     assert other_rank_ended_cleanly(err, 1), err[-3000:]
     assert not rank_traceback(err)
-    _failed_cache_resumes(pre, cache, ranks=2, log=tmp_path / "rerun.err")
+    _failed_cache_resumes(zygote, pre, cache, ranks=2, log=tmp_path / "rerun.err")
 
 
 # --------------------------------------------------------------------------- train
@@ -286,17 +294,20 @@ def _latest(out: Path) -> str | None:
 
 
 def test_train_rank_raising_then_rank_killed_each_stop_the_job_and_resume_matches(
-    tmp_path: Path,
+    zygote: Zygote, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
     write_cache(cache, range(8))  # 24 samples: 6 global batches of 4 per epoch
-    ref = Job(_train_args(cache, tmp_path / "ref"), tmp_path / "ref.err")
+    ref = Job(zygote, _train_args(cache, tmp_path / "ref"), tmp_path / "ref.err")
     assert ref.wait() == 0, ref.err[-3000:]
     out = tmp_path / "run"
 
     # Rank 1 raises after step 5: rank 0 is left in a collective, says so in one line, exits.
     one = Job(
-        _train_args(cache, out), tmp_path / "one.err", WANDISTILL_FAULT="train:step:5:1:raise"
+        zygote,
+        _train_args(cache, out),
+        tmp_path / "one.err",
+        WANDISTILL_FAULT="train:step:5:1:raise",
     )
     assert one.wait_failure() != 0
     assert one.err.count("error: injected failure on rank 1 at train step 5") == 1, one.err[-3000:]
@@ -306,6 +317,7 @@ def test_train_rank_raising_then_rank_killed_each_stop_the_job_and_resume_matche
 
     # Resumed, rank 0 is SIGKILLed after step 8: rank 1 and torchrun come down too.
     two = Job(
+        zygote,
         _train_args(cache, out, "--resume"),
         tmp_path / "two.err",
         WANDISTILL_FAULT="train:step:8:0:kill",
@@ -316,7 +328,7 @@ def test_train_rank_raising_then_rank_killed_each_stop_the_job_and_resume_matche
     assert not rank_traceback(two.err)
     assert _latest(out) == "checkpoint-6" and not (out / "student").exists()
 
-    last = Job(_train_args(cache, out, "--resume"), tmp_path / "last.err")
+    last = Job(zygote, _train_args(cache, out, "--resume"), tmp_path / "last.err")
     assert last.wait() == 0, last.err[-3000:]
     for w in WEIGHTS:
         assert (out / w).read_bytes() == (tmp_path / "ref" / w).read_bytes(), w

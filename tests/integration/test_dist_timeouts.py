@@ -6,7 +6,8 @@ exit on its own within `WANDISTILL_DIST_TIMEOUT` (5 s here), naming the missing 
 configurations per rank come from a two-line launcher (`torchrun --no-python python -c ...`) that
 gives each rank its own argv; every rank must exit naming the differing keys. Each test prints
 the seconds from start until the rank exited (figures in docs/reliability.md); the bounded waits
-only detect a hang, they time nothing.
+only detect a hang, they time nothing. torchrun and its ranks are forks of the session's zygote
+(tests/zygote.py): real processes, without each paying seconds of imports.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ import pytest
 import wandistill
 
 from cachefixtures import write_cache
+from zygote import Zygote
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -54,16 +55,16 @@ def _env(**extra: str) -> dict[str, str]:
     }
 
 
-def torchrun(argvs: list[list[str]], log: Path, **env: str) -> tuple[int, str]:
+def torchrun(zygote: Zygote, argvs: list[list[str]], log: Path, **env: str) -> tuple[int, str]:
     """Run one argv per rank under torchrun (2 ranks); (exit code, stderr of every rank)."""
     cmd = [
-        sys.executable,
+        zygote.python,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
         "--no-python",
-        sys.executable,
+        zygote.python,
         "-c",
         LAUNCH,
     ]
@@ -71,7 +72,7 @@ def torchrun(argvs: list[list[str]], log: Path, **env: str) -> tuple[int, str]:
         proc = subprocess.Popen(
             cmd,
             cwd=REPO,
-            env=_env(ARGV_BY_RANK=json.dumps(argvs), **env),
+            env=zygote.env(_env(ARGV_BY_RANK=json.dumps(argvs), **env)),
             stdout=subprocess.DEVNULL,
             stderr=err,
             start_new_session=True,
@@ -125,12 +126,12 @@ def train_argv(cache: Path, out: Path, *extra: str) -> list[str]:
 
 
 def test_a_rank_that_never_arrives_is_named_by_the_others_within_the_timeout(
-    cache: Path, tmp_path: Path
+    zygote: Zygote, cache: Path, tmp_path: Path
 ) -> None:
     missing = 1  # under torchrun the agent hosts the store: rank 0 missing is the same path
     argv = train_argv(cache, tmp_path / "run")
     code, err = torchrun(
-        [argv, argv], tmp_path / "err", WANDISTILL_FAULT=f"dist:init:0:{missing}:hang"
+        zygote, [argv, argv], tmp_path / "err", WANDISTILL_FAULT=f"dist:init:0:{missing}:hang"
     )
     other = 1 - missing
     assert code != 0
@@ -148,11 +149,11 @@ def test_a_rank_that_never_arrives_is_named_by_the_others_within_the_timeout(
 
 
 def test_ranks_with_different_configurations_all_exit_naming_the_keys(
-    cache: Path, tmp_path: Path
+    zygote: Zygote, cache: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
     argvs = [train_argv(cache, out), train_argv(cache, out, "optim.lr=0.001", "seed=3")]
-    code, err = torchrun(argvs, tmp_path / "err")
+    code, err = torchrun(zygote, argvs, tmp_path / "err")
     assert code != 0
     for rank in (0, 1):
         line = re.search(rf"error: rank {rank} of 2: the ranks run different configurations.*", err)
@@ -166,7 +167,7 @@ def test_ranks_with_different_configurations_all_exit_naming_the_keys(
 
 
 def test_precompute_ranks_with_different_sampler_settings_all_exit(
-    tiny_teacher: Path, tmp_path: Path
+    zygote: Zygote, tiny_teacher: Path, tmp_path: Path
 ) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("one\ntwo\nthree\n")
@@ -182,7 +183,9 @@ def test_precompute_ranks_with_different_sampler_settings_all_exit(
         "--set",
         "previews=0",
     ]
-    code, err = torchrun([base, [*base, "--set", "sampler.guidance_scale=3.0"]], tmp_path / "err")
+    code, err = torchrun(
+        zygote, [base, [*base, "--set", "sampler.guidance_scale=3.0"]], tmp_path / "err"
+    )
     assert code != 0
     for rank in (0, 1):
         assert re.search(
@@ -198,10 +201,12 @@ def test_precompute_ranks_with_different_sampler_settings_all_exit(
 
 
 def test_a_rank_that_hangs_mid_training_is_named_when_the_collective_times_out(
-    cache: Path, tmp_path: Path
+    zygote: Zygote, cache: Path, tmp_path: Path
 ) -> None:
     argv = train_argv(cache, tmp_path / "run", "steps=6", "checkpoint_every=2")
-    code, err = torchrun([argv, argv], tmp_path / "err", WANDISTILL_FAULT="train:step:3:1:hang")
+    code, err = torchrun(
+        zygote, [argv, argv], tmp_path / "err", WANDISTILL_FAULT="train:step:3:1:hang"
+    )
     assert code != 0
     line = re.search(r"error: rank 0: a collective failed, rank 1 did not answer.*", err)
     assert line, err[-3000:]
@@ -216,7 +221,7 @@ def test_a_rank_that_hangs_mid_training_is_named_when_the_collective_times_out(
 
 
 def test_a_rank_that_hangs_mid_precompute_is_named_by_the_rank_waiting_at_the_end(
-    tiny_teacher: Path, tmp_path: Path
+    zygote: Zygote, tiny_teacher: Path, tmp_path: Path
 ) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("".join(f"prompt {i}\n" for i in range(6)))
@@ -241,7 +246,7 @@ def test_a_rank_that_hangs_mid_precompute_is_named_by_the_rank_waiting_at_the_en
         "sampler.num_inference_steps=2",
     ]
     code, err = torchrun(
-        [argv, argv], tmp_path / "err", WANDISTILL_FAULT="precompute:record:1:1:hang"
+        zygote, [argv, argv], tmp_path / "err", WANDISTILL_FAULT="precompute:record:1:1:hang"
     )
     assert code != 0
     line = re.search(r"error: rank 0 of 2: rank 1 has not finished \(precompute-done\).*", err)
@@ -255,10 +260,14 @@ def test_a_rank_that_hangs_mid_precompute_is_named_by_the_rank_waiting_at_the_en
     )
 
 
-def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_step(cache: Path, tmp_path: Path) -> None:
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_that_step(
+    zygote: Zygote, cache: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
     argv = train_argv(cache, out, "steps=6", "checkpoint_every=2")
-    code, err = torchrun([argv, argv], tmp_path / "err", WANDISTILL_FAULT="train:loss:3:1:nan")
+    code, err = torchrun(
+        zygote, [argv, argv], tmp_path / "err", WANDISTILL_FAULT="train:loss:3:1:nan"
+    )
     assert code != 0
     for rank in (0, 1):
         assert re.search(rf"rank {rank} exit 1 at", err), err[-3000:]

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,8 @@ from wandistill.student.folders import read_student
 from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.tiny import make_tiny_teacher
 from wandistill.train import run as train
+
+from zygote import Zygote
 
 
 @pytest.fixture(scope="module")
@@ -124,19 +125,20 @@ DEMO_SETS = [  # the demo's recipe, made cheap: 4 teacher steps, a K = 2 student
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end_and_a_rerun_reuses_everything(tmp_path: Path) -> None:
+def test_demo_runs_end_to_end_and_a_rerun_reuses_everything(zygote: Zygote, tmp_path: Path) -> None:
     """The demo's whole path (teacher and prompts given: the tiny random teacher, so no minute
-    of teacher training): precompute -> few-step student + baseline -> eval with teacher@K."""
+    of teacher training): precompute -> few-step student + baseline -> eval with teacher@K.
+    `python` is a fork of the session's zygote (tests/zygote.py): a real process."""
     make_tiny_teacher(tmp_path / "teacher")
     prompts = tmp_path / "prompts.txt"  # given: the trained teacher's grammar is not needed
     prompts.write_text("\n".join(f"a cat number {i}" for i in range(40)) + "\n")
     sets = [*DEMO_SETS, f'precompute.prompts="{prompts}"']
-    cmd = [sys.executable, "-m", "wandistill", "demo", "--root", "demo"]  # as a person types it
+    cmd = [zygote.python, "-m", "wandistill", "demo", "--root", "demo"]  # as a person types it
     cmd += ["--teacher", "teacher", *(x for s in sets for x in ("--set", s))]
     run = functools.partial(
         subprocess.run, cwd=tmp_path, capture_output=True, text=True, timeout=900
     )
-    first = run(cmd, env={**_env(), "COLUMNS": "80"})
+    first = run(cmd, env=zygote.env({**_env(), "COLUMNS": "80"}))
     assert first.returncode == 0, first.stderr[-3000:]
     lines = (first.stdout + first.stderr).splitlines()
     wide = [line for line in lines if len(line.rstrip()) > 80]
@@ -161,7 +163,7 @@ def test_demo_runs_end_to_end_and_a_rerun_reuses_everything(tmp_path: Path) -> N
     for name in made:
         assert (tmp_path / "demo" / name).is_file(), name
     manifest = json.loads((tmp_path / "demo" / "cache" / "manifest.json").read_text())
-    again = run(cmd, env=_env())
+    again = run(cmd, env=zygote.env(_env()))
     assert again.returncode == 0, again.stderr[-3000:]
     after = json.loads((tmp_path / "demo" / "cache" / "manifest.json").read_text())
     assert after["shards"] == manifest["shards"]  # the cache was reused, not rewritten

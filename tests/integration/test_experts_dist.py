@@ -5,10 +5,7 @@ DDP's reducer and the optimizer step identical across layouts)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from wandistill.config import load_recipe
 from wandistill.train import run
 
 from cachefixtures import SETTINGS, write_cache
+from zygote import Zygote
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -41,41 +39,23 @@ SETS = [
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def _torchrun_train(cache: Path, out: Path) -> subprocess.CompletedProcess[str]:
+def _torchrun_train(zygote: Zygote, cache: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """2 ranks under torchrun, agent and ranks forked from the session's zygote."""
     args = ["--cache", str(cache), "--out", str(out), *(x for s in SETS for x in ("--set", s))]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {k: v for k, v in os.environ.items() if k != "WANDISTILL_FAULT"}
-    proc = subprocess.Popen(
-        [*cmd, "-m", "wandistill", "train", *args],
-        cwd=REPO,
-        env={**env, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    return zygote.torchrun(
+        ["-m", "wandistill", "train", *args], env={**env, "OMP_NUM_THREADS": "1"}
     )
-    try:
-        out_text, err = proc.communicate(timeout=300)  # a hang guard, not a timing
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"torchrun hung:\n{proc.communicate()[1][-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out_text, err)
 
 
 def test_two_ranks_train_per_expert_students_like_one_rank_with_accumulation(
+    zygote: Zygote,
     tmp_path: Path,
 ) -> None:
     # Records hold t = 999 (transformer), 500 and 250 (transformer_2): micro-batches of 2
     # samples are often one-sided.
     write_cache(tmp_path / "c", range(6), settings={**SETTINGS, "boundary_ratio": 0.875})
-    ddp = _torchrun_train(tmp_path / "c", tmp_path / "ddp")
+    ddp = _torchrun_train(zygote, tmp_path / "c", tmp_path / "ddp")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     sets = [*SETS, f'cache="{tmp_path / "c"}"', f'out="{tmp_path / "one"}"', "grad_accum=2"]
     run(load_recipe(None, sets, stage="train").train)

@@ -1,14 +1,14 @@
 """The whole path on an object store: precompute -> cache verify -> train -> eval, a kill -9 mid
 precompute and a resume, and two torchrun "nodes" sharing one cache, all against a real S3
-server on 127.0.0.1 (moto), with the CLI in real processes (forked from a zygote that imported
-torch and diffusers once, tests/zygote.py; the two nodes are real torchrun launches)."""
+server on 127.0.0.1 (moto), with the CLI in real processes (forked from the session's zygote
+that imported torch and diffusers once, tests/zygote.py; the two nodes are two torchrun agents
+with one rank each, agents and ranks forked from it too)."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,17 +33,13 @@ SMALL_STUDENT = [
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+def world(zygote: Zygote, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     root = tmp_path_factory.mktemp("fsspec")
     prompts = root / "p.txt"
     prompts.write_text("".join(f"prompt number {i}\n" for i in range(6)))
-    with s3_server():  # the zygote and its runs inherit the server's environment
-        z = Zygote()
-        try:
-            yield {"teacher": make_tiny_teacher(root / "teacher"), "prompts": prompts, "root": root,
-                   "zygote": z}  # fmt: skip
-        finally:
-            z.close()
+    with s3_server():  # the runs get the server's environment (each takes this process's)
+        yield {"teacher": make_tiny_teacher(root / "teacher"), "prompts": prompts, "root": root,
+               "zygote": zygote}  # fmt: skip
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -137,20 +133,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _two_nodes(*args: str) -> list[subprocess.CompletedProcess]:
+def _two_nodes(zygote: Zygote, *args: str) -> list[subprocess.CompletedProcess]:
     """`torchrun --nnodes=2 --nproc-per-node=1` twice on this host, c10d rendezvous on
     127.0.0.1: what docs/distributed.md runs on two machines."""
     endpoint = f"127.0.0.1:{_free_port()}"
     procs = [
         subprocess.Popen(
             [
-                *(sys.executable, "-m", "torch.distributed.run", "--nnodes=2"),
+                *(zygote.python, "-m", "torch.distributed.run", "--nnodes=2"),
                 *("--nproc-per-node=1", f"--node-rank={node}", "--rdzv-backend=c10d"),
                 *(f"--rdzv-endpoint={endpoint}", "--rdzv-id=fsspec-test"),
                 *("-m", "wandistill", *args),
             ],
             cwd=REPO,
-            env=_env(),
+            env=zygote.env(_env()),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -167,7 +163,7 @@ def _two_nodes(*args: str) -> list[subprocess.CompletedProcess]:
 @pytest.mark.dist
 def test_two_nodes_precompute_and_train_on_one_s3_cache(world: dict[str, Path]) -> None:
     url = f"s3://{BUCKET}/nodes"
-    for node in _two_nodes(*_precompute(world, url)):
+    for node in _two_nodes(world["zygote"], *_precompute(world, url)):
         assert node.returncode == 0, node.stderr[-3000:]
     m = load_committed(url)
     assert m.complete and {s.rank for s in m.shards} == {0, 1} and m.num_records == 6
@@ -177,6 +173,6 @@ def test_two_nodes_precompute_and_train_on_one_s3_cache(world: dict[str, Path]) 
     assert _blobs(url) == _blobs(whole)  # the single-process cache
     out = world["root"] / "nodes-run"
     train = ("train", "pipelines/tiny.toml", "--cache", url, "--out", str(out), "--steps", "2")
-    for node in _two_nodes(*train, *SMALL_STUDENT):
+    for node in _two_nodes(world["zygote"], *train, *SMALL_STUDENT):
         assert node.returncode == 0, node.stderr[-3000:]
     assert (out / "student" / "config.json").is_file()

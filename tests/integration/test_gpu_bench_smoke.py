@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from zygote import Zygote
+
 ROOT = Path(__file__).parents[2]
 BENCH = ROOT / "tests" / "bench" / "gpu.py"
 SECTIONS = ("setup", "placements", "speed", "oom", "train", "storage")
@@ -52,7 +54,9 @@ def test_a_section_gets_its_budget_or_the_run_budget_line_when_too_little_is_lef
     assert smoke == want * gpu.SMOKE_SLACK
 
 
-def _bench(out: Path, *args: str, timeout: float) -> tuple[dict[str, Any], str]:
+def _bench(zygote: Zygote, out: Path, *args: str, timeout: float) -> tuple[dict[str, Any], str]:
+    """The bench as a fork of the session's zygote (tests/zygote.py); so are the processes it
+    starts with `sys.executable`."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -60,9 +64,9 @@ def _bench(out: Path, *args: str, timeout: float) -> tuple[dict[str, Any], str]:
         "OMP_NUM_THREADS": "1",
     }
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--out", str(out), "--smoke", *args],
+        [zygote.python, str(BENCH), "--out", str(out), "--smoke", *args],
         cwd=ROOT,
-        env=env,
+        env=zygote.env(env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -82,10 +86,10 @@ def _rows(data: dict[str, Any], section: str, key: str) -> dict[str, dict[str, A
 
 @pytest.mark.slow
 def test_smoke_run_writes_every_section_with_figures_or_the_reason_it_skipped(
-    tmp_path: Path,
+    zygote: Zygote, tmp_path: Path
 ) -> None:
     # --budget 300 is 1200 s in smoke mode (x4): the run ends by itself before the timeout
-    data, md = _bench(tmp_path, "--budget", "300", timeout=1500)
+    data, md = _bench(zygote, tmp_path, "--budget", "300", timeout=1500)
     assert data["mode"] == "smoke" and data["environment"]["gpus"] == []
     for name in SECTIONS:
         section = data["sections"][name]
@@ -137,8 +141,10 @@ def test_smoke_run_writes_every_section_with_figures_or_the_reason_it_skipped(
 
 
 @pytest.mark.slow
-def test_a_run_budget_too_small_for_a_section_skips_it_with_the_reason(tmp_path: Path) -> None:
-    data, md = _bench(tmp_path, "--sections", "oom,storage", "--budget", "1", timeout=300)
+def test_a_run_budget_too_small_for_a_section_skips_it_with_the_reason(
+    zygote: Zygote, tmp_path: Path
+) -> None:
+    data, md = _bench(zygote, tmp_path, "--sections", "oom,storage", "--budget", "1", timeout=300)
     for name in ("setup", "oom", "storage"):
         section = data["sections"][name]
         assert section["status"] == "skipped"
@@ -148,9 +154,11 @@ def test_a_run_budget_too_small_for_a_section_skips_it_with_the_reason(tmp_path:
 
 
 @pytest.mark.slow
-def test_isolated_sections_each_run_in_a_process_of_their_own(tmp_path: Path) -> None:
+def test_isolated_sections_each_run_in_a_process_of_their_own(
+    zygote: Zygote, tmp_path: Path
+) -> None:
     # the GPU run's default, at smoke sizes: setup then oom, each in its own child
-    data, md = _bench(tmp_path, "--sections", "oom", "--isolate", "section", timeout=900)
+    data, md = _bench(zygote, tmp_path, "--sections", "oom", "--isolate", "section", timeout=900)
     setup, oom = data["sections"]["setup"], data["sections"]["oom"]
     assert setup["status"] == "done" and setup["rows"][0]["safetensors_GiB"] > 0
     assert "--dry-run: exit 0" in " ".join(oom["skipped"])

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from wandistill.config import load_recipe
 from wandistill.precompute.run import run
+
+from zygote import Zygote
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -29,8 +30,10 @@ SETS = (
 
 
 def test_a_refused_two_rank_precompute_prints_one_error_and_no_traceback(
-    tmp_path: Path, tiny_teacher: Path
+    zygote: Zygote, tmp_path: Path, tiny_teacher: Path
 ) -> None:
+    """`wandistill launch`, torchrun's agent in it and the ranks are forks of the session's
+    zygote (tests/zygote.py): the same code in real processes."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a cat\na dog\n")
     cache = tmp_path / "cache"
@@ -39,10 +42,10 @@ def test_a_refused_two_rank_precompute_prints_one_error_and_no_traceback(
     sets = [x for s in (*SETS, "sampler.guidance_scale=3.0") for x in ("--set", s)]
     args = ["--teacher", str(tiny_teacher), "--prompts", str(prompts), "--out", str(cache)]
     job = subprocess.run(
-        [sys.executable, "-m", "wandistill", "launch", "--standalone", "--nproc_per_node=2"]
+        [zygote.python, "-m", "wandistill", "launch", "--standalone", "--nproc_per_node=2"]
         + ["precompute", "tiny", *args, *sets],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"},
+        env=zygote.env({**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}),
         capture_output=True,
         text=True,
         timeout=300,

@@ -5,26 +5,19 @@ the project's own sampler samples; `--merge-lora` gives a pipeline that samples 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from clirun import run_cli as _cli
+from zygote import Zygote
 
 pytestmark = pytest.mark.slow
 
 K = 2
 PROMPTS = ["a cat on a mat", "a dog in the park", "a red car", "the sea at night"]
 MSL = 32
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -221,14 +214,12 @@ def test_a_lora_export_refuses_a_teacher_with_another_transformer_writing_nothin
 
 @pytest.mark.dist
 def test_two_ddp_ranks_train_the_same_adapter_as_one_rank_with_twice_the_accumulation(
-    tmp_path: Path, world: dict[str, Path]
+    zygote: Zygote, tmp_path: Path, world: dict[str, Path]
 ) -> None:
     """Under DDP only the adapters are DDP's parameters (the frozen base has no gradient to
-    reduce): 2 gloo ranks x batch 2 equal 1 rank x batch 2 x accumulation 2."""
+    reduce): 2 gloo ranks x batch 2 equal 1 rank x batch 2 x accumulation 2 (torchrun's agent
+    and ranks forked from the session's zygote)."""
     import os
-    import signal
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
@@ -250,37 +241,11 @@ def test_two_ddp_ranks_train_the_same_adapter_as_one_rank_with_twice_the_accumul
         "student.lora.dropout=0.0",
         f'cache="{world["cache"]}"',
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "wandistill",
-        "train",
-        "pipelines/tiny.toml",
-        "--out",
-        str(tmp_path / "ddp"),
-        *[a for s in sets for a in ("--set", s)],
-    ]
+    args = ["-m", "wandistill", "train", "pipelines/tiny.toml", "--out", str(tmp_path / "ddp")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WANDISTILL_FAULT", None)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=Path(__file__).parents[2],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-        pytest.fail(f"torchrun hung:\n{err[-3000:]}")
+    proc = zygote.torchrun([*args, *[a for s in sets for a in ("--set", s)]], env=env)
+    err = proc.stderr
     assert proc.returncode == 0, err[-3000:]
     one = [*sets, f'out="{tmp_path / "one"}"', "grad_accum=2"]
     run(load_recipe(Path("pipelines/tiny.toml"), one, stage="train").train)

@@ -6,12 +6,11 @@ under torchrun; the FSDP2 train loop itself is wandistill/train/parallel.py's.""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from zygote import Zygote
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -74,34 +73,12 @@ dist.destroy_process_group()
 
 
 def test_lora_adapters_under_fully_shard_train_and_gather_like_the_unsharded_model(
-    tmp_path: Path,
+    zygote: Zygote, tmp_path: Path
 ) -> None:
     script = tmp_path / "fsdp_lora.py"
     script.write_text(SCRIPT)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(script),
-        str(tmp_path / "lora"),
-    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd,
-        cwd=Path(__file__).parents[2],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-        _, err = proc.communicate()
-        pytest.fail(f"torchrun hung:\n{err[-3000:]}")
+    proc = zygote.torchrun([str(script), str(tmp_path / "lora")], env=env)  # agent, ranks: forks
+    err = proc.stderr
     assert proc.returncode == 0, err[-3000:]
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()

@@ -1,6 +1,7 @@
 """Output folders through the real commands: whose folder it is, one writer, failures that leave
 nothing in the way. The refusals run in-process through `wandistill.cli.main`; the concurrent and
-killed writers are real processes (with unpickling made to raise in them, see tests/nopickle)."""
+killed writers are real processes (with unpickling made to raise in them, see tests/nopickle),
+forked from the session's no-pickle zygote (tests/zygote.py, conftest.zygote_nopickle)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from wandistill.cli import main
 from wandistill.io.outputs import LOCK, MARKER, claim
 
 from clirun import run_cli
+from zygote import HANG_GUARD_S, Zygote, fork_pid, kill, logs
 
 REPO = Path(__file__).parents[2]
 N_PROMPTS = 6
@@ -157,20 +160,27 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _spawn(args: list[str], hook: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "wandistill", *args],
-        env={**_env(), "WANDISTILL_FAULT": hook},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def _spawn(zygote: Zygote, args: list[str], hook: str, log: Path) -> int:
+    """`wandistill ARGS` forked from the no-pickle zygote with the test hook `hook`; its pid."""
+    env = {k: v for k, v in _env().items() if k not in ("PYTHONPATH", "WANDISTILL_TEST_NO_PICKLE")}
+    (pid,) = zygote.start([str(a) for a in args], log, split=True, **env, WANDISTILL_FAULT=hook)
+    return pid
 
 
-def _wait_stopped(proc: subprocess.Popen[str]) -> None:
-    """Block until the child SIGSTOPs itself (its hook) or dies."""
-    _, status = os.waitpid(proc.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), f"child ended first: {status}"
+def _wait_stopped(pid: int) -> None:
+    """Block until the process SIGSTOPs itself (its hook) or dies (a hang guard, no timing)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while (state := _state(pid)) not in ("T", "Z", None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert state == "T", f"child ended first (state {state})"
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):  # gone (even mid-read)
+        return None
 
 
 def _keys(cache: Path) -> list[str]:
@@ -181,22 +191,26 @@ def _keys(cache: Path) -> list[str]:
 
 @pytest.mark.slow  # a real process holds the cache
 def test_a_second_precompute_is_refused_at_once_and_the_first_completes(
-    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    zygote_nopickle: Zygote,
+    world: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     cache = tmp_path / "c"
     args = _pre(world["teacher"], world["prompts"], cache)
-    first = _spawn(args, "precompute:record:3:0:stop")  # frozen mid-run, holding the cache
+    log = tmp_path / "first.log"
+    first = _spawn(zygote_nopickle, args, "precompute:record:3:0:stop", log)  # frozen, holding
     try:
         _wait_stopped(first)
         code, _, err = _cli(capsys, *args)
         text = " ".join(err.split())
         assert code == 2 and "Traceback" not in err, err
         assert f"--out '{cache}' is in use by another wandistill process" in text
-        assert f"pid {first.pid}" in text and "started " in text and "host " in text
+        assert f"pid {first}" in text and "started " in text and "host " in text
     finally:
-        first.send_signal(signal.SIGCONT)
-        _, stderr = first.communicate(timeout=300)
-    assert first.returncode == 0, stderr
+        os.kill(first, signal.SIGCONT)
+        (returncode,) = zygote_nopickle.wait([first])
+    assert returncode == 0, logs(log)
     assert sorted(_keys(cache)) == sorted(set(_keys(cache))) and len(_keys(cache)) == N_PROMPTS
     code, out, err = _cli(capsys, *args)  # the first is done: the folder is free again
     assert code == 0 and ": 0 records written" in out, err
@@ -204,13 +218,15 @@ def test_a_second_precompute_is_refused_at_once_and_the_first_completes(
 
 @pytest.mark.slow  # a real process is killed
 def test_after_a_kill_9_mid_shard_the_next_run_owns_the_cache_and_clears_the_temps(
-    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    zygote_nopickle: Zygote,
+    world: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     cache = tmp_path / "c"
     args = _pre(world["teacher"], world["prompts"], cache)
-    killed = _spawn(args, "precompute:record:3:0:kill")
-    killed.communicate(timeout=300)
-    assert killed.returncode == -signal.SIGKILL
+    killed = _spawn(zygote_nopickle, args, "precompute:record:3:0:kill", tmp_path / "k.log")
+    assert zygote_nopickle.wait([killed]) == [-signal.SIGKILL], logs(tmp_path / "k.log")
     assert list(cache.rglob(".*.tmp")) and (cache / LOCK).exists()  # the dead writer's leftovers
     code, out, err = _cli(capsys, *args)
     assert code == 0 and "Traceback" not in err, err
@@ -228,25 +244,32 @@ sys.stdin.readline()
 
 
 def test_a_second_train_into_a_live_run_is_refused_and_proceeds_once_it_is_gone(
-    world: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    zygote_nopickle: Zygote,
+    world: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     run = tmp_path / "run"
     shutil.copytree(world["run"], run)
+    pidfile = tmp_path / "holder.pid"
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLD, str(run)],
-        env=_env(),
+        [zygote_nopickle.python, "-c", _HOLD, str(run)],
+        env=zygote_nopickle.env({**_env(), "ZYGOTE_PID_FILE": str(pidfile)}),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     args = ["train", "--cache", world["cache"], "--out", run, "--resume", "--steps", "3", *STUDENT]
+    holds = fork_pid(pidfile, holder)  # the process that claims the run: the shim's fork
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
         before = snapshot(run)
         code, _, err = _cli(capsys, *args)
-        assert code == 2 and f"pid {holder.pid}" in " ".join(err.split()), err
+        assert code == 2 and f"pid {holds}" in " ".join(err.split()), err
         assert snapshot(run) == before
     finally:
+        if holds is not None:
+            kill(holds, signal.SIGKILL)  # the shim exits once the zygote has reaped it
         holder.kill()
         holder.wait(timeout=60)
     code, out, err = _cli(capsys, *args)
@@ -305,15 +328,17 @@ def test_caches_and_runs_of_earlier_versions_keep_working(
 @pytest.mark.slow
 @pytest.mark.dist
 def test_every_rank_of_a_torchrun_job_refused_a_live_cache_exits(
-    world: dict[str, Path], tmp_path: Path
+    zygote_nopickle: Zygote, world: dict[str, Path], tmp_path: Path
 ) -> None:
+    """torchrun's agent is a fresh interpreter (it unpickles its rendezvous state); its ranks
+    are forks of the no-pickle zygote (`PYTHON_EXEC`)."""
     cache = tmp_path / "c"
     args = _pre(world["teacher"], world["prompts"], cache)
     with claim(cache, "cache"):  # a live writer: this process
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
              "-m", "wandistill", *args],
-            env=_env(), capture_output=True, text=True, timeout=300,
+            env=zygote_nopickle.env(_env()), capture_output=True, text=True, timeout=300,
         )  # fmt: skip
     lines = [x for x in proc.stderr.splitlines() if "is in use by another wandistill" in x]
     assert proc.returncode != 0 and len(lines) == 2, proc.stderr[-3000:]

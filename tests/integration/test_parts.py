@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ from wandistill.errors import UsageError
 from wandistill.precompute.parts import PARTS_NAME, Part
 from wandistill.precompute.run import run
 from wandistill.teacher.tiny import make_tiny_teacher
+
+from zygote import Zygote
 
 REPO = Path(__file__).parents[2]
 PROMPTS = [f"prompt {i}: a {animal}" for i, animal in enumerate("cat dog fox owl elk cow".split())]
@@ -81,23 +82,28 @@ def tree(folder: Path) -> dict[str, tuple[int, int]]:
     }
 
 
-def _kill_part(world: dict[str, Path], out: Path, part: str) -> subprocess.CompletedProcess:
-    """The real command line, SIGKILLed by the test hook right after its first record."""
+def _kill_part(
+    zygote: Zygote, world: dict[str, Path], out: Path, part: str
+) -> subprocess.CompletedProcess:
+    """The real command line, SIGKILLed by the test hook right after its first record (a fork of
+    the session's zygote: a real process)."""
     sets = _sets(world["teacher"], world["prompts"], out)
-    argv = [sys.executable, "-m", "wandistill", "precompute", "pipelines/tiny.toml"]
+    argv = [zygote.python, "-m", "wandistill", "precompute", "pipelines/tiny.toml"]
     argv += [a for s in sets for a in ("--set", s)] + ["--part", part]
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDISTILL_FAULT": "precompute:record:1"}
-    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        argv, cwd=REPO, env=zygote.env(env), capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.slow
 def test_three_parts_one_killed_and_rerun_are_one_jobs_cache_record_for_record(
-    world: dict[str, Path],
+    zygote: Zygote, world: dict[str, Path]
 ) -> None:
     teacher, prompts, root = world["teacher"], world["prompts"], world["root"]
     one = run(_cfg(teacher, prompts, root / "one"), quiet=True)
     out = root / "parts"
-    killed = _kill_part(world, out, "1/3")
+    killed = _kill_part(zygote, world, out, "1/3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     part1 = out / "part-00001-of-00003"
     assert not read_manifest(part1).complete  # killed: committed records, never sealed

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -200,8 +199,8 @@ def _blobs(cache: Path) -> dict[str, bytes]:
         src.close()
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "wandistill", *args]
+def _cli(python: str, *args: str) -> list[str]:
+    return [python, "-m", "wandistill", *args]
 
 
 def _env() -> dict[str, str]:
@@ -235,15 +234,16 @@ def _cmd(teacher: Path, prompts: Path, cache: Path, *extra: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.dist
 def test_two_process_torchrun_writes_the_same_records_as_one_process(
-    tmp_path: Path, teachers: dict[str, Path]
+    zygote: Zygote, tmp_path: Path, teachers: dict[str, Path]
 ) -> None:
+    """Both runs, torchrun's agent and its ranks are forks of the session's zygote."""
     # Batches of 2, rank r takes batches r, r+2, ...: line 2 is rank 0's, line 4 rank 1's.
     long = "a prompt far longer than the tiny recipe's 32 tokens " * 2
     texts = [f"prompt number {i}" if i not in (1, 3) else f"{long}{i}" for i in range(9)]
     prompts = _prompt_file(tmp_path, texts)
     one = subprocess.run(
-        _cli(*_cmd(teachers["wan21"], prompts, tmp_path / "one")),
-        env=_env(),
+        _cli(zygote.python, *_cmd(teachers["wan21"], prompts, tmp_path / "one")),
+        env=zygote.env(_env()),
         capture_output=True,
         text=True,
         timeout=300,
@@ -251,7 +251,7 @@ def test_two_process_torchrun_writes_the_same_records_as_one_process(
     assert one.returncode == 0, one.stderr
     two = subprocess.run(
         [
-            sys.executable,
+            zygote.python,
             "-m",
             "torch.distributed.run",
             "--standalone",
@@ -260,7 +260,7 @@ def test_two_process_torchrun_writes_the_same_records_as_one_process(
             "wandistill",
             *_cmd(teachers["wan21"], prompts, tmp_path / "two"),
         ],
-        env=_env(),
+        env=zygote.env(_env()),
         capture_output=True,
         text=True,
         timeout=300,

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from wandistill.config import load_recipe
 from wandistill.train import run
 
 from cachefixtures import write_cache
+from zygote import Zygote
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -36,32 +35,22 @@ SETS = [
 ]
 
 
-def _torchrun_train(cache: Path, out: Path) -> subprocess.CompletedProcess[str]:
+def _torchrun_train(zygote: Zygote, cache: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """2 ranks under torchrun, agent and ranks forked from the session's zygote."""
     args = ["--cache", str(cache), "--out", str(out), *(x for s in SETS for x in ("--set", s))]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = {k: v for k, v in os.environ.items() if k != "WANDISTILL_FAULT"}
-    proc = subprocess.Popen(
-        [*cmd, "-m", "wandistill", "train", *args],
-        cwd=REPO,
-        env={**env, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    return zygote.torchrun(
+        ["-m", "wandistill", "train", *args], env={**env, "OMP_NUM_THREADS": "1"}
     )
-    try:
-        out_text, err = proc.communicate(timeout=300)  # a hang guard, not a timing
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"torchrun hung:\n{proc.communicate()[1][-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out_text, err)
 
 
-def test_two_ranks_equal_one_rank_with_accumulation_past_an_epoch_boundary(tmp_path: Path) -> None:
+def test_two_ranks_equal_one_rank_with_accumulation_past_an_epoch_boundary(
+    zygote: Zygote, tmp_path: Path
+) -> None:
     # 6 records x 3 recorded steps = 18 samples, 4 per optimizer step: epoch 1 begins at step 5.
     # Micro-batches of B x W (the old plan) would wrap at different places in the two layouts.
     write_cache(tmp_path / "c", range(6))
-    ddp = _torchrun_train(tmp_path / "c", tmp_path / "ddp")
+    ddp = _torchrun_train(zygote, tmp_path / "c", tmp_path / "ddp")
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     sets = [*SETS, f'cache="{tmp_path / "c"}"', f'out="{tmp_path / "one"}"', "grad_accum=2"]
     run(load_recipe(None, sets, stage="train").train)

@@ -1,4 +1,7 @@
-"""`wandistill train` under torchrun: 2 gloo ranks on CPU, as a subprocess with a timeout."""
+"""`wandistill train` under torchrun: 2 gloo ranks on CPU, as a subprocess with a timeout.
+
+The first test starts torchrun and its ranks as fresh interpreters; the others fork them from
+the session's zygote (tests/zygote.py): the same code in real processes, without the imports."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from wandistill.train.checkpoint import resolve_latest
 from wandistill.train.metrics import read_metrics
 
 from cachefixtures import write_cache
+from zygote import Zygote
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -58,9 +62,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _torchrun(nproc: int, *args: str) -> list[str]:
+def _torchrun(nproc: int, *args: str, python: str = sys.executable) -> list[str]:
     return [
-        sys.executable,
+        python,
         "-m",
         "torch.distributed.run",
         "--standalone",
@@ -126,12 +130,14 @@ def test_two_ranks_equal_one_rank_with_twice_the_accumulation(tmp_path: Path) ->
         assert a_row["loss"] == pytest.approx(b_row["loss"], rel=1e-4)
 
 
-def test_an_exception_on_one_rank_brings_every_rank_down(tmp_path: Path) -> None:
+def test_an_exception_on_one_rank_brings_every_rank_down(zygote: Zygote, tmp_path: Path) -> None:
     write_cache(tmp_path / "c", range(8))
     args = ("--cache", str(tmp_path / "c"), "--out", str(tmp_path / "run"), "--steps", "50")
     # The timeout is a hang guard; the contract (all ranks down well within 60 s) is not timed.
     code, out, err = _launch(
-        _torchrun(2, *args, *COMMON), _env(WANDISTILL_FAULT="train:step:3:1:raise"), 180
+        _torchrun(2, *args, *COMMON, python=zygote.python),
+        zygote.env(_env(WANDISTILL_FAULT="train:step:3:1:raise")),
+        180,
     )
     assert code != 0
     assert err.count("error: injected failure on rank 1 at train step 3") == 1
@@ -139,7 +145,9 @@ def test_an_exception_on_one_rank_brings_every_rank_down(tmp_path: Path) -> None
     assert not (tmp_path / "run" / "student").exists()
 
 
-def test_follow_mode_under_torchrun_trains_while_the_cache_grows(tmp_path: Path) -> None:
+def test_follow_mode_under_torchrun_trains_while_the_cache_grows(
+    zygote: Zygote, tmp_path: Path
+) -> None:
     cache = tmp_path / "c"
     write_cache(cache, range(4), finalize=False, complete=False)  # 12 samples: 3 global batches
     args = (
@@ -157,9 +165,9 @@ def test_follow_mode_under_torchrun_trains_while_the_cache_grows(tmp_path: Path)
         *COMMON,
     )
     proc = subprocess.Popen(
-        _torchrun(2, *args),
+        _torchrun(2, *args, python=zygote.python),
         cwd=REPO,
-        env=_env(),
+        env=zygote.env(_env()),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,

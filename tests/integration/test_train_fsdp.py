@@ -10,9 +10,7 @@ Each test prints the largest weight difference it measured.
 
 from __future__ import annotations
 
-import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,23 +32,9 @@ WEIGHTS = ("student", "student_ema")
 
 
 @pytest.fixture(scope="module")
-def zygote() -> Iterator[Zygote]:
-    """The zygote, with every way to unpickle made to raise in it and its children."""
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "WANDISTILL_TEST_NO_PICKLE")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "tests" / "nopickle"), str(REPO), str(REPO / "tests")]
-    )
-    os.environ["WANDISTILL_TEST_NO_PICKLE"] = "1"
-    try:
-        z = Zygote()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    yield z
-    z.close()
+def zygote(zygote_nopickle: Zygote) -> Zygote:
+    """The session's zygote with every way to unpickle made to raise in it and its children."""
+    return zygote_nopickle
 
 
 def argv(cache: Path, out: Path, ranks: int, *extra: str) -> list[str]:

@@ -4,7 +4,6 @@ sharded checkpoint resumed exactly. Multi-rank runs: tests/integration/test_trai
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,13 +24,6 @@ from cachefixtures import DIMS_BLOCK, TEACHER, write_cache
 
 # DistillModule returns views of the student's output; nothing modifies them in place.
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 ONE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend=None)

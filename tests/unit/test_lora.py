@@ -4,7 +4,6 @@ before anything is written)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,6 @@ from wandistill.teacher.tiny import TRANSFORMER_CONFIG
 from wandistill.train import run
 
 from cachefixtures import write_cache
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _tiny(seed: int = 0) -> torch.nn.Module:

@@ -3,11 +3,9 @@ caches of other settings and bad weights refused before anything is written."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from wandistill.config import load_recipe
 from wandistill.errors import CacheMismatchError, ConfigError
@@ -23,13 +21,6 @@ SIZES = (
     "student.attention_head_dim=12",
     "student.ffn_dim=32",
 )
-
-
-@pytest.fixture(autouse=True)
-def _no_process_group() -> Iterator[None]:
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _sets(caches: list[Path], out: Path, *extra: str) -> list[str]:
