@@ -3,7 +3,8 @@
 
     python tests/bench/steps.py [--work DIR] [--ks 1,2,4] [--objectives reflow,trajectory,...]
                                 [--train-steps N] [--json FILE] [--set KEY=VALUE ...]
-                                [--teacher PATH [--prompts N]]
+                                [--teacher PATH [--prompts N]] [--seeds-per-prompt S]
+                                [--train-gap N] [--teacher-blocks B]
 
 On the trained tiny teacher (`wandistill.teacher.trained`, built once under --work) with the
 demo's recipe (`pipelines/tiny-fewstep.toml`: 64x64, N = 16 UniPC steps, CFG 5.0, every step
@@ -25,6 +26,12 @@ recorded):
    `WanPipeline.from_pretrained(EXPORT)` at K steps, guidance 1, vs the teacher's own folder at N
    steps with CFG, one prompt per call (median over the held-out prompts after a warm-up call,
    text encoding and VAE decoding included: the user's call); forwards per sample K vs 2N.
+
+`--seeds-per-prompt S` trains on S trajectories (seeds) of every training prompt; `--train-gap N`
+also scores every student on the first N training (prompt, noise) pairs and prints a second
+table, training vs held-out student MSE (a ratio well above 1: the student memorised its data).
+`--teacher-blocks B` builds the trained teacher with B blocks (default 2, the demo's); the `half`
+depth is then B // 2 blocks started from the teacher's blocks 0, 2, ...
 
 Targets: R_4 <= 0.5; R_K < 1 is the least that counts as working. Not a pytest test.
 
@@ -70,11 +77,16 @@ OBJECTIVES = {
         "loss.unroll=1.0",
     ],
 }
-DEPTHS = {
-    "full": [],
-    "half": ["student.num_layers=1", "student.init_from_teacher.blocks=[0]"],
-}
-"""Student depth: the teacher's 2 blocks, or 1 block started from the teacher's first."""
+DEPTHS = ("full", "half")
+
+
+def depth_sets(depth: str, teacher_blocks: int) -> list[str]:
+    """Student depth: all the teacher's blocks, or half of them started from every other one
+    (blocks 0, 2, ...: the spread-out initialisation a layer-dropping student starts from)."""
+    if depth == "full":
+        return []
+    half = list(range(0, teacher_blocks, 2))[: max(1, teacher_blocks // 2)]
+    return [f"student.num_layers={len(half)}", f"student.init_from_teacher.blocks={half}"]
 
 
 def grammar() -> list[str]:
@@ -114,6 +126,31 @@ def build_caches(
         )
         precompute(cfg.precompute, quiet=True)
     return work / "cache-train", work / "cache-eval"
+
+
+def build_seen_cache(work: Path, teacher: Path, n: int, sets: list[str]) -> Path:
+    """A cache of the first `n` training lines with their training seeds: the very (prompt,
+    noise) pairs the students were trained on, so eval on it measures the training error that
+    the held-out error is compared with (overfitting shows as a gap between the two)."""
+    from wandistill.config import load_recipe
+    from wandistill.precompute.run import run as precompute
+
+    lines = (work / "train.jsonl").read_text().splitlines()[:n]
+    (work / "seen.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = load_recipe(
+        RECIPE,
+        [
+            f'teacher.path="{teacher}"',
+            f'prompts="{work / "seen.jsonl"}"',
+            f'cache.path="{work / "cache-seen"}"',
+            "cache.holdout_fraction=0.0",
+            "sampler.seed=0",
+            *(s.removeprefix("precompute.") for s in sets if s.startswith("precompute.")),
+        ],
+        stage="precompute",
+    )
+    precompute(cfg.precompute, quiet=True)
+    return work / "cache-seen"
 
 
 def run_identity(cfg: Any, work: Path) -> dict[str, Any]:
@@ -180,15 +217,17 @@ def train_one(work: Path, name: str, teacher: Path, extra: list[str], sets: list
     return out
 
 
-def evaluate_one(work: Path, run: Path, teacher: Path, baseline: Path) -> dict[str, Any]:
+def evaluate_one(
+    work: Path, run: Path, teacher: Path, baseline: Path, cache: str = "cache-eval"
+) -> dict[str, Any]:
     from wandistill.eval.run import evaluate
     from wandistill.student.folders import read_run
     from wandistill.teacher.folder import TeacherFolder
 
     result = evaluate(
-        work / "cache-eval",
+        work / cache,
         read_run(run),
-        work / "eval" / run.name,
+        work / ("eval" if cache == "cache-eval" else f"eval-{cache}") / run.name,
         teacher=TeacherFolder.open(teacher),
         baseline=read_run(baseline, flag="--baseline"),
         split="all",
@@ -267,6 +306,29 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def gap_table(held_out: dict[str, dict[str, Any]], seen: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per run evaluated on both caches: the student's MSE to teacher@N on training
+    (prompt, noise) pairs and on held-out ones, and their ratio (>> 1: it memorised its data)."""
+    lines = [
+        "| K | objective | student MSE, trained pairs | student MSE, held-out "
+        "| held-out / trained |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in held_out.items():
+        if name not in seen:
+            continue
+        k = r["num_inference_steps"]
+        mse = {
+            which: {c["name"]: c for c in res["columns"]}[f"student@{k}"]["latent_mse"]
+            for which, res in (("seen", seen[name]), ("held", r))
+        }
+        lines.append(
+            f"| {k} | {name.split('-', 1)[1]} | {mse['seen']:.4f} | {mse['held']:.4f} | "
+            f"{mse['held'] / mse['seen']:.2f} |"
+        )
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=Path("/tmp/wandistill-bench-steps"))
@@ -279,6 +341,12 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=None, help="default: the recipe's")
     p.add_argument("--set", dest="sets", action="append", default=[], help="recipe override")
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--teacher-blocks",
+        type=int,
+        default=2,
+        help="blocks of the trained teacher (the demo's: 2; 4 gives a 2-block half-depth student)",
+    )
     p.add_argument("--teacher", type=Path, help="a Wan teacher folder instead of the trained one")
     p.add_argument("--prompts", type=int, default=256, help="with --teacher: generic prompts")
     p.add_argument(
@@ -286,6 +354,12 @@ def main() -> None:
         type=int,
         default=1,
         help="trajectories per training prompt (each repeat of a prompt line gets its own noise)",
+    )
+    p.add_argument(
+        "--train-gap",
+        type=int,
+        default=0,
+        help="also score every student on this many training (prompt, noise) pairs",
     )
     args = p.parse_args()
     threads = f"{torch.get_num_threads()} torch threads"
@@ -296,25 +370,36 @@ def main() -> None:
     if args.teacher is None:
         from wandistill.teacher.trained import ensure_trained_teacher
 
-        teacher = ensure_trained_teacher(args.work, seed=0, progress=False)
+        teacher = ensure_trained_teacher(
+            args.work, seed=0, blocks=args.teacher_blocks, progress=False
+        )
         prompts = grammar()
     else:
         teacher = args.teacher.absolute()
         prompts = [f"a photo of subject {i}" for i in range(args.prompts)]
     build_caches(args.work, teacher, prompts, args.eval_prompts, sets, args.seeds_per_prompt)
+    if args.train_gap:
+        build_seen_cache(args.work, teacher, args.train_gap, sets)
     print(f"# teacher + caches: {time.perf_counter() - t0:.1f} s", flush=True)
     baseline = train_one(args.work, "baseline", teacher, ["loss.output=1.0"], sets)
     results: dict[str, dict[str, Any]] = {}
+    seen: dict[str, dict[str, Any]] = {}
     runs: dict[str, Path] = {}
     for depth in args.depths.split(","):
         for k in (int(x) for x in args.ks.split(",")):
             for obj in args.objectives.split(","):
                 name = f"k{k}-{obj}" + ("" if depth == "full" else f"-{depth}")
-                extra = [f"student.num_inference_steps={k}", *OBJECTIVES[obj], *DEPTHS[depth]]
+                extra = [
+                    f"student.num_inference_steps={k}",
+                    *OBJECTIVES[obj],
+                    *depth_sets(depth, args.teacher_blocks),
+                ]
                 run = train_one(args.work, name, teacher, extra, sets)
                 results[name] = evaluate_one(args.work, run, teacher, baseline)
+                if args.train_gap:
+                    seen[name] = evaluate_one(args.work, run, teacher, baseline, "cache-seen")
                 runs[name] = run
-    for line in table(results):
+    for line in table(results) + ([""] + gap_table(results, seen) if seen else []):
         print(line)
     best = min(
         (n for n in results if results[n]["num_inference_steps"] == 4),
@@ -332,7 +417,8 @@ def main() -> None:
         timing["speedup_per_prompt"] = [med, lo, hi]
     print(f"# peak RSS {max_rss_bytes() / 2**20:.0f} MiB", flush=True)
     if args.json:
-        write_json(args.json, {"command": " ".join(sys.argv), "results": results, "speed": timing})
+        report = {"command": " ".join(sys.argv), "results": results, "trained_pairs": seen}
+        write_json(args.json, {**report, "speed": timing})
 
 
 if __name__ == "__main__":

@@ -66,3 +66,25 @@ def test_the_table_reports_equivalent_steps_viewer_accuracy_and_spread() -> None
     assert row == (
         "| 4 | perflow | 0.400 | 1.200 | 0.0120 | 0.0300 | teacher@6 | 0.85 / 0.80 / 0.93 | 0.90 |"
     )
+
+
+def test_the_gap_table_compares_each_students_error_on_trained_and_held_out_pairs() -> None:
+    def result(k: int, student_mse: float) -> dict[str, Any]:
+        columns = [{"name": f"student@{k}", "role": "student", "latent_mse": student_mse}]
+        return {"num_inference_steps": k, "columns": columns}
+
+    held_out = {"k4-perflow": result(4, 0.006), "k2-unroll": result(2, 0.009)}
+    seen = {"k4-perflow": result(4, 0.002)}  # k2-unroll was not scored on trained pairs
+    assert bench.gap_table(held_out, seen)[2:] == ["| 4 | perflow | 0.0020 | 0.0060 | 3.00 |"]
+
+
+def test_a_half_depth_student_takes_every_other_teacher_block() -> None:
+    assert bench.depth_sets("full", 4) == []
+    assert bench.depth_sets("half", 2) == [
+        "student.num_layers=1",
+        "student.init_from_teacher.blocks=[0]",
+    ]
+    assert bench.depth_sets("half", 4) == [
+        "student.num_layers=2",
+        "student.init_from_teacher.blocks=[0, 2]",
+    ]

@@ -262,3 +262,14 @@ def test_the_demo_recipe_samples_the_teacher_as_it_was_trained_to_be_sampled() -
     for key in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale"):
         assert getattr(sampler, key) == TRAINED_SAMPLER[key], key
     assert sampler.max_sequence_length == TRAINED_SAMPLER["max_sequence_length"]
+
+
+def test_a_deeper_build_has_its_blocks_and_its_own_folder() -> None:
+    default, deeper = trained.BuildSettings(), trained.BuildSettings(blocks=4)
+    assert default.transformer_config() == dict(trained.TRAINED_TRANSFORMER_CONFIG)
+    assert deeper.transformer_config()["num_layers"] == 4
+    assert deeper.digest() != default.digest()
+    model, _ = trained.build_trained_pipeline(trained.BuildSettings(steps=1, blocks=3), False)
+    assert model.transformer.config.num_layers == 3
+    with pytest.raises(UsageError, match="blocks=0"):
+        trained.BuildSettings(blocks=0)

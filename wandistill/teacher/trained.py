@@ -124,21 +124,30 @@ class BuildSettings:
     ema_decay: float = 0.995
     cond_dropout: float = 0.1
     """Share of samples trained on the empty prompt, so classifier-free guidance works."""
+    blocks: int = 2
+    """Transformer blocks. The demo's 2 keep it within its time; benches that need a student of
+    half the teacher's depth to be more than one block build 4 (docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch_size < 1:
+        if self.steps < 1 or self.batch_size < 1 or not 1 <= self.blocks <= 16:
             raise UsageError(
-                f"trained teacher steps={self.steps} and batch_size={self.batch_size} must be >= 1",
+                f"trained teacher steps={self.steps}, batch_size={self.batch_size} and "
+                f"blocks={self.blocks} must be >= 1 (blocks at most 16)",
                 fix="pass positive numbers",
             )
+
+    def transformer_config(self) -> dict[str, Any]:
+        """TRAINED_TRANSFORMER_CONFIG with this build's number of blocks."""
+        return {**TRAINED_TRANSFORMER_CONFIG, "num_layers": self.blocks}
 
     def digest(self) -> str:
         """Names a cached build: these settings, the grammar, the configs, the recipe version."""
         blob = json.dumps(
             {
-                "settings": dataclasses.asdict(self),
+                # blocks lives in the transformer config: the default build keeps its digest
+                "settings": {k: v for k, v in dataclasses.asdict(self).items() if k != "blocks"},
                 "grammar": [dict(COLOURS), SHAPES, dict(SIZES), dict(POSITIONS)],
-                "transformer": dict(TRAINED_TRANSFORMER_CONFIG),
+                "transformer": self.transformer_config(),
                 "text_encoder": dict(TEXT_ENCODER_CONFIG),
                 "scheduler": dict(SCHEDULER_CONFIG),
                 "sampler": dict(TRAINED_SAMPLER),
@@ -229,7 +238,7 @@ def build_trained_pipeline(settings: BuildSettings, progress: bool = True) -> tu
     components = build_components(settings.seed, wan22=False, extra_words=_EXTRA_WORDS)
     with torch.random.fork_rng(devices=[]), _one_thread():
         torch.manual_seed(derived_seed(settings.seed, "trained-transformer"))
-        model = WanTransformer3DModel(**TRAINED_TRANSFORMER_CONFIG)
+        model = WanTransformer3DModel(**settings.transformer_config())
         components["transformer"] = model
         pipe = WanPipeline(**components)
         loss = _train(model, pipe, settings, progress)
@@ -258,9 +267,10 @@ def _one_thread() -> Iterator[None]:
 # --------------------------------------------------------------------------- building
 
 
-def _settings(seed: int, steps: int | None) -> BuildSettings:
-    """The default recipe with this seed and, where given, this number of steps."""
-    return BuildSettings(seed=seed) if steps is None else BuildSettings(seed=seed, steps=steps)
+def _settings(seed: int, steps: int | None, blocks: int = 2) -> BuildSettings:
+    """The default recipe with this seed, these blocks and, where given, this number of steps."""
+    given = {} if steps is None else {"steps": steps}
+    return BuildSettings(seed=seed, blocks=blocks, **given)
 
 
 def make_trained_teacher(
@@ -268,6 +278,7 @@ def make_trained_teacher(
     *,
     seed: int = 0,
     steps: int | None = None,
+    blocks: int = 2,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
@@ -279,7 +290,7 @@ def make_trained_teacher(
     """
     path = Path(path).absolute()
     check_target(path, overwrite)
-    settings = _settings(seed, steps)
+    settings = _settings(seed, steps, blocks)
     pipe, loss = build_trained_pipeline(settings, progress)
     meta = {
         "kind": "wandistill trained tiny teacher",
@@ -296,6 +307,7 @@ def ensure_trained_teacher(
     seed: int = 0,
     *,
     steps: int | None = None,
+    blocks: int = 2,
     progress: bool = True,
 ) -> Path:
     """The trained teacher for these settings under `root/teachers/`, trained on first use.
@@ -304,7 +316,9 @@ def ensure_trained_teacher(
     A file lock makes concurrent callers (demo and benchmark started together) train it once;
     temp folders that an interrupted build left behind are removed under that lock.
     """
-    folder = Path(root).absolute() / "teachers" / f"trained-{_settings(seed, steps).digest()}"
+    folder = (
+        Path(root).absolute() / "teachers" / f"trained-{_settings(seed, steps, blocks).digest()}"
+    )
     if (folder / "model_index.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -314,7 +328,9 @@ def ensure_trained_teacher(
         for stale in folder.parent.glob(f".{folder.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         try:
-            return make_trained_teacher(folder, seed=seed, steps=steps, progress=progress)
+            return make_trained_teacher(
+                folder, seed=seed, steps=steps, blocks=blocks, progress=progress
+            )
         except FileExistsError as e:
             raise UsageError(str(e), fix=f"remove {folder} and run again") from None
 
