@@ -136,10 +136,7 @@ def write_ours(records: list, like: Path, out: Path, shard_records: int) -> floa
     w = CacheWriter(
         out,
         backend=m.backend,
-        teacher=m.teacher,
-        settings=m.settings,
-        fields=m.fields,
-        dims=m.dims,
+        **{name: m.block_json(name) for name in ("teacher", "settings", "fields", "dims")},
         numerics=m.numerics,
         rank=0,
         shard_records=shard_records,
@@ -214,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     if not {"null_sink", "background"} <= set(run_legs) or not set(run_legs) <= set(WRITERS):
         p.error(f"--legs: null_sink and background, plus any of {', '.join(WRITERS)}")
     torch.set_num_threads(args.threads)
+    if args.work is not None:  # --work may name a folder not made yet
+        args.work.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="wandistill-bench-write-", dir=args.work))
     try:
         from wandistill.teacher.tiny import make_tiny_teacher

@@ -163,7 +163,7 @@ def run_identity(cfg: Any, work: Path) -> dict[str, Any]:
     config = dataclasses.asdict(cfg)
     config.pop("out", None)
     with CacheReader(work / "cache-train") as store:
-        cache = {"settings": store.manifest.settings, "records": len(store)}
+        cache = {"settings": store.manifest.block_json("settings"), "records": len(store)}
     lines = hashlib.sha256((work / "train.jsonl").read_bytes()).hexdigest()
     identity = {"train": config, "cache": cache, "train_prompts_sha256": lines}
     return json.loads(json.dumps(identity, default=str))  # as bench-run.json will hold it
