@@ -26,7 +26,7 @@ from wandistill.cache.reader import open_cache
 from wandistill.cache.training import TrainingReader
 from wandistill.cli import main
 from wandistill.errors import UsageError
-from wandistill.io import lease, outputs, storage, storage_errors
+from wandistill.io import lease, outputs, storage, storage_errors, storage_fsspec
 from wandistill.runtime import waiting
 
 from cachefixtures import make_record, write_cache
@@ -491,7 +491,7 @@ def test_a_slow_object_store_call_says_what_it_waits_for(
     the bounds, then the one-line error once the bounded attempts are spent."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", hostile["stalled"])
     monkeypatch.setenv("WANDISTILL_STORAGE_TIMEOUT", "1")
-    monkeypatch.setattr(storage, "_WATCHED", waiting.Watched(notice_s=0.2))  # its own clock
+    monkeypatch.setattr(storage_fsspec, "_WATCHED", waiting.Watched(notice_s=0.2))  # its own clock
     forget_clients()
     try:
         with pytest.raises(SystemExit) as e:

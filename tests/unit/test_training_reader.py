@@ -142,7 +142,7 @@ def test_follow_mode_keeps_only_the_generations_not_yet_trained_on(tmp_path: Pat
     """One shard per generation (a sync that releases one name per poll): the batches are each
     generation's own permutation, back to back, and a consumed generation is dropped from
     memory, so a long follow run holds what is still ahead of it, not the whole run."""
-    from wandistill.cache.training import SampleSpace
+    from wandistill.cache.samples import SampleSpace
 
     write_cache(tmp_path, range(12), shard_records=2, finalize=False, complete=False)
 

@@ -33,13 +33,15 @@ Several caches (`cache` a list, `weights` optional) are one sample space: each c
 (`cache/multi.py`), then shuffled and cut into global batches as above, so equal batches per
 rank, determinism and exact resume hold unchanged. Follow mode polls every cache; a follow
 generation names its shards `<cache index>:<shard>`.
+
+Where the parts live: the sample space arrays in cache/samples.py, follow mode's planner in
+cache/follow.py and the batch reads in cache/batchread.py (mixins of `TrainingReader`); this
+module plans epochs, cuts global batches, keeps the position and hands batches over.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -47,89 +49,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from wandistill.cache.batch import BatchBuffers, RowsOf
+from wandistill.cache.batchread import BatchReading
 from wandistill.cache.choices import check_weights
 from wandistill.cache.contract import is_holdout
 from wandistill.cache.files import Entry
+from wandistill.cache.follow import FollowMode
 from wandistill.cache.multi import check_compatible, check_unique_keys, mix
 from wandistill.cache.reader import CacheReader
-from wandistill.errors import CacheError, CorruptRecordError, UsageError
-from wandistill.io.storage import is_transient
-from wandistill.runtime import waiting
+from wandistill.cache.samples import FollowPool, Sample, SampleSpace
+from wandistill.errors import CacheError, UsageError
 
 DEFAULT_FIELDS = ("prompt_embeds", "xt", "timesteps", "teacher_out")
 SyncFn = Callable[[list[str], bool], tuple[list[str], bool]]
 """(shard names this rank sees, manifest complete?) -> what every rank agrees on."""
-
-Sample = tuple[Entry, int, int]
-"""(shard entry, row in shard, recorded-step slot)."""
-
-
-class SampleSpace:
-    """Every (record, step) sample of some shards, in key order, as arrays: sample j is record
-    j // len(slots) at slot j % len(slots), and `order` (a permutation) presents them shuffled.
-    A list of `Sample` tuples, plus its shuffled copy, took ~100 bytes a sample (about 1 GB per
-    rank for 1M records x 8 steps; tests/bench/scale.py); this holds 8 bytes a record plus 8 a
-    sample of `order`."""
-
-    def __init__(self, entries: list[Entry], rows: list[tuple[int, int]], slots: list[int]) -> None:
-        self.entries = entries
-        self._entry = np.fromiter((e for e, _ in rows), dtype=np.int32, count=len(rows))
-        self._row = np.fromiter((i for _, i in rows), dtype=np.int32, count=len(rows))
-        self.slots = slots
-        self.order: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return len(self._row) * len(self.slots)
-
-    def shuffled(self, order: torch.Tensor) -> SampleSpace:
-        view = copy.copy(self)
-        view.order = order
-        return view
-
-    def __getitem__(self, j: int) -> Sample:
-        if self.order is not None:
-            j = int(self.order[j])
-        r, s = divmod(j, len(self.slots))
-        return self.entries[int(self._entry[r])], int(self._row[r]), self.slots[s]
-
-
-class FollowPool:
-    """Follow mode's planned samples: each generation's shuffled `SampleSpace`, back to back,
-    indexed by position in the run. Generations wholly consumed are dropped (`drop_before`), so
-    memory stays at the generations not yet trained on, not every sample of the run (the list
-    of `Sample` tuples this replaces kept ~100 bytes a sample for the whole run)."""
-
-    def __init__(self) -> None:
-        self._spaces: deque[tuple[int, SampleSpace]] = deque()
-        self._end = 0
-
-    def __len__(self) -> int:
-        """Samples planned since the run started, dropped ones included."""
-        return self._end
-
-    def extend(self, space: SampleSpace) -> None:
-        if len(space):
-            self._spaces.append((self._end, space))
-            self._end += len(space)
-
-    def __getitem__(self, j: int) -> Sample:
-        for start, space in self._spaces:
-            if start <= j < start + len(space):
-                return space[j - start]
-        raise IndexError(f"sample {j} is not planned or was dropped")
-
-    def drop_before(self, j: int) -> None:
-        """Forget the generations whose samples all come before position j."""
-        while self._spaces and self._spaces[0][0] + len(self._spaces[0][1]) <= j:
-            self._spaces.popleft()
-
-    def held(self) -> int:
-        """Samples still held (what the follow-mode test bounds)."""
-        return sum(len(space) for _, space in self._spaces)
 
 
 def pad_to(embeds_BLD: torch.Tensor, length: int) -> torch.Tensor:
@@ -171,7 +105,7 @@ def _open_caches(
     return stores, checked
 
 
-class TrainingReader:
+class TrainingReader(FollowMode, BatchReading):
     """Iterate per-rank batches of (record, step) samples; see the module docstring."""
 
     def __init__(
@@ -462,272 +396,3 @@ class TrainingReader:
             while g < n:
                 yield from self._step_items(shuffled, g, epoch)
                 g += 1
-
-    def _follow_plan(self) -> Iterator[tuple[tuple[int, int], list[Sample]] | None]:
-        """Batches over generations of newly committed shards, until complete and exhausted."""
-        by_name: dict[str, tuple[int, Entry]] = {}
-        self.pool = pool = FollowPool()
-        emitted = 0
-        resume_at = self.batches_done
-        replay = [list(g) for g in self.generations]
-        self.generations = []
-        seen: set[str] = set()
-        idle_since = time.monotonic()
-        idle_polls = 0
-        """Polls in a row that found nothing new: the same count on every rank (`sync`)."""
-        complete = False
-        while True:
-            if replay:
-                names = replay.pop(0)
-                self._poll(by_name)
-                missing = [n for n in names if n not in by_name]
-                if missing:
-                    raise CacheError(f"cannot resume follow mode: shards {missing} vanished")
-            else:
-                yield None  # about to poll: let the consumer drain what is planned first
-                done = self._poll(by_name)
-                fresh = sorted(n for n in by_name if n not in seen)
-                names, complete = self.sync(fresh, done)
-            if names:
-                idle_since, idle_polls = time.monotonic(), 0
-                gen_index = len(self.generations)
-                self.generations.append(list(names))
-                seen.update(names)
-                chunk = self._generation_space(names, by_name)
-                pool.extend(chunk.shuffled(self._permutation(len(chunk), "follow", gen_index)))
-            while len(pool) - emitted * self.global_batch >= self.global_batch:
-                if emitted >= resume_at:
-                    yield from self._step_items(pool, emitted, 0)
-                emitted += 1
-                pool.drop_before(emitted * self.global_batch)
-            if replay or names:
-                continue
-            if complete:
-                return
-            idle_polls += 1
-            if idle_polls % self._polls_per_check() == 0:
-                self._check_writer(first=idle_polls == self._polls_per_check())
-            if (
-                self.follow_timeout is not None
-                and time.monotonic() - idle_since > self.follow_timeout
-            ):
-                raise CacheError(
-                    f"follow mode: no new shard in "
-                    f"{', '.join(repr(str(s.path)) for s in self.stores if not s.complete)} "
-                    f"for {self.follow_timeout:.0f} s and the manifest is not complete",
-                    fix="check that precompute is still running",
-                )
-            time.sleep(self.poll_interval)
-
-    def _poll(self, by_name: dict[str, tuple[int, Entry]]) -> bool:
-        """Add every cache's committed shards to `by_name` (qualified name -> (cache, entry));
-        whether every cache is complete."""
-        for n, store in enumerate(self.stores):
-            store.refresh()
-            by_name.update({self._qualified(n, e.name): (n, e) for e in store.entries})
-        return all(s.complete for s in self.stores)
-
-    def _generation_space(self, names: list[str], by_name: dict[str, tuple[int, Entry]]) -> Any:
-        """One follow generation's samples: each cache's new shards, back to back."""
-        spaces = [
-            self._space([by_name[q][1] for q in names if by_name[q][0] == n], n)
-            for n in range(len(self.stores))
-        ]
-        return spaces[0] if len(spaces) == 1 else mix(spaces, (), self._permutation, 0)
-
-    def _polls_per_check(self) -> int:
-        """Idle polls between two looks at the cache's writer: about every NOTICE_S seconds."""
-        return max(1, math.ceil(waiting.NOTICE_S / max(self.poll_interval, 1e-3)))
-
-    def _check_writer(self, *, first: bool) -> None:
-        """Follow mode found nothing new for a while: stop, in one line, if no process writes
-        an incomplete cache any more (only its writer could complete it); else say what it waits
-        for, once per idle spell. Every rank looks and all must agree (`agree`), so all stop
-        together or none does."""
-        from wandistill.io.outputs import writer_gone
-
-        gone, path, store = None, "", self.store
-        for store in self.stores:
-            if store.complete:
-                continue
-            path = store.path
-            gone = writer_gone(path)
-            if gone is not None:
-                store.refresh()  # completed just before its writer let go: not gone
-                if store.complete:
-                    gone = None
-            if gone is not None:
-                break
-        if self.agree(gone is not None):
-            raise CacheError(
-                f"--follow: cache {path!r} is not complete ({len(store)} records "
-                f"committed) and nothing writes it any more: {gone or 'another rank saw so'}",
-                fix="re-run `wandistill precompute` with --out at this cache to finish it (it "
-                "resumes), or train without --follow on the records committed so far",
-            )
-        if first and self.rank == 0:
-            limit = (
-                f"giving up after {self.follow_timeout:g} s without one (train.follow_timeout)"
-                if self.follow_timeout
-                else "no time limit (train.follow_timeout = 0)"
-            )
-            where = ", ".join(str(s.path) for s in self.stores if not s.complete)
-            records = sum(len(s) for s in self.stores)
-            waiting.say(
-                f"for new shards in {where} ({records} records committed, its writer "
-                f"is running); {limit}"
-            )
-
-    # ------------------------------------------------------------------ reading
-
-    def _read_batch(self, samples: list[Sample]) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """(batch tensors, the sample in each row); runs in a pool thread. A skipped corrupt
-        sample's row holds the batch's first good sample; no rows when none was good.
-
-        In place when the backend can (`CacheReader.read_batch`): every tensor is read straight
-        into its row of the batch, with no per-sample tensor and no stacking copy. Otherwise
-        (fields stored in another dtype, `with_next`) each sample is read and decoded on its own
-        and copied into its row."""
-        pad = None if self.pad == "batch" else self.store.max_sequence_length
-        groups: dict[int, list[int]] = {}
-        for b, (entry, _, _) in enumerate(samples):
-            groups.setdefault(self._owner.get(id(entry), 0), []).append(b)
-        if len(groups) == 1:
-            out, errors = self._read_rows(self.stores[next(iter(groups))], samples, pad)
-        else:
-            out, errors = self._read_mixed(groups, samples, pad)
-        for (entry, row, _), e in zip(samples, errors, strict=True):
-            if e is not None:
-                self._failed(entry, row, e)
-        good = [b for b, e in enumerate(errors) if e is None]
-        if not good:
-            return {}, []
-        if "prompt_embeds" in out.lengths:
-            out.tensors["prompt_len"] = torch.tensor(out.lengths["prompt_embeds"])
-        if len(good) == len(samples):
-            return out.tensors, good
-        # Keep the batch shape: the first good sample takes the place of each skipped one.
-        order = good + [good[0]] * (len(samples) - len(good))
-        index = torch.tensor(order)
-        tensors = {name: t[index] for name, t in out.tensors.items()}
-        if self.pad == "batch":  # padded to the longest good sample only
-            for name, lengths in out.lengths.items():
-                longest = max(lengths[b] for b in good)
-                tensors[name] = tensors[name][:, :longest].contiguous()
-        return tensors, order
-
-    def _read_rows(
-        self, store: CacheReader, samples: list[Sample], pad: int | None
-    ) -> tuple[BatchBuffers, list[BaseException | None]]:
-        """Samples of one cache into one batch, in place where the backend can."""
-        out = BatchBuffers(len(samples), pad)
-        errors = None if self.with_next else store.read_batch(samples, self.fields, out)
-        if errors is None:
-            errors = self._read_each(samples, out)
-        return out, errors
-
-    def _read_mixed(
-        self, groups: dict[int, list[int]], samples: list[Sample], pad: int | None
-    ) -> tuple[BatchBuffers, list[BaseException | None]]:
-        """A batch drawn from several caches: each cache's backend reads its samples straight
-        into their rows of the one batch (`RowsOf`), no copy. Ragged fields are laid out at
-        max_sequence_length (the rows are allocated before every cache has said how long its
-        prompts are), then trimmed to the longest when the reader pads per batch."""
-        out = BatchBuffers(len(samples), self.store.max_sequence_length)
-        errors: list[BaseException | None] = [None] * len(samples)
-        for n, rows in groups.items():
-            view: Any = RowsOf(out, rows)
-            mine = [samples[b] for b in rows]
-            errs = None if self.with_next else self.stores[n].read_batch(mine, self.fields, view)
-            if errs is None:
-                errs = self._read_each(mine, view)
-            for b, e in zip(rows, errs, strict=True):
-                errors[b] = e
-        if pad is None:
-            for name, lengths in out.lengths.items():
-                longest = max(lengths, default=0)
-                if longest < out.tensors[name].shape[1]:
-                    out.tensors[name] = out.tensors[name][:, :longest].contiguous()
-        return out, errors
-
-    def _read_each(self, samples: list[Sample], out: BatchBuffers) -> list[BaseException | None]:
-        """Read and decode each sample on its own, then copy it into its row of `out`; each
-        sample's error, or None."""
-        results = [self._read_sample(*s) for s in samples]
-        errors = [r if isinstance(r, BaseException) else None for r in results]
-        shapes = [
-            None
-            if isinstance(r, BaseException)
-            else {n: (tuple(t.shape), t.dtype) for n, t in r.items()}
-            for r in results
-        ]
-        for b, problem in enumerate(out.allocate(shapes)):
-            r = results[b]
-            if problem is not None:
-                errors[b] = ValueError(problem)
-            elif not isinstance(r, BaseException):
-                for name, t in r.items():
-                    out.row(b, name).copy_(t)
-        return errors
-
-    def _read_sample(
-        self, entry: Entry, row: int, slot: int
-    ) -> dict[str, torch.Tensor] | BaseException:
-        try:
-            out = self._store_of(entry).read_sample(entry, row, slot, self.fields, pad=False)
-            if self.with_next:
-                out.update(self._read_next(entry, row, slot))
-            return out
-        except Exception as e:
-            return e
-
-    def _failed(self, entry: Entry, row: int, e: BaseException) -> None:
-        """A sample that could not be read: refuse it, or with skip_corrupt record it. An error
-        about the process, not the record (out of file descriptors or memory), is raised as it
-        is: skipping would drop good records."""
-        if is_transient(e):
-            raise e
-        detail = e.detail if isinstance(e, CorruptRecordError) else str(e)
-        detail = detail.removeprefix(f"shard {entry.name} record {entry.keys[row]}: ")
-        msg = f"corrupt record {entry.keys[row]} in shard {entry.name}: {detail}"
-        if not self.skip_corrupt:
-            raise CacheError(msg, fix="run `wandistill cache verify`, or pass --skip-corrupt")
-        self.corrupt.append(msg)
-
-    def _read_next(self, entry: Entry, row: int, slot: int) -> dict[str, torch.Tensor]:
-        """The next point of this sample's trajectory: the next recorded step's x_t and t, or
-        after the last recorded step the final latent (in x_t's dtype) at t = 0."""
-        store = self._store_of(entry)
-        ahead = self.next_slots[slot] if self.next_slots is not None else slot + 1
-        if ahead < self.num_slots:
-            nxt = store.read_sample(entry, row, ahead, ["xt", "timesteps"], pad=False)
-            xt, t, final = nxt["xt"], nxt["timesteps"], False
-        else:
-            both = store.read_sample(entry, row, slot, ["xt", "final_latent"], pad=False)
-            xt = both["final_latent"].to(both["xt"].dtype)
-            t, final = torch.zeros((), dtype=torch.float32), True
-        return {"xt_next": xt, "timesteps_next": t, "next_is_final": torch.tensor(final)}
-
-    def _collate(
-        self, tensors: dict[str, torch.Tensor], order: list[int], samples: list[Sample]
-    ) -> dict[str, Any]:
-        """The batch handed over: `tensors` hold the samples in `order` (empty: every sample of
-        the batch was corrupt and skipped)."""
-        if not order:
-            if self._last_good is None:
-                raise CacheError(
-                    f"every sample of the first batch was corrupt ({len(samples)} samples; the "
-                    f"last: {self.corrupt[-1] if self.corrupt else '?'})",
-                    fix="run `wandistill cache verify` and restore the damaged shards",
-                )
-            # A wholly corrupt batch: repeat the last good one (ranks stay in step; every
-            # skipped sample is in self.corrupt).
-            return {
-                k: v.clone() if isinstance(v, torch.Tensor) else list(v)
-                for k, v in self._last_good.items()
-            }
-        batch: dict[str, Any] = dict(tensors)
-        batch["key"] = [samples[b][0].keys[samples[b][1]] for b in order]
-        batch["step_slot"] = torch.tensor([samples[b][2] for b in order])
-        self._last_good = dict(batch)
-        return batch
