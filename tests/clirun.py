@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from pathlib import Path
 
 import pytest
 
 from wandistill.cli import main
+
+
+def cli_env(threads: int | str = 1, **extra: str) -> dict[str, str]:
+    """The environment of a CLI run in a real process: this process's, offline (conftest forces
+    it here too; the subprocess must not depend on inheriting it), `threads` compute threads (a
+    run whose numerics a test compares must use the same count as the run it compares with),
+    then `extra` (PYTHONPATH, COLUMNS, ...) last, so a test can override anything."""
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", **extra}
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:

@@ -32,6 +32,7 @@ import torch
 from wandistill.cli import main
 
 from cachefixtures import SETTINGS, write_cache
+from clirun import cli_env
 from zygote import Zygote
 
 REPO = Path(__file__).parents[2]
@@ -42,15 +43,14 @@ CPU_ONLY = not torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def world(tiny_teacher: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Everything the cases point at, built once: a tiny teacher and broken copies of it,
     prompt files, recipes, device maps, caches and a trained run."""
     from wandistill.config import load_recipe
-    from wandistill.teacher.tiny import make_tiny_teacher
     from wandistill.train import run
 
     root = tmp_path_factory.mktemp("world")
-    teacher = make_tiny_teacher(root / "teacher")
+    teacher = tiny_teacher  # read only: the broken variants below are copies
     for name, edit in (
         ("t_notwan", lambda t: _edit_json(t / "model_index.json", _class_name="FluxPipeline")),
         ("t_nocfg", lambda t: (t / "transformer" / "config.json").unlink()),
@@ -108,7 +108,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     run(load_recipe(None, sets, stage="train").train)
     (root / "emptydir").mkdir()
     out = {key: str(root / name) for key, (name, _) in files.items()}
-    for name in ("teacher", "t_notwan", "t_nocfg", "t_badjson", "cache", "hcache", "widecache",
+    out["teacher"] = str(teacher)
+    for name in ("t_notwan", "t_nocfg", "t_badjson", "cache", "hcache", "widecache",
                  "othercache", "run", "emptydir"):  # fmt: skip
         out[name] = str(root / name)
     out["pdir"] = str(root / "pdir.txt")
@@ -567,8 +568,7 @@ def _wandistill(
 ) -> subprocess.CompletedProcess[str]:
     """`python -m wandistill ARGS` in a real process: a fresh interpreter (under `prefix`: as
     another user), or a fork of the session's zygote (tests/zygote.py) when one is given."""
-    env = {**os.environ, "HOME": str(cwd), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(REPO), "COLUMNS": "200"}  # fmt: skip
+    env = cli_env(HOME=str(cwd), PYTHONPATH=str(REPO), COLUMNS="200")
     env.pop("WANDISTILL_DEBUG", None)
     python = sys.executable if zygote is None else zygote.python
     env = env if zygote is None else zygote.env(env)

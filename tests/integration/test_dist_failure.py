@@ -198,13 +198,11 @@ def _records(cache: Path) -> tuple[list[str], dict[str, bytes]]:
 
 
 @pytest.fixture(scope="module")
-def pre(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from wandistill.teacher.tiny import make_tiny_teacher
-
+def pre(tiny_teacher: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("dist-failure-precompute")
     prompts = root / "prompts.txt"
     prompts.write_text("".join(f"a scene for rank failures {i}\n" for i in range(N_PROMPTS)))
-    pre = {"teacher": make_tiny_teacher(root / "teacher"), "prompts": prompts}
+    pre = {"teacher": tiny_teacher, "prompts": prompts}
     _pre_inprocess(_pre_sets(pre, root / "reference"))
     pre["reference"] = _records(root / "reference")[1]
     return pre

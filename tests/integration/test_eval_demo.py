@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -23,13 +22,14 @@ from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.tiny import make_tiny_teacher
 from wandistill.train import run as train
 
+from clirun import cli_env
 from zygote import Zygote
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def trained(tiny_teacher: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    teacher = make_tiny_teacher(root / "teacher")
+    teacher = tiny_teacher
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join(f"prompt {i} about a cat" for i in range(24)) + "\n")
     cfg = load_recipe(
@@ -108,7 +108,7 @@ def test_sample_writes_pngs_with_the_student_and_with_the_teacher(
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "COLUMNS": "120"}
+    return cli_env(threads=2, COLUMNS="120")
 
 
 DEMO_SETS = [  # the demo's recipe, made cheap: 4 teacher steps, a K = 2 student, a few steps

@@ -37,14 +37,13 @@ FEWSTEP = [
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def world(tiny_teacher: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from wandistill.config import load_recipe
     from wandistill.precompute.run import run as precompute
-    from wandistill.teacher.tiny import make_tiny_teacher
     from wandistill.train import run as train
 
     root = tmp_path_factory.mktemp("evalk")
-    teacher = make_tiny_teacher(root / "teacher")
+    teacher = tiny_teacher
     (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
     sets = [
         f'teacher.path="{teacher}"',

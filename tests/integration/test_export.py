@@ -71,17 +71,18 @@ TRAIN = [
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def world(
+    tiny_teacher: Path, tiny_teacher_wan22: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
     """Tiny Wan 2.1 and 2.2 teachers, a cache of each (every step of 4 recorded), a K = 2
     student trained on each, and a cache of the 2.1 teacher recording every 2nd step only."""
-    from wandistill.teacher.tiny import make_tiny_teacher
-
     root = tmp_path_factory.mktemp("fewstep")
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     w = {"root": root, "prompts": prompts}
+    teachers = {"wan21": tiny_teacher, "wan22": tiny_teacher_wan22}
     for layout in ("wan21", "wan22"):
-        w[f"teacher_{layout}"] = make_tiny_teacher(root / layout, wan22=layout == "wan22")
+        w[f"teacher_{layout}"] = teachers[layout]
         _precompute(w[f"teacher_{layout}"], prompts, root / f"cache_{layout}")
         _train(TRAIN, root / f"cache_{layout}", root / f"run_{layout}")
         w[f"cache_{layout}"], w[f"run_{layout}"] = root / f"cache_{layout}", root / f"run_{layout}"

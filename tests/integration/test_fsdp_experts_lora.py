@@ -41,16 +41,15 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def world(tiny_teacher_wan22: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Wan 2.2 teacher and a cache of it (4 steps, all recorded, 4 records)."""
     from wandistill.config import load_recipe
     from wandistill.precompute.run import run as precompute
-    from wandistill.teacher.tiny import make_tiny_teacher
 
     root = tmp_path_factory.mktemp("fsdp_experts")
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    teacher = make_tiny_teacher(root / "wan22", wan22=True)
+    teacher = tiny_teacher_wan22
     sets = [
         f'teacher.path="{teacher}"',
         f'prompts="{prompts}"',

@@ -7,7 +7,6 @@ with one rank each, agents and ranks forked from it too)."""
 from __future__ import annotations
 
 import itertools
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +15,8 @@ import pytest
 
 from wandistill.cache.manifest import has_manifest, load_committed
 from wandistill.cache.wds.reader import WebDatasetSource
-from wandistill.teacher.tiny import make_tiny_teacher
 
+from clirun import cli_env
 from s3server import BUCKET, s3_server
 from zygote import Zygote
 
@@ -33,17 +32,19 @@ SMALL_STUDENT = [
 
 
 @pytest.fixture(scope="module")
-def world(zygote: Zygote, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+def world(
+    zygote: Zygote, tiny_teacher: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Path]]:
     root = tmp_path_factory.mktemp("fsspec")
     prompts = root / "p.txt"
     prompts.write_text("".join(f"prompt number {i}\n" for i in range(6)))
     with s3_server():  # the runs get the server's environment (each takes this process's)
-        yield {"teacher": make_tiny_teacher(root / "teacher"), "prompts": prompts, "root": root,
+        yield {"teacher": tiny_teacher, "prompts": prompts, "root": root,
                "zygote": zygote}  # fmt: skip
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **extra}
+    return cli_env(**extra)
 
 
 def _run(world: dict, *args: str, **env: str) -> subprocess.CompletedProcess:

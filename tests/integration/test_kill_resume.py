@@ -167,13 +167,13 @@ def committed(cache: Path, *, decoded: bool = False) -> Committed:
 
 
 @pytest.fixture(scope="module")
-def pre(zygote: Zygote, tmp_path_factory: pytest.TempPathFactory) -> PrecomputeSetup:
-    from wandistill.teacher.tiny import make_tiny_teacher
-
+def pre(
+    zygote: Zygote, tiny_teacher: Path, tmp_path_factory: pytest.TempPathFactory
+) -> PrecomputeSetup:
     root = tmp_path_factory.mktemp("kill-precompute")
     prompts = root / "prompts.txt"
     prompts.write_text("".join(f"a tiny scene number {i}\n" for i in range(N_PROMPTS)))
-    s = PrecomputeSetup(make_tiny_teacher(root / "teacher"), prompts, {}, {})
+    s = PrecomputeSetup(tiny_teacher, prompts, {}, {})
     ref = root / "reference"
     codes = zygote.run(precompute_argv(s, ref), root / "reference.log")
     assert codes == [0], logs(root / "reference.log")

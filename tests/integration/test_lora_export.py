@@ -21,16 +21,16 @@ MSL = 32
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+def worlds(
+    tiny_teacher: Path, tiny_teacher_wan22: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Path]]:
     """The tiny Wan 2.1 and Wan 2.2 teachers, a cache of each (4 steps, all recorded), a LoRA
     run on each (on the Wan 2.2 teacher's high-noise expert, the student running every step)."""
     root = tmp_path_factory.mktemp("lora")
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    return {
-        layout: _world(root / layout, prompts, wan22=layout == "wan22")
-        for layout in ("wan21", "wan22")
-    }
+    teachers = {"wan21": tiny_teacher, "wan22": tiny_teacher_wan22}
+    return {layout: _world(root / layout, prompts, teachers[layout]) for layout in teachers}
 
 
 @pytest.fixture
@@ -38,13 +38,12 @@ def world(worlds: dict[str, dict[str, Path]]) -> dict[str, Path]:
     return worlds["wan21"]
 
 
-def _world(root: Path, prompts: Path, *, wan22: bool) -> dict[str, Path]:
+def _world(root: Path, prompts: Path, teacher: Path) -> dict[str, Path]:
     from wandistill.config import load_recipe
     from wandistill.precompute.run import run as precompute
-    from wandistill.teacher.tiny import make_tiny_teacher
     from wandistill.train import run as train
 
-    teacher = make_tiny_teacher(root / "teacher", wan22=wan22)
+    root.mkdir(parents=True)
     cache, out = root / "cache", root / "run"
     recipe = Path("pipelines/tiny.toml")
     sets = [

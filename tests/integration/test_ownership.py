@@ -23,7 +23,7 @@ from wandistill.cache import open_cache
 from wandistill.cli import main
 from wandistill.io.outputs import LOCK, MARKER, claim
 
-from clirun import run_cli
+from clirun import cli_env, run_cli
 from zygote import HANG_GUARD_S, Zygote, fork_pid, kill, logs
 
 REPO = Path(__file__).parents[2]
@@ -47,13 +47,11 @@ def _pre(teacher: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def world(tiny_teacher: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny teacher, a cache and a run made by the commands, a user's folder, a link into
     the teacher."""
-    from wandistill.teacher.tiny import make_tiny_teacher
-
     root = tmp_path_factory.mktemp("own")
-    teacher = make_tiny_teacher(root / "teacher")
+    teacher = tiny_teacher
     prompts = root / "p.txt"
     prompts.write_text("".join(f"prompt {i}\n" for i in range(N_PROMPTS)))
     for args in (
@@ -69,8 +67,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "mine" / "notes.txt").write_text("my notes")
     (root / "links").mkdir()
     (root / "links" / "teacher").symlink_to(teacher)
-    names = ("teacher", "cache", "run", "mine", "links")
-    return {"root": root, "prompts": prompts, **{n: root / n for n in names}}
+    names = ("cache", "run", "mine", "links")
+    return {"root": root, "prompts": prompts, "teacher": teacher, **{n: root / n for n in names}}
 
 
 def snapshot(*dirs: Path) -> dict[str, str]:
@@ -154,7 +152,7 @@ def _env() -> dict[str, str]:
     # The spawned writer computes with this process's thread count: the numerics it records must
     # match the in-process runs that resume or contend for the same cache.
     threads = str(torch.get_num_threads())
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    env = cli_env(threads=threads, COLUMNS="200")
     env["PYTHONPATH"] = f"{REPO / 'tests' / 'nopickle'}{os.pathsep}{REPO}"
     env["WANDISTILL_TEST_NO_PICKLE"] = "1"  # these processes also prove no pickle is loaded
     return env

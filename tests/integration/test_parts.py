@@ -19,7 +19,6 @@ from wandistill.config import load_recipe
 from wandistill.errors import UsageError
 from wandistill.precompute.parts import PARTS_NAME, Part
 from wandistill.precompute.run import run
-from wandistill.teacher.tiny import make_tiny_teacher
 
 from zygote import Zygote
 
@@ -51,11 +50,11 @@ def _cfg(teacher: Path, prompts: Path, cache: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def world(tiny_teacher: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("parts")
     prompts = root / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    return {"teacher": make_tiny_teacher(root / "teacher"), "prompts": prompts, "root": root}
+    return {"teacher": tiny_teacher, "prompts": prompts, "root": root}
 
 
 def records_by_key(cache: Path) -> dict[str, dict[str, object]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -19,17 +18,18 @@ from wandistill.config import load_recipe
 from wandistill.precompute.run import run
 from wandistill.teacher.tiny import make_tiny_teacher
 
+from clirun import cli_env
 from zygote import Zygote, alive, kill
 
 PROMPTS = ["a cat on a mat", "a dog in the park", "a red car at night", "the sea", "a tree"]
 
 
 @pytest.fixture(scope="module")
-def teachers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def teachers(tiny_teacher: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("teachers")
     return {
-        "wan21": make_tiny_teacher(root / "wan21"),
-        "wan22": make_tiny_teacher(root / "wan22", wan22=True, seed=1),
+        "wan21": tiny_teacher,
+        "wan22": make_tiny_teacher(root / "wan22", wan22=True, seed=1),  # not the shared seed
     }
 
 
@@ -204,7 +204,7 @@ def _cli(python: str, *args: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return cli_env(PYTHONUNBUFFERED="1")
 
 
 def _cmd(teacher: Path, prompts: Path, cache: Path, *extra: str) -> list[str]:

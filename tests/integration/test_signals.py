@@ -212,13 +212,11 @@ def _records(cache: Path) -> tuple[list[str], dict[str, bytes]]:
 
 
 @pytest.fixture(scope="module")
-def pre(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from wandistill.teacher.tiny import make_tiny_teacher
-
+def pre(tiny_teacher: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("signals-precompute")
     prompts = root / "prompts.txt"
     prompts.write_text("".join(f"a small scene number {i}\n" for i in range(N_PROMPTS)))
-    teacher = make_tiny_teacher(root / "teacher")
+    teacher = tiny_teacher
     _pre_inprocess(_pre_sets(teacher, prompts, root / "reference"))
     keys, blobs = _records(root / "reference")
     assert len(keys) == len(set(keys)) == N_PROMPTS
