@@ -56,27 +56,27 @@ import torch
 from harness import bootstrap_interval, machine_line, max_rss_bytes, paired_ratios, write_json
 
 RECIPE = "tiny-fewstep"
+WEIGHTS = ("trajectory", "consistency", "reflow", "perflow", "unroll")
+"""The few-step loss weights an objective sets, every one of them: the recipe's own choice
+(perflow = 1 in tiny-fewstep) must not ride along with another objective."""
+
+
+def _objective(**weights: float) -> list[str]:
+    return [f"loss.{name}={float(weights.get(name, 0.0))}" for name in WEIGHTS]
+
+
 OBJECTIVES = {
-    "trajectory": ["loss.trajectory=1.0", "loss.consistency=0.0", "loss.reflow=0.0"],
-    "consistency": ["loss.trajectory=0.0", "loss.consistency=1.0", "loss.reflow=0.0"],
-    "reflow": ["loss.trajectory=0.0", "loss.consistency=0.0", "loss.reflow=1.0"],
-    "trajreflow": ["loss.trajectory=1.0", "loss.consistency=0.0", "loss.reflow=1.0"],
-    "both": ["loss.trajectory=1.0", "loss.consistency=0.5", "loss.reflow=0.0"],
-    "unroll": ["loss.trajectory=0.0", "loss.consistency=0.0", "loss.reflow=0.0", "loss.unroll=1.0"],
-    "perflow": [
-        "loss.trajectory=0.0",
-        "loss.consistency=0.0",
-        "loss.reflow=0.0",
-        "loss.perflow=1.0",
-    ],
-    "perflowunroll": [
-        "loss.trajectory=0.0",
-        "loss.consistency=0.0",
-        "loss.reflow=0.0",
-        "loss.perflow=1.0",
-        "loss.unroll=1.0",
-    ],
+    "trajectory": _objective(trajectory=1),
+    "consistency": _objective(consistency=1),
+    "reflow": _objective(reflow=1),
+    "trajreflow": _objective(trajectory=1, reflow=1),
+    "both": _objective(trajectory=1, consistency=0.5),
+    "unroll": _objective(unroll=1),
+    "perflow": _objective(perflow=1),
+    "perflowunroll": _objective(perflow=1, unroll=1),
 }
+
+
 DEPTHS = ("full", "half")
 
 

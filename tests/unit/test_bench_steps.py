@@ -88,3 +88,10 @@ def test_a_half_depth_student_takes_every_other_teacher_block() -> None:
         "student.num_layers=2",
         "student.init_from_teacher.blocks=[0, 2]",
     ]
+
+
+def test_every_objective_sets_every_few_step_weight_so_the_recipes_own_stays_out() -> None:
+    for name, sets in bench.OBJECTIVES.items():
+        assert [s.split("=")[0] for s in sets] == [f"loss.{w}" for w in bench.WEIGHTS], name
+    assert "loss.perflow=0.0" in bench.OBJECTIVES["unroll"]
+    assert "loss.perflow=0.0" in bench.OBJECTIVES["reflow"]
