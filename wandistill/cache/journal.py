@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wandistill.cache.contract import MANIFEST_NAME
-from wandistill.cache.files import JOURNALS, Entries, Entry
+from wandistill.cache.entries import Entries
+from wandistill.cache.files import JOURNALS, Entry
 from wandistill.cache.seal import digest_problem
 from wandistill.checks.validate import GiB, check, parse_json
 from wandistill.errors import CacheError

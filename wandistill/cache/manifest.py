@@ -7,7 +7,7 @@ manifest's list plus every journal's; `finalize` folds the journals into the man
 ever trusts a directory listing or an array shape.
 
 Every manifest and journal is checked against its schema (`wandistill/cache/files.py`) when
-read (shard entries when first used: `files.Entries`), and is sealed (`cache/seal.py`). The
+read (shard entries when first used: `entries.Entries`), and is sealed (`cache/seal.py`). The
 parsed `files.Manifest` is what every reader uses.
 """
 
@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.cache.contract import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
-from wandistill.cache.files import BLOCKS, MANIFESTS, Entries, FieldSpec, Manifest
+from wandistill.cache.entries import Entries
+from wandistill.cache.files import BLOCKS, MANIFESTS, FieldSpec, Manifest
 from wandistill.cache.journal import (
     JOURNAL_DIR as JOURNAL_DIR,
 )
@@ -130,7 +131,7 @@ def manifest_json(manifest: Manifest) -> dict[str, Any]:
 
 def parse_manifest(data: Any, where: str) -> Manifest:
     """Check parsed manifest JSON against its schema and seal; one CacheError if anything is
-    wrong (naming the field). Shard entries are checked when first used (`files.Entries`)."""
+    wrong (naming the field). Shard entries are checked when first used (`entries.Entries`)."""
     if not isinstance(data, dict):
         raise CacheError(
             f"{where} is corrupt: the top level is a JSON {type(data).__name__}, not an object",
@@ -241,7 +242,7 @@ def load_committed(
     A shard listed twice, an entry without its digest and (`check_entries`) an entry edited
     after it was committed are refused here, naming the file and the shard; these checks read
     the entries' JSON, and each entry is checked against its schema when first used
-    (`files.Entries`), so a load costs about a `json.loads` plus one digest per new entry.
+    (`entries.Entries`), so a load costs about a `json.loads` plus one digest per new entry.
     `cache verify` passes check_entries=False and reports those edits itself, with their
     consequences. A `memo` kept across calls skips files unchanged since its last call.
     """

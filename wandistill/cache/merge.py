@@ -42,7 +42,8 @@ from typing import Any
 from wandistill.cache import manifest as mf
 from wandistill.cache.contract import SHARED_NAME, ZARR_DATA_NAME
 from wandistill.cache.encoding import compression_of
-from wandistill.cache.files import SEALED, Entries, Entry, Manifest
+from wandistill.cache.entries import Entries
+from wandistill.cache.files import SEALED, Entry, Manifest
 from wandistill.cache.reader import CacheReader
 from wandistill.cache.transfer import COPIED, LINKED, SERVER, Transfer
 from wandistill.cache.writer import SHARD_DIR, shard_name

@@ -20,7 +20,8 @@ from wandistill.cache import manifest as mf
 from wandistill.cache.batch import BatchBuffers
 from wandistill.cache.contract import SHARED_NAME, Record, dtype_name, pad_embeds
 from wandistill.cache.encoding import RecordCodec
-from wandistill.cache.files import Entries, Entry, SharedBlock
+from wandistill.cache.entries import Entries
+from wandistill.cache.files import Entry, SharedBlock
 from wandistill.checks.validate import MiB
 from wandistill.errors import CacheError, UsageError
 from wandistill.io.storage import Storage, storage_at
