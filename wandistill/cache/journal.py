@@ -111,9 +111,10 @@ def entry_json(entry: dict[str, Any]) -> bytes:
 
 
 def write_journal_chunks(st: Storage, rank: int, entries: list[bytes], *, segment: int = 0) -> None:
-    """`write_journal` for entries already serialized by `entry_json`: the same JSON document,
-    streamed, so a writer never re-serializes (or holds as objects) every entry it committed.
-    The journal segment is the commit: it appears whole (rename, or one completed upload)."""
+    """Rank `rank`'s journal segment `segment` (`{"rank": r, "shards": [...]}`) from entries
+    already serialized by `entry_json`, streamed, so a writer never re-serializes (or holds as
+    objects) every entry it committed. The journal segment is the commit: it appears whole
+    (rename, or one completed upload)."""
     st.makedirs(JOURNAL_DIR)
     with st.upload(_journal_rel(rank, segment)) as f:
         f.write(b'{"rank": %d, "shards": [\n' % rank)

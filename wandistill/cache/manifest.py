@@ -9,6 +9,10 @@ ever trusts a directory listing or an array shape.
 Every manifest and journal is checked against its schema (`wandistill/cache/files.py`) when
 read (shard entries when first used: `entries.Entries`), and is sealed (`cache/seal.py`). The
 parsed `files.Manifest` is what every reader uses.
+
+The reads a caller starts from a location (`has_manifest`, `read_manifest`, `load_committed`)
+take a path, a URL or an opened `Storage` and open a location once (`storage.storage_at`);
+everything else here, and in journal.py, takes the cache's `Storage`.
 """
 
 from __future__ import annotations
