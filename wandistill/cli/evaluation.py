@@ -315,15 +315,15 @@ def sample_cmd(
     from wandistill.teacher.folder import TeacherFolder
 
     _positive(limit=limit)
-    sizes = dict(height=height, width=width, num_frames=num_frames)
-    sizes.update(max_sequence_length=max_sequence_length, guidance_scale=guidance_scale, seed=seed)
-    _check_sampler_flags(num_inference_steps=steps, **sizes)
+    flags = dict(height=height, width=width, num_frames=num_frames)  # the sampler's, as given
+    flags.update(max_sequence_length=max_sequence_length, guidance_scale=guidance_scale, seed=seed)
+    _check_sampler_flags(num_inference_steps=steps, **flags)
     where = _device(device)
     _out_dir(out_dir)
     folder = TeacherFolder.open(teacher) if teacher is not None else None
     chosen = open_student(run=run, export=export, student=student, ema=ema, required=False)
     defaults, n = _teacher_defaults(cache, recipe, student=chosen is not None)
-    options = SampleOptions(steps=steps, **sizes)
+    options = SampleOptions(steps=steps, **flags)
     items, _ = read_prompts(prompts)
     paths = sample(
         [p.text for p in items[:limit]],
