@@ -991,12 +991,15 @@ def storage(sec: Section, ctx: Ctx) -> None:
     """The two storage benches (cache_io.py, precompute_write.py), at bounded sizes, each called
     through its `main(argv)` in this process (its output captured): what they measure is the
     disk and the writer thread, which a process of their own would not change."""
-    cio_json = ctx.work / "cache_io.json"
+    cio_json, pw_json = ctx.work / "cache_io.json", ctx.work / "precompute_write.json"
     cio_out = ctx.work / "cache-io"
     shutil.rmtree(cio_out, ignore_errors=True)
     legs = [
         ("cache_io", [*ctx.mode.cache_io, "--out", str(cio_out), "--json", str(cio_json)]),
-        ("precompute_write", [*ctx.mode.precompute_write, "--work", str(ctx.work)]),
+        (
+            "precompute_write",
+            [*ctx.mode.precompute_write, "--work", str(ctx.work), "--json", str(pw_json)],
+        ),
     ]
     for name, args in legs:
         if not sec.fits(name, 3.0 if ctx.mode.name == "smoke" else 20.0):
@@ -1009,7 +1012,7 @@ def storage(sec: Section, ctx: Ctx) -> None:
         if code == 0 and name == "cache_io":
             row.update(json.loads(cio_json.read_text())["ratios"])
         elif code == 0:
-            row.update(_writer_figures(text))
+            row.update(json.loads(pw_json.read_text())["verdict"])
         else:
             row["error"] = _last_error(text)
         sec.row(**row)
@@ -1039,23 +1042,6 @@ def bench_in_process(name: str, args: list[str]) -> tuple[int, str]:
         torch.set_num_threads(threads)
         signal.signal(signal.SIGTERM, sigterm)  # cache_io installs its own
     return code, out.getvalue()
-
-
-def _writer_figures(stdout: str) -> dict[str, Any]:
-    """The verdict lines of precompute_write.py (it prints text, no JSON)."""
-    keys = {
-        "writing share": "writing_share",
-        "writing overhead vs null sink": "overhead_vs_null_sink",
-        "bootstrap 95% interval": "overhead_interval",
-        "writer throughput": "writer_vs_safetensors_fsync",
-    }
-    out = {}
-    for line in stdout.splitlines():
-        for needle, key in keys.items():
-            if needle in line:
-                value = line.split(":", 1)[-1].strip()
-                out[key] = value.rstrip(")") if line.strip().startswith("(") else value
-    return out
 
 
 # ------------------------------------------------------------------------------ processes

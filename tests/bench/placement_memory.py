@@ -1,7 +1,7 @@
 """Peak CPU memory of each placement that runs on a CPU, against `wandistill plan`'s estimate.
 
     python tests/bench/placement_memory.py --teacher tiny
-    python tests/bench/placement_memory.py --teacher wan1.3b [--work DIR]
+    python tests/bench/placement_memory.py --teacher wan1.3b [--work DIR] [--json FILE]
 
 `wan1.3b` is a Wan2.1-1.3B-shaped teacher: the real transformer config
 (wandistill/teacher/configs/wan2.1-1.3b), random bf16 weights built on the meta device and
@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from harness import machine_line  # tests/bench, next to this script
+from harness import machine_line, write_json  # tests/bench, next to this script
 
 ROOT = Path(__file__).parents[2]
 GiB = 1 << 30
@@ -207,6 +207,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--child", default=None)
     ap.add_argument("--size", default="128x128x5", help="HEIGHTxWIDTHxFRAMES")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     h, w, f = (int(x) for x in args.size.split("x"))
     SIZES.update(height=h, width=w, num_frames=f)
@@ -225,6 +226,7 @@ def main() -> None:
         "| process peak RSS (plan: +2 GiB) | load s | fwd s |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    rows = {}
     for label in PLACEMENTS:
         cmd = [sys.executable, __file__, "--teacher", args.teacher, "--work", str(work)]
         cmd += ["--size", args.size]
@@ -239,6 +241,10 @@ def main() -> None:
             f"{r['load_s']:.1f} | "
             f"{r['forward_s']:.2f} |"
         )
+        rows[label] = {**r, "plan_estimate": est}  # bytes; the estimate None: the plan has none
+    if args.json:
+        figures = {"teacher": args.teacher, "sizes": SIZES, "estimates": estimates}
+        write_json(args.json, {"command": " ".join(sys.argv), **figures, "placements": rows})
 
 
 def _size(n: int | None) -> str:

@@ -8,7 +8,7 @@
 Prints prompts/s of each and the ratios (b)/(a) and (b)/(c) in the same run.
 Targets (issue 3): (b)/(a) >= 1.5x on CPU with the tiny teacher; writing overhead <= 3%.
 
-    python tests/bench/precompute.py --prompts 32 --steps 8 --batch-size 8
+    python tests/bench/precompute.py --prompts 32 --steps 8 --batch-size 8 [--json FILE]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import machine_line  # tests/bench, next to this script
+from harness import machine_line, write_json  # tests/bench, next to this script
 
 
 def naive(
@@ -113,6 +113,7 @@ def main() -> None:
     p.add_argument("--height", type=int, default=32)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2, help="best of N for each leg")
+    p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="wandistill-bench-"))
     try:
@@ -149,6 +150,19 @@ def main() -> None:
         )
         overhead = legs["ours"] / legs["ours_null"] - 1
         print(f"cache writing overhead vs null sink: {overhead * 100:+.1f}% (target <= 3%)")
+        if args.json:
+            write_json(
+                args.json,
+                {
+                    "command": " ".join(sys.argv),
+                    "settings": {k: v for k, v in vars(args).items() if k != "json"},
+                    "threads": torch.get_num_threads(),
+                    "seconds": legs,
+                    "prompts_per_s": {name: args.prompts / t for name, t in legs.items()},
+                    "ours_over_naive": legs["naive"] / legs["ours"],
+                    "write_overhead": overhead,
+                },
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

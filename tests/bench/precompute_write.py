@@ -21,6 +21,10 @@ Every leg first touches and frees 4 GiB (`cache_io.prefault`; `--no-prefault` tu
 that no leg pays a VM host's faults for memory an earlier leg freed.
 
     python tests/bench/precompute_write.py --prompts 32 --frames 5 --steps 1 --repeats 3
+
+`--json FILE` also writes every leg's runs and the verdict figures (`verdict`: writing_share,
+overhead_vs_null_sink, overhead_interval, writer_vs_safetensors_fsync, as fractions and a ratio),
+which tests/bench/gpu.py reads.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from pathlib import Path
 
 import torch
 from cache_io import prefault  # tests/bench, next to this script
-from harness import bootstrap_interval, machine_line
+from harness import bootstrap_interval, machine_line, write_json
 
 from wandistill.cache.background import BackgroundWriter as _BACKGROUND
 
@@ -206,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         help="precompute legs to run (null_sink and background are needed; synchronous and "
         "cache_only are for reference)",
     )
+    p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)  # argv: gpu.py calls it in its own process
     run_legs = tuple(args.legs.split(","))
     if not {"null_sink", "background"} <= set(run_legs) or not set(run_legs) <= set(WRITERS):
@@ -301,6 +306,31 @@ def main(argv: list[str] | None = None) -> None:
             f"({nbytes / legs['cache_writer'] / 2**20:.0f} vs "
             f"{nbytes / legs['safetensors_fsync'] / 2**20:.0f} MiB/s; target >= 0.8x)"
         )
+        if args.json:
+            verdict = {
+                "writing_share": share,
+                "overhead_vs_null_sink": overhead,
+                "overhead_interval": [lo, hi],
+                "writer_vs_safetensors_fsync": ratio,
+                **{f"{n}_overhead": legs[n] / legs["null_sink"] - 1 for n in compared},
+                **{f"{n}_paired_median_overhead": paired_median(n) for n in compared},
+            }
+            settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+            write_json(
+                args.json,
+                {
+                    "command": " ".join(
+                        ["tests/bench/precompute_write.py", *(argv or sys.argv[1:])]
+                    ),
+                    "settings": {k: v for k, v in settings.items() if k != "json"},
+                    "bytes_per_record": nbytes / len(records),
+                    "best_s": legs,
+                    "median_s": med,
+                    "runs_s": runs,
+                    "minor_faults": faults,
+                    "verdict": verdict,
+                },
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

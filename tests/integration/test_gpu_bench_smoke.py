@@ -136,7 +136,7 @@ def test_smoke_run_writes_every_section_with_figures_or_the_reason_it_skipped(
             assert benches[name]["exit"] == 0, benches[name]
     if "cache_io" in benches:
         assert math.isfinite(benches["cache_io"]["webdataset.read_vs_raw"])
-    if "precompute_write" in benches:  # its verdict lines, parsed from its captured output
+    if "precompute_write" in benches:  # its verdict, read from its --json
         assert "overhead_vs_null_sink" in benches["precompute_write"]
 
 

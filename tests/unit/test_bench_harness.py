@@ -81,3 +81,18 @@ def test_machine_line_names_the_cpu_torch_and_the_commit() -> None:
     assert line.startswith("machine: ")
     assert env["cpu_model"] in line and f"torch {env['torch']}" in line
     assert f"commit {env['commit']}" in line
+
+
+def test_every_bench_script_writes_its_figures_as_json() -> None:
+    """Each bench takes `--json FILE` (through `write_json`) or `--out DIR` (through `Report`),
+    so no bench's figures exist only as printed text (issue 26, item 8)."""
+    bench = Path(__file__).parents[1] / "bench"
+    scripts = [p for p in sorted(bench.glob("*.py")) if "__main__" in p.read_text()]
+    assert {"precompute.py", "precompute_write.py", "placement_memory.py"} <= {
+        p.name for p in scripts
+    }
+    for script in scripts:
+        text = script.read_text()
+        to_json = "--json" in text and "write_json(" in text
+        to_report = '"--out"' in text and "Report(" in text
+        assert to_json or to_report, f"{script.name} writes no JSON"

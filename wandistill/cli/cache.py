@@ -14,6 +14,10 @@ from wandistill.cli.common import _out_dir, _positive, cache_app, err, option, o
 from wandistill.errors import CacheError
 from wandistill.io.location import option as loc
 
+CachePathArg = Annotated[
+    str, typer.Argument(help="Cache directory or fsspec URL (s3://...).", **loc("PATH", url=True))
+]
+
 
 def _human(n: float) -> str:
     from wandistill.runtime.progress import human_bytes
@@ -23,10 +27,7 @@ def _human(n: float) -> str:
 
 @cache_app.command("info")
 def cache_info(
-    path: Annotated[
-        str,
-        typer.Argument(help="Cache directory or fsspec URL (s3://...).", **loc("PATH", url=True)),
-    ],
+    path: CachePathArg,
     as_json: Annotated[
         bool,
         typer.Option(
@@ -185,10 +186,7 @@ def cache_merge(
 
 @cache_app.command("verify")
 def cache_verify(
-    path: Annotated[
-        str,
-        typer.Argument(help="Cache directory or fsspec URL (s3://...).", **loc("PATH", url=True)),
-    ],
+    path: CachePathArg,
 ) -> None:
     """Check every shard's checksum and decode every record; exit 1 if anything is wrong."""
     from wandistill.cache.reader import open_cache

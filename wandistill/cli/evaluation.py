@@ -65,71 +65,78 @@ _SAMPLE_DEFAULT = (
 )
 
 
+EvalCacheOpt = Annotated[
+    str,
+    option(
+        help="The cache the student was trained from (its held-out records are scored) or a "
+        "separate cache of the same teacher (with --split all); a folder or an fsspec URL.",
+        path="--cache",
+        url=True,
+    ),
+]
+EvalOutOpt = Annotated[
+    Path, option("--out", help="New folder for eval.md, eval.json and grid.png.", path="--out")
+]
+EvalTeacherOpt = Annotated[
+    Path | None,
+    option(
+        help="The cache's teacher folder: adds teacher@K (the teacher itself at K steps, with "
+        "its CFG), the column R_K compares with. Default: none (no R_K).",
+        path="--teacher",
+    ),
+]
+BaselineOpt = Annotated[
+    Path | None,
+    option(
+        help="Run folder of a step-imitating student (train with loss.output only): adds "
+        "baseline@K and baseline@N, to show what few-step training buys. Default: none.",
+        path="--baseline",
+    ),
+]
+EvalStepsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Sampler steps K, 1..the student's K. Default: the student's own K (fewer: to see "
+        "how it degrades)."
+    ),
+]
+SplitOpt = Annotated[
+    str,
+    typer.Option(
+        help="holdout: the records cache.holdout_fraction kept out of training (the student's "
+        "own cache); all: every record (a separate eval cache)."
+    ),
+]
+MaxRecordsOpt = Annotated[
+    int | None, typer.Option(help="Score at most N records (>= 1) for a quick look. Default: all.")
+]
+BatchSizeOpt = Annotated[
+    int, typer.Option(help="Records per pipeline call (>= 1): lower it if memory runs out.")
+]
+DecodeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--decode/--no-decode",
+        help="Grid of VAE-decoded frames and image PSNR (needs --teacher; slower), or of latents.",
+    ),
+]
+
+
 @app.command("eval")
 def eval_cmd(
-    cache: Annotated[
-        str,
-        option(
-            help="The cache the student was trained from (its held-out records are scored) or a "
-            "separate cache of the same teacher (with --split all); a folder or an fsspec URL.",
-            path="--cache",
-            url=True,
-        ),
-    ],
-    out_dir: Annotated[
-        Path,
-        option("--out", help="New folder for eval.md, eval.json and grid.png.", path="--out"),
-    ],
+    cache: EvalCacheOpt,
+    out_dir: EvalOutOpt,
     run: RunOpt = None,
     export: ExportOpt = None,
     student: StudentOpt = None,
     ema: EmaOpt = True,
-    teacher: Annotated[
-        Path | None,
-        option(
-            help="The cache's teacher folder: adds teacher@K (the teacher itself at K steps, with "
-            "its CFG), the column R_K compares with. Default: none (no R_K).",
-            path="--teacher",
-        ),
-    ] = None,
-    baseline: Annotated[
-        Path | None,
-        option(
-            help="Run folder of a step-imitating student (train with loss.output only): adds "
-            "baseline@K and baseline@N, to show what few-step training buys. Default: none.",
-            path="--baseline",
-        ),
-    ] = None,
-    steps: Annotated[
-        int | None,
-        typer.Option(
-            help="Sampler steps K, 1..the student's K. Default: the student's own K (fewer: to "
-            "see how it degrades)."
-        ),
-    ] = None,
-    split: Annotated[
-        str,
-        typer.Option(
-            help="holdout: the records cache.holdout_fraction kept out of training (the "
-            "student's own cache); all: every record (a separate eval cache)."
-        ),
-    ] = "holdout",
-    max_records: Annotated[
-        int | None,
-        typer.Option(help="Score at most N records (>= 1) for a quick look. Default: all."),
-    ] = None,
-    batch_size: Annotated[
-        int,
-        typer.Option(help="Records per pipeline call (>= 1): lower it if memory runs out."),
-    ] = 8,
-    decode: Annotated[
-        bool,
-        typer.Option(
-            "--decode/--no-decode",
-            help="Grid of VAE-decoded frames and image PSNR (needs --teacher; slower), or of "
-            "latents.",
-        ),
-    ] = False,
+    teacher: EvalTeacherOpt = None,
+    baseline: BaselineOpt = None,
+    steps: EvalStepsOpt = None,
+    split: SplitOpt = "holdout",
+    max_records: MaxRecordsOpt = None,
+    batch_size: BatchSizeOpt = 8,
+    decode: DecodeOpt = False,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Score the K-step student against the teacher on held-out records (R_K).
@@ -216,78 +223,86 @@ def _check_sampler_flags(**given: float | None) -> None:
         ) from None
 
 
+SamplePromptsOpt = Annotated[
+    Path, option(help="Prompt file: .txt (one per line) or .jsonl.", path="--prompts")
+]
+SampleOutOpt = Annotated[
+    Path, option("--out", help="New folder for NNNN.png (frame 0) and grid.png.", path="--out")
+]
+SampleTeacherOpt = Annotated[
+    Path | None,
+    option(
+        help="Teacher folder. With --run/--student: its tokenizer, text encoder and VAE (the "
+        "run's teacher). Alone: the teacher itself is sampled, to compare. Default: none (an "
+        "--export brings its own).",
+        path="--teacher",
+    ),
+]
+SampleCacheOpt = Annotated[
+    str | None,
+    option(
+        help="Teacher alone: take steps, sizes and CFG from this cache's settings (what the "
+        "student learned from). Default: none.",
+        path="--cache",
+        url=True,
+    ),
+]
+SampleRecipeOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Teacher alone: take them from this recipe's \\[precompute.sampler] (file or "
+        "shipped name). Without --cache or --recipe: WanPipeline's own defaults."
+    ),
+]
+SampleStepsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Sampler steps >= 1. Default: a student's K (it takes at most K); the teacher "
+        "alone: --cache's / --recipe's N, else WanPipeline's."
+    ),
+]
+PixelsOpt = Annotated[
+    int | None, typer.Option(help=f"Pixels, a multiple of 16. {_SAMPLE_DEFAULT}.")
+]
+FramesOpt = Annotated[int | None, typer.Option(help=f"4k + 1 (1: an image). {_SAMPLE_DEFAULT}.")]
+GuidanceOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Teacher only (> 1: CFG, two forwards per step; 1: none). Default: --cache's / "
+        "--recipe's, else WanPipeline's. A student always samples with 1.0."
+    ),
+]
+SampleSeedOpt = Annotated[
+    int, typer.Option(help="Prompt i draws its noise from SEED + i (0..2^63-1).")
+]
+MaxSeqOpt = Annotated[
+    int | None,
+    typer.Option(help=f"Text padding length >= 1; keep it the cache's. {_SAMPLE_DEFAULT}."),
+]
+LimitOpt = Annotated[
+    int, typer.Option(help="Sample the first N prompts of the file (>= 1); the rest are left.")
+]
+
+
 @app.command("sample")
 def sample_cmd(
-    prompts: Annotated[
-        Path,
-        option(help="Prompt file: .txt (one per line) or .jsonl.", path="--prompts"),
-    ],
-    out_dir: Annotated[
-        Path,
-        option("--out", help="New folder for NNNN.png (frame 0) and grid.png.", path="--out"),
-    ],
+    prompts: SamplePromptsOpt,
+    out_dir: SampleOutOpt,
     export: ExportOpt = None,
     run: RunOpt = None,
     student: StudentOpt = None,
     ema: EmaOpt = True,
-    teacher: Annotated[
-        Path | None,
-        option(
-            help="Teacher folder. With --run/--student: its tokenizer, text encoder and VAE "
-            "(the run's teacher). Alone: the teacher itself is sampled, to compare. Default: "
-            "none (an --export brings its own).",
-            path="--teacher",
-        ),
-    ] = None,
-    cache: Annotated[
-        str | None,
-        option(
-            help="Teacher alone: take steps, sizes and CFG from this cache's settings (what the "
-            "student learned from). Default: none.",
-            path="--cache",
-            url=True,
-        ),
-    ] = None,
-    recipe: Annotated[
-        str | None,
-        typer.Option(
-            help="Teacher alone: take them from this recipe's \\[precompute.sampler] (file or "
-            "shipped name). Without --cache or --recipe: WanPipeline's own defaults."
-        ),
-    ] = None,
-    steps: Annotated[
-        int | None,
-        typer.Option(
-            help="Sampler steps >= 1. Default: a student's K (it takes at most K); the teacher "
-            "alone: --cache's / --recipe's N, else WanPipeline's."
-        ),
-    ] = None,
-    height: Annotated[
-        int | None, typer.Option(help=f"Pixels, a multiple of 16. {_SAMPLE_DEFAULT}.")
-    ] = None,
-    width: Annotated[
-        int | None, typer.Option(help=f"Pixels, a multiple of 16. {_SAMPLE_DEFAULT}.")
-    ] = None,
-    num_frames: Annotated[
-        int | None, typer.Option(help=f"4k + 1 (1: an image). {_SAMPLE_DEFAULT}.")
-    ] = None,
-    guidance_scale: Annotated[
-        float | None,
-        typer.Option(
-            help="Teacher only (> 1: CFG, two forwards per step; 1: none). Default: --cache's / "
-            "--recipe's, else WanPipeline's. A student always samples with 1.0."
-        ),
-    ] = None,
-    seed: Annotated[
-        int, typer.Option(help="Prompt i draws its noise from SEED + i (0..2^63-1).")
-    ] = 0,
-    max_sequence_length: Annotated[
-        int | None,
-        typer.Option(help=f"Text padding length >= 1; keep it the cache's. {_SAMPLE_DEFAULT}."),
-    ] = None,
-    limit: Annotated[
-        int, typer.Option(help="Sample the first N prompts of the file (>= 1); the rest are left.")
-    ] = 16,
+    teacher: SampleTeacherOpt = None,
+    cache: SampleCacheOpt = None,
+    recipe: SampleRecipeOpt = None,
+    steps: SampleStepsOpt = None,
+    height: PixelsOpt = None,
+    width: PixelsOpt = None,
+    num_frames: FramesOpt = None,
+    guidance_scale: GuidanceOpt = None,
+    seed: SampleSeedOpt = 0,
+    max_sequence_length: MaxSeqOpt = None,
+    limit: LimitOpt = 16,
     device: DeviceOpt = "cpu",
 ) -> None:
     """Images from prompts through WanPipeline, from a student or the teacher.
@@ -300,36 +315,22 @@ def sample_cmd(
     from wandistill.teacher.folder import TeacherFolder
 
     _positive(limit=limit)
-    _check_sampler_flags(
-        num_inference_steps=steps,
-        height=height,
-        width=width,
-        num_frames=num_frames,
-        max_sequence_length=max_sequence_length,
-        guidance_scale=guidance_scale,
-        seed=seed,
-    )
+    flags = dict(height=height, width=width, num_frames=num_frames)  # the sampler's, as given
+    flags.update(max_sequence_length=max_sequence_length, guidance_scale=guidance_scale, seed=seed)
+    _check_sampler_flags(num_inference_steps=steps, **flags)
     where = _device(device)
     _out_dir(out_dir)
     folder = TeacherFolder.open(teacher) if teacher is not None else None
     chosen = open_student(run=run, export=export, student=student, ema=ema, required=False)
-    sizes, n = _teacher_defaults(cache, recipe, student=chosen is not None)
-    options = SampleOptions(
-        steps=steps,
-        guidance_scale=guidance_scale,
-        height=height,
-        width=width,
-        num_frames=num_frames,
-        max_sequence_length=max_sequence_length,
-        seed=seed,
-    )
+    defaults, n = _teacher_defaults(cache, recipe, student=chosen is not None)
+    options = SampleOptions(steps=steps, **flags)
     items, _ = read_prompts(prompts)
     paths = sample(
         [p.text for p in items[:limit]],
         out_dir,
         student=chosen,
         teacher=folder,
-        sizes=sizes,
+        sizes=defaults,
         teacher_steps=n,
         options=options,
         device=where,

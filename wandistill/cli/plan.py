@@ -172,11 +172,7 @@ def plan_cmd(
         _plan_train(recipe, teacher, config, overrides, as_json, (gpus, gpu_mem, cpu_mem, disk))
         return
     flags = {"teacher.path": teacher, "teacher.placement": placement, "teacher.dtype": dtype}
-    sets = [
-        *(overrides or []),
-        *_flag_sets(flags),
-    ]
-    full = load_recipe(recipe, sets, stage="precompute")
+    full = load_recipe(recipe, [*(overrides or []), *_flag_sets(flags)], stage="precompute")
     cfg = full.precompute
     if config is None and not cfg.teacher.path:
         raise UsageError(
@@ -193,7 +189,7 @@ def plan_cmd(
         for renderable in render_plan(plan):
             out.print(renderable)
         if recipe is not None and not config:
-            _show_recording(load_recipe(recipe, sets, stage="precompute"))
+            _show_recording(full)
     if what_if and plan.auto.placement is None:
         from wandistill.placement.plan import too_small
 

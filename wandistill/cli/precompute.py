@@ -30,77 +30,85 @@ if TYPE_CHECKING:
     from wandistill.config import Recipe
 
 
+TeacherOpt = Annotated[
+    str | None,
+    option(
+        help="Local diffusers Wan folder (model_index.json at its root).",
+        path="--teacher",
+        recipe="teacher.path",
+    ),
+]
+PromptsOpt = Annotated[
+    str | None,
+    option(
+        help='Prompt file: .txt (one per line) or .jsonl ({"prompt": ...} per line).',
+        path="--prompts",
+        recipe="prompts",
+    ),
+]
+OutOpt = Annotated[
+    str | None,
+    option(
+        "--out",
+        help="Cache directory or fsspec URL (s3://bucket/prefix) to write; re-running resumes it.",
+        path="--out",
+        url=True,
+        recipe="cache.path",
+    ),
+]
+BackendOpt = Annotated[
+    str | None,
+    option(
+        help="Cache format: webdataset (tar shards: stream from disk or object storage, copy "
+        "with any tool) or zarr (v3 arrays: read one record or one field without its shard). "
+        "Training reads both alike.",
+        **choice("--backend", ("webdataset", "zarr")),
+        recipe="cache.backend",
+        fallback="webdataset",
+    ),
+]
+PlacementOpt = Annotated[
+    str | None, option(help=PLACEMENT_HELP, recipe="teacher.placement", fallback="auto")
+]
+DtypeOpt = Annotated[
+    str | None,
+    option(
+        help="Teacher compute dtype: bf16 on recent GPUs (half the memory of fp32), fp16 on "
+        "older ones, fp32 on CPU or to compare exactly.",
+        **choice("--dtype", DTYPES),
+        recipe="teacher.dtype",
+        fallback="fp32",
+    ),
+]
+PartOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="I/N: compute only part I (0-based) of N disjoint slices of the prompt list "
+        "(batches I, I+N, ...) into OUT/part-IIIII-of-NNNNN, a cache of its own; re-run a part "
+        "to resume it. Default: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of "
+        "SLURM_ARRAY_TASK_COUNT when set; --part wins over them; --part all: the whole list "
+        "(see docs/distributed.md).",
+        show_default="the whole list",
+    ),
+]
+
+
 @app.command("precompute")
 def precompute_cmd(
     recipe: RecipeArg = None,
-    teacher: Annotated[
-        str | None,
-        option(
-            help="Local diffusers Wan folder (model_index.json at its root).",
-            path="--teacher",
-            recipe="teacher.path",
-        ),
-    ] = None,
-    prompts: Annotated[
-        str | None,
-        option(
-            help='Prompt file: .txt (one per line) or .jsonl ({"prompt": ...} per line).',
-            path="--prompts",
-            recipe="prompts",
-        ),
-    ] = None,
-    out_dir: Annotated[
-        str | None,
-        option(
-            "--out",
-            help="Cache directory or fsspec URL (s3://bucket/prefix) to write; re-running "
-            "resumes it.",
-            path="--out",
-            url=True,
-            recipe="cache.path",
-        ),
-    ] = None,
-    backend: Annotated[
-        str | None,
-        option(
-            help="Cache format: webdataset (tar shards: stream from disk or object storage, "
-            "copy with any tool) or zarr (v3 arrays: read one record or one field without "
-            "its shard). Training reads both alike.",
-            **choice("--backend", ("webdataset", "zarr")),
-            recipe="cache.backend",
-            fallback="webdataset",
-        ),
-    ] = None,
-    placement: Annotated[
-        str | None,
-        option(help=PLACEMENT_HELP, recipe="teacher.placement", fallback="auto"),
-    ] = None,
-    dtype: Annotated[
-        str | None,
-        option(
-            help="Teacher compute dtype: bf16 on recent GPUs (half the memory of fp32), fp16 "
-            "on older ones, fp32 on CPU or to compare exactly.",
-            **choice("--dtype", DTYPES),
-            recipe="teacher.dtype",
-            fallback="fp32",
-        ),
-    ] = None,
-    part: Annotated[
-        str | None,
-        typer.Option(
-            help="I/N: compute only part I (0-based) of N disjoint slices of the prompt list "
-            "(batches I, I+N, ...) into OUT/part-IIIII-of-NNNNN, a cache of its own; re-run a "
-            "part to resume it. Default: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of "
-            "SLURM_ARRAY_TASK_COUNT when set; --part wins over them; --part all: the whole "
-            "list (see docs/distributed.md).",
-            show_default="the whole list",
-        ),
-    ] = None,
+    teacher: TeacherOpt = None,
+    prompts: PromptsOpt = None,
+    out_dir: OutOpt = None,
+    backend: BackendOpt = None,
+    placement: PlacementOpt = None,
+    dtype: DtypeOpt = None,
+    part: PartOpt = None,
     overrides: SetOpt = None,
     dry_run: DryRunOpt = False,
 ) -> None:
     """Run the teacher once over a prompt list and write a reusable cache."""
     from wandistill.config import load_recipe, to_dict
+    from wandistill.precompute import parts
 
     flags = {
         "teacher.path": teacher,
@@ -110,34 +118,31 @@ def precompute_cmd(
         "teacher.placement": placement,
         "teacher.dtype": dtype,
     }
-    sets = [
-        *(overrides or []),
-        *_flag_sets(flags),
-    ]
-    full = load_recipe(recipe, sets, stage="precompute")
-    cfg = full.precompute
-    from wandistill.precompute import parts
-
+    full = load_recipe(recipe, [*(overrides or []), *_flag_sets(flags)], stage="precompute")
     job_part = parts.resolve(part, os.environ)
     if dry_run:
-        out.print_json(json.dumps(to_dict(cfg)))
+        out.print_json(json.dumps(to_dict(full.precompute)))
         _show_recording(full)
         return
     from wandistill.precompute.entry import launch
 
-    s = launch(cfg, part=job_part)
+    s = launch(full.precompute, part=job_part)
+    _print_prompt_report(s.cache)
+    for line in s.lines() if s.is_main else ():  # one summary for the whole job
+        out.print(line, highlight=False, soft_wrap=True)
+
+
+def _print_prompt_report(location: str) -> None:
+    """What in the prompt file was skipped or cut (rank 0 wrote the report into the cache)."""
     from wandistill.io.storage import open_storage
     from wandistill.precompute.finish import REPORT_NAME
+    from wandistill.precompute.prompts import PromptReport
 
-    cache = open_storage(s.cache)
-    if cache.exists(REPORT_NAME):  # rank 0 wrote it: what in the prompt file was skipped or cut
-        from wandistill.precompute.prompts import PromptReport
-
+    cache = open_storage(location)
+    if cache.exists(REPORT_NAME):
         text = cache.read(REPORT_NAME, max_bytes=1 << 26, what="report", fix="", error=UsageError)
         for line in PromptReport(**json.loads(text)).summary():
             out.print(line, highlight=False)
-    for line in s.lines() if s.is_main else ():  # one summary for the whole job
-        out.print(line, highlight=False, soft_wrap=True)
 
 
 def _show_recording(recipe: Recipe) -> None:

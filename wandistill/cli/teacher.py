@@ -17,12 +17,14 @@ from wandistill.cli.common import (
 from wandistill.errors import UsageError
 from wandistill.io.location import option as loc
 
+FolderArg = Annotated[
+    Path, typer.Argument(help="Folder to create (diffusers layout).", **loc("PATH", url=False))
+]
+
 
 @teacher_app.command("make-tiny")
 def teacher_make_tiny(
-    path: Annotated[
-        Path, typer.Argument(help="Folder to create (diffusers layout).", **loc("PATH", url=False))
-    ],
+    path: FolderArg,
     wan22: Annotated[
         bool,
         typer.Option(
@@ -54,9 +56,7 @@ def teacher_make_tiny(
 
 @teacher_app.command("make-trained")
 def teacher_make_trained(
-    path: Annotated[
-        Path, typer.Argument(help="Folder to create (diffusers layout).", **loc("PATH", url=False))
-    ],
+    path: FolderArg,
     seed: Annotated[
         int,
         typer.Option(

@@ -237,11 +237,6 @@ def _name(
     )
 
 
-def nearest_size(radius: float) -> str:
-    """The grammar size nearest `radius` in log scale (the training jitter is a factor)."""
-    return min(SIZES, key=lambda k: abs(math.log(max(radius, 1e-6) / SIZES[k])))
-
-
 def nearest_colour(rgb: list[float] | tuple[float, ...]) -> str:
     """The grammar colour nearest `rgb` at the best brightness for it: at least the training
     data's lowest, and no more than its highest for gray alone.

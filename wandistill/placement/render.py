@@ -28,40 +28,8 @@ def render_plan(plan: Plan) -> list[RenderableType]:
     head.add_row("sampler", plan.sizes.describe())
     head.add_row("phases", " -> ".join(f"{p.name}" for p in plan.phases))
 
-    comps = Table(title="components")
-    for col in (
-        "component",
-        "class",
-        "params",
-        "weights GiB",
-        "fp32-kept GiB",
-        "largest block GiB",
-        "sizes from",
-    ):
-        comps.add_column(
-            col, justify="right" if "GiB" in col or col == "params" else "left", overflow="fold"
-        )
-    for c in plan.components:
-        comps.add_row(
-            c.name,
-            c.class_name,
-            f"{c.params / 1e9:.2f}B",
-            _gib(c.weight_bytes),
-            _gib(c.fp32_kept_bytes),
-            _gib(c.largest_group_bytes),
-            c.source,
-        )
-
     devices = plan.inventory.devices()
-    inv = Table(title=f"inventory ({plan.inventory.source})")
-    for col in ("device", "name", "total GiB", "available GiB"):
-        inv.add_column(col, overflow="fold")
-    for i, g in enumerate(plan.inventory.gpus):
-        inv.add_row(f"cuda:{i}", g.name, _gib(g.total_bytes), _gib(g.free_bytes))
-    inv.add_row("cpu", "RAM", "", _gib(plan.inventory.cpu_bytes))
-    inv.add_row("disk", "offload folder", "", _gib(plan.inventory.disk_bytes))
-
-    out: list[RenderableType] = [head, comps, inv]
+    out: list[RenderableType] = [head, _components_table(plan), _inventory_table(plan)]
     name_width = max(len(s.strategy) for s in plan.strategies)  # names are never cut
     for phase in plan.phases:
         t = Table(
@@ -106,6 +74,50 @@ def render_plan(plan: Plan) -> list[RenderableType]:
     out.append(Text(f"auto -> {pick}: {plan.auto.reason}"))
     out.extend(Text(f"note: {n}", style="dim") for n in plan.notes)
     return out
+
+
+def _components_table(plan: Plan) -> RenderableType:
+    """Each component's class, parameters, weight bytes and where its sizes came from."""
+    from rich.table import Table
+
+    comps = Table(title="components")
+    for col in (
+        "component",
+        "class",
+        "params",
+        "weights GiB",
+        "fp32-kept GiB",
+        "largest block GiB",
+        "sizes from",
+    ):
+        comps.add_column(
+            col, justify="right" if "GiB" in col or col == "params" else "left", overflow="fold"
+        )
+    for c in plan.components:
+        comps.add_row(
+            c.name,
+            c.class_name,
+            f"{c.params / 1e9:.2f}B",
+            _gib(c.weight_bytes),
+            _gib(c.fp32_kept_bytes),
+            _gib(c.largest_group_bytes),
+            c.source,
+        )
+    return comps
+
+
+def _inventory_table(plan: Plan) -> RenderableType:
+    """The devices the plan places on, with their memory."""
+    from rich.table import Table
+
+    inv = Table(title=f"inventory ({plan.inventory.source})")
+    for col in ("device", "name", "total GiB", "available GiB"):
+        inv.add_column(col, overflow="fold")
+    for i, g in enumerate(plan.inventory.gpus):
+        inv.add_row(f"cuda:{i}", g.name, _gib(g.total_bytes), _gib(g.free_bytes))
+    inv.add_row("cpu", "RAM", "", _gib(plan.inventory.cpu_bytes))
+    inv.add_row("disk", "offload folder", "", _gib(plan.inventory.disk_bytes))
+    return inv
 
 
 def _budget_table(plan: Plan, devices: list[str]) -> RenderableType | None:

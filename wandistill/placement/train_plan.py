@@ -272,8 +272,6 @@ class TrainPlan:
     requested: RankMemory
     rows: tuple[RankMemory, ...]
     """Alternatives in the order to try them: FSDP, offload, checkpointing, LoRA, batch."""
-    lora_size: StudentSize | None = None
-    """The student priced with the proposed LoRA rank (when the recipe trains a full one)."""
 
     def next_lever(self) -> RankMemory | None:
         """The first alternative that fits (None: none does)."""
@@ -350,7 +348,6 @@ def make_train_plan(
         world_size=world,
         requested=priced(choice),
         rows=rows,
-        lora_size=sizes.get(PROPOSED_LORA_RANK) if not choice.lora_rank else None,
     )
 
 

@@ -13,12 +13,38 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from typing import TypeVar, overload
 
 from wandistill.precompute.prompts import Prompt
 
+T = TypeVar("T")
 
-class PromptTable(Sequence[Prompt]):
+
+class _Columns(Sequence[T]):
+    """A read-only sequence whose items are made on access by `_item(i)`, i in range."""
+
+    def _item(self, i: int) -> T:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            return [self._item(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self._item(i % n)
+
+    def __iter__(self) -> Iterator[T]:
+        return (self._item(i) for i in range(len(self)))
+
+
+class PromptTable(_Columns[Prompt]):
     """A read-only sequence of prompts: texts, seeds, line numbers, sparse own negatives."""
 
     def __init__(self, prompts: Iterable[Prompt] = ()) -> None:
@@ -40,26 +66,11 @@ class PromptTable(Sequence[Prompt]):
     def __len__(self) -> int:
         return len(self._texts)
 
-    @overload
-    def __getitem__(self, i: int) -> Prompt: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[Prompt]: ...
-
-    def __getitem__(self, i: int | slice) -> Prompt | list[Prompt]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(i)
-        i %= n
+    def _item(self, i: int) -> Prompt:
         return Prompt(self._texts[i], self._seeds[i], self._lines[i], self._negatives.get(i))
 
-    def __iter__(self) -> Iterator[Prompt]:
-        return (self[i] for i in range(len(self)))
 
-
-class KeyTable(Sequence[str]):
+class KeyTable(_Columns[str]):
     """Record keys (32 hex digits each) as 16 bytes each; the string is made on access.
 
     A list of 100k key strings is ~9 MB; this is 1.6 MB."""
@@ -76,20 +87,5 @@ class KeyTable(Sequence[str]):
     def __len__(self) -> int:
         return len(self._raw) // 16
 
-    @overload
-    def __getitem__(self, i: int) -> str: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[str]: ...
-
-    def __getitem__(self, i: int | slice) -> str | list[str]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(i)
-        i %= n
+    def _item(self, i: int) -> str:
         return self._raw[16 * i : 16 * i + 16].hex()
-
-    def __iter__(self) -> Iterator[str]:
-        return (self[i] for i in range(len(self)))

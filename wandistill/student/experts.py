@@ -56,7 +56,6 @@ HIGH, LOW = "transformer", "transformer_2"
 EXPERTS = (HIGH, LOW)
 """The WanPipeline component names: high-noise expert first."""
 ONE, PER_EXPERT = "one", "per-expert"
-MODES = (ONE, PER_EXPERT)
 MARKER = "experts.json"
 """In a per-expert weights folder (<run>/student/): the boundary beside transformer/ and
 transformer_2/."""

@@ -288,26 +288,16 @@ def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder) -> tupl
     wan22 = bool(teacher.index.present("transformer_2"))
     out = tmp.parent.resolve()  # the claimed OUT the entries move into
     usage = lora_usage(teacher.path.resolve(), out, run, type(scheduler).__name__, wan22)
-    sizes = run.sizes.model_dump() if run.sizes is not None else None
-    atomic_write_json(
-        tmp / MARKER,
-        {
-            "format": "wandistill-lora",
-            "wandistill_version": __version__,
-            "num_inference_steps": run.num_inference_steps,
-            "guidance_scale": 1.0,
-            "run": str(run.path.resolve()),
-            "weights": run.weights.name,
-            "teacher": str(teacher.path.resolve()),
-            "lora": run.lora.model_dump(),
-            "scheduler_class": type(scheduler).__name__,
-            "wan22_teacher": wan22,
-            "usage": usage,
-            "student_schedule": run.schedule.to_json(),
-            "sampler": sizes,
-            "boundary_ratio": run.boundary_ratio,
-        },
+    marker = _marker(
+        "lora",
+        run,
+        teacher,
+        lora=run.lora.model_dump(),
+        scheduler_class=type(scheduler).__name__,
+        wan22_teacher=wan22,
+        usage=usage,
     )
+    atomic_write_json(tmp / MARKER, marker)
     return type(scheduler).__name__, usage
 
 
@@ -343,24 +333,26 @@ def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: boo
             os.symlink(source, tmp / name, target_is_directory=True)
     index = _model_index(teacher, type(scheduler).__name__, run.boundary_ratio)
     atomic_write_json(tmp / INDEX, index)
-    sizes = run.sizes.model_dump() if run.sizes is not None else None
-    atomic_write_json(
-        tmp / MARKER,
-        {
-            "format": "wandistill-export",
-            "wandistill_version": __version__,
-            "num_inference_steps": run.num_inference_steps,
-            "guidance_scale": 1.0,
-            "run": str(run.path.resolve()),
-            "weights": run.weights.name,
-            "teacher": str(teacher.path.resolve()),
-            "components": "copied" if copy else "symlinked",
-            "student_schedule": run.schedule.to_json(),
-            "sampler": sizes,
-            "boundary_ratio": run.boundary_ratio,
-        },
-    )
+    components = "copied" if copy else "symlinked"
+    atomic_write_json(tmp / MARKER, _marker("export", run, teacher, components=components))
     return type(scheduler).__name__
+
+
+def _marker(kind: str, run: FinishedStudent, teacher: TeacherFolder, **own: Any) -> dict:
+    """The marker's fields both export kinds write, around `own` (the kind's, in order)."""
+    return {
+        "format": f"wandistill-{kind}",
+        "wandistill_version": __version__,
+        "num_inference_steps": run.num_inference_steps,
+        "guidance_scale": 1.0,
+        "run": str(run.path.resolve()),
+        "weights": run.weights.name,
+        "teacher": str(teacher.path.resolve()),
+        **own,
+        "student_schedule": run.schedule.to_json(),
+        "sampler": run.sizes.model_dump() if run.sizes is not None else None,
+        "boundary_ratio": run.boundary_ratio,
+    }
 
 
 def _scheduler(schedule: StudentSchedule, teacher: TeacherFolder) -> Any:

@@ -23,7 +23,7 @@ and eval default to what the student was trained for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -326,19 +326,8 @@ def read_student(weights: str | Path, *, flag: str = "--student") -> FinishedStu
             "unknown (train writes it when it finishes)",
             fix="finish the run with `wandistill train --resume`, or pass --export DIR",
         )
-    run = read_run(weights.parent, flag=flag)
-    return FinishedStudent(
-        kind="run",
-        path=weights,
-        weights=weights,
-        schedule=run.schedule,
-        sizes=run.sizes,
-        sampling=run.sampling,
-        label=label,
-        flag=flag,
-        boundary_ratio=ratio,
-        lora=run.lora,
-    )
+    run = read_run(weights.parent, flag=flag)  # its schedule, sizes, sampling.json and LoRA
+    return replace(run, path=weights, weights=weights, label=label, boundary_ratio=ratio)
 
 
 def read_export(folder: str | Path, *, flag: str = "--export") -> FinishedStudent:

@@ -229,10 +229,6 @@ class TeacherFolder:
     def transformer_config(self) -> dict[str, Any]:
         return self.raw_config("transformer")
 
-    @property
-    def vae_config(self) -> dict[str, Any]:
-        return self.raw_config("vae")
-
     def numels(self, name: str) -> dict[str, tuple[int, str]] | None:
         """{tensor: (numel, dtype code)} from the safetensors headers; None without weights."""
         weights = self.component(name).weights

@@ -82,6 +82,15 @@ def _pad_stack(embeds: list[torch.Tensor], max_len: int) -> torch.Tensor:
     return out
 
 
+def _forward(
+    model: torch.nn.Module, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor
+) -> torch.Tensor:
+    """One transformer forward (diffusers' Wan call signature) on one text conditioning."""
+    return model(hidden_states=x, timestep=timestep, encoder_hidden_states=text, return_dict=False)[
+        0
+    ]
+
+
 class _FeatureTap:
     """Forward hooks that keep a block's output from the cond pass of recorded steps only."""
 
@@ -197,21 +206,11 @@ class RecordingSampler:
         record = i in self.spec.record_steps
         if tap is not None:
             tap.armed, tap.taken = record, {}
-        pred = model(
-            hidden_states=model_input,
-            timestep=timestep,
-            encoder_hidden_states=cond,
-            return_dict=False,
-        )[0]
+        pred = _forward(model, model_input, timestep, cond)
         if tap is not None:
             tap.armed = False
         if uncond is not None:
-            pred_uncond = model(
-                hidden_states=model_input,
-                timestep=timestep,
-                encoder_hidden_states=uncond,
-                return_dict=False,
-            )[0]
+            pred_uncond = _forward(model, model_input, timestep, uncond)
             pred = pred_uncond + g * (pred - pred_uncond)
         who = [(j.key, j.prompt, j.extra.get("line", "?")) for j in state.jobs]
         check_batch(f"x_t in {dtype}", model_input, who, step=i, timestep=float(t))

@@ -46,9 +46,9 @@ def restore(
 ) -> int:
     """Load the newest checkpoint (rank 0 picks it, every rank reads it); return its step.
 
-    One flow for both checkpoint formats: only loading the tensors differs (one set of
-    safetensors files under DDP, DCP shards under FSDP, `_load_files` / `_load_sharded`); the
-    schedule, data position, RNG and metrics rows are restored the same way."""
+    One flow for both checkpoint formats: only loading the tensors differs (`_load`: one set of
+    safetensors files under DDP, DCP shards under FSDP); the schedule, data position, RNG and
+    metrics rows are restored the same way."""
     root = plan.out / "checkpoints"
     latest = ckpt_io.resolve_latest(root)
     name = dist.broadcast_json(info, latest.name if latest else None)
@@ -57,8 +57,7 @@ def restore(
             truncate_after(plan.out, 0)  # rows of a run killed before its first checkpoint
             console.print(f"train: no checkpoint in {root}, starting at step 0")
         return 0
-    load = _load_sharded if meta["parallel"] == "fsdp" else _load_files
-    step, state, rng = load(root / name, info, meta, model, ema, optimizer, scheduler, target)
+    step, state, rng = _load(root / name, info, meta, model, ema, optimizer, scheduler, target)
     scheduler.load_state_dict(state["scheduler"])
     reader.load_state_dict(state["reader"])
     set_rng(rng, info)
@@ -72,7 +71,7 @@ Loaded = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
 """A checkpoint's step, its state.json as read (scheduler, reader) and this rank's RNG states."""
 
 
-def _load_files(
+def _load(
     path: Path,
     info: dist.DistInfo,
     meta: dict[str, Any],
@@ -82,7 +81,14 @@ def _load_files(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     target: TargetNetwork | None,
 ) -> Loaded:
-    """A DDP checkpoint (whole tensors in safetensors files) into the live modules."""
+    """The checkpoint's tensors into the live modules: a sharded (FSDP) checkpoint on any
+    number of ranks (train/dcp.py), or a DDP one (whole tensors in safetensors files)."""
+    if meta["parallel"] == "fsdp":
+        state, raw, _ = ckpt_read.check_state(path)
+        check_same_run(raw.get("meta", {}), meta, path)
+        rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer, info)
+        ckpt_read.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
+        return state.step, raw, rng
     ck = ckpt_read.load_checkpoint(path)
     parts = {
         "student.safetensors": lora.trainable_state_dict(model.student),
@@ -102,24 +108,6 @@ def _load_files(
         target.load_state_dict(ck.target or ck.student)
     optimizer.load_state_dict(ck.optimizer)
     return ck.step, ck.state, ck.rng
-
-
-def _load_sharded(
-    path: Path,
-    info: dist.DistInfo,
-    meta: dict[str, Any],
-    model: DistillModule,
-    ema: EMA,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    target: TargetNetwork | None,
-) -> Loaded:
-    """A sharded (FSDP) checkpoint, on any number of ranks (train/dcp.py)."""
-    state, raw, _ = ckpt_read.check_state(path)
-    check_same_run(raw.get("meta", {}), meta, path)
-    rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer, info)
-    ckpt_read.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
-    return state.step, raw, rng
 
 
 def check_same_run(saved: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
