@@ -39,6 +39,7 @@ from wandistill.cache import manifest as mf  # noqa: E402
 from wandistill.cache.files import Entries  # noqa: E402
 from wandistill.cache.keyindex import NameIndex  # noqa: E402
 from wandistill.cache.reader import CacheReader  # noqa: E402
+from wandistill.io.storage import open_storage  # noqa: E402
 
 from cachefixtures import write_cache  # noqa: E402
 
@@ -60,7 +61,7 @@ def cache_of(base: Path, path: Path, shards: list[dict]) -> Path:
     shutil.copytree(base, path)
     m = mf.read_manifest(path)
     m.shards = Entries(m.shards.model, shards)
-    mf.write_manifest(path, m)
+    mf.write_manifest(open_storage(path), m)
     return path
 
 
@@ -77,7 +78,7 @@ def follow_leg(base: Path, work: Path, n: int, per_poll: int = 50) -> tuple[floa
     path = cache_of(base, work / f"f{n}", [])
     m = mf.read_manifest(path)
     m.complete = False
-    mf.write_manifest(path, m)
+    mf.write_manifest(open_storage(path), m)
     chunks = [mf.entry_json(e) for e in entries(base, n)]
     store, total, last, seg, start, size = None, 0.0, 0.0, 0, 0, 0
     limit = getattr(mf, "JOURNAL_SEGMENT_BYTES", None)  # None: before segments (2026-11-27)
@@ -87,7 +88,7 @@ def follow_leg(base: Path, work: Path, n: int, per_poll: int = 50) -> tuple[floa
                 seg, start, size = seg + 1, k, 0
             size += len(chunks[k])
         kw = {"segment": seg} if limit else {}
-        mf.write_journal_chunks(path, 0, chunks[start:upto], **kw)
+        mf.write_journal_chunks(open_storage(path), 0, chunks[start:upto], **kw)
         t = time.perf_counter()
         if store is None:
             store = CacheReader(path)

@@ -371,7 +371,7 @@ def test_a_polling_reader_on_s3_rereads_only_the_journal_objects_that_changed(
 
     monkeypatch.setattr(storage.FsspecStorage, "read", counting)
     assert store.refresh() == [] and reads == []  # ETags unchanged: nothing read
-    segments = mf.journal_segments(url, "webdataset")
+    segments = mf.journal_segments(storage.open_storage(url), "webdataset")
     assert len(segments) >= 2
     write_cache(url, range(9), shard_records=1, finalize=False, complete=False)
     reads.clear()
@@ -379,7 +379,7 @@ def test_a_polling_reader_on_s3_rereads_only_the_journal_objects_that_changed(
     assert [e.name for e in new] == [f"r00000-{i:06d}" for i in (6, 7, 8)]
     sealed = {s.rel for s in segments[:-1]}
     assert reads and not sealed & set(reads)  # sealed segments were not read again
-    mf.finalize(url, complete=True)
+    mf.finalize(storage.open_storage(url), complete=True)
     assert store.refresh() == [] and store.complete
     assert [e.name for e in store.entries] == [f"r00000-{i:06d}" for i in range(9)]
 

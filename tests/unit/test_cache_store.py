@@ -15,6 +15,7 @@ from wandistill.cache.contract import field_specs
 from wandistill.cache.manifest import read_manifest
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
 from wandistill.io import fsutil
+from wandistill.io.storage import open_storage
 
 from cachefixtures import SETTINGS, make_record, write_cache
 
@@ -90,7 +91,7 @@ def test_a_long_run_commits_into_bounded_journal_segments_and_resumes_in_the_las
     write_cache(
         tmp_path, range(9), backend=backend, shard_records=1, finalize=False, complete=False
     )
-    segments = mf.journal_segments(tmp_path, backend)
+    segments = mf.journal_segments(open_storage(tmp_path), backend)
     assert len(segments) >= 3
     assert [s.segment for s in segments] == list(range(len(segments)))
     for s in segments:  # what one commit rewrites stays bounded
@@ -108,7 +109,7 @@ def test_a_long_run_commits_into_bounded_journal_segments_and_resumes_in_the_las
     assert (w.records_written, w.records_skipped) == (5, 9)
     for name, data in sealed.items():  # a resumed writer only touches its last segment
         assert (tmp_path / "journal" / name).read_bytes() == data
-    m = mf.finalize(tmp_path, complete=True)
+    m = mf.finalize(open_storage(tmp_path), complete=True)
     assert [e.name for e in m.shards] == [f"r00000-{i:06d}" for i in range(14)]
     assert list((tmp_path / "journal").iterdir()) == []
     with open_cache(tmp_path) as store:
@@ -298,7 +299,7 @@ def test_a_manifest_read_and_written_again_is_byte_identical_and_its_seal_holds(
     before = (tmp_path / "manifest.json").read_bytes()
     m = read_manifest(tmp_path)
     assert [e.records for e in m.shards] == [2, 1] and m.settings.record_steps == [0, 2, 3]
-    mf.write_manifest(tmp_path, m)
+    mf.write_manifest(open_storage(tmp_path), m)
     assert (tmp_path / "manifest.json").read_bytes() == before
     again = json.loads(before)
     assert mf.header_digests(again) == again[mf.HEADER_DIGEST]
@@ -451,7 +452,7 @@ def test_a_polling_reader_rereads_only_the_journal_files_that_changed(
 
     monkeypatch.setattr(LocalStorage, "read", counting)
     assert store.refresh() == [] and reads == []  # nothing changed: nothing read
-    last = mf.journal_segments(tmp_path, "webdataset")[-1].segment
+    last = mf.journal_segments(open_storage(tmp_path), "webdataset")[-1].segment
     write_cache(tmp_path, range(9), shard_records=1, finalize=False, complete=False)
     reads.clear()
     new = store.refresh()
@@ -468,7 +469,7 @@ def test_a_polling_reader_rereads_only_the_journal_files_that_changed(
     with pytest.raises(CacheError, match="edited after the shard was committed"):
         store.refresh()
     fsutil.atomic_write_bytes(journal, kept)
-    mf.finalize(tmp_path, complete=True)  # journals folded into the manifest
+    mf.finalize(open_storage(tmp_path), complete=True)  # journals folded into the manifest
     assert store.refresh() == [] and store.complete
     assert [e.name for e in store.entries] == [f"r00000-{i:06d}" for i in range(9)]
 

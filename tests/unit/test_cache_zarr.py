@@ -18,6 +18,7 @@ from wandistill.cache.files import ZarrEntry
 from wandistill.cache.zarr import layout as zl
 from wandistill.cache.zarr import reader as zr
 from wandistill.cache.zarr import writer as zw
+from wandistill.io.storage import open_storage
 
 SETTINGS = {"steps": 8, "guidance": 5.0, "max_sequence_length": 24}
 C, F, H, W, S = 2, 1, 3, 4, 3
@@ -212,12 +213,12 @@ def test_uncommitted_rows_are_ignored(tmp_path: Path) -> None:
     records = [make_record(i) for i in range(4)]
     with writer(tmp_path, shard_records=4):
         pass
-    ghost = zw.ZarrSink(tmp_path)
+    ghost = zw.ZarrSink(open_storage(tmp_path))
     ghost.begin("r00009-000000")
     for r in records[:2]:
         ghost.add(r)
     ghost_entry = ghost.end()  # data written, never journaled
-    aborted = zw.ZarrSink(tmp_path)
+    aborted = zw.ZarrSink(open_storage(tmp_path))
     aborted.begin("r00008-000000")
     aborted.add(records[3])
     aborted.abort()
@@ -423,7 +424,7 @@ def _all_dtype_record(i: int) -> Record:
 
 def _sink_entries(path: Path, records: list[Record], per_shard: int, **kw) -> list[ZarrEntry]:
     """Write `records` with ZarrSink directly; entries as CacheWriter would journal them."""
-    sink = zw.ZarrSink(path, **kw)
+    sink = zw.ZarrSink(open_storage(path), **kw)
     entries = []
     for k in range(0, len(records), per_shard):
         sink.begin(f"r00000-{k:06d}")
@@ -742,7 +743,7 @@ def test_sink_fsyncs_every_file_it_wrote_once_before_returning_the_entry(
         synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
         real(fd)
 
-    zw.ZarrSink(tmp_path, block_records=2)  # nothing written yet
+    zw.ZarrSink(open_storage(tmp_path), block_records=2)  # nothing written yet
     _sink_entries(tmp_path, [make_record(0)], 1, block_records=2)  # the group and its arrays
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "data.zarr").rglob("*")}
     monkeypatch.setattr(os, "fsync", record)
@@ -759,7 +760,7 @@ def test_sink_fsyncs_every_file_it_wrote_once_before_returning_the_entry(
 
 
 def test_sink_rejected_record_leaves_the_shard_unchanged(tmp_path: Path) -> None:
-    sink = zw.ZarrSink(tmp_path, block_records=4)
+    sink = zw.ZarrSink(open_storage(tmp_path), block_records=4)
     sink.begin("r00000-000000")
     good = [make_record(0), make_record(1)]
     sink.add(good[0])
@@ -868,7 +869,7 @@ def test_a_failed_file_write_is_raised_after_every_other_file_of_the_shard_finis
         await real_set(self, key, value)
         finished.append(key)
 
-    zw.ZarrSink(tmp_path, block_records=2)
+    zw.ZarrSink(open_storage(tmp_path), block_records=2)
     monkeypatch.setattr(LocalStore, "set", flaky)
     with pytest.raises(OSError, match="Input/output error"):
         _sink_entries(tmp_path, [make_record(0), make_record(1)], 2, block_records=2)

@@ -24,6 +24,8 @@ SCHEMA_VERSION = 3
 per-tensor crc32c cover); the manifest is sealed (`header_sha256`) and records `numerics`. A cache
 of another schema (1 and 2 were written by pre-release versions) is refused: rebuild it."""
 FORMAT_NAME = "wandistill-cache"
+MAX_ROWS = 1 << 40
+"""Largest offset, byte count or row index (a petabyte): beyond it a value is an edit."""
 MANIFEST_NAME = "manifest.json"
 SHARED_NAME = "shared.safetensors"
 FEATURE_PREFIX = "feature."

@@ -114,7 +114,7 @@ class FollowMode:
             if store.complete:
                 continue
             path = store.path
-            gone = writer_gone(path)
+            gone = writer_gone(store.storage)
             if gone is not None:
                 store.refresh()  # completed just before its writer let go: not gone
                 if store.complete:

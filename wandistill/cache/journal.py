@@ -13,15 +13,15 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from wandistill.cache.contract import MANIFEST_NAME
-from wandistill.cache.files import JOURNALS, Entries, Entry
+from wandistill.cache.entries import Entries
+from wandistill.cache.files import JOURNALS, Entry
 from wandistill.cache.seal import digest_problem
 from wandistill.checks.validate import GiB, check, parse_json
 from wandistill.errors import CacheError
-from wandistill.io.storage import Storage, join, open_storage
+from wandistill.io.storage import Storage
 
 JOURNAL_DIR = "journal"
 _JOURNAL_NAME = re.compile(r"rank-(\d{5,7})(?:-(\d{6}))?\.json")
@@ -38,10 +38,6 @@ FIX_JOURNAL = "restore the journal, or re-run `wandistill precompute` into a fre
 def dump_json(obj: Any) -> bytes:
     """The bytes of a manifest or journal (the same as `fsutil.atomic_write_json` writes)."""
     return (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
-
-
-def journal_path(cache: str | Path, rank: int, segment: int = 0) -> str:
-    return join(cache, _journal_rel(rank, segment))
 
 
 def _journal_rel(rank: int, segment: int = 0) -> str:
@@ -65,11 +61,10 @@ class JournalSegment:
 
 
 def journal_segments(
-    cache: str | Path, backend: str, memo: CommitMemo | None = None
+    st: Storage, backend: str, memo: CommitMemo | None = None
 ) -> list[JournalSegment]:
     """Every journal segment, checked against the journal schema, by rank then segment. With a
     `memo`, a segment unchanged since the memo last read it is not read again."""
-    st = open_storage(cache)
     listed = (
         [(n, None) for n in st.list(JOURNAL_DIR)] if memo is None else st.list_stamped(JOURNAL_DIR)
     )
@@ -115,13 +110,11 @@ def entry_json(entry: dict[str, Any]) -> bytes:
     return json.dumps(entry, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def write_journal_chunks(
-    cache: str | Path, rank: int, entries: list[bytes], *, segment: int = 0
-) -> None:
-    """`write_journal` for entries already serialized by `entry_json`: the same JSON document,
-    streamed, so a writer never re-serializes (or holds as objects) every entry it committed.
-    The journal segment is the commit: it appears whole (rename, or one completed upload)."""
-    st = open_storage(cache)
+def write_journal_chunks(st: Storage, rank: int, entries: list[bytes], *, segment: int = 0) -> None:
+    """Rank `rank`'s journal segment `segment` (`{"rank": r, "shards": [...]}`) from entries
+    already serialized by `entry_json`, streamed, so a writer never re-serializes (or holds as
+    objects) every entry it committed. The journal segment is the commit: it appears whole
+    (rename, or one completed upload)."""
     st.makedirs(JOURNAL_DIR)
     with st.upload(_journal_rel(rank, segment)) as f:
         f.write(b'{"rank": %d, "shards": [\n' % rank)
@@ -132,15 +125,8 @@ def write_journal_chunks(
         f.write(b"\n]}\n")
 
 
-def write_journal(cache: str | Path, rank: int, shards: list[dict[str, Any]]) -> None:
-    st = open_storage(cache)
-    st.makedirs(JOURNAL_DIR)
-    st.put(_journal_rel(rank), dump_json({"rank": rank, "shards": shards}))
-
-
-def clear_journals(cache: str | Path) -> None:
+def clear_journals(st: Storage) -> None:
     """Remove every journal segment (after `finalize` folded them into the manifest)."""
-    st = open_storage(cache)
     for name in st.list(JOURNAL_DIR):
         if name.startswith("rank-") and name.endswith(".json"):
             st.rm(f"{JOURNAL_DIR}/{name}")
@@ -192,6 +178,6 @@ class CommitMemo:
         return verdicts[index]
 
 
-def read_journals(cache: str | Path, backend: str) -> list[Entry]:
+def read_journals(st: Storage, backend: str) -> list[Entry]:
     """Shard entries committed by writers since the last finalize, ordered by rank and sequence."""
-    return [e for j in journal_segments(cache, backend) for e in j.shards]
+    return [e for j in journal_segments(st, backend) for e in j.shards]

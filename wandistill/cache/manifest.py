@@ -7,8 +7,12 @@ manifest's list plus every journal's; `finalize` folds the journals into the man
 ever trusts a directory listing or an array shape.
 
 Every manifest and journal is checked against its schema (`wandistill/cache/files.py`) when
-read (shard entries when first used: `files.Entries`), and is sealed (`cache/seal.py`). The
+read (shard entries when first used: `entries.Entries`), and is sealed (`cache/seal.py`). The
 parsed `files.Manifest` is what every reader uses.
+
+The reads a caller starts from a location (`has_manifest`, `read_manifest`, `load_committed`)
+take a path, a URL or an opened `Storage` and open a location once (`storage.storage_at`);
+everything else here, and in journal.py, takes the cache's `Storage`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.cache.contract import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
-from wandistill.cache.files import BLOCKS, MANIFESTS, Entries, FieldSpec, Manifest
+from wandistill.cache.entries import Entries
+from wandistill.cache.files import BLOCKS, MANIFESTS, FieldSpec, Manifest
 from wandistill.cache.journal import (
     JOURNAL_DIR as JOURNAL_DIR,
 )
@@ -44,16 +49,10 @@ from wandistill.cache.journal import (
     entry_json as entry_json,
 )
 from wandistill.cache.journal import (
-    journal_path as journal_path,
-)
-from wandistill.cache.journal import (
     journal_segments as journal_segments,
 )
 from wandistill.cache.journal import (
     read_journals as read_journals,
-)
-from wandistill.cache.journal import (
-    write_journal as write_journal,
 )
 from wandistill.cache.journal import (
     write_journal_chunks as write_journal_chunks,
@@ -81,7 +80,7 @@ from wandistill.cache.seal import (
 )
 from wandistill.checks.validate import check, parse_json
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
-from wandistill.io.storage import Storage, join, open_storage
+from wandistill.io.storage import Storage, storage_at
 
 FIX_REBUILD = "rebuild the cache: re-run `wandistill precompute` into a new --out directory"
 """A cache of another schema (pre-release wandistill wrote 1 and 2) is rebuilt, not migrated."""
@@ -136,7 +135,7 @@ def manifest_json(manifest: Manifest) -> dict[str, Any]:
 
 def parse_manifest(data: Any, where: str) -> Manifest:
     """Check parsed manifest JSON against its schema and seal; one CacheError if anything is
-    wrong (naming the field). Shard entries are checked when first used (`files.Entries`)."""
+    wrong (naming the field). Shard entries are checked when first used (`entries.Entries`)."""
     if not isinstance(data, dict):
         raise CacheError(
             f"{where} is corrupt: the top level is a JSON {type(data).__name__}, not an object",
@@ -175,20 +174,20 @@ def manifest_path(cache: str | Path) -> Path:
     return Path(cache) / MANIFEST_NAME
 
 
-def manifest_name(cache: str | Path) -> str:
+def manifest_name(st: Storage) -> str:
     """The manifest's path or URL, for messages."""
-    return join(cache, MANIFEST_NAME)
+    return st.name(MANIFEST_NAME)
 
 
-def has_manifest(cache: str | Path) -> bool:
+def has_manifest(cache: str | Path | Storage) -> bool:
     """True once a cache's manifest exists (a file, or an object at a URL)."""
-    st = open_storage(cache)
+    st = storage_at(cache)
     return st.exists(MANIFEST_NAME) and not st.isdir(MANIFEST_NAME)
 
 
 def read_manifest(cache: str | Path | Storage) -> Manifest:
     """Load a cache's manifest; every way it can be wrong is one clear CacheError."""
-    st = cache if isinstance(cache, Storage) else open_storage(cache)
+    st = storage_at(cache)
     if not st.exists(""):
         raise UsageError(
             f"cache path {st.url!r} does not exist",
@@ -206,21 +205,21 @@ def read_manifest(cache: str | Path | Storage) -> Manifest:
     return parse_manifest(obj, where)
 
 
-def write_manifest(cache: str | Path, manifest: Manifest) -> None:
-    open_storage(cache).put(MANIFEST_NAME, dump_json(manifest_json(manifest)))
+def write_manifest(st: Storage, manifest: Manifest) -> None:
+    st.put(MANIFEST_NAME, dump_json(manifest_json(manifest)))
 
 
-def create_manifest_exclusive(cache: str | Path, manifest: Manifest) -> bool:
+def create_manifest_exclusive(st: Storage, manifest: Manifest) -> bool:
     """Create manifest.json only if absent (several ranks may race); True if this call won."""
     manifest.created = manifest.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return open_storage(cache).create(MANIFEST_NAME, dump_json(manifest_json(manifest)))
+    return st.create(MANIFEST_NAME, dump_json(manifest_json(manifest)))
 
 
 def committed_shards(
-    cache: str | Path, manifest: Manifest, memo: CommitMemo | None = None
+    st: Storage, manifest: Manifest, memo: CommitMemo | None = None
 ) -> Entries[Any]:
     """Every committed shard: the manifest's list, then journal entries not yet folded in."""
-    sources = _committed(cache, manifest, memo)
+    sources = _committed(st, manifest, memo)
     return Entries.join(manifest.shards.model, [(e, i) for _, _, e, i in sources])
 
 
@@ -228,40 +227,40 @@ Source = tuple[str, str, Entries[Any], int]
 """(the file that lists an entry, its path in the cache, that file's entries, the index)."""
 
 
-def _committed(cache: str | Path, manifest: Manifest, memo: CommitMemo | None) -> list[Source]:
+def _committed(st: Storage, manifest: Manifest, memo: CommitMemo | None) -> list[Source]:
     """Where each committed entry is: the manifest's, then journal entries not folded in."""
     seen = set(manifest.shards.names())
-    mpath = manifest_name(cache)
+    mpath = manifest_name(st)
     sources = [(mpath, MANIFEST_NAME, manifest.shards, i) for i in range(len(manifest.shards))]
-    for j in journal_segments(cache, manifest.backend, memo):
+    for j in journal_segments(st, manifest.backend, memo):
         new = [i for i in range(len(j.shards)) if j.shards.name(i) not in seen]
         sources += [(j.name, j.rel, j.shards, i) for i in new]
     return sources
 
 
 def load_committed(
-    cache: str | Path, *, check_entries: bool = True, memo: CommitMemo | None = None
+    cache: str | Path | Storage, *, check_entries: bool = True, memo: CommitMemo | None = None
 ) -> Manifest:
     """The manifest with journal entries folded in (what a reader may use right now).
 
     A shard listed twice, an entry without its digest and (`check_entries`) an entry edited
     after it was committed are refused here, naming the file and the shard; these checks read
     the entries' JSON, and each entry is checked against its schema when first used
-    (`files.Entries`), so a load costs about a `json.loads` plus one digest per new entry.
+    (`entries.Entries`), so a load costs about a `json.loads` plus one digest per new entry.
     `cache verify` passes check_entries=False and reports those edits itself, with their
     consequences. A `memo` kept across calls skips files unchanged since its last call.
     """
     memo = memo or CommitMemo()
-    st = open_storage(cache)
+    st = storage_at(cache)
     stamp = st.stamp(MANIFEST_NAME)
-    read = memo.load(MANIFEST_NAME, stamp, lambda: read_manifest(cache)).value
-    sources = _committed(cache, read, memo)
+    read = memo.load(MANIFEST_NAME, stamp, lambda: read_manifest(st)).value
+    sources = _committed(st, read, memo)
     shards = Entries.join(read.shards.model, [(e, i) for _, _, e, i in sources])
     manifest = read.model_copy(update={"shards": shards})  # the memo's copy stays as read
     problems: list[tuple[str, str]] = []
     listed = Counter(shards.names())  # not list.count: O(n^2) in shards
     problems += [
-        (manifest_name(cache), f"shard {n} is listed twice")
+        (manifest_name(st), f"shard {n} is listed twice")
         for n in sorted(n for n, times in listed.items() if times > 1)
     ]
     for where, rel, entries, i in sources:
@@ -285,12 +284,12 @@ def load_committed(
     return manifest
 
 
-def finalize(cache: str | Path, *, complete: bool) -> Manifest:
+def finalize(st: Storage, *, complete: bool) -> Manifest:
     """Fold journals into manifest.json (one process, after every writer has closed)."""
-    manifest = load_committed(cache)
+    manifest = load_committed(st)
     manifest.complete = complete
-    write_manifest(cache, manifest)
-    clear_journals(cache)
+    write_manifest(st, manifest)
+    clear_journals(st)
     return manifest
 
 
@@ -317,7 +316,7 @@ def _stored(spec: FieldSpec) -> str:
     return text
 
 
-def check_compatible(cache: str | Path, existing: Manifest, new: Manifest) -> None:
+def check_compatible(st: Storage, existing: Manifest, new: Manifest) -> None:
     """Refuse to mix records from another teacher, sampler settings, numerics or backend.
 
     The first line of the error names what differs; one line per difference follows.
@@ -359,7 +358,7 @@ def check_compatible(cache: str | Path, existing: Manifest, new: Manifest) -> No
         head = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         numerics = any(n.startswith("numerics.") for n in names)
         raise CacheMismatchError(
-            f"cache {str(cache)!r} was written with a different {head}:\n  {shown}",
+            f"cache {st.url!r} was written with a different {head}:\n  {shown}",
             fix="write to a new --out directory, or run with the cache's settings"
             + (
                 " (numerics: same sampler.batch_size, OMP_NUM_THREADS/torch threads, device, "

@@ -42,7 +42,8 @@ from typing import Any
 from wandistill.cache import manifest as mf
 from wandistill.cache.contract import SHARED_NAME, ZARR_DATA_NAME
 from wandistill.cache.encoding import compression_of
-from wandistill.cache.files import SEALED, Entries, Entry, Manifest
+from wandistill.cache.entries import Entries
+from wandistill.cache.files import SEALED, Entry, Manifest
 from wandistill.cache.reader import CacheReader
 from wandistill.cache.transfer import COPIED, LINKED, SERVER, Transfer
 from wandistill.cache.writer import SHARD_DIR, shard_name
@@ -104,15 +105,18 @@ class _Step:
 
 
 def _open_input(path: str | Path) -> CacheReader:
-    manifest = mf.read_manifest(path)  # not a cache / corrupt: one clear error
-    pending = mf.read_journals(path, manifest.backend)
+    """The input cache at `path`, opened once: its checks and its reader share the storage."""
+    st = open_storage(path)
+    manifest = mf.read_manifest(st)  # not a cache / corrupt: one clear error
+    pending = mf.read_journals(st, manifest.backend)
     if not manifest.complete or pending:
+        st.close()
         why = f"{len(pending)} shard(s) still in its journal" if pending else "not complete"
         raise CacheError(
-            f"cache {str(path)!r} is incomplete ({why}); merge takes finished caches only",
+            f"cache {st.url!r} is incomplete ({why}); merge takes finished caches only",
             fix="re-run its `wandistill precompute` to the end (it resumes), then merge",
         )
-    return CacheReader(path)
+    return CacheReader(st)
 
 
 def _differences(a: Manifest, b: Manifest) -> list[str]:
@@ -334,7 +338,7 @@ class _Merger:
         )
 
 
-def _existing(out: str | Path, header: Manifest, steps: list[_Step]) -> bool:
+def _existing(out: Storage, header: Manifest, steps: list[_Step]) -> bool:
     """True if M already is this merge's result; refuse any other cache at M."""
     if not mf.has_manifest(out):
         return False
@@ -344,9 +348,9 @@ def _existing(out: str | Path, header: Manifest, steps: list[_Step]) -> bool:
     ):
         return True
     raise UsageError(
-        f"--out {str(out)!r} already is a cache ({have.num_records} records) that is not this "
+        f"--out {out.url!r} already is a cache ({have.num_records} records) that is not this "
         "merge's result; merge never adds to or replaces a cache",
-        fix="choose a new --out " + ("prefix" if is_url(out) else "directory"),
+        fix="choose a new --out " + ("prefix" if out.remote else "directory"),
     )
 
 
@@ -411,7 +415,7 @@ def merge(cfg: MergeConfig) -> MergeSummary:
                 for e in store.entries
                 if (n, e.name) in bad
             )
-            if _existing(folder.path, header, steps):
+            if _existing(out, header, steps):
                 merger.summary.unchanged = True
                 merger.summary.records = sum(len(_keys(s)) for s in steps)
                 merger.summary.shards = len(steps)
@@ -424,7 +428,7 @@ def merge(cfg: MergeConfig) -> MergeSummary:
             header.shards = Entries(header.shards.model, made)
             if isinstance(out, LocalStorage):
                 fsync_dir(out.path(SHARD_DIR))
-            mf.write_manifest(folder.path, header)
+            mf.write_manifest(out, header)
             merger.summary.records = header.num_records
             merger.summary.shards = len(header.shards)
             merger.summary.client_bytes = merger.transfer.moved.client_bytes

@@ -20,10 +20,11 @@ from wandistill.cache import manifest as mf
 from wandistill.cache.batch import BatchBuffers
 from wandistill.cache.contract import SHARED_NAME, Record, dtype_name, pad_embeds
 from wandistill.cache.encoding import RecordCodec
-from wandistill.cache.files import Entries, Entry, SharedBlock
+from wandistill.cache.entries import Entries
+from wandistill.cache.files import Entry, SharedBlock
 from wandistill.checks.validate import MiB
 from wandistill.errors import CacheError, UsageError
-from wandistill.io.storage import Storage, describe, open_storage
+from wandistill.io.storage import Storage, storage_at
 
 MAX_SHARED_BYTES = 256 * MiB
 """Cap on shared.safetensors (a negative-prompt embedding and a schedule: ~2 MB for Wan)."""
@@ -68,15 +69,18 @@ def _make_source(backend: str, store: Storage) -> RecordSource:
 class CacheReader:
     """Read side of a cache. `refresh()` picks up shards committed since it was opened."""
 
-    def __init__(self, path: str | Path, *, check_entries: bool = True) -> None:
-        self.path = describe(path)
+    def __init__(self, path: str | Path | Storage, *, check_entries: bool = True) -> None:
+        self.storage = storage_at(path)
+        """Opened once here; the reader closes it (a `Storage` passed in is handed over)."""
+        self.path = self.storage.url
         """The cache's path or URL (text: a URL is not a Path)."""
-        self.storage = open_storage(path)
         self.check_entries = check_entries
         """False for `verify`: report edited shard entries (and what they break) as problems."""
         self._memo = mf.CommitMemo()
         """Files already read: `refresh()` re-reads only what changed (manifest.py)."""
-        self.manifest = mf.load_committed(self.path, check_entries=check_entries, memo=self._memo)
+        self.manifest = mf.load_committed(
+            self.storage, check_entries=check_entries, memo=self._memo
+        )
         self.source = _make_source(self.manifest.backend, self.storage)
         self.codec = RecordCodec(self.manifest.fields)
         """Decodes stored dtypes (fp8 + scale, bf16, ...) back to the record's (encoding.py)."""
@@ -104,7 +108,7 @@ class CacheReader:
             # again (the new manifest holds those entries); a lasting problem still raises.
             try:
                 self.manifest = mf.load_committed(
-                    self.path, check_entries=self.check_entries, memo=self._memo
+                    self.storage, check_entries=self.check_entries, memo=self._memo
                 )
                 break
             except CacheError:

@@ -162,7 +162,8 @@ class TrainingReader(FollowMode, BatchReading):
         self.follow_timeout = follow_timeout
         self.sync = sync or _local_sync
         self.agree = agree or bool
-        """Follow mode: True on every rank when it is True on every rank (dist.all_agree)."""
+        """Follow mode: True on every rank when it is True on every rank (`all_agree` in
+        train/build.py)."""
         self.num_threads = num_threads
         self.prefetch_batches = max(1, prefetch_batches, num_threads)
         """Batches read ahead, one task each: at least one per thread."""

@@ -26,7 +26,7 @@ from wandistill.cache.files import FieldSpec, Manifest
 from wandistill.cache.keyindex import NameIndex
 from wandistill.checks.finite import refuse_nonfinite_record
 from wandistill.errors import CacheError, UsageError
-from wandistill.io.storage import Storage, describe, open_storage
+from wandistill.io.storage import Storage, storage_at
 
 SHARD_DIR = "shards"
 _SHARD_RE = re.compile(r"r(\d{5})-(\d{6})")
@@ -52,11 +52,12 @@ def shard_name(rank: int, seq: int) -> str:
     return f"r{rank:05d}-{seq:06d}"
 
 
-def _naming(e: OSError, cache: str | Path) -> OSError:
-    """The same error, naming the cache when the OS did not name a file (ENOSPC on write)."""
+def _naming(e: OSError, where: str) -> OSError:
+    """The same error, naming the cache (`where`: its path or URL) when the OS did not name a
+    file (ENOSPC on write)."""
     if e.filename is not None:
         return e
-    return OSError(e.errno, e.strerror or str(e), str(cache))
+    return OSError(e.errno, e.strerror or str(e), where)
 
 
 def _make_sink(
@@ -103,7 +104,7 @@ class CacheWriter:
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path | Storage,
         *,
         backend: str,
         teacher: dict[str, Any],
@@ -117,8 +118,9 @@ class CacheWriter:
     ) -> None:
         if shard_records <= 0:
             raise UsageError(f"shard_records={shard_records} must be positive")
-        self.path = describe(path)
-        self.store = open_storage(path)
+        self.store = storage_at(path)
+        """Opened once here; every manifest and journal call below takes it."""
+        self.path = self.store.url
         self.rank = rank
         self.shard_records = shard_records
         blob, shared_desc = shared_blob(shared) if shared else (b"", {})
@@ -136,12 +138,12 @@ class CacheWriter:
         self.codec = RecordCodec(self.manifest.fields)
         """Converts each record to the stored dtypes the fields declare (encoding.py)."""
         journals = mf.CommitMemo()  # the journals are read once for both uses below
-        committed = mf.committed_shards(self.path, self.manifest, journals)
+        committed = mf.committed_shards(self.store, self.manifest, journals)
         self._keys = NameIndex()  # compact: memory must not grow with the prompt file
         for s in committed:
             for k in s.keys:
                 self._keys.add(k, 0)
-        mine = [j for j in mf.journal_segments(self.path, backend, journals) if j.rank == rank]
+        mine = [j for j in mf.journal_segments(self.store, backend, journals) if j.rank == rank]
         self._segment = mine[-1].segment if mine else 0
         """This rank's last journal segment: each commit rewrites it (manifest.py)."""
         self._mine = [mf.entry_json(s) for s in mine[-1].shards.json_list()] if mine else []
@@ -171,14 +173,14 @@ class CacheWriter:
                 fix="choose a writable --out directory",
             ) from None
         fresh = True
-        if mf.has_manifest(self.path) or not mf.create_manifest_exclusive(self.path, new):
-            existing = mf.read_manifest(self.path)
-            if mf.committed_shards(self.path, existing):  # records bind the header
-                mf.check_compatible(self.path, existing, new)
+        if mf.has_manifest(self.store) or not mf.create_manifest_exclusive(self.store, new):
+            existing = mf.read_manifest(self.store)
+            if mf.committed_shards(self.store, existing):  # records bind the header
+                mf.check_compatible(self.store, existing, new)
                 self.manifest, fresh = existing, False
             else:  # a run that failed before its first record: this run's header replaces it
                 new.created = existing.created
-                mf.write_manifest(self.path, new)
+                mf.write_manifest(self.store, new)
                 self.manifest = new
         else:
             self.manifest = new
@@ -235,7 +237,7 @@ class CacheWriter:
             self._segment, self._mine, self._mine_bytes = self._segment + 1, [], 0
         try:
             mf.write_journal_chunks(
-                self.path, self.rank, [*self._mine, chunk], segment=self._segment
+                self.store, self.rank, [*self._mine, chunk], segment=self._segment
             )
         except OSError as e:  # the shard file is published but not committed: redone on resume
             raise _naming(e, self.path) from e
@@ -261,7 +263,7 @@ class CacheWriter:
         process only, after every rank has closed (precompute does this after a barrier)."""
         self.flush()
         if finalize:
-            self.manifest = mf.finalize(self.path, complete=complete)
+            self.manifest = mf.finalize(self.store, complete=complete)
 
     def __enter__(self) -> CacheWriter:
         return self

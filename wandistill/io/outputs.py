@@ -66,7 +66,7 @@ from wandistill.io.folderkind import (
 )
 from wandistill.io.fsutil import atomic_write_json
 from wandistill.io.lease import LeaseLock, holder_identity, holder_text
-from wandistill.io.storage import FsspecStorage, is_url, open_storage
+from wandistill.io.storage import FsspecStorage, LocalStorage, Storage, is_url, open_storage
 
 if TYPE_CHECKING:
     from wandistill.runtime.dist import DistInfo
@@ -216,18 +216,16 @@ def _file_lock(path: Path) -> FileLock:
         return FileLock(str(path), thread_local=False)
 
 
-def writer_gone(location: str | Path) -> str | None:
-    """Why no process writes the output folder at `location` any more (nobody holds its claim
-    lock), or None while one does. What `train --follow` asks before it keeps waiting for a
-    cache that only a live precompute could complete.
+def writer_gone(store: Storage) -> str | None:
+    """Why no process writes the output folder in `store` any more (nobody holds its claim
+    lock), or None while one does. What `train --follow` asks, of the cache its reader opened,
+    before it keeps waiting for a cache that only a live precompute could complete.
 
     Locally a shared `flock` probe of the lock file (a writer holds it exclusively for its whole
     run; the kernel drops it when the writer dies); on an object store the lease lock object,
     judged as a takeover would judge it (`LeaseLock.verdict`). A folder without the claim's
     marker was not written through a claim (a library caller's `CacheWriter`): unknown, None."""
-    if is_url(location):
-        store = open_storage(str(location))
-        assert isinstance(store, FsspecStorage)
+    if isinstance(store, FsspecStorage):
         if not store.exists(MARKER):
             return None
         lock = LeaseLock(store, LOCK, {})
@@ -237,9 +235,10 @@ def writer_gone(location: str | Path) -> str | None:
         if lock.verdict(holder) == "stale":
             return f"its lock object {lock.url} is stale ({holder_text(holder)})"
         return None
-    if not (Path(location) / MARKER).is_file():
+    assert isinstance(store, LocalStorage), store
+    if not store.path(MARKER).is_file():
         return None
-    path = Path(location) / LOCK
+    path = store.path(LOCK)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:

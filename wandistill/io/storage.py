@@ -53,6 +53,7 @@ __all__ = [
     "join",
     "local_path",
     "open_storage",
+    "storage_at",
 ]
 """The front door: callers import every storage name from here (the interface and the object
 store live in storage_base.py and storage_fsspec.py)."""
@@ -122,6 +123,15 @@ def open_storage(location: str | Path) -> Storage:
     if is_url(location):
         return FsspecStorage(str(location))
     return LocalStorage(local_path(location))
+
+
+def storage_at(cache: str | Path | Storage) -> Storage:
+    """The edge of the public cache entry points (`CacheReader(path)`, `read_manifest(path)`,
+    `load_committed(path)`, the backends' sources): a path or URL is opened here, once, and a
+    `Storage` the caller already opened is used as it is. Every function below those entry
+    points takes the `Storage` only, so a location is never parsed or opened twice (an object
+    store's filesystem, a local store's descriptor cache)."""
+    return cache if isinstance(cache, Storage) else open_storage(cache)
 
 
 class LocalStorage(Storage):

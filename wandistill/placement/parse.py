@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.errors import UsageError
+from wandistill.placement.auto import Auto
 from wandistill.placement.devicemap import DeviceMapFile
 from wandistill.placement.devices import Caps, gpu_index, parse_max_memory
 from wandistill.placement.strategies import (
-    Auto,
     Balanced,
     BalancedLow0,
     Cpu,

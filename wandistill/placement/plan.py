@@ -32,6 +32,7 @@ import torch
 
 from wandistill.errors import UsageError
 from wandistill.io.modelfolder import COMPONENT_CLASSES
+from wandistill.placement.auto import Auto
 from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, GiB, device_key
 from wandistill.placement.estimate import (
     ComponentSize,
@@ -45,7 +46,7 @@ from wandistill.placement.estimate import (
 )
 from wandistill.placement.inventory import Inventory
 from wandistill.placement.protocol import Need
-from wandistill.placement.strategies import Auto, Cuda, Placement
+from wandistill.placement.strategies import Cuda, Placement
 from wandistill.teacher.folder import CONFIG_NAMES, TeacherFolder
 from wandistill.teacher.schema import validate_config
 

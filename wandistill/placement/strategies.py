@@ -15,9 +15,10 @@ that answers:
 * `next_to_try(...)`: what to suggest after running out of memory.
 
 The recipe (`wandistill.config`) parses placements and `train/` loads recipes but must never
-import `teacher/`: this module, `devices`, `protocol`, `devicemap` and `parse` import nothing
-of `teacher/` and no diffusers at module level. Device-map files (`ModuleMap`,
-`DeviceMapFile`) live in `placement.devicemap`.
+import `teacher/`: this module, `devices`, `protocol`, `auto`, `devicemap` and `parse` import
+nothing of `teacher/` and no diffusers at module level. Device-map files (`ModuleMap`,
+`DeviceMapFile`) live in `placement.devicemap`; `auto`, the planner's request, in
+`placement.auto`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AccelerateMap",
-    "Auto",
     "Balanced",
     "BalancedLow0",
     "Cpu",
@@ -493,41 +493,3 @@ class DiskOffload(_Offload):
 
     def next_to_try(self, gpus: int) -> list[Placement]:
         return []
-
-
-# --------------------------------------------------------------------------- auto
-
-
-@dataclass(frozen=True)
-class Auto(Placement):
-    """The plan's choice: the fastest strategy that fits every phase (see placement/plan.py)."""
-
-    level: str = "block_level"
-    caps: Caps = ()
-    name: ClassVar[str] = "auto"
-
-    @property
-    def resolved(self) -> bool:
-        return False
-
-    def candidates(self, gpus: int, best: int) -> list[Placement]:
-        """Every strategy `auto` may pick on a machine with `gpus` GPUs, fastest first."""
-        if gpus == 0:
-            return [Cpu(), DiskOffload(device="cpu")]
-        gpu = f"cuda:{best}"
-        spread: list[Placement] = (
-            [Balanced(self.caps), Sequential(self.caps), BalancedLow0(self.caps)]
-            if gpus > 1
-            else []
-        )
-        return [
-            Cuda(best),
-            *spread,
-            ModelOffload(device=gpu),
-            GroupOffload(device=gpu, level=self.level),
-            DiskOffload(device=gpu),
-            Cpu(),
-        ]
-
-
-# --------------------------------------------------------------------------- parsing

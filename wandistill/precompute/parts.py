@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from wandistill.cache import manifest as mf
 from wandistill.checks.validate import parse_json
 from wandistill.errors import CacheError, UsageError
-from wandistill.io.storage import join, open_storage
+from wandistill.io.storage import Storage, join, open_storage
 
 PARTS_NAME = "parts.json"
 PARTS_FORMAT = "wandistill-parts"
@@ -163,19 +163,19 @@ def check_and_record(
             f"{part.count}-part run another --out",
         )
     mine = identity(part, header, prompts_sha256, prompts)
-    known = _read_identity(st, root)
-    if known is None or (_differs(known, mine) and _may_take_over(root, part, known)):
+    known = _read_identity(st)
+    if known is None or (_differs(known, mine) and _may_take_over(st, part, known)):
         st.makedirs("")
         if known is None and st.create(PARTS_NAME, _dump(mine)):
             return
         if known is not None:  # its own first part, fixed, before any record: takes it over
             st.put(PARTS_NAME, _dump(mine))
             return
-        known = _read_identity(st, root)  # another part created it first: check against it
+        known = _read_identity(st)  # another part created it first: check against it
     problem = _differs(known, mine) if known is not None else None
     if problem:
         raise UsageError(
-            f"{label}: {problem} ({join(root, PARTS_NAME)})",
+            f"{label}: {problem} ({st.name(PARTS_NAME)})",
             fix="run every part with the same N, recipe, teacher and prompt file, or give this "
             "run another --out",
         )
@@ -217,30 +217,31 @@ def _differs(known: dict[str, Any], mine: dict[str, Any]) -> str | None:
     return None
 
 
-def _read_identity(st: Any, root: str) -> dict[str, Any] | None:
+def _read_identity(st: Storage) -> dict[str, Any] | None:
     if not st.exists(PARTS_NAME):
         return None
     fix = f"restore {PARTS_NAME}, or run the parts into a new --out"
     data = st.read(PARTS_NAME, max_bytes=1 << 24, what=PARTS_NAME, fix=fix, error=CacheError)
-    obj = parse_json(data, f"{join(root, PARTS_NAME)} is corrupt", fix=fix, error=CacheError)
+    obj = parse_json(data, f"{st.name(PARTS_NAME)} is corrupt", fix=fix, error=CacheError)
     if not isinstance(obj, dict) or obj.get("format") != PARTS_FORMAT:
-        raise CacheError(f"{join(root, PARTS_NAME)} is not a wandistill parts record", fix=fix)
+        raise CacheError(f"{st.name(PARTS_NAME)} is not a wandistill parts record", fix=fix)
     return obj
 
 
-def _may_take_over(root: str, part: Part, known: dict[str, Any]) -> bool:
+def _may_take_over(st: Storage, part: Part, known: dict[str, Any]) -> bool:
     """A run of the part that wrote parts.json may replace it while no part has committed a
     record (its first run failed on a setting and is re-run fixed). Any other part is checked
     against it: two parts starting at once with different settings cannot both go on."""
-    return known.get("first_part") == part.index and not _any_records(root)
+    return known.get("first_part") == part.index and not _any_records(st)
 
 
-def _any_records(root: str) -> bool:
-    """Some part under `root` has committed a record (the identity then binds every part)."""
-    st = open_storage(root)
+def _any_records(st: Storage) -> bool:
+    """Some part under `st` has committed a record (the identity then binds every part)."""
     for name in st.list(""):
-        cache = join(root, name)
-        if _DIR.fullmatch(name) and mf.has_manifest(cache) and mf.load_committed(cache).shards:
+        if not _DIR.fullmatch(name):
+            continue
+        cache = open_storage(st.name(name))  # each part is a cache of its own
+        if mf.has_manifest(cache) and mf.load_committed(cache).shards:
             return True
     return False
 

@@ -148,6 +148,9 @@ class Work:
     present: int = 0
     """Records of this prompt file committed when this rank planned (the summary takes the
     least over ranks: a rank that planned late may see another's first shards of this run)."""
+    store: storage.Storage | None = None
+    """The cache, opened once when planning: its checks and the writer share it (None with
+    --null-sink, which writes no cache)."""
 
     @property
     def cache(self) -> str:
@@ -180,7 +183,8 @@ def _plan(
     dtype = DTYPES[cfg.teacher.dtype]
     settings = sampler_settings(teacher, cfg)
     cache = storage.describe(cfg.cache.path)
-    threads_note = None if null_sink else _follow_cache_threads(cache, info.device)
+    st = None if null_sink else storage.open_storage(cache)
+    threads_note = None if st is None else _follow_cache_threads(st, info.device)
     header = _header(cfg, teacher, info, settings)
     if part is not None and not null_sink:  # before anything of the part is read or written
         _check_part(cfg, teacher, header, part, root)
@@ -188,7 +192,7 @@ def _plan(
         if info.is_main and not quiet:
             print(f"precompute: previews off: {cache} is not a local folder (PNG previews are)")
         cfg = dataclasses.replace(cfg, previews=0)
-    done = set() if null_sink else _committed_keys(cache, header)
+    done = set() if st is None else _committed_keys(st, header)
     if threads_note and info.is_main and not quiet:  # said once the cache accepted this run
         print(threads_note, flush=True)
     keys = KeyTable(_key(p, settings) for p in prompts)
@@ -223,6 +227,7 @@ def _plan(
         quiet=quiet,
         part=part,
         present=sum(k in done for k in keys),
+        store=st,
     )
 
 
@@ -238,26 +243,26 @@ def _check_part(
     parts.check_and_record(root, part, header, prompt_sha256(cfg.prompts), cfg.prompts)
 
 
-def _follow_cache_threads(cache: str, device: torch.device) -> str | None:
+def _follow_cache_threads(st: storage.Storage, device: torch.device) -> str | None:
     """A cache with records fixes the CPU thread count new records are computed with
     (numerics.follow_recorded_threads); returns the note to print, if it changed."""
-    if not mf.has_manifest(cache):
+    if not mf.has_manifest(st):
         return None
-    existing = mf.load_committed(cache)
+    existing = mf.load_committed(st)
     if not existing.shards:
         return None
     return follow_recorded_threads(existing.numerics or {}, device)
 
 
-def _committed_keys(cache: str, header: mf.Manifest) -> set[str]:
+def _committed_keys(st: storage.Storage, header: mf.Manifest) -> set[str]:
     """Keys already committed in the cache; a cache with records must match `header` (checked
     before loading any weights). A cache without records binds nothing: a fixed run takes it
     over."""
-    if not mf.has_manifest(cache):
+    if not mf.has_manifest(st):
         return set()
-    existing = mf.load_committed(cache)
+    existing = mf.load_committed(st)
     if existing.shards:
-        mf.check_compatible(cache, existing, header)
+        mf.check_compatible(st, existing, header)
     return {k for s in existing.shards for k in s.keys}
 
 
@@ -316,8 +321,9 @@ def _open_writer(w: Work, negative: torch.Tensor) -> BackgroundWriter:
     are written by a thread (two batches in flight at most) while the next batch denoises."""
     sampler = RecordingSampler(w.teacher.scheduler, _spec(w))
     timesteps, sigmas = sampler.schedule()
+    assert w.store is not None  # --null-sink opens no writer
     writer = CacheWriter(
-        w.cache,
+        w.store,
         backend=w.cfg.cache.backend,
         teacher=w.header.block_json("teacher"),
         settings=w.settings,

@@ -481,24 +481,3 @@ def all_reduce_max(info: DistInfo, value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=info.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
-
-
-def follow_sync(info: DistInfo):  # noqa: ANN201 - returns the reader's SyncFn
-    """The training reader's follow-mode agreement: shards every rank sees, complete if all do."""
-
-    def sync(names: list[str], complete: bool) -> tuple[list[str], bool]:
-        views = all_gather_json(info, {"names": names, "complete": complete})
-        common = set(views[0]["names"]).intersection(*(v["names"] for v in views[1:]))
-        return sorted(common), all(v["complete"] for v in views)
-
-    return sync
-
-
-def all_agree(info: DistInfo) -> Callable[[bool], bool]:
-    """A vote every rank casts at the same point: True on every rank iff True on all of them
-    (follow mode stops for a gone writer only when every rank saw it gone)."""
-
-    def agree(mine: bool) -> bool:
-        return all(bool(v) for v in all_gather_json(info, mine))
-
-    return agree

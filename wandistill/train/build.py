@@ -3,6 +3,7 @@ placed or sharded over the ranks) and this rank's training reader over the cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,12 +76,33 @@ def build_reader(
         follow=follow,
         poll_interval=cfg.follow_poll_interval,
         follow_timeout=cfg.follow_timeout or None,
-        sync=dist.follow_sync(info) if follow and info.distributed else None,
-        agree=dist.all_agree(info) if follow and info.distributed else None,
+        sync=follow_sync(info) if follow and info.distributed else None,
+        agree=all_agree(info) if follow and info.distributed else None,
         num_threads=cfg.data_threads,
         skip_corrupt=skip_corrupt,
         pad="batch",  # padded to max_sequence_length on the device, in forward()
     )
+
+
+def follow_sync(info: dist.DistInfo):  # noqa: ANN201 - returns the reader's SyncFn
+    """The training reader's follow-mode agreement: shards every rank sees, complete if all do."""
+
+    def sync(names: list[str], complete: bool) -> tuple[list[str], bool]:
+        views = dist.all_gather_json(info, {"names": names, "complete": complete})
+        common = set(views[0]["names"]).intersection(*(v["names"] for v in views[1:]))
+        return sorted(common), all(v["complete"] for v in views)
+
+    return sync
+
+
+def all_agree(info: dist.DistInfo) -> Callable[[bool], bool]:
+    """A vote every rank casts at the same point: True on every rank iff True on all of them
+    (follow mode stops for a gone writer only when every rank saw it gone)."""
+
+    def agree(mine: bool) -> bool:
+        return all(bool(v) for v in dist.all_gather_json(info, mine))
+
+    return agree
 
 
 def objective_masks(

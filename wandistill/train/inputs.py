@@ -26,8 +26,8 @@ from wandistill.cache.reader import CacheReader
 from wandistill.cache.training import DEFAULT_FIELDS
 from wandistill.config import TrainConfig
 from wandistill.errors import CacheError, UsageError
+from wandistill.io.storage import Storage, open_storage
 from wandistill.io.storage import describe as location
-from wandistill.io.storage import open_storage
 from wandistill.student import experts, lora
 from wandistill.student.config import (
     check_against_cache,
@@ -66,13 +66,13 @@ def run_inputs(cfg: TrainConfig) -> dict[str, str]:
     }
 
 
-def _cache_started(cache: str) -> bool:
+def _cache_started(st: Storage) -> bool:
     """The manifest exists and so does the shared schedule it lists (the writer creates the
     manifest first, then shared.safetensors: the steps plan needs both)."""
-    if not has_manifest(cache):
+    if not has_manifest(st):
         return False
-    listed = bool(read_manifest(cache).shared)
-    return not listed or open_storage(cache).exists(SHARED_NAME)
+    listed = bool(read_manifest(st).shared)
+    return not listed or st.exists(SHARED_NAME)
 
 
 def wait_for_manifest(cfg: TrainConfig) -> None:
@@ -83,10 +83,11 @@ def wait_for_manifest(cfg: TrainConfig) -> None:
 
 
 def _wait_for_cache(cfg: TrainConfig, cache: str) -> None:
-    path = manifest_name(cache)
+    st = open_storage(cache)  # once: every poll below goes through it
+    path = manifest_name(st)
     start = time.monotonic()
     told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
-    while not _cache_started(cache):
+    while not _cache_started(st):
         if not told:
             console.print(f"train: waiting for {path} (has precompute started?)")
             told = True

@@ -36,7 +36,7 @@ from wandistill.cache.wds.format import (
 from wandistill.cache.wds.verify import ShardChecks
 from wandistill.checks.validate import inside, rel_path_problem
 from wandistill.errors import CacheError, CorruptRecordError
-from wandistill.io.storage import LocalStorage, Storage, is_transient, open_storage
+from wandistill.io.storage import LocalStorage, Storage, is_transient, storage_at
 
 _ST_DTYPES = DTYPE_NAMES_BY_SAFETENSORS
 _Read = tuple[str, int, Any, int | None]
@@ -59,7 +59,7 @@ class WebDatasetSource(ShardChecks):
     """
 
     def __init__(self, cache: str | Path | Storage) -> None:
-        self.store = cache if isinstance(cache, Storage) else open_storage(cache)
+        self.store = storage_at(cache)
         self.cache = self.store.url
         self._headers: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._headers_lock = threading.Lock()

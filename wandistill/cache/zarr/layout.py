@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ from wandistill.cache.files import (
 )
 from wandistill.checks.validate import MiB, check, parse_json
 from wandistill.errors import CacheError
-from wandistill.io.storage import FsspecStorage, LocalStorage, Storage, is_transient, open_storage
+from wandistill.io.storage import FsspecStorage, LocalStorage, Storage, is_transient
 
 DATA_NAME = ZARR_DATA_NAME
 LOCK_NAME = "data.zarr.lock"
@@ -79,17 +78,11 @@ class ZarrChunkError(CacheError, ValueError):
     Also a ValueError, like zarr-python's own checksum error on the same data."""
 
 
-def storage_of(cache: str | Path | Storage) -> Storage:
-    """The cache's `Storage` (sinks and sources take a path, a URL, or the storage itself)."""
-    return cache if isinstance(cache, Storage) else open_storage(cache)
-
-
-def zarr_store(cache: str | Path | Storage, *, read_only: bool = False) -> Store:
-    """The zarr store of the cache at `cache` (its `data.zarr`): the one place where a location
+def zarr_store(storage: Storage, *, read_only: bool = False) -> Store:
+    """The zarr store of the cache in `storage` (its `data.zarr`): the one place where a cache
     becomes a zarr store. A local folder gives `zarr.storage.LocalStore`; an fsspec URL gives
     `zarr.storage.FsspecStore` over the same filesystem as the rest of the cache, opened
     asynchronously (`FsspecStorage.async_fs`)."""
-    storage = storage_of(cache)
     if isinstance(storage, LocalStorage):
         return LocalStore(storage.root / DATA_NAME, read_only=read_only)
     assert isinstance(storage, FsspecStorage), storage

@@ -33,14 +33,13 @@ from wandistill.cache.zarr.layout import (
     _shard_files,
     _zarr_call,
     check_metadata,
-    storage_of,
     to_torch,
     zarr_store,
 )
 from wandistill.cache.zarr.store import _ReadStore
 from wandistill.checks.validate import inside
 from wandistill.errors import CacheError
-from wandistill.io.storage import FsspecStorage, LocalStorage, Storage
+from wandistill.io.storage import FsspecStorage, LocalStorage, Storage, storage_at
 
 # ------------------------------------------------------------------------------------ source
 
@@ -54,7 +53,7 @@ class ZarrSource:
     def __init__(
         self, cache: str | Path | Storage, *, index_cache_bytes: int = INDEX_CACHE_BYTES
     ) -> None:
-        self.storage = storage_of(cache)
+        self.storage = storage_at(cache)
         self.store = _ReadStore(zarr_store(self.storage, read_only=True), index_cache_bytes)
         self._listing: frozenset[str] | None = None
         self._group: Any = None

@@ -3,7 +3,6 @@ whole zarr shards; `entry_json` is the shard entry it commits."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,6 @@ from wandistill.cache.zarr.layout import (
     _numpy_view,
     _zarr_call,
     check_metadata,
-    storage_of,
     zarr_store,
 )
 from wandistill.cache.zarr.store import _check_node_name, _SealingStore, claim_lock
@@ -57,7 +55,7 @@ class ZarrSink:
 
     def __init__(
         self,
-        cache: str | Path | Storage,
+        storage: Storage,
         *,
         block_records: int | None = None,
         token_chunk: int | None = None,
@@ -71,7 +69,7 @@ class ZarrSink:
         token_block = TOKEN_BLOCK if token_block is None else token_block
         if block_records <= 0 or token_chunk <= 0 or token_block % token_chunk:
             raise ValueError("need block_records > 0 and token_block a multiple of token_chunk")
-        self.storage = storage_of(cache)
+        self.storage = storage
         self.block_records = block_records
         self.token_chunk = token_chunk
         self.token_block = token_block
