@@ -382,6 +382,7 @@ def run_loop(cfg: Any, make_source: Callable[[Any], _Source] | None) -> dict[str
         if trainer is not None:
             trainer.metrics.close()
         dist.cleanup()
+        plan.close()
     extra: dict[str, Any] = {"leg_seconds": time.perf_counter() - t0}
     if isinstance(source, Online):
         extra["online_check_max_abs_diff"] = source.check

@@ -20,7 +20,7 @@ from wandistill.student import (
     flow_x0,
     resolve_student_config,
 )
-from wandistill.student.init import init_from_teacher
+from wandistill.student.init import init_from_teacher, init_problems
 
 from cachefixtures import DIMS_BLOCK as DIMS
 from cachefixtures import TEACHER
@@ -198,3 +198,27 @@ def test_block_init_from_a_wider_teacher_is_refused_before_copying(tmp_path: Pat
     assert all(torch.equal(before[k], v) for k, v in student.state_dict().items())
     with pytest.raises(UsageError, match="holds no diffusion_pytorch_model"):
         init_from_teacher(student, TeacherInitConfig(path=str(tmp_path / "nope"), blocks=[0]))
+
+
+def test_block_init_is_refused_by_the_same_rule_early_and_when_copying(tmp_path: Path) -> None:
+    """train's validate (the cache's record of the teacher's config) and the copy itself (the
+    teacher folder's config.json) refuse a block past the teacher's depth in the same words;
+    a bare .safetensors file, which has no config, is refused by its tensors."""
+    teacher = _save_teacher_transformer(tmp_path, num_layers=2)
+    cfg = resolve_student_config(
+        StudentConfig(num_layers=2, num_attention_heads=2, attention_head_dim=12, ffn_dim=32),
+        _teacher_config(),
+        DIMS,
+    )
+    init = TeacherInitConfig(path=str(tmp_path), blocks=[0, 3])
+    (early,) = init_problems(init, cfg, dict(teacher.config))
+    assert "names teacher block(s) [3], but the teacher has 2 (0..1)" in early
+    student = build_student(cfg, seed=1)
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    with pytest.raises(UsageError) as late:
+        init_from_teacher(student, init)
+    assert late.value.message.endswith(early)
+    bare = tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"
+    with pytest.raises(UsageError, match=r"blocks\.3\..* is not in the teacher"):
+        init_from_teacher(student, TeacherInitConfig(path=str(bare), blocks=[0, 3]))
+    assert all(torch.equal(before[k], v) for k, v in student.state_dict().items())

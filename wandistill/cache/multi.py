@@ -97,16 +97,11 @@ def check_unique_keys(stores: Sequence[CacheReader]) -> None:
         )
 
 
-def check_caches(paths: Sequence[str]) -> None:
-    """`train`'s check of its --cache list before anything is built or written: every cache
-    readable, compatible with the first, no key in two of them."""
-    stores = [CacheReader(p) for p in paths]
-    try:
-        check_compatible(stores)
-        check_unique_keys(stores)
-    finally:
-        for s in stores:
-            s.close()
+def check_caches(stores: Sequence[CacheReader]) -> None:
+    """The check of several caches trained on together, before anything is built or written
+    (`train`'s validate, the training reader): compatible with the first, no key in two."""
+    check_compatible(stores)
+    check_unique_keys(stores)
 
 
 def shares(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:

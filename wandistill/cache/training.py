@@ -56,7 +56,7 @@ from wandistill.cache.choices import check_weights
 from wandistill.cache.contract import is_holdout
 from wandistill.cache.files import Entry
 from wandistill.cache.follow import FollowMode
-from wandistill.cache.multi import check_compatible, check_unique_keys, mix
+from wandistill.cache.multi import check_caches, mix
 from wandistill.cache.reader import CacheReader
 from wandistill.cache.samples import FollowPool, Sample, SampleSpace
 from wandistill.errors import CacheError, UsageError
@@ -100,8 +100,7 @@ def _open_caches(
             fix="drop train.cache_weights, or train without --follow once precompute is done",
         )
     if len(stores) > 1:
-        check_compatible(stores)
-        check_unique_keys(stores)
+        check_caches(stores)
     return stores, checked
 
 

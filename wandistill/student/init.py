@@ -29,21 +29,25 @@ WEIGHTS = "diffusion_pytorch_model.safetensors"
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 
-def _teacher_tensors(path: str | Path, component: str) -> dict[str, tuple[Path, TensorInfo]]:
-    """Tensor name -> (file, header entry), every header and index validated before use."""
+def _teacher_tensors(
+    path: str | Path, component: str
+) -> tuple[dict[str, tuple[Path, TensorInfo]], dict[str, Any]]:
+    """(tensor name -> (file, header entry), the teacher's config.json or {}): every header and
+    index validated before use; a bare .safetensors file has no config."""
     what = "student.init_from_teacher.path file"
     p = Path(path)
     if p.is_file() and p.suffix == ".safetensors":
         f = read_safetensors(p, what=what)
-        return {k: (p, info) for k, info in f.tensors.items()}
+        return {k: (p, info) for k, info in f.tensors.items()}, {}
     folder = p / component if (p / component).is_dir() else p
+    reader = Reader(what)
     weights = read_weights(
         folder,
         WEIGHTS.removesuffix(".safetensors"),
         library="diffusers",
         class_name="WanTransformer3DModel",
         required=False,
-        reader=Reader(what),
+        reader=reader,
     )
     if weights is None:
         raise UsageError(
@@ -52,7 +56,9 @@ def _teacher_tensors(path: str | Path, component: str) -> dict[str, tuple[Path, 
             fix="point it at a diffusers Wan teacher folder, its transformer folder, or a "
             ".safetensors file",
         )
-    return {k: (f.path, info) for f in weights.files for k, info in f.tensors.items()}
+    config = reader.json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    tensors = {k: (f.path, info) for f in weights.files for k, info in f.tensors.items()}
+    return tensors, config if isinstance(config, dict) else {}
 
 
 def plan_copy(student: nn.Module, blocks: list[int]) -> dict[str, str]:
@@ -68,11 +74,18 @@ def plan_copy(student: nn.Module, blocks: list[int]) -> dict[str, str]:
 
 
 def init_from_teacher(student: nn.Module, cfg: TeacherInitConfig) -> int:
-    """Copy teacher tensors into `student` in place; returns how many were copied."""
-    where = _teacher_tensors(cfg.path, cfg.component)
+    """Copy teacher tensors into `student` in place; returns how many were copied. Refused
+    before anything is copied: block init the teacher's config rules out (`block_problems`,
+    the rule train's validate checks against the cache's record of that config), then any
+    tensor the teacher lacks or holds at another shape (a bare .safetensors file has no
+    config: its tensors are all there is to check)."""
+    where, teacher_config = _teacher_tensors(cfg.path, cfg.component)
+    student_config = dict(getattr(student, "config", None) or {})
+    problems = block_problems(cfg.blocks, student_config, teacher_config)
+    if problems:
+        raise UsageError(f"cannot initialise the student from {cfg.path!r}: {'; '.join(problems)}")
     plan = plan_copy(student, cfg.blocks)
     params = student.state_dict()
-    problems: list[str] = []
     for mine, theirs in plan.items():
         if theirs not in where:
             problems.append(f"{theirs} is not in the teacher (for student {mine})")
@@ -113,18 +126,27 @@ def init_problems(
     init: TeacherInitConfig, student_config: dict[str, Any], teacher_config: dict[str, Any]
 ) -> list[str]:
     """Block init the teacher cannot give, found from the recipe and the cache's record of the
-    teacher's config, before anything is built or written: a block index past the teacher's
-    depth, or a student width other than the teacher's."""
-    if not init.path or not init.blocks or not teacher_config.get("num_layers"):
+    teacher's config, before anything is built or written (`block_problems`)."""
+    return block_problems(init.blocks, student_config, teacher_config) if init.path else []
+
+
+def block_problems(
+    blocks: list[int], student_config: dict[str, Any], teacher_config: dict[str, Any]
+) -> list[str]:
+    """The rule of block init, stated once: a copied teacher block fixes the student's width,
+    so only num_layers may differ, and every block index is below the teacher's depth. Checked
+    early from the cache's record of the teacher's config (`init_problems`) and again from the
+    teacher folder's own config when the blocks are copied (`init_from_teacher`)."""
+    if not blocks or not teacher_config.get("num_layers"):
         return []
     n = int(teacher_config["num_layers"])
     problems = []
-    beyond = [b for b in init.blocks if b >= n]
+    beyond = [b for b in blocks if b >= n]
     if beyond:
         problems.append(
-            f"student.init_from_teacher.blocks={init.blocks} names teacher block(s) {beyond}, but "
+            f"student.init_from_teacher.blocks={blocks} names teacher block(s) {beyond}, but "
             f"the teacher has {n} (0..{n - 1}); list indices below {n}, e.g. blocks = "
-            f"{list(range(min(len(init.blocks), n)))}"
+            f"{list(range(min(len(blocks), n)))}"
         )
     differ = [
         k for k in WIDTH_KEYS if k in teacher_config and student_config.get(k) != teacher_config[k]

@@ -8,10 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from wandistill.cache.reader import CacheReader
 from wandistill.cache.training import TrainingReader
 from wandistill.config import TrainConfig
-from wandistill.io.storage import describe as location
 from wandistill.runtime import dist
 from wandistill.student import experts, lora
 from wandistill.student.config import width
@@ -55,14 +53,18 @@ def build_reader(
     cfg: TrainConfig,
     plan: Plan,
     info: dist.DistInfo,
-    store: CacheReader,
     *,
     follow: bool,
     skip_corrupt: bool,
 ) -> TrainingReader:
-    """This rank's equal share of every epoch over the run's caches (`store` is the first)."""
+    """This rank's equal share of every epoch over the run's caches, the ones `validate`
+    opened (`plan.caches`). A cache still being written is read again first: the reader starts
+    from what is committed now, after the join, as a freshly opened cache would."""
+    for store in plan.caches:
+        if not store.complete:
+            store.refresh()
     return TrainingReader(
-        [store, *(CacheReader(location(c)) for c in cfg.caches[1:])],
+        list(plan.caches),
         weights=cfg.cache_weights,
         batch_size=cfg.batch_size,
         rank=info.rank,

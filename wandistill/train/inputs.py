@@ -14,20 +14,13 @@ from typing import Any
 from rich.console import Console
 
 from wandistill.cache.contract import SHARED_NAME
-from wandistill.cache.manifest import (
-    Manifest,
-    has_manifest,
-    load_committed,
-    manifest_name,
-    read_manifest,
-)
+from wandistill.cache.manifest import Manifest, has_manifest, manifest_name, read_manifest
 from wandistill.cache.multi import check_caches
 from wandistill.cache.reader import CacheReader
 from wandistill.cache.training import DEFAULT_FIELDS
 from wandistill.config import TrainConfig
 from wandistill.errors import CacheError, UsageError
-from wandistill.io.storage import Storage, open_storage
-from wandistill.io.storage import describe as location
+from wandistill.io.storage import Storage, storage_at
 from wandistill.student import experts, lora
 from wandistill.student.config import (
     check_against_cache,
@@ -46,8 +39,10 @@ console = Console(stderr=True, highlight=False, soft_wrap=True)
 class Plan:
     """What validation resolved from the recipe and the cache manifest."""
 
-    cache: str
-    """The cache's path or fsspec URL."""
+    caches: tuple[CacheReader, ...]
+    """Each --cache opened once for the whole process, the primary first (`open_caches`): its
+    `Storage` and committed manifest, which the objective plan, the training reader and the
+    run's records all take (`url` where text is needed). `close` ends them."""
     out: Path
     manifest: Manifest
     student_config: dict[str, Any]
@@ -55,6 +50,15 @@ class Plan:
     fields: list[str]
     objectives: ObjectivePlan
     """K, the student's sampler, and the recorded steps each objective trains at."""
+
+    @property
+    def primary(self) -> CacheReader:
+        """The first cache: the manifest every other one agrees with (cache/multi.py)."""
+        return self.caches[0]
+
+    def close(self) -> None:
+        for c in self.caches:
+            c.close()
 
 
 def run_inputs(cfg: TrainConfig) -> dict[str, str]:
@@ -75,15 +79,13 @@ def _cache_started(st: Storage) -> bool:
     return not listed or st.exists(SHARED_NAME)
 
 
-def wait_for_manifest(cfg: TrainConfig) -> None:
+def wait_for_manifest(cfg: TrainConfig) -> list[Storage]:
     """--follow may start before precompute has created the cache: wait for its manifest (each
-    cache's, with several)."""
-    for cache in cfg.caches:
-        _wait_for_cache(cfg, cache)
+    cache's, with several). Returns the storages it polled, for `validate` to read on."""
+    return [_wait_for_cache(cfg, storage_at(cache)) for cache in cfg.caches]
 
 
-def _wait_for_cache(cfg: TrainConfig, cache: str) -> None:
-    st = open_storage(cache)  # once: every poll below goes through it
+def _wait_for_cache(cfg: TrainConfig, st: Storage) -> Storage:
     path = manifest_name(st)
     start = time.monotonic()
     told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
@@ -97,18 +99,47 @@ def _wait_for_cache(cfg: TrainConfig, cache: str) -> None:
                 fix="start `wandistill precompute` with --out pointing at this cache",
             )
         time.sleep(cfg.follow_poll_interval)
+    return st
 
 
-def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
-    """Every check that needs only the recipe and the manifest, all problems in one error."""
+def open_caches(cfg: TrainConfig, opened: list[Storage] | None = None) -> tuple[CacheReader, ...]:
+    """Each --cache opened once for the whole run (the storages `wait_for_manifest` polled, if
+    it ran), its committed manifest loaded once, and several checked to agree (cache/multi.py)."""
+    readers: list[CacheReader] = []
+    try:
+        for st in opened if opened is not None else [storage_at(c) for c in cfg.caches]:
+            readers.append(CacheReader(st))
+        if len(readers) > 1:
+            check_caches(readers)
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
+    return tuple(readers)
+
+
+def validate(cfg: TrainConfig, *, resume: bool, follow: bool = False) -> Plan:
+    """Every check that needs only the recipe and the manifest, all problems in one error.
+    The caches are opened here, once (with `follow`, after waiting for them), and the `Plan`
+    holds them; the caller closes it (`Plan.close`)."""
+    opened = wait_for_manifest(cfg) if follow else None
     if not cfg.caches:
         raise UsageError("train needs a cache", fix="pass --cache DIR (or set train.cache)")
     if not cfg.out:
         raise UsageError("train needs an output directory", fix="pass --out DIR (or train.out)")
-    primary = cfg.caches[0]  # several caches agree with it (cache/multi.py, checked here)
-    manifest = load_committed(primary)
-    if len(cfg.caches) > 1:
-        check_caches(cfg.caches)
+    caches = open_caches(cfg, opened)
+    try:
+        return _resolve(cfg, caches, resume=resume)
+    except BaseException:
+        for c in caches:
+            c.close()
+        raise
+
+
+def _resolve(cfg: TrainConfig, caches: tuple[CacheReader, ...], *, resume: bool) -> Plan:
+    """`validate` over the opened caches."""
+    manifest = caches[0].manifest  # several caches agree with it (cache/multi.py)
+    primary = caches[0].path
     tconf = manifest.teacher.transformer_config or {}
     student_config = resolve_student_config(cfg.student, tconf, manifest.dims)
     problems = check_against_cache(student_config, manifest.dims, primary)
@@ -118,7 +149,7 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     cached = {f.name for f in manifest.fields}
     objectives = None
     try:
-        objectives = objective_plan(cfg, manifest)
+        objectives = objective_plan(cfg, caches[0])
     except UsageError as e:
         problems.append(e.message + (f" ({e.fix})" if e.fix else ""))
     problems += experts.check(
@@ -171,8 +202,7 @@ def validate(cfg: TrainConfig, *, resume: bool) -> Plan:
     if problems or objectives is None:
         raise UsageError("; ".join(problems))
     teacher_width = width(tconf) if tconf else width(student_config)
-    cache = location(primary)
-    return Plan(cache, out, manifest, student_config, teacher_width, fields, objectives)
+    return Plan(caches, out, manifest, student_config, teacher_width, fields, objectives)
 
 
 def unroll_problems(
@@ -207,10 +237,12 @@ def unroll_problems(
     return problems
 
 
-def objective_plan(cfg: TrainConfig, manifest: Manifest | None = None) -> ObjectivePlan:
+def objective_plan(cfg: TrainConfig, store: CacheReader | None = None) -> ObjectivePlan:
     """K, the student's scheduler and the recorded steps of each objective, from the cache's
-    manifest and schedule (also what `train --dry-run` prints)."""
-    manifest = manifest or load_committed(cfg.caches[0])
-    with CacheReader(cfg.caches[0]) as store:
-        teacher = TeacherSchedule.from_cache(manifest.settings, store.read_shared())
+    manifest and schedule: `validate`'s opened primary cache, or (`train --dry-run`, which
+    prints it) the first --cache opened here."""
+    if store is None:
+        with CacheReader(cfg.caches[0]) as opened:
+            return objective_plan(cfg, opened)
+    teacher = TeacherSchedule.from_cache(store.manifest.settings, store.read_shared())
     return plan_objectives(cfg.loss, cfg.student.num_inference_steps, teacher)

@@ -61,7 +61,7 @@ from wandistill.train import job, parallel
 from wandistill.train.build import build_model, build_reader, objective_masks
 from wandistill.train.ema import EMA, TargetNetwork
 from wandistill.train.export import export_pretrained
-from wandistill.train.inputs import Plan, run_inputs, validate, wait_for_manifest
+from wandistill.train.inputs import Plan, run_inputs, validate
 from wandistill.train.metrics import MetricsLog, Window, log_window
 from wandistill.train.oom import oom_error
 from wandistill.train.optim import build_optimizer, build_scheduler
@@ -128,9 +128,7 @@ def run(
     cfg: TrainConfig, *, resume: bool = False, follow: bool = False, skip_corrupt: bool = False
 ) -> TrainResult:
     """Train a student on `cfg.cache` into `cfg.out`; under torchrun, one call per rank."""
-    if follow:
-        wait_for_manifest(cfg)
-    plan = validate(cfg, resume=resume)
+    plan = validate(cfg, resume=resume, follow=follow)  # opens the caches, once
     info = job.join(cfg, resume=resume, follow=follow, skip_corrupt=skip_corrupt)
     started = time.perf_counter()
     trainer: Trainer | None = None
@@ -167,6 +165,7 @@ def run(
             trainer.ddp = trainer.model
         if ok or info.backend != "nccl":  # nccl error path: exit at once, never wait on peers
             dist.cleanup()
+        plan.close()
     return TrainResult(
         out=plan.out,
         steps=steps,
@@ -204,8 +203,8 @@ def setup(
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     ema = EMA(model.student, cfg.optim.ema_decay)
-    store = CacheReader(plan.cache)
-    reader = build_reader(cfg, plan, info, store, follow=follow, skip_corrupt=skip_corrupt)
+    reader = build_reader(cfg, plan, info, follow=follow, skip_corrupt=skip_corrupt)
+    store = reader.store  # plan.primary
     meta = run_meta(cfg, plan, info)
     start = 0
     if resume:
@@ -249,7 +248,7 @@ def announce(t: Trainer, store: CacheReader, follow: bool) -> None:
         *([f"{lora.describe(t.model.student)};"] if lora.is_lora(t.model.student) else []),
         f"{info.world_size} rank(s) on {info.device.type} x batch {cfg.batch_size} x accum "
         f"{cfg.grad_accum} = {global_batch} samples/step;",
-        f"cache {t.plan.cache} ({len(store)} records, {state})",
+        f"cache {store.path} ({len(store)} records, {state})",
         *(
             f"+ cache {s.path} ({len(s)} records, "
             f"{'complete' if s.complete else 'still being written'})"

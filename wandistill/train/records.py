@@ -64,7 +64,7 @@ def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
             "expand_timesteps": m.settings.expand_timesteps,
             "components": {n: m.teacher.components.get(n) for n in LINKED},
         },
-        "cache": str(t.plan.cache),
+        "cache": t.plan.primary.storage.url,
         "sampler": _sampler_sizes(m.settings),
         "experts": experts_record(t),
         "lora": lora.sampling_entry(t.cfg.student, m.teacher.components),
