@@ -15,7 +15,8 @@ sorted by key, so it does not depend on how the cache was sharded or by how many
 - the state is (epoch, optimizer steps consumed): resuming mid-epoch is exact;
 - `slots` narrows the space to the recorded steps the objectives use, and `with_next` adds the
   next point of each sample's trajectory (`xt_next`, `timesteps_next`: the next recorded step, or
-  after the last one the final latent with t = 0 and `next_is_final`), for consistency training;
+  after the last one the final latent with t = 0 and `next_is_final`; `next_slots` picks another
+  slot, perflow's window end);
 - each batch is one task of a thread pool, read `max(prefetch_batches, num_threads)` batches
   ahead of the consumer; each sample is a few positioned reads (the step's rows of x_t and the
   teacher output, the embedding) straight into its row of the batch tensors (cache/batch.py),
