@@ -130,3 +130,20 @@ def test_a_checkpoint_with_the_removed_consistency_target_is_refused_by_name(
     with pytest.raises(CheckpointError, match="loss.consistency, which was removed") as e:
         check_state(path)
     assert "cannot resume" in e.value.message and "new --out" in (e.value.fix or "")
+
+
+def test_a_sharded_checkpoint_with_the_removed_consistency_target_is_refused_by_name(
+    tmp_path: Path,
+) -> None:
+    """The FSDP form of the same: target.* tensors among the shards' metadata are named as the
+    removed objective's, before the generic "does not fit this student"."""
+    from types import SimpleNamespace
+
+    from wandistill.train import dcp
+
+    live = {"student.w": torch.zeros(2, 3)}
+    saved = {"student.w": SimpleNamespace(size=(2, 3))}
+    dcp._check_fits(tmp_path, saved, live)  # this run's tensors: fits
+    saved["target.w"] = SimpleNamespace(size=(2, 3))
+    with pytest.raises(CheckpointError, match="loss.consistency, which was removed"):
+        dcp._check_fits(tmp_path, saved, live)
