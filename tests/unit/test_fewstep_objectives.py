@@ -44,7 +44,7 @@ def test_one_euler_step_with_the_window_velocity_lands_on_the_windows_cached_end
 
 def test_perflow_reads_each_windows_end_at_the_students_next_step_and_the_final_latent_last():
     plan = plan_objectives(LossConfig(output=0.0, perflow=1.0), 4, _teacher(16))
-    assert plan.steps["perflow"] == (0, 4, 8, 12) and plan.needs_next
+    assert plan.steps["perflow"] == (0, 4, 8, 12)
     ends = plan.next_slots()
     assert ends is not None
     assert [ends[s] for s in (0, 4, 8, 12)] == [4, 8, 12, 16]  # 16 slots: 16 is the final latent

@@ -103,13 +103,13 @@ def test_each_objective_trains_at_its_own_recorded_steps() -> None:
     plan = plan_objectives(loss, 4, _teacher(8))
     assert plan.steps["perflow"] == (0, 2, 4, 6)
     assert plan.steps["output"] == tuple(range(8))
-    assert plan.slots == list(range(8)) and plan.needs_next
+    assert plan.slots == list(range(8)) and plan.next_slots() is not None
     assert plan.slot_mask("perflow").tolist() == [i % 2 == 0 for i in range(8)]
     alone = plan_objectives(LossConfig(output=0.0, perflow=1.0), 2, _teacher(8))
     assert alone.slots == [0, 4]
     assert any("perflow" in line for line in alone.describe())
     step_imitation = plan_objectives(LossConfig(output=1.0), None, _teacher(8))
-    assert step_imitation.slots == list(range(8)) and not step_imitation.needs_next
+    assert step_imitation.slots == list(range(8)) and step_imitation.next_slots() is None
 
 
 def test_perflow_trains_at_the_student_steps_and_names_the_ones_the_cache_lacks() -> None:
@@ -168,7 +168,6 @@ def _batch(b: int = 4) -> dict[str, torch.Tensor]:
         "final_latent": torch.randn(shape, generator=g),
         "xt_next": torch.randn(shape, generator=g),
         "timesteps_next": torch.tensor([900.0, 750.0, 500.0, 0.0]),
-        "next_is_final": torch.tensor([False, False, False, True]),
     }
 
 

@@ -334,11 +334,6 @@ class ObjectivePlan:
         used = {s for steps in self.steps.values() for s in steps}
         return sorted(self.teacher.slot(s) for s in used)
 
-    @property
-    def needs_next(self) -> bool:
-        """Does a sample carry its window's end point (perflow's straight velocity)."""
-        return "perflow" in self.steps
-
     def next_slots(self) -> list[int] | None:
         """Slot -> the slot whose x_t is each sample's next point (`len(recorded)`: the final
         latent): perflow's window end, the slot of the student's next step (None without it)."""

@@ -63,7 +63,6 @@ def build_reader(
         seed=cfg.seed,
         fields=plan.fields,
         slots=plan.objectives.slots,
-        with_next=plan.objectives.needs_next,
         next_slots=plan.objectives.next_slots(),
         follow=follow,
         poll_interval=cfg.follow_poll_interval,
