@@ -29,12 +29,18 @@ TYPE_NAMES = {"int_type": "int", "float_type": "float", "string_type": "str", "b
 TYPE_NAMES |= {"list_type": "a list", "dict_type": "a table"}
 RANGE_FIX = "set each named key to a value in its allowed range"
 
-_LOST = "it lost to loss.perflow and loss.unroll in every cell: docs/benchmarks.md"
+_LOST = (
+    "it lost to loss.unroll in every cell with K >= 2 and to loss.perflow in all but one: "
+    "docs/benchmarks.md"
+)
 _FEW_STEP = "delete {key}; for a few-step student use loss.perflow = 1 or loss.unroll = 1"
 REMOVED = {
     "loss.trajectory": (_LOST, _FEW_STEP),
     "loss.reflow": (_LOST, _FEW_STEP),
-    "loss.consistency": (_LOST, _FEW_STEP),
+    "loss.consistency": (
+        "it lost to loss.perflow and loss.unroll in every cell: docs/benchmarks.md",
+        _FEW_STEP,
+    ),
     "loss.consistency_target_decay": (
         "with loss.consistency, whose EMA target it set",
         "delete {key}",

@@ -11,7 +11,7 @@
 
 trajectory (x0 regression at the student's steps), consistency (against an EMA target at the
 cached next point) and reflow (x0 on the noise-to-final-latent line) were removed: each lost to
-perflow and unroll in every cell of docs/benchmarks.md.
+unroll in every K >= 2 cell of docs/benchmarks.md, and to perflow in all but one.
 
 Each sample is one (record, recorded step); an objective covers only the steps it trains at (a
 per-sample mask, from `schedule.ObjectivePlan`). Its contribution to the loss is the sum of its
