@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Few-step students from the cache: R_K for K = 1, 2, 4 and each objective, and the speed-up.
 
-    python tests/bench/steps.py [--work DIR] [--ks 1,2,4] [--objectives reflow,trajectory,...]
+    python tests/bench/steps.py [--work DIR] [--ks 1,2,4] [--objectives perflow,unroll,...]
                                 [--train-steps N] [--json FILE] [--set KEY=VALUE ...]
                                 [--teacher PATH [--prompts N]] [--seeds-per-prompt S]
                                 [--train-gap N] [--teacher-blocks B]
@@ -14,11 +14,10 @@ recorded):
    never trained on), sampler seed 0;
 2. an eval cache of the held-out prompts with FRESH noise (sampler seed 1_000_000: no noise the
    training cache holds), split "all";
-3. one student per (K, objective), trained with the recipe's student and budget: `trajectory`,
-   `consistency`, `reflow`, `unroll` (backpropagation through the K-step sampler), `trajreflow`
-   (trajectory 1 + reflow 1) and `both` (trajectory 1 + consistency 0.5); and the
-   step-imitating baseline (`output` loss, K unset = N, the teacher's own scheduler), the same
-   student and budget;
+3. one student per (K, objective), trained with the recipe's student and budget: `perflow`
+   (piecewise reflow), `unroll` (backpropagation through the K-step sampler) and
+   `perflowunroll` (both at 1); and the step-imitating baseline (`output` loss, K unset = N,
+   the teacher's own scheduler), the same student and budget;
 4. `wandistill.eval.run.evaluate` of each on the eval cache, with the teacher (teacher@K: the
    teacher's own scheduler at K steps, same noise, same prompts, CFG as cached) and the baseline:
    R_K = MSE(student@K, teacher@N) / MSE(teacher@K, teacher@N), and the baseline's ratio at K;
@@ -56,7 +55,7 @@ import torch
 from harness import bootstrap_interval, machine_line, max_rss_bytes, paired_ratios, write_json
 
 RECIPE = "tiny-fewstep"
-WEIGHTS = ("trajectory", "consistency", "reflow", "perflow", "unroll")
+WEIGHTS = ("perflow", "unroll")
 """The few-step loss weights an objective sets, every one of them: the recipe's own choice
 (perflow = 1 in tiny-fewstep) must not ride along with another objective."""
 
@@ -66,11 +65,6 @@ def _objective(**weights: float) -> list[str]:
 
 
 OBJECTIVES = {
-    "trajectory": _objective(trajectory=1),
-    "consistency": _objective(consistency=1),
-    "reflow": _objective(reflow=1),
-    "trajreflow": _objective(trajectory=1, reflow=1),
-    "both": _objective(trajectory=1, consistency=0.5),
     "unroll": _objective(unroll=1),
     "perflow": _objective(perflow=1),
     "perflowunroll": _objective(perflow=1, unroll=1),
@@ -333,9 +327,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=Path("/tmp/wandistill-bench-steps"))
     p.add_argument("--ks", default="1,2,4")
-    p.add_argument(
-        "--objectives", default="perflow,unroll,reflow", help=f"of {','.join(OBJECTIVES)}"
-    )
+    p.add_argument("--objectives", default="perflow,unroll", help=f"of {','.join(OBJECTIVES)}")
     p.add_argument("--depths", default="full", help="comma list of " + ",".join(DEPTHS))
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--train-steps", type=int, default=None, help="default: the recipe's")

@@ -1,7 +1,7 @@
 """Eval and sample of few-step students: the columns a user compares, the export path, bad inputs.
 
 One tiny world shared by the module: a tiny Wan 2.1 teacher, a cache (4 steps, CFG, a quarter
-held out), a K = 2 student (trajectory + consistency) and a step-imitating baseline, a few
+held out), a K = 2 student (perflow) and a step-imitating baseline, a few
 optimiser steps each (the figures need not be good, only computed the way they claim)."""
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ FEWSTEP = [
     "student.num_inference_steps=2",
     "loss.output=0.0",
     "loss.final_latent=0.0",
-    "loss.trajectory=1.0",
-    "loss.consistency=0.5",
+    "loss.perflow=1.0",
 ]
 
 

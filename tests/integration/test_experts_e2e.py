@@ -40,8 +40,7 @@ TRAIN = [
     'student.experts="per-expert"',
     "loss.output=0.0",
     "loss.final_latent=0.0",
-    "loss.trajectory=1.0",
-    "loss.consistency=0.5",
+    "loss.perflow=1.0",
 ]
 
 
@@ -100,7 +99,7 @@ def test_the_cache_says_which_expert_made_each_point_and_the_run_splits_k_at_the
         prefixes = {k.split(".", 1)[0] for k in f.keys()}  # noqa: SIM118
     assert prefixes == {"transformer", "transformer_2"}
     rows = [r for r in read_metrics(world["run"]) if "loss" in r]
-    assert rows and all(r["loss_trajectory"] > 0 for r in rows)
+    assert rows and all(r["loss_perflow"] > 0 for r in rows)
 
 
 def test_each_expert_starts_from_its_own_teacher_expert(world: dict[str, Path]) -> None:

@@ -1,9 +1,9 @@
 """FSDP2 with per-expert students, with and without LoRA, on the tiny Wan 2.2 teacher.
 
-A per-expert LoRA student (one adapter per expert, consistency target included) trained by 2
-gloo ranks under `train.parallel = "fsdp"`, killed by -9 right after its step-2 checkpoint and
-resumed on 2 ranks, and (a copy) resumed on 1 process, gives the adapters of one uninterrupted
-process without FSDP on the same samples; its sharded checkpoints hold only adapter tensors, and
+A per-expert LoRA student (one adapter per expert) trained by 2 gloo ranks under
+`train.parallel = "fsdp"`, killed by -9 right after its step-2 checkpoint and resumed on 2 ranks,
+and (a copy) resumed on 1 process, gives the adapters of one uninterrupted process without FSDP
+on the same samples; its sharded checkpoints hold only adapter tensors, and
 its export in the stock teacher pipeline (`load_lora_weights`, the second expert with
 `load_into_transformer_2=True`) equals the project's sampler. A full per-expert student trained by
 2 FSDP ranks exports the folders the unsharded export writes, and they load. Runs are forked from
@@ -70,7 +70,7 @@ def world(tiny_teacher_wan22: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def argv(w: dict[str, Path], out: Path, ranks: int, *extra: str, lora: bool = True) -> list[str]:
     """The same run on 1 or 2 ranks: 4 samples per step either way (batch 1 x accumulation
     4 // ranks), 4 records, so 4 steps cross epoch boundaries; micro-batches of one sample leave
-    an expert (and the consistency target) idle on a rank."""
+    an expert idle on a rank."""
     sets = [
         "batch_size=1",
         f"grad_accum={4 // ranks}",
@@ -86,8 +86,7 @@ def argv(w: dict[str, Path], out: Path, ranks: int, *extra: str, lora: bool = Tr
         'student.experts="per-expert"',
         "loss.output=0.0",
         "loss.final_latent=0.0",
-        "loss.trajectory=1.0",
-        "loss.consistency=0.5",
+        "loss.perflow=1.0",
         f'student.init_from_teacher.path="{w["teacher"]}"',
         "student.ffn_dim=32",
         "student.num_layers=2",
@@ -202,7 +201,7 @@ def test_fsdp_checkpoints_of_a_lora_student_hold_only_its_adapters(
             keys |= set(f.keys())
     own = {k for k in keys if not k.startswith("optimizer.")}
     parts = {k.split(".")[0] for k in own}
-    assert parts == {"student", "ema", "target"}, parts
+    assert parts == {"student", "ema"}, parts
     assert all(".lora_" in k for k in own), sorted(k for k in own if ".lora_" not in k)[:3]
     n_student = sum(1 for k in own if k.startswith("student."))
     for expert in ("transformer.", "transformer_2."):

@@ -79,8 +79,7 @@ def _world(root: Path, prompts: Path, teacher: Path) -> dict[str, Path]:
         "student.lora.alpha=8",
         "loss.output=0.0",
         "loss.final_latent=0.0",
-        "loss.trajectory=1.0",
-        "loss.consistency=0.5",
+        "loss.perflow=1.0",
     ]
     train(load_recipe(recipe, sets, stage="train").train)
     return {"root": root, "teacher": teacher, "cache": cache, "run": out, "prompts": prompts}

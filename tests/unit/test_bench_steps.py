@@ -32,17 +32,17 @@ def test_a_rerun_with_other_train_steps_trains_a_new_student_and_the_same_settin
 
     monkeypatch.setattr(train_pkg, "run", fake_train)
     teacher = tmp_path / "teacher"
-    extra = ["student.num_inference_steps=4", *bench.OBJECTIVES["reflow"]]
-    short = bench.train_one(tmp_path, "k4-reflow", teacher, extra, ["train.steps=400"])
-    again = bench.train_one(tmp_path, "k4-reflow", teacher, extra, ["train.steps=400"])
-    longer = bench.train_one(tmp_path, "k4-reflow", teacher, extra, ["train.steps=2000"])
+    extra = ["student.num_inference_steps=4", *bench.OBJECTIVES["unroll"]]
+    short = bench.train_one(tmp_path, "k4-unroll", teacher, extra, ["train.steps=400"])
+    again = bench.train_one(tmp_path, "k4-unroll", teacher, extra, ["train.steps=400"])
+    longer = bench.train_one(tmp_path, "k4-unroll", teacher, extra, ["train.steps=2000"])
     assert again == short != longer
     assert [(t["out"], t["steps"]) for t in trained] == [(short, 400), (longer, 2000)]
     kept = json.loads(longer.with_name(longer.name + ".json").read_text())
     assert kept["train"]["steps"] == 2000 and "out" not in kept["train"]
     # another training cache (more trajectories per prompt) is another run too
     (tmp_path / "train.jsonl").write_text('{"prompt": "a red cat", "seed": 1}\n')
-    other = bench.train_one(tmp_path, "k4-reflow", teacher, extra, ["train.steps=400"])
+    other = bench.train_one(tmp_path, "k4-unroll", teacher, extra, ["train.steps=400"])
     assert other not in (short, longer) and len(trained) == 3
 
 
@@ -94,4 +94,4 @@ def test_every_objective_sets_every_few_step_weight_so_the_recipes_own_stays_out
     for name, sets in bench.OBJECTIVES.items():
         assert [s.split("=")[0] for s in sets] == [f"loss.{w}" for w in bench.WEIGHTS], name
     assert "loss.perflow=0.0" in bench.OBJECTIVES["unroll"]
-    assert "loss.perflow=0.0" in bench.OBJECTIVES["reflow"]
+    assert "loss.unroll=0.0" in bench.OBJECTIVES["perflow"]

@@ -17,7 +17,6 @@ from wandistill.runtime.dist import DistInfo
 from wandistill.student import DistillModule, build_student, resolve_student_config
 from wandistill.train import parallel, run
 from wandistill.train.checkpoint import resolve_latest
-from wandistill.train.ema import TargetNetwork
 from wandistill.train.metrics import read_metrics
 
 from cachefixtures import DIMS_BLOCK, TEACHER, write_cache
@@ -195,30 +194,6 @@ def test_a_changed_or_stray_shard_is_refused_naming_the_file(tmp_path: Path) -> 
     shard.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
     with pytest.raises(WandistillError, match=r"shard-00001.*fails its crc32c check"):
         run(_cfg(tmp_path / "c", tmp_path / "run", "steps=6"), resume=True)
-
-
-def test_the_consistency_target_is_sharded_like_the_student_and_follows_it() -> None:
-    model = _model()
-    target = TargetNetwork(model.student, decay=0.5)
-    parallel.shard(model, TrainConfig(parallel="fsdp"), ONE, extra=[target.module])
-    assert isinstance(target.module, FSDPModule)
-    assert all(isinstance(p, DTensor) for p in target.module.parameters())
-    with torch.no_grad():
-        (out,) = target.module(
-            hidden_states=torch.randn(2, 16, 1, 4, 4),
-            timestep=torch.tensor([999.0, 3.0]),
-            encoder_hidden_states=torch.randn(2, 24, 32),
-            return_dict=False,
-        )
-        assert out.shape == (2, 16, 1, 4, 4)
-        student = dict(model.student.named_parameters())
-        before = {n: p.full_tensor().clone() for n, p in target.module.named_parameters()}
-        for p in model.student.parameters():
-            p.add_(1.0)
-        target.update(model.student)
-    for name, p in target.module.named_parameters():
-        want = 0.5 * before[name] + 0.5 * student[name].full_tensor()
-        torch.testing.assert_close(p.full_tensor(), want, msg=name)
 
 
 def test_fsdp_shards_every_block_of_both_experts_and_runs_an_idle_sharded_expert() -> None:

@@ -103,8 +103,8 @@ def test_a_mixed_batch_holds_each_samples_own_tensors(two: tuple[Path, Path]) ->
         assert bool((batch["prompt_embeds"][row, n:] == 0).all())
         for name in ("xt", "teacher_out", "timesteps"):
             assert bool((batch[name][row] == one[name][0]).all())
-    # The per-sample path (the next trajectory point, for consistency) over both caches too.
-    nxt = next(iter(TrainingReader(list(two), batch_size=8, with_next=True)))
+    # The per-sample path (the next trajectory point, for perflow) over both caches too.
+    nxt = next(iter(TrainingReader(list(two), batch_size=8, next_slots=[1, 2, 3])))
     assert nxt["key"] == batch["key"] and nxt["xt_next"].shape == batch["xt"].shape
     assert bool((nxt["xt"] == batch["xt"]).all())
 

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from wandistill.config import LossConfig, SamplerConfig
 from wandistill.errors import ConfigError, UsageError
-from wandistill.student.losses import (
-    SigmaTable,
-    consistency_target,
-    distill_losses,
-    flow_x0,
-    reflow_input,
-)
+from wandistill.student.losses import SigmaTable, distill_losses, flow_x0
 from wandistill.student.schedule import (
     TeacherSchedule,
     build_scheduler,
@@ -23,7 +16,6 @@ from wandistill.student.schedule import (
     student_steps_for,
 )
 from wandistill.teacher.tiny import SCHEDULER_CONFIG
-from wandistill.train.ema import TargetNetwork
 
 
 def _unipc(**kw: object):
@@ -107,46 +99,45 @@ def test_step_imitation_keeps_the_teachers_scheduler_and_n() -> None:
 
 
 def test_each_objective_trains_at_its_own_recorded_steps() -> None:
-    loss = LossConfig(output=1.0, trajectory=1.0, consistency=0.5)
+    loss = LossConfig(output=1.0, perflow=1.0)
     plan = plan_objectives(loss, 4, _teacher(8))
-    assert plan.steps["trajectory"] == (0, 2, 4, 6)
-    assert plan.steps["output"] == plan.steps["consistency"] == tuple(range(8))
-    assert plan.slots == list(range(8)) and plan.needs_next
-    assert plan.slot_mask("trajectory").tolist() == [i % 2 == 0 for i in range(8)]
-    alone = plan_objectives(LossConfig(output=0.0, trajectory=1.0), 2, _teacher(8))
-    assert alone.slots == [0, 4] and not alone.needs_next
-    assert any("trajectory" in line for line in alone.describe())
+    assert plan.steps["perflow"] == (0, 2, 4, 6)
+    assert plan.steps["output"] == tuple(range(8))
+    assert plan.slots == list(range(8)) and plan.next_slots() is not None
+    assert plan.slot_mask("perflow").tolist() == [i % 2 == 0 for i in range(8)]
+    alone = plan_objectives(LossConfig(output=0.0, perflow=1.0), 2, _teacher(8))
+    assert alone.slots == [0, 4]
+    assert any("perflow" in line for line in alone.describe())
+    step_imitation = plan_objectives(LossConfig(output=1.0), None, _teacher(8))
+    assert step_imitation.slots == list(range(8)) and step_imitation.next_slots() is None
 
 
-def test_reflow_trains_at_the_student_steps_and_names_the_ones_the_cache_lacks() -> None:
-    plan = plan_objectives(LossConfig(output=0.0, reflow=1.0), 4, _teacher(8))
-    assert plan.steps == {"reflow": (0, 2, 4, 6)} and not plan.needs_next
-    assert any(line.rstrip().endswith("reflow") for line in plan.describe())
+def test_perflow_trains_at_the_student_steps_and_names_the_ones_the_cache_lacks() -> None:
+    plan = plan_objectives(LossConfig(output=0.0, perflow=1.0), 4, _teacher(8))
+    assert plan.steps == {"perflow": (0, 2, 4, 6)}
+    assert any(line.rstrip().endswith("perflow") for line in plan.describe())
     every_4th = _teacher(16, recorded=[0, 4, 8, 12])
-    with pytest.raises(UsageError, match=r"loss.reflow trains .* did not record \[2, 6, 10"):
-        plan_objectives(LossConfig(output=0.0, reflow=1.0), 8, every_4th)
-    assert not LossConfig(output=1.0).few_step and LossConfig(reflow=1.0).x0_terms
+    with pytest.raises(UsageError, match=r"loss.perflow trains .* did not record \[2, 6, 10"):
+        plan_objectives(LossConfig(output=0.0, perflow=1.0), 8, every_4th)
+    assert not LossConfig(output=1.0).few_step and LossConfig(perflow=1.0).x0_terms
 
 
 def test_a_wan22_student_trains_over_both_experts_regions() -> None:
     teacher = TeacherSchedule.from_scheduler(_unipc(), 8, boundary_ratio=0.875)
     assert teacher.boundary_timestep == 875.0
-    plan = plan_objectives(LossConfig(output=0.0, trajectory=1.0, consistency=1.0), 4, teacher)
-    experts = {r["expert"] for r in plan.rows() if "trajectory" in r["objectives"]}
+    plan = plan_objectives(LossConfig(output=0.0, perflow=1.0), 4, teacher)
+    experts = {r["expert"] for r in plan.rows() if "perflow" in r["objectives"]}
     assert experts == {"transformer", "transformer_2"}
 
 
 def test_objectives_that_need_unrecorded_points_are_refused_with_the_fix() -> None:
     every_4th = _teacher(16, recorded=[0, 4, 8, 12])
-    with pytest.raises(UsageError, match=r"consistency .* did not record steps \[1, 2, 3") as e:
-        plan_objectives(LossConfig(output=0.0, consistency=1.0), 4, every_4th)
-    assert "record_every = 1" in (e.value.fix or "")
     with pytest.raises(UsageError, match=r"did not record \[2, 6, 10, 14\]") as e:
-        plan_objectives(LossConfig(output=0.0, trajectory=1.0), 8, every_4th)
+        plan_objectives(LossConfig(output=0.0, perflow=1.0), 8, every_4th)
     assert "record_for_student_steps = [8]" in (e.value.fix or "")
     assert "more than the 4 steps the cache recorded" in e.value.message
-    # Trajectory at 4 steps is exactly what this cache holds.
-    assert plan_objectives(LossConfig(trajectory=1.0), 4, every_4th).steps["trajectory"] == (
+    # Perflow at 4 steps is exactly what this cache holds.
+    assert plan_objectives(LossConfig(perflow=1.0), 4, every_4th).steps["perflow"] == (
         0,
         4,
         8,
@@ -177,98 +168,22 @@ def _batch(b: int = 4) -> dict[str, torch.Tensor]:
         "final_latent": torch.randn(shape, generator=g),
         "xt_next": torch.randn(shape, generator=g),
         "timesteps_next": torch.tensor([900.0, 750.0, 500.0, 0.0]),
-        "next_is_final": torch.tensor([False, False, False, True]),
     }
 
 
-def test_trajectory_matches_x0_to_the_final_latent_on_its_own_samples_only() -> None:
+def test_an_x0_term_matches_x0_to_the_final_latent_on_its_own_samples_only() -> None:
     batch, pred = _batch(), torch.randn(4, 16, 1, 4, 4)
     sigma = torch.tensor([1.0, 0.9, 0.75, 0.5])
     mask = torch.tensor([True, False, True, False])
-    w = LossConfig(output=0.0, trajectory=2.0)
-    terms = distill_losses(pred, {}, batch, w, sigma, {"output": ~mask, "trajectory": mask})
+    w = LossConfig(output=0.0, final_latent=2.0)
+    terms = distill_losses(pred, {}, batch, w, sigma, {"output": ~mask, "final_latent": mask})
     err = (flow_x0(batch["xt"], pred, sigma) - batch["final_latent"]).square().mean((1, 2, 3, 4))
-    torch.testing.assert_close(terms["trajectory"], err[mask].mean())
+    torch.testing.assert_close(terms["final_latent"], err[mask].mean())
     torch.testing.assert_close(terms["loss"], 2.0 * err[mask].sum() / 4)  # sum / batch size
-
-
-def test_reflow_inputs_lie_on_the_line_from_noise_to_the_final_latent() -> None:
-    batch = _batch() | {"noise": torch.randn(4, 16, 1, 4, 4)}
-    sigma = torch.tensor([1.0, 0.9, 0.5, 0.25])
-    x = reflow_input(batch, sigma)
-    torch.testing.assert_close(x[0], batch["noise"][0])  # sigma 1: the noise x_T itself
-    torch.testing.assert_close(x[2], 0.5 * batch["noise"][2] + 0.5 * batch["final_latent"][2])
-    # The straight flow's velocity (noise - x_0) is an exact student there: error 0. Its x0
-    # estimate is the final latent, so a first-order step lands on the line again (the sampler
-    # visits exactly these points).
-    exact_v = batch["noise"] - batch["final_latent"]
-    mask = torch.tensor([True, True, False, True])
-    w = LossConfig(output=0.0, reflow=3.0)
-    terms = distill_losses(
-        torch.randn(4, 16, 1, 4, 4),
-        {},
-        batch,
-        w,
-        sigma,
-        {"output": mask, "reflow": mask},
-        reflow_x0=flow_x0(x, exact_v, sigma),
-    )
-    assert terms["reflow"].item() < 1e-10 and terms["loss"].item() < 1e-10
-    wrong = flow_x0(x, torch.zeros_like(x), sigma)  # x0 = x: off by sigma * (noise - x_0)
-    terms = distill_losses(
-        torch.randn(4, 16, 1, 4, 4),
-        {},
-        batch,
-        w,
-        sigma,
-        {"output": mask, "reflow": mask},
-        reflow_x0=wrong,
-    )
-    err = (wrong - batch["final_latent"]).square().mean((1, 2, 3, 4))
-    torch.testing.assert_close(terms["reflow"], err[mask].mean())
-    torch.testing.assert_close(terms["loss"], 3.0 * err[mask].sum() / 4)
-
-
-class _Const(nn.Module):
-    """A 'model' predicting v = scale * x (enough to check where the target looks)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.tensor(0.5))
-
-    def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict=False):
-        return (self.scale * hidden_states,)
-
-
-def test_consistency_targets_the_ema_x0_at_the_next_point_and_the_final_latent_at_the_end():
-    batch = _batch()
-    target = _Const()
-    sigma_next = torch.tensor([0.9, 0.75, 0.5, 0.0])
-    mask = torch.tensor([True, True, False, True])
-    x0 = consistency_target(target, batch, torch.zeros(4, 3, 8), sigma_next, mask)
-    for b in (0, 1):  # covered, with a next x_t: the target network's x0 there
-        want = batch["xt_next"][b] - sigma_next[b] * 0.5 * batch["xt_next"][b]
-        torch.testing.assert_close(x0[b], want)
-    torch.testing.assert_close(x0[3], batch["final_latent"][3])  # boundary: the final latent
-    assert not x0.requires_grad
 
 
 def test_sigma_table_gives_the_next_points_sigma_and_zero_past_the_last_slot() -> None:
     table = SigmaTable(torch.tensor([1.0, 0.8, 0.5]))
     slots = torch.tensor([0, 1, 2])
-    torch.testing.assert_close(table.next(slots, torch.zeros(3)), torch.tensor([0.8, 0.5, 0.0]))
-
-
-def test_the_target_network_is_an_ema_with_its_own_decay_and_no_gradients() -> None:
-    student = _Const()
-    target = TargetNetwork(student, decay=0.75)
-    with torch.no_grad():
-        student.scale.fill_(1.5)
-    target.update(student)
-    assert target.module.scale.item() == pytest.approx(0.75 * 0.5 + 0.25 * 1.5)
-    assert not target.module.scale.requires_grad
-    copy = TargetNetwork(student, decay=0.0)
-    with torch.no_grad():
-        student.scale.fill_(3.0)
-    copy.update(student)
-    assert copy.module.scale.item() == 3.0
+    got = table.next(slots, torch.zeros(3), [1, 2, 3])
+    torch.testing.assert_close(got, torch.tensor([0.8, 0.5, 0.0]))

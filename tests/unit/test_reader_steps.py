@@ -60,12 +60,12 @@ def test_a_resume_mid_step_replays_that_whole_step(tmp_path: Path) -> None:
     assert next(iter(other))["key"] == batches[6]
 
 
-def test_slots_narrow_the_space_and_with_next_adds_the_next_trajectory_point(
+def test_slots_narrow_the_space_and_next_slots_add_the_next_trajectory_point(
     tmp_path: Path,
 ) -> None:
     write_cache(tmp_path, range(4))
     reader = TrainingReader(
-        tmp_path, batch_size=4, slots=[1, 2], with_next=True, fields=["xt", "timesteps"]
+        tmp_path, batch_size=4, slots=[1, 2], next_slots=[1, 2, 3], fields=["xt", "timesteps"]
     )
     assert reader.batches_per_epoch() == 2  # 4 records x 2 slots
     with open_cache(tmp_path) as store:
@@ -82,7 +82,6 @@ def test_slots_narrow_the_space_and_with_next_adds_the_next_trajectory_point(
             if slot == 1:
                 torch.testing.assert_close(batch["xt_next"][b], rec.xt[2])
                 assert batch["timesteps_next"][b] == rec.timesteps[2]
-                assert not batch["next_is_final"][b]
             else:  # the last recorded step: the next point is the end of the trajectory
                 torch.testing.assert_close(batch["xt_next"][b], rec.final_latent)
-                assert batch["timesteps_next"][b] == 0 and batch["next_is_final"][b]
+                assert batch["timesteps_next"][b] == 0

@@ -85,15 +85,15 @@ def test_a_users_own_setting_wins(clean_env: None, monkeypatch: pytest.MonkeyPat
 def test_loss_curves_take_every_term_the_last_row_of_a_step_and_only_finite_values() -> None:
     rows = [
         {"event": "start", "step": 0},
-        {"step": 1, "loss": 2.0, "loss_output": 1.5, "loss_trajectory": 0.5, "lr": 1e-3},
-        {"step": 2, "loss": 9.0, "loss_output": math.inf, "loss_trajectory": 0.4},
-        {"step": 2, "loss": 1.0, "loss_output": 0.7, "loss_trajectory": 0.3},  # after a resume
+        {"step": 1, "loss": 2.0, "loss_output": 1.5, "loss_perflow": 0.5, "lr": 1e-3},
+        {"step": 2, "loss": 9.0, "loss_output": math.inf, "loss_perflow": 0.4},
+        {"step": 2, "loss": 1.0, "loss_output": 0.7, "loss_perflow": 0.3},  # after a resume
         {"event": "end", "step": 2},
     ]
     assert loss_curves(rows) == {
         "loss": ([1, 2], [2.0, 1.0]),
         "loss_output": ([1, 2], [1.5, 0.7]),
-        "loss_trajectory": ([1, 2], [0.5, 0.3]),
+        "loss_perflow": ([1, 2], [0.5, 0.3]),
     }
 
 

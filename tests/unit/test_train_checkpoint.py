@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load, save
 
@@ -16,7 +17,7 @@ from wandistill.train.checkpoint import (
     save_checkpoint,
     unflatten_optimizer,
 )
-from wandistill.train.checkpoint_read import load_checkpoint
+from wandistill.train.checkpoint_read import CheckpointError, check_state, load_checkpoint
 from wandistill.train.optim import build_optimizer, warmup_cosine
 
 
@@ -114,3 +115,35 @@ def test_warmup_then_cosine_reaches_the_floor_on_the_last_step() -> None:
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert f(4) == 1.0 and abs(f(19) - 0.1) < 1e-12
     assert all(f(s) >= f(s + 1) for s in range(4, 19))
+
+
+def test_a_checkpoint_with_the_removed_consistency_target_is_refused_by_name(
+    tmp_path: Path,
+) -> None:
+    """A run folder from before loss.consistency was removed: its target.safetensors is named
+    with the fix (such a run does not resume), not a schema error or a traceback."""
+
+    model, opt = _model_and_optimizer()
+    path = save_checkpoint(tmp_path, _ckpt(2, model, opt), keep=1)
+    check_state(path)  # a checkpoint of today reads
+    (path / "target.safetensors").write_bytes(save(model.state_dict()))
+    with pytest.raises(CheckpointError, match="loss.consistency, which was removed") as e:
+        check_state(path)
+    assert "cannot resume" in e.value.message and "new --out" in (e.value.fix or "")
+
+
+def test_a_sharded_checkpoint_with_the_removed_consistency_target_is_refused_by_name(
+    tmp_path: Path,
+) -> None:
+    """The FSDP form of the same: target.* tensors among the shards' metadata are named as the
+    removed objective's, before the generic "does not fit this student"."""
+    from types import SimpleNamespace
+
+    from wandistill.train import dcp
+
+    live = {"student.w": torch.zeros(2, 3)}
+    saved = {"student.w": SimpleNamespace(size=(2, 3))}
+    dcp._check_fits(tmp_path, saved, live)  # this run's tensors: fits
+    saved["target.w"] = SimpleNamespace(size=(2, 3))
+    with pytest.raises(CheckpointError, match="loss.consistency, which was removed"):
+        dcp._check_fits(tmp_path, saved, live)

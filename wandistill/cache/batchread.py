@@ -31,7 +31,7 @@ class BatchReading:
 
         In place when the backend can (`CacheReader.read_batch`): every tensor is read straight
         into its row of the batch, with no per-sample tensor and no stacking copy. Otherwise
-        (fields stored in another dtype, `with_next`) each sample is read and decoded on its own
+        (fields stored in another dtype, a next point) each sample is read and decoded on its own
         and copied into its row."""
         pad = None if self.pad == "batch" else self.store.max_sequence_length
         groups: dict[int, list[int]] = {}
@@ -140,18 +140,17 @@ class BatchReading:
         self.corrupt.append(msg)
 
     def _read_next(self, entry: Entry, row: int, slot: int) -> dict[str, torch.Tensor]:
-        """The next point of this sample's trajectory: the next recorded step's x_t and t, or
-        after the last recorded step the final latent (in x_t's dtype) at t = 0."""
+        """The next point of this sample's trajectory: slot `next_slots[slot]`'s x_t and t, or
+        past the last recorded step the final latent (in x_t's dtype) at t = 0."""
         store = self._store_of(entry)
-        ahead = self.next_slots[slot] if self.next_slots is not None else slot + 1
+        assert self.next_slots is not None
+        ahead = self.next_slots[slot]
         if ahead < self.num_slots:
             nxt = store.read_sample(entry, row, ahead, ["xt", "timesteps"], pad=False)
-            xt, t, final = nxt["xt"], nxt["timesteps"], False
-        else:
-            both = store.read_sample(entry, row, slot, ["xt", "final_latent"], pad=False)
-            xt = both["final_latent"].to(both["xt"].dtype)
-            t, final = torch.zeros((), dtype=torch.float32), True
-        return {"xt_next": xt, "timesteps_next": t, "next_is_final": torch.tensor(final)}
+            return {"xt_next": nxt["xt"], "timesteps_next": nxt["timesteps"]}
+        both = store.read_sample(entry, row, slot, ["xt", "final_latent"], pad=False)
+        xt = both["final_latent"].to(both["xt"].dtype)
+        return {"xt_next": xt, "timesteps_next": torch.zeros((), dtype=torch.float32)}
 
     def _collate(
         self, tensors: dict[str, torch.Tensor], order: list[int], samples: list[Sample]

@@ -13,9 +13,9 @@ sorted by key, so it does not depend on how the cache was sharded or by how many
   trains like 1 rank x N*A), and every rank yields exactly A * (len(space) // G) batches per epoch
   (the tail is dropped, as DDP requires);
 - the state is (epoch, optimizer steps consumed): resuming mid-epoch is exact;
-- `slots` narrows the space to the recorded steps the objectives use, and `with_next` adds the
-  next point of each sample's trajectory (`xt_next`, `timesteps_next`: the next recorded step, or
-  after the last one the final latent with t = 0 and `next_is_final`), for consistency training;
+- `slots` narrows the space to the recorded steps the objectives use, and `next_slots` adds a
+  next point of each sample's trajectory (`xt_next`, `timesteps_next`: the x_t and t of slot
+  `next_slots[slot]`, or past the last slot the final latent with t = 0), perflow's window end;
 - each batch is one task of a thread pool, read `max(prefetch_batches, num_threads)` batches
   ahead of the consumer; each sample is a few positioned reads (the step's rows of x_t and the
   teacher output, the embedding) straight into its row of the batch tensors (cache/batch.py),
@@ -119,7 +119,6 @@ class TrainingReader(FollowMode, BatchReading):
         seed: int = 0,
         fields: tuple[str, ...] | list[str] = DEFAULT_FIELDS,
         slots: list[int] | None = None,
-        with_next: bool = False,
         next_slots: Sequence[int] | None = None,
         follow: bool = False,
         poll_interval: float = 1.0,
@@ -152,10 +151,10 @@ class TrainingReader(FollowMode, BatchReading):
         self.slots = sorted(set(range(self.num_slots) if slots is None else slots))
         if not self.slots or not all(0 <= s < self.num_slots for s in self.slots):
             raise UsageError(f"slots={slots} must be recorded-step slots in [0, {self.num_slots})")
-        self.with_next = with_next
         self.next_slots = list(next_slots) if next_slots is not None else None
-        """with_next: slot -> the slot read as the next point (default slot + 1; num_slots or
-        more: the final latent); perflow's window ends."""
+        """Slot -> the slot read as each sample's next point (num_slots or more: the final
+        latent); perflow's window ends. None: no next point."""
+        self.with_next = self.next_slots is not None
         self.follow = follow
         self.poll_interval = poll_interval
         self.follow_timeout = follow_timeout

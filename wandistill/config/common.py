@@ -29,6 +29,26 @@ TYPE_NAMES = {"int_type": "int", "float_type": "float", "string_type": "str", "b
 TYPE_NAMES |= {"list_type": "a list", "dict_type": "a table"}
 RANGE_FIX = "set each named key to a value in its allowed range"
 
+_LOST = (
+    "it lost to loss.unroll in every cell with K >= 2 and to loss.perflow in all but one: "
+    "docs/benchmarks.md"
+)
+_FEW_STEP = "delete {key}; for a few-step student use loss.perflow = 1 or loss.unroll = 1"
+REMOVED = {
+    "loss.trajectory": (_LOST, _FEW_STEP),
+    "loss.reflow": (_LOST, _FEW_STEP),
+    "loss.consistency": (
+        "it lost to loss.perflow and loss.unroll in every cell: docs/benchmarks.md",
+        _FEW_STEP,
+    ),
+    "loss.consistency_target_decay": (
+        "with loss.consistency, whose EMA target it set",
+        "delete {key}",
+    ),
+}
+"""Keys a recipe or `--set` may still carry from an older wandistill: section.key -> (why it
+went, the fix). Refused by name (`unknown_key`), never guessed at with "did you mean"."""
+
 
 def section(name: str) -> Callable[[type[T]], type[T]]:
     """Class decorator: a recipe table as a pydantic dataclass (RECIPE config; `replace`, `asdict`
@@ -96,8 +116,12 @@ def _line(err: Any, cls: Any, where: str, values: dict[str, Any]) -> tuple[str, 
 
 
 def unknown_key(key: str, valid: list[str], where: str) -> tuple[str, str]:
-    """A misspelt key: the closest valid one ("did you mean"), else every valid key here."""
+    """A removed key (`REMOVED`: why, and what replaces it); a misspelt one: the closest valid
+    one ("did you mean"), else every valid key here."""
     name = f"{where}.{key}" if where else key
+    for old, (why, fix) in REMOVED.items():
+        if name == old or name.endswith("." + old):
+            return f"{name} was removed ({why})", fix.format(key=name)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     prefix = where + "." if where else ""
     if close:

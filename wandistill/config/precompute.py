@@ -99,7 +99,7 @@ class SamplerConfig:
     record_for_student_steps: list[Annotated[int, Range(ge=1, le=1000)]] = field(
         default_factory=list
     )
-    """Also record the teacher steps a K-step student is trained at (trajectory objective), for
+    """Also record the teacher steps a K-step student is trained at (perflow, unroll), for
     each K listed, e.g. [1, 2, 4]: the steps where the student's K-step schedule meets the
     teacher's N-step one (every N/K-th step for Wan's UniPC flow schedule; K must land on it)."""
     features: list[str] = field(default_factory=list)

@@ -90,7 +90,7 @@ class StudentConfig:
     """K: the sampler steps the student is trained for (1, 2, 4, ...). None: the teacher's N,
     i.e. step imitation with the teacher's own scheduler. A K-step student samples with a
     first-order flow scheduler whose K steps land on the teacher's schedule (see docs/export.md);
-    the trajectory objective trains it at exactly those K recorded steps."""
+    loss.perflow and loss.unroll train it at exactly those K recorded steps."""
     experts: str = "one"
     """Wan 2.2 A14B: "one" student replaces both experts; "per-expert" trains a high-noise
     (`transformer`) and a low-noise (`transformer_2`) student, each on the recorded points of
@@ -156,23 +156,6 @@ class LossConfig:
     """Weight of feature matching through learned student-to-teacher-width projections."""
     feature_map: dict[str, str] = field(default_factory=dict)
     """Teacher feature (recorded by precompute) -> student block, e.g. {"blocks.8" = "blocks.1"}."""
-    trajectory: Annotated[float, Range(ge=0, le=1e6)] = 0.0
-    """Weight of trajectory regression (ODE / knowledge distillation for a K-step student): at
-    the recorded points the K-step student is sampled at, x0 = x_t - sigma_t * v_student matches
-    the final latent of that teacher trajectory. Needs those K steps recorded."""
-    consistency: Annotated[float, Range(ge=0, le=1e6)] = 0.0
-    """Weight of consistency distillation: x0 of the student at a recorded point x_{t_n} matches
-    x0 of a stop-gradient EMA copy of the student at the cached next point x_{t_(n+1)} (the
-    teacher's ODE step, read from the cache); at the last step the target is the final latent.
-    Needs every teacher step recorded."""
-    reflow: Annotated[float, Range(ge=0, le=1e6)] = 0.0
-    """Weight of reflow (rectified-flow distillation, Liu et al. 2023 / InstaFlow): at the K-step
-    student's sigmas, the input is the straight-line point sigma * noise + (1 - sigma) * x_0
-    between the trajectory's cached noise and its final latent, and x0 = x - sigma * v_student
-    matches that final latent. These are the very points the K-step first-order sampler visits
-    when its earlier estimates were right (the recorded x_t of the teacher's curved trajectory
-    are not), so it trains the student where it samples. Needs the noise and final latent only
-    (and the K steps recorded, which are its samples' slots)."""
     unroll: Annotated[float, Range(ge=0, le=1e6)] = 0.0
     """Weight of the unroll objective (`wandistill.student.unroll`): the student's own K-step
     sampler runs from each record's cached noise and its final latent matches the cached one,
@@ -185,9 +168,6 @@ class LossConfig:
     the recorded x_t of each student step k, the student's velocity matches the straight one
     across the window to the cached point at the student's next sigma (the final latent after the
     last): (x_k - x_(k+1)) / (sigma_k - sigma_(k+1)). Needs the K student steps recorded."""
-    consistency_target_decay: Annotated[float, Range(ge=0, lt=1)] = 0.95
-    """EMA decay of the consistency target network (updated after every optimizer step; 0 makes
-    the target a stop-gradient copy of the current student). 0.95 as in Song et al. 2023 (CD)."""
 
     def weights(self) -> dict[str, float]:
         """Objective name -> weight, for every objective (weight 0: off)."""
@@ -195,9 +175,6 @@ class LossConfig:
             "output": self.output,
             "final_latent": self.final_latent,
             "feature": self.feature,
-            "trajectory": self.trajectory,
-            "consistency": self.consistency,
-            "reflow": self.reflow,
             "unroll": self.unroll,
             "perflow": self.perflow,
         }
@@ -210,16 +187,14 @@ class LossConfig:
 
     @property
     def at_recorded_points(self) -> bool:
-        """Does any weighted objective run the student at the recorded x_t (all but reflow, which
-        builds its own inputs): if none does, the x_t forward is skipped."""
-        own = ("reflow", "unroll")
-        return any(w > 0 for name, w in self.weights().items() if name not in own)
+        """Does any weighted objective run the student at the recorded x_t (all but unroll, which
+        samples from the noise): if none does, the x_t forward is skipped."""
+        return any(w > 0 for name, w in self.weights().items() if name != "unroll")
 
     @property
     def few_step(self) -> bool:
         """Does any weighted objective train a K-step student (first-order sampler)."""
-        few = ("trajectory", "consistency", "reflow", "unroll", "perflow")
-        return any(self.weights()[name] > 0 for name in few)
+        return self.unroll > 0 or self.perflow > 0
 
     def __post_init__(self) -> None:
         _problems(

@@ -73,12 +73,11 @@ def _manifest(cache: str) -> Manifest | None:
 
 
 def _shape(cfg: TrainConfig, recipe: Recipe, manifest: Manifest | None) -> TrainShape:
-    rows = 2 if cfg.loss.reflow > 0 and cfg.loss.at_recorded_points else 1
     shape_dims = (manifest.dims.latent_shape if manifest else None) or []
     if manifest is not None and len(shape_dims) == 4:
         _, f, h, w = (int(v) for v in shape_dims)
         text = manifest.settings.max_sequence_length or 512
-        return TrainShape(f, h, w, text, cfg.batch_size, rows, "cache manifest")
+        return TrainShape(f, h, w, text, cfg.batch_size, "cache manifest")
     s = recipe.precompute.sampler
     return TrainShape.from_video(
         num_frames=s.num_frames,
@@ -86,7 +85,6 @@ def _shape(cfg: TrainConfig, recipe: Recipe, manifest: Manifest | None) -> Train
         width=s.width,
         text_tokens=s.max_sequence_length,
         batch_size=cfg.batch_size,
-        rows_per_sample=rows,
         source="recipe (precompute.sampler)",
     )
 

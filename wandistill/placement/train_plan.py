@@ -14,8 +14,6 @@ per rank on an `Inventory` (detected, or described with `--gpus --gpu-mem --cpu-
                  (`gradient_as_bucket_view` is off) once there are 2+ ranks; FSDP: a 1/N shard.
     optimizer    AdamW's exp_avg + exp_avg_sq, fp32: 8 bytes per trained parameter (FSDP: 1/N).
     EMA          fp32 copy of the trained parameters (FSDP: sharded like the student).
-    target       consistency's EMA target network, a whole copy of the student (only with
-                 loss.consistency > 0).
     activations  `train_size.activation_bytes` (calibrated, stated there), plus autocast's cache
                  of bf16 copies of the trained fp32 weights (2 bytes each) under bf16 autocast.
     overhead     CUDA context + allocator slack per GPU (1 GiB). The process itself (the
@@ -30,12 +28,12 @@ per rank on an `Inventory` (detected, or described with `--gpus --gpu-mem --cpu-
                  `bytes` copy of it; measured: a 256 MiB file peaks at +512 MiB RSS). The largest
                  file is, under DDP, AdamW's states on rank 0 (8 bytes per trained parameter);
                  under FSDP, a file of the rank's DCP shard: the shard (the rank's student, EMA,
-                 AdamW states and target: 16 bytes per trained parameter, plus the target, over
-                 N) split into files of at most SHARD_FILE_BYTES (`train/dcp.py`), or one
-                 tensor's shard where that is larger. So 2x that file (measured on the CPU, where
-                 it adds to the peak: tests/bench/train_memory.py, docs/benchmarks.md). On GPUs
-                 it is RAM, and the tensors' CPU copy may add one more file (not measured: no GPU
-                 here; not counted).
+                 AdamW states: 16 bytes per trained parameter over N) split into files of at
+                 most SHARD_FILE_BYTES (`train/dcp.py`), or one tensor's shard where that is
+                 larger. So 2x that file (measured on the CPU, where it adds to the peak:
+                 tests/bench/train_memory.py, docs/benchmarks.md). On GPUs it is RAM, and the
+                 tensors' CPU copy may add one more file (not measured: no GPU here; not
+                 counted).
 
 `per-expert` students (Wan 2.2) hold two students' states; a sample runs through one of them, so
 activations count once. The sum is a peak bound: on a GPU, gradients and activations overlap in
@@ -89,8 +87,6 @@ class Choice:
     batch_size: int = 1
     experts: int = 1
     """Students held at once: 2 for per-expert."""
-    target: bool = False
-    """A consistency target network is held."""
 
     def settings(self) -> dict[str, str]:
         """Recipe key -> TOML value for every key this choice sets."""
@@ -132,7 +128,6 @@ def choice_of(cfg: TrainConfig) -> Choice:
         lora_rank=cfg.student.lora.rank,
         batch_size=cfg.batch_size,
         experts=2 if cfg.student.experts == "per-expert" else 1,
-        target=cfg.loss.consistency > 0,
     )
 
 
@@ -146,7 +141,6 @@ class RankMemory:
     gradients: int
     optimizer: int
     ema: int
-    target: int
     activations: int
     activations_other: int
     """The activations with checkpointing flipped (the with/without figure)."""
@@ -168,7 +162,6 @@ class RankMemory:
             + self.gradients
             + self.optimizer
             + self.ema
-            + self.target
             + self.activations
             + self.overhead
             + (self.checkpoint if self.device == "cpu" else 0)
@@ -207,15 +200,13 @@ def _room(inventory: Inventory, world: int) -> tuple[str, int, int]:
     return "cpu", ram, ram
 
 
-def _largest_checkpoint_file(
-    size: StudentSize, trained: int, target: int, shard: int, fsdp: bool
-) -> int:
+def _largest_checkpoint_file(size: StudentSize, trained: int, shard: int, fsdp: bool) -> int:
     """Bytes of the largest file a rank writes in a checkpoint (module docstring): DDP, AdamW's
-    states (rank 0); FSDP, the rank's shard (16 bytes per trained parameter and the target, over
-    N) in files of at most SHARD_FILE_BYTES, or one tensor's shard where that is larger."""
+    states (rank 0); FSDP, the rank's shard (16 bytes per trained parameter over N) in files of
+    at most SHARD_FILE_BYTES, or one tensor's shard where that is larger."""
     if not fsdp:
         return 8 * trained
-    whole = 16 * trained // shard + target
+    whole = 16 * trained // shard
     return min(whole, max(SHARD_FILE_BYTES, 4 * size.largest_param // shard))
 
 
@@ -239,7 +230,6 @@ def rank_memory(
     if not fsdp and world > 1:
         grads *= 2  # DDP's all-reduce buckets
     optimizer, ema = 8 * trained // shard, 4 * trained // shard
-    target = 4 * size.params * choice.experts // shard if choice.target else 0
     kw = {"bf16": choice.bf16 or param_bytes == 2}
     act = activation_bytes(size, shape, checkpointing=choice.checkpointing, **kw)
     other = activation_bytes(size, shape, checkpointing=not choice.checkpointing, **kw)
@@ -253,9 +243,9 @@ def rank_memory(
         weights -= 4 * (trained + frozen) // shard
         grads = optimizer = ema = 0
     overhead = CUDA_OVERHEAD if device == "cuda" else 0
-    checkpoint = 2 * _largest_checkpoint_file(size, trained, target, shard, fsdp)
+    checkpoint = 2 * _largest_checkpoint_file(size, trained, shard, fsdp)
     return RankMemory(
-        choice, world, weights, grads, optimizer, ema, target, act, other, overhead, offloaded,
+        choice, world, weights, grads, optimizer, ema, act, other, overhead, offloaded,
         checkpoint, device, room, ram,
     )  # fmt: skip
 
@@ -383,8 +373,7 @@ def render_train_plan(plan: TrainPlan) -> list[Any]:
             if r.choice.checkpointing
             else (r.activations_other, r.activations)
         )
-        extra = f" +{_gib(r.target)} target" if r.target else ""
-        extra += f" +{_gib(r.offloaded)} in RAM" if r.offloaded else ""
+        extra = f" +{_gib(r.offloaded)} in RAM" if r.offloaded else ""
         fits = Text("yes", style="green") if r.fits else Text("no", style="red")
         t.add_row(
             ("* " if i == 0 else "") + r.choice.label() + extra,

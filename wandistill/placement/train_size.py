@@ -198,8 +198,6 @@ class TrainShape:
     latent_width: int
     text_tokens: int = 512
     batch_size: int = 1
-    rows_per_sample: int = 1
-    """Forward rows per sample: 2 when reflow's own points join the recorded x_t in one batch."""
     source: str = "recipe"
     """Where the sizes came from: "cache manifest" or "recipe (precompute.sampler)"."""
 
@@ -216,15 +214,10 @@ class TrainShape:
             math.ceil(self.latent_frames / t) * (self.latent_height // h) * (self.latent_width // w)
         )
 
-    @property
-    def rows(self) -> int:
-        return self.batch_size * self.rows_per_sample
-
     def describe(self) -> str:
         return (
             f"latents {self.latent_frames}x{self.latent_height}x{self.latent_width} "
             f"({self.tokens():,} tokens), batch {self.batch_size}"
-            + (f" x{self.rows_per_sample} rows (reflow)" if self.rows_per_sample > 1 else "")
             + f", text {self.text_tokens}; from the {self.source}"
         )
 
@@ -233,7 +226,7 @@ def activation_bytes(
     size: StudentSize, shape: TrainShape, *, bf16: bool, checkpointing: bool
 ) -> int:
     """Activation memory of one forward + backward of a micro-batch (module docstring)."""
-    tokens = shape.rows * shape.tokens()
+    tokens = shape.batch_size * shape.tokens()
     block = tokens * (ACT_D * size.width + ACT_F * size.ffn_dim)
     if bf16:
         block *= BF16_ACT_RATIO

@@ -9,7 +9,7 @@ boundary_timestep: current_model = self.transformer`) and the recording sampler'
 - **Training.** `ExpertPair` is one `nn.Module` holding both students; its `forward` has the
   signature of `WanTransformer3DModel.forward` and sends each sample to the expert its timestep
   belongs to (the recorded teacher timestep, i.e. the expert that produced the point). So one
-  optimizer, one loop, DDP / FSDP, EMA, the consistency target and checkpoints see one module
+  optimizer, one loop, DDP / FSDP, EMA and checkpoints see one module
   whose state dict is `transformer.*` + `transformer_2.*`. A micro-batch whose samples all fall
   on one side still runs the other expert once, on its first sample, with its output multiplied
   by 0: every parameter gets a (zero) gradient in every backward, which DDP's reducer and FSDP's
@@ -150,7 +150,7 @@ class ExpertPair(nn.Module):
 def is_sharded(module: nn.Module) -> bool:
     """FSDP2's `fully_shard` has wrapped `module` or a part of it (its blocks): its forward
     all-gathers, a collective, so every rank must run it even with no sample of its own (an idle
-    expert, a consistency target with nothing to evaluate), else the ranks deadlock. (Asked of
+    expert), else the ranks deadlock. (Asked of
     the modules, not the parameters: inside the root's forward its own are unsharded tensors.)"""
     from torch.distributed.fsdp import FSDPModule
 

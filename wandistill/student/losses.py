@@ -6,26 +6,12 @@
 - final_latent: MSE between the student's one-step estimate of the clean latent and the teacher
   sampler's final latent x_0 (same noise, same prompt).
 - feature: MSE between projected student block outputs and recorded teacher block outputs.
-- trajectory (ODE regression / knowledge distillation, as FastVideo's and NVlabs FastGen's KD):
-  at the recorded points a K-step student is sampled at, the student's clean-latent estimate
-  x0 = x_t - sigma_t * v matches the final latent of that teacher trajectory. Training at exactly
-  those points (not at every recorded step) is what makes a K-step sampler: step k starts from
-  the teacher's x_t at the student's k-th sigma and must land on the trajectory's end.
-- consistency (consistency distillation, Song et al. 2023, with the cache as the teacher): the
-  cached next point x_{t_(n+1)} of the same trajectory *is* the teacher's ODE step from x_{t_n},
-  so f_theta(x_{t_n}) = x0 of the student there matches stop-grad f_ema(x_{t_(n+1)}) = x0 of an
-  EMA copy of the student at the next point; after the last step the next point is the final
-  latent itself (the boundary condition f(x_0) = x_0). No teacher forward anywhere.
-- reflow (rectified-flow distillation, Liu et al. 2023 "Flow Straight and Fast", InstaFlow): at
-  the student's K sigmas, the input is x = sigma * noise + (1 - sigma) * x_0 on the straight line
-  from the trajectory's cached noise to its final latent, and the student's x0 there matches x_0.
-  A first-order K-step sampler whose earlier x0 estimates were right visits exactly these points
-  (from x_T = noise, each step lands on sigma' * noise + (1 - sigma') * x0), not the recorded x_t
-  of the teacher's curved trajectory, which `trajectory` trains at: the two cover the points the
-  sampler starts from and the points it then goes through. The samples it covers get a forward
-  of their own, concatenated into the same call as the recorded x_t (which are not run at all
-  when no other weighted objective uses them).
+- unroll: `student.unroll` says what it trains.
 - perflow (piecewise reflow): `student.perflow` says what it trains.
+
+trajectory (x0 regression at the student's steps), consistency (against an EMA target at the
+cached next point) and reflow (x0 on the noise-to-final-latent line) were removed: each lost to
+unroll in every K >= 2 cell of docs/benchmarks.md, and to perflow in all but one.
 
 Each sample is one (record, recorded step); an objective covers only the steps it trains at (a
 per-sample mask, from `schedule.ObjectivePlan`). Its contribution to the loss is the sum of its
@@ -53,7 +39,6 @@ import torch
 from wandistill.cache.files import SettingsBlock
 from wandistill.config import LossConfig
 from wandistill.errors import CacheError
-from wandistill.student.experts import is_sharded
 
 NUM_TRAIN_TIMESTEPS = 1000
 
@@ -88,63 +73,22 @@ class SigmaTable:
         self,
         step_slot_B: torch.Tensor,
         timesteps_next_B: torch.Tensor,
-        next_slots: list[int] | None = None,
+        next_slots: list[int],
     ) -> torch.Tensor:
-        """sigma of each sample's next point (the reader's `xt_next`): the next slot's (or
-        `next_slots[slot]`'s, perflow's window ends), and 0 past the last slot (the final latent;
-        x0 there is the latent itself)."""
+        """sigma of each sample's next point (the reader's `xt_next`): `next_slots[slot]`'s
+        (perflow's window ends), and 0 past the last slot (the final latent)."""
         if self.by_slot is None:
             return timesteps_next_B.float() / NUM_TRAIN_TIMESTEPS
         dev = timesteps_next_B.device
         padded = torch.cat([self.by_slot, self.by_slot.new_zeros(1)]).to(dev)
         slot = step_slot_B.to(dev)
-        if next_slots is None:
-            return padded[slot + 1]
         ahead = torch.tensor(next_slots, device=dev).clamp_max(padded.numel() - 1)
         return padded[ahead[slot]]
-
-
-def reflow_input(batch: dict[str, Any], sigma_B: torch.Tensor) -> torch.Tensor:
-    """The straight-line point between each sample's noise and final latent at its sigma."""
-    noise = batch["noise"].float()
-    s = sigma_B.view(-1, *([1] * (noise.ndim - 1))).to(noise)
-    return s * noise + (1 - s) * batch["final_latent"].float()
 
 
 def per_sample_mse(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[B] mean squared error of each sample, in fp32."""
     return (a.float() - b.float()).square().flatten(1).mean(1)
-
-
-@torch.no_grad()
-def consistency_target(
-    target: torch.nn.Module,
-    batch: dict[str, Any],
-    embeds_BLD: torch.Tensor,
-    sigma_next_B: torch.Tensor,
-    mask_B: torch.Tensor,
-) -> torch.Tensor:
-    """x0 the consistency term regresses to: the EMA target's estimate at the cached next point,
-    or the final latent where the next point is the end of the trajectory. Only the samples the
-    term covers (`mask_B`) and that have a next x_t are run through the target network."""
-    out = batch["final_latent"].float().clone()
-    run = mask_B & ~batch["next_is_final"]
-    some = bool(run.any())
-    if not some and not is_sharded(target):
-        return out
-    # FSDP2: the target's forward is a collective, so a rank with nothing to evaluate runs its
-    # first sample and discards the result
-    rows = run if some else torch.arange(run.numel(), device=run.device) == 0
-    xt = batch["xt_next"][rows].float()
-    (v,) = target(
-        hidden_states=xt,
-        timestep=batch["timesteps_next"][rows].float(),
-        encoder_hidden_states=embeds_BLD[rows],
-        return_dict=False,
-    )
-    if some:
-        out[run] = flow_x0(xt, v.float(), sigma_next_B[run])
-    return out
 
 
 def distill_losses(
@@ -154,46 +98,31 @@ def distill_losses(
     weights: LossConfig,
     sigma_B: torch.Tensor | None,
     masks: dict[str, torch.Tensor] | None = None,
-    consistency_x0: torch.Tensor | None = None,
-    reflow_x0: torch.Tensor | None = None,
     unrolled: torch.Tensor | None = None,
     perflow_v: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every weighted term (the mean over the samples it covers; absent if it covers none of
     this batch, `output` always when it covers any and the student ran at the recorded x_t:
-    `pred` has no rows when only reflow is weighted) and `loss`, the weighted sum of each term's
+    `pred` has no rows when only unroll is weighted) and `loss`, the weighted sum of each term's
     per-sample errors over the batch size. `masks`: objective -> [B] bool (default: all).
-    `reflow_x0`: [B, ...] the student's x0 at each sample's `reflow_input` (rows outside the
-    reflow mask are ignored). `unrolled`: [B, ...] the student's K-step final latent from each
+    `unrolled`: [B, ...] the student's K-step final latent from each
     sample's noise (`student.unroll`; rows outside the unroll mask are ignored). `perflow_v`:
     [B, ...] the straight velocity across each sample's window (`student.perflow`)."""
     batch_size = batch["xt"].shape[0]
     per: dict[str, torch.Tensor] = {}
     pred = pred.float()
-    if pred.shape[0]:  # empty when no weighted objective uses the recorded x_t (reflow alone)
+    if pred.shape[0]:  # empty when no weighted objective uses the recorded x_t (unroll alone)
         per["output"] = per_sample_mse(pred, batch["teacher_out"])
-    if weights.reflow > 0:
-        assert reflow_x0 is not None, "reflow needs the student's x0 on the straight line"
-        per["reflow"] = per_sample_mse(reflow_x0, batch["final_latent"])
     if weights.unroll > 0:
         assert unrolled is not None, "unroll needs the student's K-step final latent"
         per["unroll"] = per_sample_mse(unrolled, batch["final_latent"])
     if pred.shape[0] and weights.perflow > 0:
         assert perflow_v is not None, "perflow needs the window velocity"
         per["perflow"] = per_sample_mse(pred, perflow_v)
-    if pred.shape[0] and (
-        weights.final_latent > 0 or weights.trajectory > 0 or weights.consistency > 0
-    ):
+    if pred.shape[0] and weights.final_latent > 0:
         assert sigma_B is not None, "x0 objectives need sigma_t"
         x0 = flow_x0(batch["xt"].float(), pred, sigma_B)
-        x0_err = per_sample_mse(x0, batch["final_latent"])
-        if weights.final_latent > 0:
-            per["final_latent"] = x0_err
-        if weights.trajectory > 0:
-            per["trajectory"] = x0_err
-        if weights.consistency > 0:
-            assert consistency_x0 is not None, "consistency needs its target"
-            per["consistency"] = per_sample_mse(x0, consistency_x0)
+        per["final_latent"] = per_sample_mse(x0, batch["final_latent"])
     if weights.feature > 0:
         per["feature"] = _feature_error(feats, batch)
     terms: dict[str, torch.Tensor] = {}

@@ -12,11 +12,11 @@ so one first-order (Euler / flow-DDIM) step x_k + (sigma_(k+1) - sigma_k) * v* l
 the teacher's x_(k+1). The K-step sampler visits only window starts, so that is where the student
 is trained (PeRFlow's interior points only matter to a sampler that takes more steps than K).
 
-Against the other per-point objectives: `trajectory` asks the velocity at x_k to point at the
-trajectory's end (one jump to x_0 from every step); perflow asks it to reach the next window's
-start, which is what a K-step sampler uses; for the last window the two are the same target.
-No teacher forward: the window ends are cached points (`ObjectivePlan.next_slots` points the
-reader's next point at them; precompute records them with `sampler.record_for_student_steps`).
+Against x0 regression at the student's steps (the removed `trajectory`, which asked the velocity
+at x_k to point at the trajectory's end, one jump to x_0 from every step), perflow asks it to
+reach the next window's start, which is what a K-step sampler uses. No teacher forward: the
+window ends are cached points (`ObjectivePlan.next_slots` points the reader's next point at
+them; precompute records them with `sampler.record_for_student_steps`).
 """
 
 from __future__ import annotations

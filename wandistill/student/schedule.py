@@ -2,8 +2,8 @@
 
 A student trained for K steps must be *sampled* at exactly the points it was trained at, by a
 stock diffusers scheduler (so the export drops into `WanPipeline`), with a first-order update
-(the trajectory, consistency and reflow objectives teach an x0 estimate; a first-order step turns an
-x0 estimate into the next point, DDIM-style, and nothing else). Why this scheduler:
+(the unroll and perflow objectives train the student's own first-order steps: a first-order step
+turns an x0 estimate into the next point, DDIM-style, and nothing else). Why this scheduler:
 
 - Wan's teachers use `UniPCMultistepScheduler(prediction_type="flow_prediction",
   use_flow_sigmas=True, flow_shift=s)`. Its `set_timesteps(N)` takes
@@ -33,7 +33,7 @@ does not land on it is an error listing the K that do. The truncated integer tim
 computes the two linspaces separately (seen at shift 1.0: N = 21, K = 3); the sigma, which is all
 the update uses, is identical.
 
-Step imitation (K unset and no trajectory, consistency or reflow) keeps the teacher's own scheduler
+Step imitation (K unset and no unroll or perflow) keeps the teacher's own scheduler
 and N: the student learned the teacher's velocity at every step, so the teacher's solver is the
 one that reproduces the teacher's trajectory from it.
 """
@@ -55,7 +55,7 @@ SIGMA_TOLERANCE = 1e-6
 SUPPORTED = ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
 STEP_IMITATION = ("output", "final_latent", "feature")
 """Objectives that match the teacher at every recorded step of its N-step trajectory."""
-AT_STUDENT_STEPS = ("trajectory", "reflow", "perflow")
+AT_STUDENT_STEPS = ("perflow",)
 """Objectives that train a K-step student at exactly its K sigmas (the recorded slots there)."""
 
 
@@ -272,8 +272,7 @@ def student_schedule(
     if teacher.scheduler is None or len(teacher.sigmas) != n + 1:
         raise UsageError(
             "the cache records no teacher scheduler and sigma schedule, which a K-step student "
-            "(train.student.num_inference_steps, loss.trajectory, loss.consistency, "
-            "loss.reflow) needs",
+            "(train.student.num_inference_steps, loss.unroll, loss.perflow) needs",
             fix="re-run `wandistill precompute` into a new cache with this wandistill",
         )
     if k > n:
@@ -335,15 +334,9 @@ class ObjectivePlan:
         used = {s for steps in self.steps.values() for s in steps}
         return sorted(self.teacher.slot(s) for s in used)
 
-    @property
-    def needs_next(self) -> bool:
-        return "consistency" in self.steps or "perflow" in self.steps
-
     def next_slots(self) -> list[int] | None:
         """Slot -> the slot whose x_t is each sample's next point (`len(recorded)`: the final
-        latent). consistency: the next recorded step (None, the reader's default); perflow: the
-        end of the student's window, the slot of its next step (`plan_objectives` refuses both
-        together)."""
+        latent): perflow's window end, the slot of the student's next step (None without it)."""
         if "perflow" not in self.steps:
             return None
         recorded = self.teacher.recorded
@@ -398,12 +391,6 @@ class ObjectivePlan:
                 f"  {r['index']:>4}: t={r['timestep']:7.2f}  sigma={r['sigma']:.4f}{expert}  "
                 f"{' '.join(r['objectives'])}"
             )
-        if self.needs_next:
-            last = t.num_inference_steps - 1
-            lines.append(
-                f"  consistency pairs step n with the cached step n+1 (EMA target); after step "
-                f"{last} the target is the final latent"
-            )
         return lines
 
 
@@ -449,30 +436,6 @@ def plan_objectives(loss: LossConfig, k: int | None, teacher: TeacherSchedule) -
                     f"loss.unroll samples each record once, at the student's first step "
                     f"{student.steps[0]}, which the cache did not record",
                     [f"re-run precompute with {fix_k}"],
-                )
-            )
-    if loss.perflow > 0 and loss.consistency > 0:
-        problems.append(
-            (
-                "loss.perflow reads each sample's next point at the student's next step, "
-                "loss.consistency at the teacher's next step: one run reads one of them",
-                ["set loss.consistency = 0 or loss.perflow = 0"],
-            )
-        )
-    if loss.consistency > 0:
-        span = tuple(range(student.steps[0], teacher.num_inference_steps))
-        steps["consistency"] = span
-        missing = sorted(set(span) - recorded)
-        if missing:
-            problems.append(
-                (
-                    "loss.consistency pairs every teacher step with the next one (the cached "
-                    f"teacher ODE step), but the cache did not record steps {missing[:8]}"
-                    f"{' ...' if len(missing) > 8 else ''}",
-                    [
-                        "re-run precompute with sampler.record_every = 1 (every step)",
-                        "set loss.consistency = 0",
-                    ],
                 )
             )
     if problems:

@@ -5,7 +5,7 @@ From each record's cached noise the student's first-order K-step sampler runs (x
 the deterministic first-order DDIM / UniPC-predictor step), and its final latent is matched to the
 record's cached final latent (DiffSynth's "direct distill"). The loss is backpropagated through
 all K steps, so each step learns to correct what the steps before it left, which per-point
-objectives (trajectory, reflow) cannot teach. No teacher forward.
+objectives (perflow) cannot teach. No teacher forward.
 
 Memory: a plain backward through K steps holds K steps' activations. With `loss.unroll_checkpoint`
 (default on) each step is an activation checkpoint (torch.utils.checkpoint, non-reentrant): only

@@ -1,5 +1,5 @@
-"""The run's parts, built: the student (LoRA, gradient checkpointing, its consistency target,
-placed or sharded over the ranks) and this rank's training reader over the caches."""
+"""The run's parts, built: the student (LoRA, gradient checkpointing, placed or sharded over the
+ranks) and this rank's training reader over the caches."""
 
 from __future__ import annotations
 
@@ -16,37 +16,29 @@ from wandistill.student.config import width
 from wandistill.student.model import DistillModule
 from wandistill.student.schedule import ObjectivePlan
 from wandistill.train import parallel
-from wandistill.train.ema import TargetNetwork
 
 if TYPE_CHECKING:
     from wandistill.train.inputs import Plan
 
 
-def build_model(
-    cfg: TrainConfig, plan: Plan, info: dist.DistInfo
-) -> tuple[DistillModule, TargetNetwork | None]:
-    """The student (LoRA added, checkpointing on), its consistency target and the distillation
-    wrapper, placed on the device or sharded over the ranks (FSDP2)."""
+def build_model(cfg: TrainConfig, plan: Plan, info: dist.DistInfo) -> DistillModule:
+    """The student (LoRA added, checkpointing on) and the distillation wrapper, placed on the
+    device or sharded over the ranks (FSDP2)."""
     student = experts.build(cfg.student, plan.student_config, plan.manifest.settings, seed=cfg.seed)
     if cfg.student.lora.enabled:  # before any wrapper (DDP here, FSDP2's fully_shard) sees it
         lora.add_lora(student, cfg.student.lora)
     if cfg.gradient_checkpointing:
         student.enable_gradient_checkpointing()
-    target = None
-    if cfg.loss.consistency > 0:  # copied before DistillModule hooks the student's blocks
-        target = TargetNetwork(student, cfg.loss.consistency_target_decay)
     feature_map = cfg.loss.feature_map if cfg.loss.feature > 0 else {}
     model = DistillModule(student, feature_map, width(plan.student_config), plan.teacher_width)
     model.train()
-    modules = [model] + ([target.module] if target is not None else [])
     if cfg.parallel == "fsdp":  # before the optimizer and EMA: they hold the sharded weights
         # fully_shard moves each block to the device as it shards it: no rank's device ever
         # holds the whole student
-        parallel.shard(model, cfg, info, extra=modules[1:])
+        parallel.shard(model, cfg, info)
     else:
-        for m in modules:
-            m.to(info.device)
-    return model, target
+        model.to(info.device)
+    return model
 
 
 def build_reader(
@@ -73,7 +65,6 @@ def build_reader(
         seed=cfg.seed,
         fields=plan.fields,
         slots=plan.objectives.slots,
-        with_next=plan.objectives.needs_next,
         next_slots=plan.objectives.next_slots(),
         follow=follow,
         poll_interval=cfg.follow_poll_interval,

@@ -6,7 +6,6 @@ Layout of `<out>/checkpoints/`:
         student.safetensors      student weights (loads into WanTransformer3DModel as is)
         ema.safetensors          EMA of the student weights
         projections.safetensors  feature projections (only with feature matching)
-        target.safetensors       consistency target network (only with loss.consistency)
         optimizer.safetensors    AdamW state tensors, keyed state.<param index>.<name>
         optimizer.json           the rest of the optimizer state (param groups, scalars)
         rng.safetensors          torch RNG states as uint8, rank<r>.cpu / rank<r>.cuda
@@ -34,7 +33,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -60,6 +59,11 @@ OPTIMIZER_JSON = "optimizer.json"
 MAX_JSON_BYTES = 64 * MiB
 """Cap on state.json and optimizer.json (a few KB for any real run)."""
 FIX = "delete this checkpoint folder so --resume takes the previous one, or start a new --out"
+REMOVED_TARGET = (
+    "holds the EMA target network of loss.consistency, which was removed (it lost to "
+    "loss.perflow and loss.unroll: docs/benchmarks.md), so this run cannot resume"
+)
+REMOVED_FIX = "start a new run (a new --out) with loss.perflow = 1 or loss.unroll = 1"
 _NAME = re.compile(rf"{PREFIX}(\d{{1,15}})")
 
 
@@ -119,7 +123,7 @@ FileName = (
         "optimizer.safetensors",
         "optimizer.json",
         "rng.safetensors",
-        "target.safetensors",
+        "target.safetensors",  # written by the removed loss.consistency: read only to refuse
     ]
     | Annotated[str, Field(pattern=r"^shards/shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors$")]
 )
@@ -189,8 +193,6 @@ class Checkpoint:
     rng: dict[str, torch.Tensor]
     state: dict[str, Any]
     """{"step", "scheduler", "reader", "meta"}."""
-    target: dict[str, torch.Tensor] = field(default_factory=dict)
-    """The consistency objective's EMA target network (empty without it)."""
 
 
 # --------------------------------------------------------------------------- optimizer state
@@ -251,8 +253,6 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, *, keep: int) -> Path:
         _write(tmp / "ema.safetensors", save(_contiguous(ckpt.ema)), sums)
         if ckpt.projections:
             _write(tmp / "projections.safetensors", save(_contiguous(ckpt.projections)), sums)
-        if ckpt.target:
-            _write(tmp / "target.safetensors", save(_contiguous(ckpt.target)), sums)
         opt_tensors, opt_rest = flatten_optimizer(ckpt.optimizer)
         _write(tmp / "optimizer.safetensors", save(opt_tensors), sums)
         _write(tmp / OPTIMIZER_JSON, json.dumps(opt_rest).encode(), sums)

@@ -28,6 +28,8 @@ from wandistill.train.checkpoint import (
     FIX,
     MAX_JSON_BYTES,
     OPTIMIZER_JSON,
+    REMOVED_FIX,
+    REMOVED_TARGET,
     STATE,
     Checkpoint,
     CheckpointState,
@@ -74,6 +76,8 @@ def check_state(path: Path) -> tuple[CheckpointState, dict[str, Any], dict[str, 
                     f"checkpoint file {str(f)!r} is {got}, state.json says {want.bytes} bytes",
                     fix=FIX,
                 )
+    if "target.safetensors" in (state.files or {}) or (path / "target.safetensors").is_file():
+        raise _Error(f"checkpoint {str(path)!r} {REMOVED_TARGET}", fix=REMOVED_FIX)
     where = f"checkpoint file {str(path / OPTIMIZER_JSON)!r}"
     data = read_capped(
         _check_file(path, OPTIMIZER_JSON, state),
@@ -146,7 +150,6 @@ def load_checkpoint(path: Path) -> Checkpoint:
         optimizer=unflatten_optimizer(_tensors(path, "optimizer.safetensors", state), opt_obj),
         rng=_tensors(path, "rng.safetensors", state),
         state=raw,
-        target=_tensors(path, "target.safetensors", state) if has("target.safetensors") else {},
     )
 
 

@@ -5,7 +5,7 @@ a hidden temp folder, renamed into place once complete, `latest` rewritten after
 
     shards/shard-<r+1>-model-<i>-of-<n>.safetensors
                          rank r's shard of every tensor: student.*, ema.*, projections.*,
-                         target.*, optimizer.state.<param index>.<name>, in n files of at
+                         optimizer.state.<param index>.<name>, in n files of at
                          most SHARD_FILE_BYTES each (a tensor larger than that alone in its
                          file); the safetensors metadata (DCP_SHARDING_INFO, JSON) gives each
                          chunk's offsets
@@ -226,6 +226,10 @@ def _check_fits(path: Path, saved: dict[str, Any], live: dict[str, torch.Tensor]
     """The checkpoint holds exactly this run's tensors, each of this run's global shape."""
     names = {k for k in saved if not k.startswith(OPT_PREFIX)}
     where = f"sharded checkpoint {str(path / SHARDS)!r}"
+    if any(k.startswith("target.") for k in names):
+        raise ckpt_read.CheckpointError(
+            f"{where} {ckpt_io.REMOVED_TARGET}", fix=ckpt_io.REMOVED_FIX
+        )
     if names != set(live):
         diff = sorted(names ^ set(live))
         raise ckpt_read.CheckpointError(

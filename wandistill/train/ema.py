@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
@@ -44,34 +42,3 @@ class EMA:
         """Write the averaged weights into `model` (a copy of the student)."""
         for p, t in zip(_trained(model), self.shadow, strict=True):
             p.copy_(t)
-
-
-class TargetNetwork:
-    """A stop-gradient EMA copy of the student that the consistency objective evaluates at the
-    next trajectory point: `target = decay * target + (1 - decay) * student` after every optimizer
-    step (decay 0: a plain copy of the current weights). Separate from `EMA` because it is a
-    whole module that runs forwards, with its own (much shorter) decay."""
-
-    def __init__(self, student: nn.Module, decay: float) -> None:
-        self.decay = decay
-        self.names = {n for n, p in student.named_parameters() if p.requires_grad}
-        """What moves: every parameter of a full student, the adapters of a LoRA student."""
-        self.module = copy.deepcopy(student).requires_grad_(False).eval()
-
-    def _mine(self) -> list[tuple[str, nn.Parameter]]:
-        return [(n, p) for n, p in self.module.named_parameters() if n in self.names]
-
-    @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        mine = [p for _, p in self._mine()]
-        torch._foreach_lerp_(mine, [p.detach() for p in _trained(model)], 1.0 - self.decay)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self._mine())
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        for name, p in self._mine():
-            if name not in state:
-                raise KeyError(f"consistency target state lacks {name}")
-            p.copy_(state[name])

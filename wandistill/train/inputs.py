@@ -158,7 +158,7 @@ def _resolve(cfg: TrainConfig, caches: tuple[CacheReader, ...], *, resume: bool)
     fields = list(DEFAULT_FIELDS)
     if cfg.loss.x0_terms:
         fields.append("final_latent")
-    if cfg.loss.reflow > 0 or cfg.loss.unroll > 0:
+    if cfg.loss.unroll > 0:
         fields.append("noise")
     if cfg.loss.unroll > 0 and objectives is not None:
         problems += unroll_problems(cfg, manifest, student_config, objectives)

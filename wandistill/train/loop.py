@@ -49,17 +49,11 @@ from wandistill.runtime.faults import at
 from wandistill.runtime.progress import SUMMARY_WIDTH, Progress, plural, summary_lines
 from wandistill.student import experts, lora
 from wandistill.student.config import describe
-from wandistill.student.losses import (
-    SigmaTable,
-    consistency_target,
-    distill_losses,
-    flow_x0,
-    reflow_input,
-)
+from wandistill.student.losses import SigmaTable, distill_losses
 from wandistill.student.model import DistillModule
 from wandistill.train import job, parallel
 from wandistill.train.build import build_model, build_reader, objective_masks
-from wandistill.train.ema import EMA, TargetNetwork
+from wandistill.train.ema import EMA
 from wandistill.train.export import export_pretrained
 from wandistill.train.inputs import Plan, run_inputs, validate
 from wandistill.train.metrics import MetricsLog, Window, log_window
@@ -90,8 +84,6 @@ class Trainer:
     meta: dict[str, Any]
     masks: dict[str, torch.Tensor]
     """Objective -> [recorded slots] bool on the device: which samples each term covers."""
-    target: TargetNetwork | None = None
-    """The consistency objective's EMA target network."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +191,7 @@ def setup(
     EMA over the weights as placed -> reader -> restore -> DDP (which broadcasts rank 0's
     restored weights) -> metrics and the run's settings file."""
     plan.out.mkdir(parents=True, exist_ok=True)
-    model, target = build_model(cfg, plan, info)
+    model = build_model(cfg, plan, info)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.steps)
     ema = EMA(model.student, cfg.optim.ema_decay)
@@ -208,7 +200,7 @@ def setup(
     meta = run_meta(cfg, plan, info)
     start = 0
     if resume:
-        start = restore(plan, info, meta, model, ema, optimizer, scheduler, reader, target)
+        start = restore(plan, info, meta, model, ema, optimizer, scheduler, reader)
     trainer = Trainer(
         cfg=cfg,
         info=info,
@@ -224,7 +216,6 @@ def setup(
         start_step=start,
         meta=meta,
         masks=objective_masks(cfg, plan.objectives, info.device),
-        target=target,
     )
     if cfg.parallel == "ddp":  # after restore: DDP broadcasts rank 0's (restored) weights
         trainer.ddp = parallel.wrap_ddp(model, info)
@@ -337,8 +328,6 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
             t.scheduler.step()
             t.optimizer.zero_grad(set_to_none=True)
             t.ema.update(t.model.student)
-            if t.target is not None:
-                t.target.update(t.model.student)
             step += 1
             at("train", "step", step, info.rank)
 
@@ -360,45 +349,23 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
 def forward(
     t: Trainer, batch: dict[str, Any]
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One micro-batch through the student (and, for consistency, the EMA target at the next
-    points); every loss term in fp32, and how many samples each term covered."""
+    """One micro-batch through the student; every loss term in fp32, and how many samples each
+    term covered."""
     dev = t.info.device
     on = {k: v.to(dev, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
     masks = {n: m[on["step_slot"]] for n, m in t.masks.items()}
     loss = t.cfg.loss
     sigma = t.sigmas(on["step_slot"], on["timesteps"]) if loss.x0_terms else None
-    target_x0 = reflow_x0 = None
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=t.cfg.mixed_precision == "bf16"):
         embeds = pad_to(on["prompt_embeds"], t.reader.store.max_sequence_length).float()
-        # One forward over every input (DDP wants one forward per backward): the recorded x_t
-        # of each sample if a weighted objective uses them, then reflow's own points.
-        size = on["xt"].shape[0] if loss.at_recorded_points else 0
-        x, timesteps, cond = on["xt"][:size].float(), on["timesteps"][:size], embeds[:size]
-        if loss.reflow > 0:
-            assert sigma is not None
-            rows = masks["reflow"].nonzero().flatten()
-            xr = reflow_input(on, sigma)
-            x = torch.cat([x, xr[rows]])
-            timesteps = torch.cat([timesteps, on["timesteps"][rows]])
-            cond = torch.cat([cond, embeds[rows]])
-        if x.shape[0]:
-            pred, feats = t.ddp(x, timesteps.float(), cond)
+        # One forward at the recorded x_t of each sample if a weighted objective uses them
+        if loss.at_recorded_points:
+            pred, feats = t.ddp(on["xt"].float(), on["timesteps"].float(), embeds)
         else:  # unroll alone: no forward at single points
-            pred, feats = x.new_zeros((0, *on["xt"].shape[1:])), {}
-        if loss.reflow > 0:
-            vr = torch.zeros_like(xr).index_copy(0, rows, pred[size:].float())
-            reflow_x0 = flow_x0(xr, vr, sigma)
-            pred, feats = pred[:size], {k: f[:size] for k, f in feats.items()}
-        if t.target is not None:
-            sigma_next = t.sigmas.next(on["step_slot"], on["timesteps_next"])
-            target_x0 = consistency_target(
-                t.target.module, on, embeds, sigma_next, masks["consistency"]
-            )
+            pred, feats = on["xt"].new_zeros((0, *on["xt"].shape[1:])).float(), {}
         unrolled = _unroll(t, on, embeds, masks["unroll"]) if loss.unroll > 0 else None
         perflow_v = _perflow(t, on, sigma) if loss.perflow > 0 else None
-    terms = distill_losses(
-        pred, feats, on, loss, sigma, masks, target_x0, reflow_x0, unrolled, perflow_v
-    )
+    terms = distill_losses(pred, feats, on, loss, sigma, masks, unrolled, perflow_v)
     return terms, {n: m.sum() for n, m in masks.items()}
 
 
@@ -409,6 +376,7 @@ def _perflow(t: Trainer, on: dict[str, Any], sigma: torch.Tensor | None) -> torc
 
     assert sigma is not None
     ends = t.plan.objectives.next_slots()
+    assert ends is not None
     sigma_end = t.sigmas.next(on["step_slot"], on["timesteps_next"], ends)
     return window_velocity(on["xt"], on["xt_next"], sigma, sigma_end)
 

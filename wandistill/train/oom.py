@@ -43,8 +43,7 @@ def train_plan_for(
     if len(shape_dims) != 4:
         return None
     _, f, h, w = (int(v) for v in shape_dims)
-    rows = 2 if cfg.loss.reflow > 0 and cfg.loss.at_recorded_points else 1
-    shape = TrainShape(f, h, w, 512, cfg.batch_size, rows)  # the dims block records no text length
+    shape = TrainShape(f, h, w, 512, cfg.batch_size)  # the dims block records no text length
     return make_train_plan(
         student_config,
         choice_of(cfg),

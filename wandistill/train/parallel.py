@@ -108,12 +108,9 @@ def blocks(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def shard(
-    model: nn.Module, cfg: TrainConfig, info: DistInfo, extra: Iterable[nn.Module] = ()
-) -> int:
-    """fully_shard each block of `model.student`, then `model` (the root); `extra` modules (the
-    consistency target, a copy of the student) are sharded the same way, as roots of their own.
-    Returns the shard count (the world size)."""
+def shard(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> int:
+    """fully_shard each block of `model.student`, then `model` (the root). Returns the shard
+    count (the world size)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     _one_rank_group(info, cpu_backend=cfg.fsdp.cpu_offload)
@@ -129,18 +126,12 @@ def shard(
         output_dtype=torch.float32,
     )
     root_mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    for root, student in [(model, model.student), *((m, m) for m in extra)]:
-        for block in blocks(student):
-            fully_shard(block, mesh=mesh, mp_policy=block_mp, offload_policy=offload)
-        # A root keeps its weights gathered from forward to backward; a module that only runs
-        # forwards (the target) must reshard after each, or its update would meet whole tensors.
-        fully_shard(
-            root,
-            mesh=mesh,
-            mp_policy=root_mp,
-            offload_policy=offload,
-            reshard_after_forward=root is not model,
-        )
+    for block in blocks(model.student):
+        fully_shard(block, mesh=mesh, mp_policy=block_mp, offload_policy=offload)
+    # The root keeps its weights gathered from forward to backward
+    fully_shard(
+        model, mesh=mesh, mp_policy=root_mp, offload_policy=offload, reshard_after_forward=False
+    )
     return info.world_size
 
 

@@ -1,7 +1,7 @@
 """What a run saves at each checkpoint and restores on --resume: the student, EMA, projections,
-consistency target, optimizer, LR schedule, data-reader position and every rank's RNG, in one
-flow for both checkpoint formats (safetensors files under DDP, DCP shards under FSDP); the file
-formats themselves are `train.checkpoint` / `train.checkpoint_read` and `train.dcp`.
+optimizer, LR schedule, data-reader position and every rank's RNG, in one flow for both checkpoint
+formats (safetensors files under DDP, DCP shards under FSDP); the file formats themselves are
+`train.checkpoint` / `train.checkpoint_read` and `train.dcp`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from wandistill.train import checkpoint as ckpt_io
 from wandistill.train import checkpoint_read as ckpt_read
 from wandistill.train import dcp as sharded
 from wandistill.train import parallel
-from wandistill.train.ema import EMA, TargetNetwork
+from wandistill.train.ema import EMA
 from wandistill.train.metrics import truncate_after
 
 if TYPE_CHECKING:
@@ -42,7 +42,6 @@ def restore(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     reader: TrainingReader,
-    target: TargetNetwork | None,
 ) -> int:
     """Load the newest checkpoint (rank 0 picks it, every rank reads it); return its step.
 
@@ -57,7 +56,7 @@ def restore(
             truncate_after(plan.out, 0)  # rows of a run killed before its first checkpoint
             console.print(f"train: no checkpoint in {root}, starting at step 0")
         return 0
-    step, state, rng = _load(root / name, info, meta, model, ema, optimizer, scheduler, target)
+    step, state, rng = _load(root / name, info, meta, model, ema, optimizer, scheduler)
     scheduler.load_state_dict(state["scheduler"])
     reader.load_state_dict(state["reader"])
     set_rng(rng, info)
@@ -79,14 +78,13 @@ def _load(
     ema: EMA,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    target: TargetNetwork | None,
 ) -> Loaded:
     """The checkpoint's tensors into the live modules: a sharded (FSDP) checkpoint on any
     number of ranks (train/dcp.py), or a DDP one (whole tensors in safetensors files)."""
     if meta["parallel"] == "fsdp":
         state, raw, _ = ckpt_read.check_state(path)
         check_same_run(raw.get("meta", {}), meta, path)
-        rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema, target), optimizer, info)
+        rng = sharded.load_checkpoint(path, checkpoint_parts(model, ema), optimizer, info)
         ckpt_read.check_like(raw["scheduler"], scheduler.state_dict(), f"{path / ckpt_io.STATE}")
         return state.step, raw, rng
     ck = ckpt_read.load_checkpoint(path)
@@ -95,8 +93,6 @@ def _load(
         "ema.safetensors": ema.state_dict(),
         "projections.safetensors": model.projection_state(),
     }
-    if target is not None and ck.target:
-        parts["target.safetensors"] = target.state_dict()
     ckpt_read.check_restorable(ck, path, parts, optimizer, scheduler)
     check_same_run(ck.state.get("meta", {}), meta, path)
     lora.load_trainable_state_dict(model.student, ck.student)
@@ -104,8 +100,6 @@ def _load(
         {k.removeprefix("projections."): v for k, v in ck.projections.items()}
     )
     ema.load_state_dict(ck.ema)
-    if target is not None:  # a run that starts consistency on resume starts it from the student
-        target.load_state_dict(ck.target or ck.student)
     optimizer.load_state_dict(ck.optimizer)
     return ck.step, ck.state, ck.rng
 
@@ -124,20 +118,15 @@ def check_same_run(saved: dict[str, Any], meta: dict[str, Any], path: Path) -> N
         )
 
 
-def checkpoint_parts(
-    model: DistillModule, ema: EMA, target: TargetNetwork | None
-) -> dict[str, dict[str, torch.Tensor]]:
+def checkpoint_parts(model: DistillModule, ema: EMA) -> dict[str, dict[str, torch.Tensor]]:
     """What a sharded checkpoint holds besides the optimizer, by prefix (live tensors)."""
-    parts = {
+    return {
         "student": lora.trainable_state_dict(model.student),
         "ema": ema.state_dict(),
         "projections": {
             k.removeprefix("projections."): v for k, v in model.projection_state().items()
         },
     }
-    if target is not None:
-        parts["target"] = target.state_dict()
-    return parts
 
 
 def rng_states(info: dist.DistInfo) -> dict[str, torch.Tensor]:
@@ -175,7 +164,7 @@ def save(t: Trainer, step: int) -> None:
             "reader": t.reader.state_dict(),
             "meta": {**t.meta, "shards": t.info.world_size},
         }
-        parts = checkpoint_parts(t.model, t.ema, t.target)
+        parts = checkpoint_parts(t.model, t.ema)
         root = t.plan.out / "checkpoints"
         keep = t.cfg.keep_checkpoints
         sharded.save_checkpoint(root, step, parts, t.optimizer, rng, state, t.info, keep=keep)
@@ -189,7 +178,6 @@ def save(t: Trainer, step: int) -> None:
             student=lora.trainable_state_dict(t.model.student),
             ema=t.ema.state_dict(),
             projections=t.model.projection_state(),
-            target=t.target.state_dict() if t.target is not None else {},
             optimizer=t.optimizer.state_dict(),
             rng=rng,
             state={
