@@ -36,7 +36,7 @@ from wandistill.cache.zarr.layout import (
     zarr_store,
 )
 from wandistill.cache.zarr.store import _SealingStore
-from wandistill.cache.zarr.writer import ZarrSink, entry_json
+from wandistill.cache.zarr.writer import entry_json
 from wandistill.io.storage import Storage
 
 LAYOUT = ("block_records", "token_chunk", "token_block")
@@ -57,6 +57,12 @@ class ZarrLinker:
         a copy by the object store or through this process (`transfer.Transfer.put`)."""
         self.store = _SealingStore(zarr_store(out))
         self._group: Any = None
+        self._arrays: dict[str, Any] = {}
+        """M's arrays by path, read once per entry (`_open_arrays`): within an entry this
+        linker is M's only writer and `resize` updates an array's shape in place."""
+        self._sources: dict[str, tuple[Any, dict[str, Any]]] = {}
+        """Input url -> (its group, its arrays by path), opened once: an input is read-only,
+        and re-reading each zarr.json per entry was most of a merge's requests on S3."""
 
     def _target(self, layout: dict[str, Any]) -> Any:
         """M's group, created with `layout` when new; None if its layout differs."""
@@ -68,9 +74,32 @@ class ZarrLinker:
         mine = self._group.attrs[GROUP_ATTR]
         return self._group if all(mine.get(k) == layout.get(k) for k in LAYOUT) else None
 
+    def _open_arrays(self, group: Any) -> None:
+        """Read M's arrays once per entry: the merge's re-writer (a `ZarrSink` of its own) may
+        have grown them since the last entry."""
+        arrays = dict(group.arrays())
+        for name in RAGGED:
+            for part in ("values", "offsets"):
+                if f"{name}/{part}" in group:
+                    arrays[f"{name}/{part}"] = group[f"{name}/{part}"]
+        self._arrays = {p: a.with_config(_WRITE_CONFIG) for p, a in arrays.items()}
+
+    def _record_arrays(self) -> list[Any]:
+        """M's record-indexed arrays (ragged offsets included, values not), as
+        `ZarrSink._record_arrays` lists them."""
+        values = {f"{name}/values" for name in RAGGED}
+        return [arr for path, arr in self._arrays.items() if path not in values]
+
+    def _source(self, cache: Storage, path: str) -> Any:
+        """Input `cache`'s array `path`, opened once per merge."""
+        group, arrays = self._sources[cache.url]
+        if path not in arrays:
+            arrays[path] = group[path]
+        return arrays[path]
+
     def _like(self, group: Any, path: str, src: Any) -> Any:
         """M's array `path` (created like `src`, zero rows, when new), or None if it differs."""
-        if path not in group:
+        if path not in self._arrays:
             group.create_array(
                 path,
                 shape=(0, *src.shape[1:]),
@@ -84,29 +113,29 @@ class ZarrLinker:
                 attributes=dict(src.attrs),
                 config=_WRITE_CONFIG,
             )
-        arr = group[path]
-        return arr.with_config(_WRITE_CONFIG) if _shape_free(arr) == _shape_free(src) else None
+            self._arrays[path] = group[path].with_config(_WRITE_CONFIG)
+        arr = self._arrays[path]
+        return arr if _shape_free(arr) == _shape_free(src) else None
 
     def add(self, cache: Storage, e: ZarrEntry) -> tuple[dict[str, Any], set[str]] | None:
         """Link (or copy) entry `e` of input `cache` into M: (M's entry without name/keys,
         how its files got there), or None when the layouts differ (nothing was linked)."""
-        src_group = zarr.open_group(
-            store=zarr_store(cache, read_only=True), mode="r", zarr_format=3
-        )
-        layout = dict(src_group.attrs[GROUP_ATTR])
+        if cache.url not in self._sources:
+            src = zarr.open_group(store=zarr_store(cache, read_only=True), mode="r", zarr_format=3)
+            self._sources[cache.url] = (src, {})
+        layout = dict(self._sources[cache.url][0].attrs[GROUP_ATTR])
         group = self._target(layout)
         if group is None:
             return None
+        self._open_arrays(group)
         ragged = [f for f in e.fields if f in RAGGED]
         paths = [f for f in e.fields if f not in RAGGED]
         paths += [f"{r}/{part}" for r in ragged for part in ("values", "offsets")]
-        arrays = {p: self._like(group, p, src_group[p]) for p in paths}
+        arrays = {p: self._like(group, p, self._source(cache, p)) for p in paths}
         if any(a is None for a in arrays.values()):
             return None
         block, tblock = int(layout["block_records"]), int(layout["token_block"])
-        start = _ceil_to(
-            max((a.shape[0] for a in ZarrSink._record_arrays(group)), default=0), block
-        )
+        start = _ceil_to(max((a.shape[0] for a in self._record_arrays()), default=0), block)
         shift = {p: (start - e.rows[0]) // block for p in paths}
         token_rows: dict[str, tuple[int, int]] = {}
         for r in ragged:
@@ -115,14 +144,13 @@ class ZarrLinker:
             token_rows[r] = (new0, new0 + t1 - t0)
             shift[f"{r}/values"] = (new0 - t0) // tblock
         stop = start + e.reserved[1] - e.reserved[0]
-        for arr in ZarrSink._record_arrays(group):
+        for arr in self._record_arrays():
             if arr.shape[0] < stop:
                 arr.resize((stop, *arr.shape[1:]))
         for r in ragged:
             values, (t0, t1) = arrays[f"{r}/values"], token_rows[r]
             if t1 > t0 and values.shape[0] < t0 + _ceil_to(t1 - t0, tblock):
                 values.resize((t0 + _ceil_to(t1 - t0, tblock), *values.shape[1:]))
-        arrays = {p: group[p].with_config(_WRITE_CONFIG) for p in paths}  # the new shapes
         sha: dict[str, str] = {}
         nbytes, ways = 0, set()
         for rel, digest in e.sha256.items():
@@ -138,7 +166,7 @@ class ZarrLinker:
         self.store.sealed.clear()  # from here on: this entry's offsets files only
         n = e.records
         for r in ragged:
-            offs = np.asarray(src_group[f"{r}/offsets"][e.rows[0] : e.rows[1]])
+            offs = np.asarray(self._source(cache, f"{r}/offsets")[e.rows[0] : e.rows[1]])
             moved = offs[:, 0] - e.token_rows[r][0] + token_rows[r][0]
             offs = np.where(offs[:, 1:] >= 0, np.stack([moved, offs[:, 1]], axis=1), -1)
             arrays[f"{r}/offsets"][start : start + n] = offs.astype(np.int64)
