@@ -8,10 +8,11 @@ Under torchrun every precompute rank flushes its own shards, every train rank st
 step, and nothing waits forever in a collective.
 
 Single-process runs are forks of a zygote that imported everything once (tests/zygote.py): real
-processes that really get the signal, without seconds of imports each; the torchrun runs are real
-torchrun jobs. Deterministic stops come from the test hook (`WANDISTILL_FAULT=...:term`:
-the process sends itself a real SIGTERM at an exact point); the others come from outside, as soon
-as a progress marker shows up on disk. Every stop is then resumed and compared with an uninterrupted
+processes that really get the signal, without seconds of imports each; the torchrun runs that
+are signalled are real torchrun jobs (their references and plain resumes are forks too).
+Deterministic stops come from the test hook (`WANDISTILL_FAULT=...:term`: the process sends
+itself a real SIGTERM at an exact point); the others come from outside, as soon as a progress
+marker shows up on disk. Every stop is then resumed and compared with an uninterrupted
 run: the same record bytes, the same student weights.
 """
 
@@ -66,14 +67,20 @@ def _torchrun(*args: str) -> list[str]:
 class Job:
     """A command in its own session, output in files (so a test can watch them while it runs)."""
 
-    def __init__(self, cmd: list[str], log: Path, **env: str) -> None:
+    def __init__(
+        self, cmd: list[str], log: Path, *, zygote: Zygote | None = None, **env: str
+    ) -> None:
+        """`zygote`: start `cmd` (a `python ...` line) and torchrun's ranks as its forks, for a
+        run that no signal is sent to (a reference or a plain resume)."""
         self.log = log
         self._out = open(log.with_suffix(".out"), "w")  # noqa: SIM115 - closed in wait()
         self._err = open(log.with_suffix(".err"), "w")  # noqa: SIM115
+        if zygote is not None:
+            cmd = [zygote.python, *cmd[1:]]
         self.proc = subprocess.Popen(
             cmd,
             cwd=REPO,
-            env=_env(**env),
+            env=_env(**env) if zygote is None else zygote.env(_env(**env)),
             stdout=self._out,
             stderr=self._err,
             start_new_session=True,
@@ -394,11 +401,16 @@ def test_train_ctrl_c_from_outside_stops_at_a_step_and_resume_matches(
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_train_under_torchrun_every_rank_stops_at_the_same_step(tmp_path: Path) -> None:
+def test_train_under_torchrun_every_rank_stops_at_the_same_step(
+    zygote: Zygote, tmp_path: Path
+) -> None:
     write_cache(tmp_path / "c", range(8))
+    # The reference and the final resume get no signal: torchrun and its ranks are forks of the
+    # zygote there; the two runs that are stopped are real torchrun jobs.
     ref = Job(
         _torchrun(*_train_argv(_train_sets(tmp_path / "c", tmp_path / "ref", 60, 20))),
         tmp_path / "ref",
+        zygote=zygote,
     )
     assert ref.wait() == 0, ref.err[-3000:]
     out = tmp_path / "run"
@@ -424,7 +436,7 @@ def test_train_under_torchrun_every_rank_stops_at_the_same_step(tmp_path: Path) 
     assert len({s for s, _ in steps}) == 1, f"the ranks stopped at different steps: {steps}"
     assert _latest(out) == f"checkpoint-{steps[0][0]}"
 
-    last = Job(_torchrun(*_train_argv(sets, "--resume")), tmp_path / "last")
+    last = Job(_torchrun(*_train_argv(sets, "--resume")), tmp_path / "last", zygote=zygote)
     assert last.wait() == 0, last.err[-3000:]
     assert _same_weights(out, tmp_path / "ref")
 
