@@ -61,3 +61,20 @@ def test_a_signal_interrupts_only_inside_an_interruptible_section() -> None:
     finally:
         again.restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_stop_re_typed_by_library_code_in_an_interruptible_section_is_still_the_stop() -> None:
+    """Raised while native code runs, the handler's StopRequested can come out as the library's
+    own error (a ValueError that the embedding reader then called a damaged shard)."""
+    stop = StopSignals.install()
+    try:
+        with pytest.raises(StopRequested) as got, stop.interruptible():
+            try:
+                signal.raise_signal(signal.SIGTERM)
+            except StopRequested as e:  # what a C extension does with an error it did not raise
+                raise ValueError("could not determine the shape of object type") from e
+        assert isinstance(got.value.__cause__, ValueError)
+    finally:
+        stop.restore()
+    with StopSignals.install() as quiet, pytest.raises(ValueError), quiet.interruptible():
+        raise ValueError("a real error, no signal: passes through as it is")

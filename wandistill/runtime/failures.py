@@ -117,10 +117,21 @@ class StopSignals:
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
+        """A section the first signal interrupts at once. The handler's `StopRequested` can
+        reach us re-typed: raised while torch or safetensors ran native code, it comes out as
+        that library's error (a ValueError from a tensor half-built, which the embedding reader
+        then reported as a damaged shard). So any exception once a signal arrived here is the
+        stop, with the library's error chained."""
         self._armed = True
         try:
             self.check()
             yield
+        except StopRequested:
+            raise
+        except Exception as e:
+            if self.signum is None:
+                raise
+            raise StopRequested from e
         finally:
             self._armed = False
 
