@@ -38,7 +38,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from wandistill.cache.contract import Record, is_holdout, pad_embeds
@@ -398,8 +397,4 @@ def _decoder(teacher: TeacherFolder, placement: Placement) -> Decoder:
     from wandistill.teacher.decode import decode_latents
 
     vae = pl.load_component(teacher, "vae", dtype=torch.float32, placement=placement)
-
-    def decode(finals: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        return {c: decode_latents(vae, latents) for c, latents in finals.items()}
-
-    return decode
+    return lambda finals: {c: decode_latents(vae, latents) for c, latents in finals.items()}

@@ -83,22 +83,17 @@ def _header(
 
 
 def _spec(w: Work) -> SamplerSpec:
-    cfg, teacher, shape = w.cfg, w.teacher, w.shape
-    s = cfg.sampler
-    boundary = (
-        teacher.boundary_ratio * teacher.scheduler.config.num_train_timesteps
-        if teacher.boundary_ratio is not None
-        else None
-    )
+    s, ratio = w.cfg.sampler, w.teacher.boundary_ratio
+    train_steps = w.teacher.scheduler.config.num_train_timesteps
     return SamplerSpec(
         num_inference_steps=s.num_inference_steps,
         guidance_scale=s.guidance_scale,
         guidance_scale_2=s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale,
-        boundary_timestep=boundary,
-        expand_timesteps=teacher.expand_timesteps,
-        record_steps=tuple(recorded_steps(teacher, cfg)),
+        boundary_timestep=None if ratio is None else ratio * train_steps,
+        expand_timesteps=w.teacher.expand_timesteps,
+        record_steps=tuple(w.settings["record_steps"]),
         features=tuple(s.features),
-        latent_shape=shape,
+        latent_shape=w.shape,
         max_sequence_length=s.max_sequence_length,
     )
 

@@ -77,14 +77,10 @@ def _parse_jsonl(line: str, lineno: int, base_seed: int) -> Prompt | None:
         raise ValueError("needs a string 'prompt'")
     seed = obj.get("seed", base_seed + lineno - 1)
     neg = obj.get("negative_prompt")
-    if (
-        not isinstance(seed, int)
-        or isinstance(seed, bool)
-        or (neg is not None and not isinstance(neg, str))
-    ):
+    if type(seed) is not int or not isinstance(neg, str | None):  # (a bool is not a seed)
         raise ValueError("'seed' must be an integer and 'negative_prompt' a string")
-    if PROMPT_SEED.problem("seed", seed) is not None:  # negative or beyond 64 bits: torch would
-        raise ValueError(PROMPT_SEED.problem("seed", seed))  # alias or overflow; a bad line
+    if problem := PROMPT_SEED.problem("seed", seed):  # negative or beyond 64 bits: torch would
+        raise ValueError(problem)  # alias or overflow; a bad line
     text = obj["prompt"].strip()
     return Prompt(text, seed, lineno, neg) if text else None
 
@@ -132,7 +128,7 @@ def read_prompts(
             f"prompt file {str(p)!r} must end in .txt or .jsonl",
             fix="one prompt per line (.txt) or one JSON object per line (.jsonl)",
         )
-    report = PromptReport(path=str(p))
+    report, jsonl = PromptReport(path=str(p)), p.suffix == ".jsonl"
     prompts = [] if into is None else into
     seen: set[tuple[str, int, str | None] | str] = set()
     try:
@@ -145,18 +141,14 @@ def read_prompts(
     with f:
         for lineno, raw in enumerate(f, start=1):
             report.lines = lineno
-            prompt = _parse_line(raw, lineno, p.suffix == ".jsonl", base_seed, report)
+            prompt = _parse_line(raw, lineno, jsonl, base_seed, report)
             if isinstance(prompt, list):  # the report's list for this bad line
                 prompt.append(lineno)
                 continue
             # A .txt seed is implicit (its line), so a repeated line is a duplicate; a .jsonl line
             # with the same prompt and an explicit other seed is another sample.
             # (A .txt line's identity is its text: the string itself, no tuple per line.)
-            ident = (
-                (prompt.text, prompt.seed, prompt.negative_prompt)
-                if p.suffix == ".jsonl"
-                else prompt.text
-            )
+            ident = (prompt.text, prompt.seed, prompt.negative_prompt) if jsonl else prompt.text
             if ident in seen:
                 report.duplicate.append(lineno)
                 continue

@@ -155,14 +155,6 @@ class Work:
         """A local folder or an fsspec URL (as text: a Path would fold `s3://` to `s3:/`)."""
         return storage.describe(self.cfg.cache.path)
 
-    @property
-    def remote(self) -> bool:
-        return storage.is_url(self.cache)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return DTYPES[self.cfg.teacher.dtype]
-
 
 def _plan(
     cfg: PrecomputeConfig,
@@ -266,7 +258,7 @@ def _encode(w: Work, stop: StopSignals) -> Encoded:
     """Phase 1: text embeddings for the prompts still to do, straight to disk (embeds/). The
     cache (manifest, shared tensors) is created first, so embeds/ only ever lives in a cache."""
     info = w.info
-    local = w.null_sink or w.remote
+    local = w.null_sink or storage.is_url(w.cache)
     scratch = Path(tempfile.mkdtemp(prefix="wandistill-embeds-")) if local else Path(w.cache)
     store = EmbedStore(scratch, rank=info.rank, flush_records=w.cfg.cache.shard_records)
     job = EncodeJob(
@@ -276,7 +268,7 @@ def _encode(w: Work, stop: StopSignals) -> Encoded:
         batches=w.todo,
         negative_prompt=w.cfg.sampler.negative_prompt,
         max_sequence_length=w.cfg.sampler.max_sequence_length,
-        dtype=w.dtype,
+        dtype=w.load_kw["dtype"],
         load_kw=w.load_kw,
         rank=info.rank,
         show_progress=info.is_main and not w.quiet,
@@ -357,13 +349,11 @@ def _denoise_and_write(w: Work, enc: Encoded, stop: StopSignals) -> None:
                 stop.check()  # between batches: nothing half-written
             if writer is not None:
                 writer.drain()  # a late write error is raised here, under the handlers below
-    except StopRequested:
-        if writer is not None:
-            writer.close()  # commit the open shard's complete records
-        raise _stopped(stop.signum, writer.records_written if writer else 0, info) from None
-    except NonFiniteError:
-        if writer is not None:
-            writer.close()  # the records before the refused batch are good: commit them
+    except (StopRequested, NonFiniteError) as e:
+        if writer is not None:  # commit the complete records (before the refused batch)
+            writer.close()
+        if isinstance(e, StopRequested):
+            raise _stopped(stop.signum, writer.records_written if writer else 0, info) from None
         raise
     except BaseException:
         if writer is not None:
