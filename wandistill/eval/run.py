@@ -369,14 +369,8 @@ def _device_placement(
     from wandistill.placement.estimate import SamplerSizes, dtype_from_name
 
     if folder is not None:
-        sizes = SamplerSizes(
-            int(settings.height),
-            int(settings.width),
-            int(settings.num_frames),
-            1,
-            int(settings.max_sequence_length),
-            previews=True,
-        )
+        keys = ("height", "width", "num_frames", "max_sequence_length")
+        sizes = SamplerSizes(**{k: int(getattr(settings, k)) for k in keys}, previews=True)
         return pl.resolve_placement(
             device,
             folder=folder,

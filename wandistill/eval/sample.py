@@ -169,16 +169,8 @@ def _placement(device: Placement | None, folder: TeacherFolder, call: dict[str, 
     from wandistill.placement import load as pl
     from wandistill.placement.estimate import SamplerSizes as PlanSizes
 
-    d = PlanSizes()
-    sizes = PlanSizes(
-        int(call.get("height", 480)),
-        int(call.get("width", 832)),
-        int(call.get("num_frames", 81)),
-        1,
-        int(call.get("max_sequence_length", d.max_sequence_length)),
-        cfg=float(call.get("guidance_scale", 5.0)) > 1.0,
-        previews=True,
-    )
+    given = {k: int(call[k]) for k in _SIZES if k in call}  # the rest: WanPipeline's defaults
+    sizes = PlanSizes(**given, cfg=float(call.get("guidance_scale", 5.0)) > 1.0, previews=True)
     return pl.resolve_placement(
         device or Cpu(), folder=folder, dtype=torch.float32, sizes=sizes, only=(Cuda, Cpu)
     )

@@ -176,7 +176,8 @@ def _plan(
     st = None if null_sink else storage.open_storage(cache)
     existing = None if st is None else _with_records(st)
     # A cache with records fixes the CPU thread count new records are computed with.
-    threads_note = existing and follow_recorded_threads(existing.numerics or {}, info.device)
+    recorded = (existing.numerics or {}) if existing is not None else {}
+    threads_note = follow_recorded_threads(recorded, info.device)
     header = _header(cfg, teacher, info, settings)
     if part is not None and not null_sink:  # before anything of the part is read or written
         if not storage.is_url(cache):  # (a URL is checked by the claim itself)
