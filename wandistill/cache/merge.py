@@ -44,7 +44,9 @@ from wandistill.cache.contract import SHARED_NAME, ZARR_DATA_NAME
 from wandistill.cache.encoding import compression_of
 from wandistill.cache.entries import Entries
 from wandistill.cache.files import SEALED, Entry, Manifest
+from wandistill.cache.journal import read_journals
 from wandistill.cache.reader import CacheReader
+from wandistill.cache.seal import ENTRY_DIGEST, digest_problem, seal_entry
 from wandistill.cache.transfer import COPIED, LINKED, SERVER, Transfer
 from wandistill.cache.writer import SHARD_DIR, shard_name
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
@@ -108,7 +110,7 @@ def _open_input(path: str | Path) -> CacheReader:
     """The input cache at `path`, opened once: its checks and its reader share the storage."""
     st = open_storage(path)
     manifest = mf.read_manifest(st)  # not a cache / corrupt: one clear error
-    pending = mf.read_journals(st, manifest.backend)
+    pending = read_journals(st, manifest.backend)
     if not manifest.complete or pending:
         st.close()
         why = f"{len(pending)} shard(s) still in its journal" if pending else "not complete"
@@ -203,7 +205,7 @@ def corrupt_shards(
             if stamps is not None:
                 for rel in _files(store, entry):
                     stamps[(n, rel)] = store.storage.stamp(rel)
-            problems = [p for p in (mf.digest_problem(store.entries.json(i)),) if p]
+            problems = [p for p in (digest_problem(store.entries.json(i)),) if p]
             problems += problems or _verify(store, entry)
             if problems:
                 bad[(n, entry.name)] = problems[0]
@@ -310,7 +312,7 @@ class _Merger:
             dst = f"{SHARD_DIR}/{name}.tar"
             how, _ = self.put(store, store.source.rel(src), dst)  # type: ignore[attr-defined]
             self._count({how})
-            entry = {k: v for k, v in step.raw.items() if k != mf.ENTRY_DIGEST}
+            entry = {k: v for k, v in step.raw.items() if k != ENTRY_DIGEST}
             entry.update(name=name, rank=MERGE_RANK, file=dst)
             keys = list(src.keys)
         else:
@@ -328,7 +330,7 @@ class _Merger:
             entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
             self.summary.rewritten += 1
         self.summary.per_input[step.source] += len(keys)
-        return mf.seal_entry(entry)
+        return seal_entry(entry)
 
     def header(self) -> Manifest:
         """M's header: the first input's, complete, no shards yet."""

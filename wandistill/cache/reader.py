@@ -22,6 +22,8 @@ from wandistill.cache.contract import SHARED_NAME, Record, dtype_name, pad_embed
 from wandistill.cache.encoding import RecordCodec
 from wandistill.cache.entries import Entries
 from wandistill.cache.files import Entry, SharedBlock
+from wandistill.cache.journal import CommitMemo
+from wandistill.cache.seal import digest_problem
 from wandistill.checks.validate import MiB
 from wandistill.errors import CacheError, UsageError
 from wandistill.io.storage import Storage, storage_at
@@ -76,7 +78,7 @@ class CacheReader:
         """The cache's path or URL (text: a URL is not a Path)."""
         self.check_entries = check_entries
         """False for `verify`: report edited shard entries (and what they break) as problems."""
-        self._memo = mf.CommitMemo()
+        self._memo = CommitMemo()
         """Files already read: `refresh()` re-reads only what changed (manifest.py)."""
         self.manifest = mf.load_committed(
             self.storage, check_entries=check_entries, memo=self._memo
@@ -205,7 +207,7 @@ class CacheReader:
         """Every problem of the cache, one line each, naming shard and record where it can."""
         problems: list[str] = []
         for i, entry in enumerate(self.entries):
-            edited = mf.digest_problem(self.entries.json(i))
+            edited = digest_problem(self.entries.json(i))
             if edited:
                 problems.append(edited)
             problems.extend(self.source.verify(entry))
