@@ -78,8 +78,6 @@ FIELDS: tuple[FieldTemplate, ...] = (
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 STEP_FIELDS = ("timesteps", "xt", "teacher_out")
 """Fields with a leading step axis: a training sample reads one row of each."""
-OPTIONAL_FIELDS = ("negative_prompt_embeds",)
-"""Per-record negative embedding, present only when a prompt brings its own negative prompt."""
 
 ZARR_DATA_NAME = "data.zarr"
 """The zarr backend's one group, relative to the cache directory."""

@@ -433,7 +433,7 @@ def merge(cfg: MergeConfig) -> MergeSummary:
             mf.write_manifest(out, header)
             merger.summary.records = header.num_records
             merger.summary.shards = len(header.shards)
-            merger.summary.client_bytes = merger.transfer.moved.client_bytes
+            merger.summary.client_bytes = merger.transfer.client_bytes
             return merger.summary
     finally:
         for store in stores:

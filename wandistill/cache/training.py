@@ -42,7 +42,6 @@ module plans epochs, cuts global batches, keeps the position and hands batches o
 from __future__ import annotations
 
 import hashlib
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -179,7 +178,6 @@ class TrainingReader(FollowMode, BatchReading):
         """One line per skipped sample ("corrupt record ...") or shard ("unusable shard ...")."""
         self._unusable: dict[str, str] = {}
         self._last_good: dict[str, Any] | None = None
-        self.wait_seconds = 0.0
         # Position: epoch and optimizer steps (global batches) consumed in it (normal mode), or
         # the list of follow generations and steps consumed overall (follow mode).
         self.epoch = 0
@@ -344,9 +342,7 @@ class TrainingReader(FollowMode, BatchReading):
                     return
                 continue
             position, samples, future = pending.popleft()
-            t0 = time.perf_counter()
             tensors, order = future.result()
-            self.wait_seconds += time.perf_counter() - t0
             batch = self._collate(tensors, order, samples)
             # The position advances only when a batch is handed over, so a checkpoint taken
             # now resumes right after it, whatever was prefetched.

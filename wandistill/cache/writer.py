@@ -195,10 +195,6 @@ class CacheWriter:
         """True if a committed shard already holds `key` (resume skips it)."""
         return key in self._keys
 
-    @property
-    def existing_keys(self) -> frozenset[str]:
-        return frozenset(self._keys.names())
-
     def write(self, record: Record) -> bool:
         """Add one record; returns False when it was already in the cache."""
         if record.key in self._keys or record.key in self._open:

@@ -14,7 +14,6 @@ from safetensors.torch import load as st_load
 
 from wandistill.cache.batch import BatchBuffers, empty
 from wandistill.cache.contract import (
-    DTYPE_NAMES,
     DTYPE_NAMES_BY_SAFETENSORS,
     DTYPES_BY_NAME,
     Record,
@@ -86,10 +85,6 @@ class WebDatasetSource(ShardChecks):
         elif problem := rel_path_problem(rel):  # an object store has no links to follow
             raise CacheError(f"{what} {rel!r} {problem}; refused", fix="restore the manifest")
         return rel
-
-    def path(self, entry: WdsEntry) -> str:
-        """The shard's path or URL."""
-        return self.store.name(self.rel(entry))
 
     def check_file(self, entry: WdsEntry) -> str | None:
         """Why this shard cannot be read at all (missing, wrong size, bad path), or None."""
@@ -248,32 +243,6 @@ class WebDatasetSource(ShardChecks):
         if typed.key != entry.keys[i]:
             raise ValueError(f"json member names key {typed.key!r} (manifest keys edited?)")
         return typed
-
-    def read_ranges(
-        self, entry: WdsEntry, i: int, wanted: dict[str, int | None]
-    ) -> dict[str, tuple[bytes, str, list[int]]]:
-        """Raw bytes of the named tensors; for a name mapped to a step index, only that row.
-
-        Returns name -> (bytes, dtype name, shape) without touching torch, so callers decide
-        where tensors are built (pinned memory, a worker thread, ...).
-        """
-        try:
-            base, table, sums = self.header(entry, i)
-            rel = self.rel(entry)
-            out: dict[str, tuple[bytes, str, list[int]]] = {}
-            for name, step in wanted.items():
-                pos, n, dtype, shape, want = self._span(entry, i, base, table, sums, name, step)
-                data = self._pread(rel, pos, n, repr(name))
-                if sums is not None and crc32c(data) != want:
-                    raise ValueError(f"{name!r}{_step_text(step)} fails its crc32c check")
-                out[name] = (data, DTYPE_NAMES[dtype], shape)
-            return out
-        except CorruptRecordError:
-            raise
-        except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError) as e:
-            if is_transient(e):  # EMFILE and the like: about the process, not the record
-                raise
-            raise CorruptRecordError(entry.name, entry.keys[i], _describe(e)) from None
 
     def read_tensors(
         self, entry: WdsEntry, i: int, wanted: dict[str, int | None]
@@ -435,6 +404,3 @@ class WebDatasetSource(ShardChecks):
 
     def close(self) -> None:
         self.store.close()
-
-
-# ---------------------------------------------------------------------- stock webdataset reads
