@@ -118,11 +118,6 @@ class BatchBuffers:
             b, : self.lengths[name][b] * (raw.shape[1] // max(1, self.tensors[name].shape[1]))
         ]
 
-    @staticmethod
-    def raw(t: torch.Tensor) -> Any:
-        """A writable uint8 numpy view over a contiguous tensor's bytes, for `preadv`/crc32c."""
-        return t.reshape(-1).view(torch.uint8).numpy()
-
 
 class RowsOf:
     """Rows `rows` of a batch whose samples come from several caches (`TrainingReader` over

@@ -65,18 +65,14 @@ def journal_segments(
 ) -> list[JournalSegment]:
     """Every journal segment, checked against the journal schema, by rank then segment. With a
     `memo`, a segment unchanged since the memo last read it is not read again."""
-    listed = (
-        [(n, None) for n in st.list(JOURNAL_DIR)] if memo is None else st.list_stamped(JOURNAL_DIR)
-    )
+    memo = memo or CommitMemo()
+    listed = st.list_stamped(JOURNAL_DIR)
     listed = [(n, s) for n, s in listed if n.startswith("rank-") and n.endswith(".json")]
-    if memo is None:
-        out = [_read_segment(st, name, backend) for name, _ in listed]
-    else:
-        memo.keep({f"{JOURNAL_DIR}/{n}" for n, _ in listed} | {MANIFEST_NAME})
-        out = [
-            memo.load(f"{JOURNAL_DIR}/{n}", stamp, lambda n=n: _read_segment(st, n, backend)).value
-            for n, stamp in listed
-        ]
+    memo.keep({f"{JOURNAL_DIR}/{n}" for n, _ in listed} | {MANIFEST_NAME})
+    out = [
+        memo.load(f"{JOURNAL_DIR}/{n}", stamp, lambda n=n: _read_segment(st, n, backend)).value
+        for n, stamp in listed
+    ]
     return sorted(out, key=lambda j: (j.rank, j.segment))
 
 

@@ -248,12 +248,11 @@ class _Merger:
         self.summary = MergeSummary(out=out.url, per_input=[0] * len(stores))
         self._linker: Any = None
 
-    def put(self, store: CacheReader, rel: str, dst: str) -> tuple[str, int]:
-        """Input `store`'s file `rel` as M's `dst` (transfer.py), refused if changed since
-        its check."""
-        source = self.stores.index(store)
-        stamp = self.stamps.get((source, rel))
-        return self.transfer.put(store.storage, rel, dst, stamp=stamp)
+    def put(self, storage: Storage, rel: str, dst: str) -> tuple[str, int]:
+        """An input's file `rel` as M's `dst` (transfer.py), refused if changed since its
+        check."""
+        source = next(n for n, s in enumerate(self.stores) if s.storage is storage)
+        return self.transfer.put(storage, rel, dst, stamp=self.stamps.get((source, rel)))
 
     def _count(self, ways: set[str]) -> None:
         """One shard put whole into M, counted by the slowest way one of its files took."""
@@ -290,12 +289,8 @@ class _Merger:
         if self._linker is None:
             from wandistill.cache.zarr.merge import ZarrLinker
 
-            self._linker = ZarrLinker(self.out, self._put_any)
+            self._linker = ZarrLinker(self.out, self.put)
         return self._linker.add(store.storage, src)
-
-    def _put_any(self, storage: Storage, rel: str, dst: str) -> tuple[str, int]:
-        store = next(s for s in self.stores if s.storage is storage)
-        return self.put(store, rel, dst)
 
     def shard(self, seq: int, step: _Step) -> dict[str, Any]:
         """Write M's shard `seq` from `step`; its committed (sealed) entry."""
@@ -310,7 +305,7 @@ class _Merger:
             entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
         elif step.rows is None and self.backend == "webdataset":
             dst = f"{SHARD_DIR}/{name}.tar"
-            how, _ = self.put(store, store.source.rel(src), dst)  # type: ignore[attr-defined]
+            how, _ = self.put(store.storage, store.source.rel(src), dst)  # type: ignore[attr-defined]
             self._count({how})
             entry = {k: v for k, v in step.raw.items() if k != ENTRY_DIGEST}
             entry.update(name=name, rank=MERGE_RANK, file=dst)
@@ -425,7 +420,7 @@ def merge(cfg: MergeConfig) -> MergeSummary:
             _clear_unfinished(out)
             out.makedirs(SHARD_DIR)
             if stores[0].manifest.shared:
-                merger.put(stores[0], SHARED_NAME, SHARED_NAME)
+                merger.put(stores[0].storage, SHARED_NAME, SHARED_NAME)
             made = [merger.shard(seq, step) for seq, step in enumerate(steps)]
             header.shards = Entries(header.shards.model, made)
             if isinstance(out, LocalStorage):

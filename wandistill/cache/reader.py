@@ -25,7 +25,7 @@ from wandistill.cache.files import Entry, SharedBlock
 from wandistill.cache.journal import CommitMemo
 from wandistill.cache.seal import digest_problem
 from wandistill.checks.validate import MiB
-from wandistill.errors import CacheError, UsageError
+from wandistill.errors import CacheError
 from wandistill.io.storage import Storage, storage_at
 
 MAX_SHARED_BYTES = 256 * MiB
@@ -57,15 +57,14 @@ class RecordSource(Protocol):
 
 
 def _make_source(backend: str, store: Storage) -> RecordSource:
+    """The backend's reader (`backend` is one the manifest schema admits)."""
     if backend == "webdataset":
         from wandistill.cache.wds.reader import WebDatasetSource
 
         return WebDatasetSource(store)
-    if backend == "zarr":
-        from wandistill.cache.zarr.reader import ZarrSource
+    from wandistill.cache.zarr.reader import ZarrSource
 
-        return ZarrSource(store)
-    raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
+    return ZarrSource(store)
 
 
 class CacheReader:

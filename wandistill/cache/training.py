@@ -78,10 +78,6 @@ def _seed_for(*parts: Any) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _local_sync(names: list[str], complete: bool) -> tuple[list[str], bool]:
-    return names, complete
-
-
 def _open_caches(
     cache: str | Path | CacheReader | Sequence[str | Path | CacheReader],
     weights: Sequence[float],
@@ -157,7 +153,7 @@ class TrainingReader(FollowMode, BatchReading):
         self.follow = follow
         self.poll_interval = poll_interval
         self.follow_timeout = follow_timeout
-        self.sync = sync or _local_sync
+        self.sync = sync or (lambda names, complete: (names, complete))
         self.agree = agree or bool
         """Follow mode: True on every rank when it is True on every rank (`all_agree` in
         train/build.py)."""
@@ -169,7 +165,6 @@ class TrainingReader(FollowMode, BatchReading):
             for s in self.stores
         ]
         """Each cache's own held-out fraction."""
-        self.holdout = self.holdouts[0]
         self.skip_corrupt = skip_corrupt
         if pad not in ("max_sequence_length", "batch"):
             raise UsageError(f"pad={pad!r} must be 'max_sequence_length' or 'batch'")

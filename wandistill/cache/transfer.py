@@ -59,12 +59,6 @@ def link_or_copy(src: Path, dst: Path) -> bool:
     return linked
 
 
-def same_store(a: Storage, b: Storage) -> bool:
-    """True when one object store can copy between the two (fsspec hands out one filesystem
-    instance per protocol and options: the same endpoint and credentials)."""
-    return isinstance(a, FsspecStorage) and isinstance(b, FsspecStorage) and a.fs is b.fs
-
-
 class Transfer:
     """Puts input files into the store `out` (module docstring)."""
 
@@ -80,8 +74,11 @@ class Transfer:
             target = self.out.path(dst)
             target.parent.mkdir(parents=True, exist_ok=True)
             how = LINKED if link_or_copy(src.path(rel), target) else COPIED
-        elif same_store(src, self.out):
-            assert isinstance(src, FsspecStorage) and isinstance(self.out, FsspecStorage)
+        elif (  # one object store (fsspec hands out one filesystem per protocol and options)
+            isinstance(src, FsspecStorage)
+            and isinstance(self.out, FsspecStorage)
+            and src.fs is self.out.fs
+        ):
             self.out._call(dst, self.out.fs.cp_file, src.key(rel), self.out.key(dst))
             how = SERVER
         else:

@@ -12,7 +12,6 @@ import hashlib
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Protocol
 
 import torch
@@ -75,11 +74,9 @@ def _make_sink(
                 fix="set cache.backend = 'zarr', or cache.compression = 'none'",
             )
         return WebDatasetSink(store)
-    if backend == "zarr":
-        from wandistill.cache.zarr.writer import ZarrSink
+    from wandistill.cache.zarr.writer import ZarrSink  # `new_manifest` checked the backend
 
-        return ZarrSink(store, block_records=shard_records, compression=compression)
-    raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
+    return ZarrSink(store, block_records=shard_records, compression=compression)
 
 
 def shared_blob(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, Any]]:
@@ -266,12 +263,7 @@ class CacheWriter:
     def __enter__(self) -> CacheWriter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
             self.close()
         else:

@@ -17,6 +17,7 @@ from wandistill.cache.contract import (
     DTYPE_NAMES_BY_SAFETENSORS,
     DTYPES_BY_NAME,
     Record,
+    tensor_bytes,
 )
 from wandistill.cache.files import OwnMeta, RecordMeta, WdsEntry
 from wandistill.cache.wds.format import (
@@ -256,7 +257,8 @@ class WebDatasetSource(ShardChecks):
         try:
             rel, spans = self._spans(entry, i, wanted)
             out = {name: empty(tuple(s[3]), s[2]) for name, s in spans.items()}
-            self._fill(rel, wanted, spans, {n: BatchBuffers.raw(t) for n, t in out.items()})
+            reads = self._reads(spans, {n: tensor_bytes(t) for n, t in out.items()})
+            self._check(wanted, reads, self._read_into(rel, reads))
             return out
         except Exception as e:
             raise self._corrupt(entry, i, e) from None
@@ -297,19 +299,14 @@ class WebDatasetSource(ShardChecks):
                 self.store.will_need(rel, [(r[1], r[2].nbytes) for _, rs in group for r in rs])
         for rel, group in groups.items():
             try:
-                got: list[int] | None = self.store.read_into(
-                    rel, [(r[1], r[2]) for _, rs in group for r in rs]
-                )
+                got: list[int] | None = self._read_into(rel, [r for _, rs in group for r in rs])
             except Exception:  # the file as a whole: read each sample alone to say which
                 got = None
             k = 0
             for b, reads in group:
                 entry, i, wanted = samples[b]
                 try:
-                    if got is None:
-                        mine = self.store.read_into(rel, [(r[1], r[2]) for r in reads])
-                    else:
-                        mine = got[k : k + len(reads)]
+                    mine = self._read_into(rel, reads) if got is None else got[k : k + len(reads)]
                     self._check(wanted, reads, mine)
                 except Exception as e:
                     errors[b] = self._corrupt(entry, i, e)
@@ -326,16 +323,9 @@ class WebDatasetSource(ShardChecks):
             spans = {n: (*s[:4], -1 if s[4] is None else s[4]) for n, s in spans.items()}
         return self.rel(entry), spans
 
-    def _fill(
-        self,
-        rel: str,
-        wanted: dict[str, int | None],
-        spans: dict[str, tuple[int, int, torch.dtype, list[int], int | None]],
-        dest: dict[str, Any],
-    ) -> None:
-        """One positioned read per span into its destination, then its crc32c check."""
-        reads = self._reads(spans, dest)
-        self._check(wanted, reads, self.store.read_into(rel, [(r[1], r[2]) for r in reads]))
+    def _read_into(self, rel: str, reads: list[_Read]) -> list[int]:
+        """One positioned read per `_reads` item into its destination: the bytes each got."""
+        return self.store.read_into(rel, [(r[1], r[2]) for r in reads])
 
     @staticmethod
     def _reads(
