@@ -20,6 +20,7 @@ complete every record holds its own (trimmed) embeddings, and precompute removes
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -71,14 +72,7 @@ class EmbedShard:
     truncated: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "file": f"{EMBED_DIR}/{self.name}.safetensors",
-            "bytes": self.bytes,
-            "sha256": self.sha256,
-            "names": self.names,
-            "truncated": self.truncated,
-        }
+        return {**dataclasses.asdict(self), "file": f"{EMBED_DIR}/{self.name}.safetensors"}
 
 
 class EmbedStore:

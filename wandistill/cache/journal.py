@@ -172,8 +172,3 @@ class CommitMemo:
         if index not in verdicts:
             verdicts[index] = digest_problem(entry)
         return verdicts[index]
-
-
-def read_journals(st: Storage, backend: str) -> list[Entry]:
-    """Shard entries committed by writers since the last finalize, ordered by rank and sequence."""
-    return [e for j in journal_segments(st, backend) for e in j.shards]

@@ -40,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.cache import manifest as mf
-from wandistill.cache.contract import SHARED_NAME, ZARR_DATA_NAME
+from wandistill.cache.contract import SHARED_NAME, ZARR_DATA_NAME, ZARR_LOCK_NAME
 from wandistill.cache.encoding import compression_of
 from wandistill.cache.entries import Entries
 from wandistill.cache.files import SEALED, Entry, Manifest
-from wandistill.cache.journal import read_journals
+from wandistill.cache.journal import journal_segments
 from wandistill.cache.reader import CacheReader
 from wandistill.cache.seal import ENTRY_DIGEST, digest_problem, seal_entry
 from wandistill.cache.transfer import COPIED, LINKED, SERVER, Transfer
@@ -53,8 +53,6 @@ from wandistill.errors import CacheError, CacheMismatchError, UsageError
 from wandistill.io.fsutil import fsync_dir
 from wandistill.io.storage import LocalStorage, Storage, is_url, open_storage
 
-ZARR_LOCK = "data.zarr.lock"
-"""zarr.layout.LOCK_NAME (not imported: merging webdataset caches needs no zarr)."""
 MERGE_RANK = 0
 """M's shards are named as rank 0's (`r00000-<seq>`): a later precompute into M resumes after
 them like after its own."""
@@ -110,10 +108,10 @@ def _open_input(path: str | Path) -> CacheReader:
     """The input cache at `path`, opened once: its checks and its reader share the storage."""
     st = open_storage(path)
     manifest = mf.read_manifest(st)  # not a cache / corrupt: one clear error
-    pending = read_journals(st, manifest.backend)
+    pending = sum(len(j.shards) for j in journal_segments(st, manifest.backend))
     if not manifest.complete or pending:
         st.close()
-        why = f"{len(pending)} shard(s) still in its journal" if pending else "not complete"
+        why = f"{pending} shard(s) still in its journal" if pending else "not complete"
         raise CacheError(
             f"cache {st.url!r} is incomplete ({why}); merge takes finished caches only",
             fix="re-run its `wandistill precompute` to the end (it resumes), then merge",
@@ -296,20 +294,17 @@ class _Merger:
         """Write M's shard `seq` from `step`; its committed (sealed) entry."""
         name = shard_name(MERGE_RANK, seq)
         store = self.stores[step.source]
-        src = step.entry
+        src, keys = step.entry, _keys(step)
         linked_entry = self._link_zarr(store, src) if step.rows is None else None
         if linked_entry is not None:
             entry, ways = linked_entry
             self._count(ways)
-            keys = list(src.keys)
-            entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
         elif step.rows is None and self.backend == "webdataset":
             dst = f"{SHARD_DIR}/{name}.tar"
             how, _ = self.put(store.storage, store.source.rel(src), dst)  # type: ignore[attr-defined]
             self._count({how})
             entry = {k: v for k, v in step.raw.items() if k != ENTRY_DIGEST}
-            entry.update(name=name, rank=MERGE_RANK, file=dst)
-            keys = list(src.keys)
+            entry.update(file=dst)
         else:
             rows = step.rows if step.rows is not None else range(src.records)
             sink = self._sink()
@@ -321,9 +316,8 @@ class _Merger:
             except BaseException:
                 sink.abort()
                 raise
-            keys = [src.keys[i] for i in rows]
-            entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
             self.summary.rewritten += 1
+        entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
         self.summary.per_input[step.source] += len(keys)
         return seal_entry(entry)
 
@@ -451,5 +445,5 @@ def _clear_unfinished(out: Storage) -> None:
         for name in (SHARD_DIR, ZARR_DATA_NAME):
             for rel in out.find(name):  # type: ignore[attr-defined]
                 out.rm(rel)
-    for name in (SHARED_NAME, ZARR_LOCK):
+    for name in (SHARED_NAME, ZARR_LOCK_NAME):
         out.rm(name)

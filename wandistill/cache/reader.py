@@ -18,7 +18,7 @@ from safetensors.torch import load as st_load
 
 from wandistill.cache import manifest as mf
 from wandistill.cache.batch import BatchBuffers
-from wandistill.cache.contract import SHARED_NAME, Record, dtype_name, pad_embeds
+from wandistill.cache.contract import SHARED_NAME, Record, dtype_name, is_step_field, pad_embeds
 from wandistill.cache.encoding import RecordCodec
 from wandistill.cache.entries import Entries
 from wandistill.cache.files import Entry, SharedBlock
@@ -151,8 +151,6 @@ class CacheReader:
         With `pad`, `prompt_embeds` comes back re-padded to max_sequence_length (bit-exact with
         what the pipeline fed the teacher) plus `prompt_len`.
         """
-        from wandistill.cache.contract import is_step_field
-
         wanted = {n: (step if is_step_field(n) else None) for n in self.codec.wanted(names)}
         out = self.codec.decode(self.source.read_tensors(entry, i, wanted))
         if pad and "prompt_embeds" in out:
@@ -166,8 +164,6 @@ class CacheReader:
         """Read (entry, record, step) samples straight into the rows of `out`; each sample's
         error (None when read). None when this cache cannot be read in place (a backend without
         batch reads, or fields stored in another dtype: those go through `read_sample`)."""
-        from wandistill.cache.contract import is_step_field
-
         read = getattr(self.source, "read_batch", None)
         if read is None or not self.codec.identity:
             return None

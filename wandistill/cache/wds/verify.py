@@ -1,4 +1,4 @@
-"""`cache verify` for webdataset shards: the entry's rows, the tar's members walked without
+"""`cache verify` for webdataset shards: the tar's members walked without
 extracting, the frame digest, then every record read and checked (`ShardChecks`, a part of
 `WebDatasetSource`)."""
 
@@ -13,6 +13,8 @@ from wandistill.cache.wds.format import MEMBER_EXTS, UNSAFE_EXTS, _describe, mem
 from wandistill.errors import CacheError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from wandistill.cache.contract import Record
     from wandistill.io.storage import Storage
 
@@ -22,12 +24,8 @@ class ShardChecks:
     `_checked_record`)."""
 
     store: Storage
-
-    def rel(self, entry: WdsEntry) -> str:
-        raise NotImplementedError
-
-    def _checked_record(self, entry: WdsEntry, i: int) -> Record:
-        raise NotImplementedError
+    rel: Callable[[WdsEntry], str]
+    _checked_record: Callable[[WdsEntry, int], Record]
 
     def member_problems(self, entry: WdsEntry) -> tuple[list[str], dict[str, str]]:
         """Walk the tar headers (never extracting): (shard-level problems, key -> problem).

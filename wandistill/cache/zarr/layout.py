@@ -32,7 +32,6 @@ from wandistill.errors import CacheError
 from wandistill.io.storage import FsspecStorage, LocalStorage, Storage, is_transient
 
 DATA_NAME = ZARR_DATA_NAME
-LOCK_NAME = "data.zarr.lock"
 BLOCK_RECORDS = 64
 """Rows per zarr shard (file) of every record-indexed array."""
 TOKEN_CHUNK = 32

@@ -40,7 +40,7 @@ from wandistill.cache.zarr.layout import (
     check_metadata,
     zarr_store,
 )
-from wandistill.cache.zarr.store import _check_node_name, _SealingStore, claim_lock
+from wandistill.cache.zarr.store import _SealingStore, claim_lock
 from wandistill.errors import CacheError
 from wandistill.io.fsutil import fsync_dir
 from wandistill.io.storage import LocalStorage, Storage
@@ -130,7 +130,8 @@ class ZarrSink:
             )
         checked = []
         for name, t in tensors.items():
-            _check_node_name(name)
+            if not name or "/" in name or name.startswith("__") or name in (".", ".."):
+                raise CacheError(f"tensor name {name!r} cannot be a zarr array name")
             dtype = _dtype_of(t)
             known = self._dtypes.get(name, dtype)
             if known != dtype:
