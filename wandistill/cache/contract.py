@@ -123,8 +123,7 @@ DTYPES: tuple[DType, ...] = (
 )
 DTYPE_BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 DTYPE_NAMES: dict[torch.dtype, str] = {d.torch: d.name for d in DTYPES}
-DTYPES_BY_NAME: dict[str, torch.dtype] = {d.name: d.torch for d in DTYPES}
-DTYPE_NAMES_BY_SAFETENSORS: dict[str, str] = {d.safetensors: d.name for d in DTYPES}
+DTYPE_BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in DTYPES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

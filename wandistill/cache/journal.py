@@ -86,8 +86,8 @@ def _read_segment(st: Storage, name: str, backend: str) -> JournalSegment:
         )
     cap = MAX_MANIFEST_BYTES
     data = st.read(rel, max_bytes=cap, what="journal", fix=FIX_JOURNAL, error=CacheError)
-    obj = parse_json(data, f"{where} is corrupt", fix=FIX_JOURNAL, error=CacheError)
     bad = f"{where} is corrupt"
+    obj = parse_json(data, bad, fix=FIX_JOURNAL, error=CacheError)
     journal = check(JOURNALS[backend], obj, bad, fix=FIX_JOURNAL, error=CacheError)
     journal.shards.where, journal.shards.fix = where, FIX_JOURNAL
     ranks = {int(m.group(1)), journal.rank, *(e.rank for e in journal.shards)}

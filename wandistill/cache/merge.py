@@ -32,7 +32,6 @@ exactly this merge's result (then nothing is done).
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -263,19 +262,12 @@ class _Merger:
             from wandistill.cache.wds.writer import WebDatasetSink
 
             return WebDatasetSink(self.out)
-        from wandistill.cache.zarr.layout import BLOCK_RECORDS, MAX_META_BYTES
+        from wandistill.cache.zarr.layout import BLOCK_RECORDS, GROUP_ATTR
         from wandistill.cache.zarr.writer import ZarrSink
 
         first = self.stores[0]
-        meta = first.storage.read(
-            f"{ZARR_DATA_NAME}/zarr.json",
-            max_bytes=MAX_META_BYTES,
-            what="zarr group metadata",
-            fix="restore the input cache's data.zarr/zarr.json",
-            error=CacheError,
-        )
-        attrs = json.loads(meta)["attributes"]
-        block = int(attrs.get("wandistill", {}).get("block_records", BLOCK_RECORDS))
+        layout = first.source.open_group().attrs.get(GROUP_ATTR, {})  # type: ignore[attr-defined]
+        block = int(layout.get("block_records", BLOCK_RECORDS))
         fields = first.manifest.fields
         return ZarrSink(self.out, block_records=block, compression=compression_of(fields))
 
@@ -406,22 +398,19 @@ def merge(cfg: MergeConfig) -> MergeSummary:
                 for e in store.entries
                 if (n, e.name) in bad
             )
-            if _existing(out, header, steps):
-                merger.summary.unchanged = True
-                merger.summary.records = sum(len(_keys(s)) for s in steps)
-                merger.summary.shards = len(steps)
-                return merger.summary
-            _clear_unfinished(out)
-            out.makedirs(SHARD_DIR)
-            if stores[0].manifest.shared:
-                merger.put(stores[0].storage, SHARED_NAME, SHARED_NAME)
-            made = [merger.shard(seq, step) for seq, step in enumerate(steps)]
-            header.shards = Entries(header.shards.model, made)
-            if isinstance(out, LocalStorage):
-                fsync_dir(out.path(SHARD_DIR))
-            mf.write_manifest(out, header)
-            merger.summary.records = header.num_records
-            merger.summary.shards = len(header.shards)
+            merger.summary.records = sum(len(_keys(s)) for s in steps)
+            merger.summary.shards = len(steps)
+            merger.summary.unchanged = _existing(out, header, steps)
+            if not merger.summary.unchanged:
+                _clear_unfinished(out)
+                out.makedirs(SHARD_DIR)
+                if stores[0].manifest.shared:
+                    merger.put(stores[0].storage, SHARED_NAME, SHARED_NAME)
+                made = [merger.shard(seq, step) for seq, step in enumerate(steps)]
+                header.shards = Entries(header.shards.model, made)
+                if isinstance(out, LocalStorage):
+                    fsync_dir(out.path(SHARD_DIR))
+                mf.write_manifest(out, header)
             merger.summary.client_bytes = merger.transfer.client_bytes
             return merger.summary
     finally:

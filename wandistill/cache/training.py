@@ -348,20 +348,13 @@ class TrainingReader(FollowMode, BatchReading):
         gen = torch.Generator().manual_seed(_seed_for(self.seed, *tag))
         return torch.randperm(n, generator=gen)
 
-    def _micro_starts(self, g: int) -> list[int]:
-        """Offsets of this rank's micro-batches of optimizer step g (micro m -> m*W + rank)."""
-        first = g * self.global_batch
-        return [
-            first + (m * self.world_size + self.rank) * self.batch_size
-            for m in range(self.grad_accum)
-        ]
-
     def _step_items(
         self, pool: Any, g: int, epoch: int
     ) -> Iterator[tuple[tuple[int, int], list[Sample]]]:
         """This rank's micro-batches of step g; the position counts the step only once its last
         micro-batch is handed over, so a resume replays a partly consumed step whole."""
-        for m, start in enumerate(self._micro_starts(g)):
+        for m in range(self.grad_accum):  # micro-batch m of the step is rank r's at m*W + r
+            start = g * self.global_batch + (m * self.world_size + self.rank) * self.batch_size
             done = g + 1 if m == self.grad_accum - 1 else g
             yield (epoch, done), [pool[j] for j in range(start, start + self.batch_size)]
 

@@ -188,10 +188,6 @@ class CacheWriter:
 
     # ------------------------------------------------------------------ writing
 
-    def has(self, key: str) -> bool:
-        """True if a committed shard already holds `key` (resume skips it)."""
-        return key in self._keys
-
     def write(self, record: Record) -> bool:
         """Add one record; returns False when it was already in the cache."""
         if record.key in self._keys or record.key in self._open:

@@ -105,10 +105,7 @@ class SafeDecoder:
                 "only .json and .safetensors members",
                 fix="run `wandistill cache verify` on the cache",
             )
-        if ext == "safetensors" and not self.verify:
-            tensors = st_load(data)
-        else:
-            tensors = decode(data)
+        tensors = st_load(data) if ext == "safetensors" and not self.verify else decode(data)
         if ext == "safetensors" and self.codec is not None:
             return self.codec.decode(tensors)
         return tensors

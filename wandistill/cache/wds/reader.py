@@ -14,8 +14,7 @@ from safetensors.torch import load as st_load
 
 from wandistill.cache.batch import BatchBuffers, empty
 from wandistill.cache.contract import (
-    DTYPE_NAMES_BY_SAFETENSORS,
-    DTYPES_BY_NAME,
+    DTYPE_BY_SAFETENSORS,
     Record,
     tensor_bytes,
 )
@@ -38,7 +37,6 @@ from wandistill.checks.validate import inside, rel_path_problem
 from wandistill.errors import CacheError, CorruptRecordError
 from wandistill.io.storage import LocalStorage, Storage, is_transient, storage_at
 
-_ST_DTYPES = DTYPE_NAMES_BY_SAFETENSORS
 _Read = tuple[str, int, Any, int | None]
 """One tensor read: (name, offset in the shard, destination buffer, expected crc32c)."""
 _RECORD_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError)
@@ -206,7 +204,7 @@ class WebDatasetSource(ShardChecks):
         info = table.get(name)
         if info is None:
             raise KeyError(f"no tensor {name!r} in the record")
-        dtype = DTYPES_BY_NAME[_ST_DTYPES[info["dtype"]]]
+        dtype = DTYPE_BY_SAFETENSORS[info["dtype"]].torch
         a, b = info["data_offsets"]
         shape = list(info["shape"])
         nbytes = dtype.itemsize
@@ -351,12 +349,12 @@ class WebDatasetSource(ShardChecks):
                 )
 
     @staticmethod
-    def _corrupt(entry: WdsEntry, i: int, e: BaseException) -> BaseException:
-        """A read failure as the CorruptRecordError naming shard and record (a failure that is
-        not about the data, e.g. a bug, as it is)."""
-        if isinstance(e, CorruptRecordError) or not isinstance(e, _RECORD_ERRORS):
-            return e
-        if is_transient(e):
+    def _corrupt(
+        entry: WdsEntry, i: int, e: BaseException, kinds: Any = _RECORD_ERRORS
+    ) -> BaseException:
+        """A read failure of one of these `kinds` as the CorruptRecordError naming shard and
+        record (a failure that is not about the data, e.g. a bug or EMFILE, as it is)."""
+        if isinstance(e, CorruptRecordError) or not isinstance(e, kinds) or is_transient(e):
             return e
         return CorruptRecordError(entry.name, entry.keys[i], _describe(e))
 
@@ -385,12 +383,8 @@ class WebDatasetSource(ShardChecks):
     def read_record(self, entry: WdsEntry, i: int) -> Record:
         try:
             return self._checked_record(entry, i)
-        except CorruptRecordError:
-            raise
         except Exception as e:  # safetensors raises its own error types on a bad blob
-            if is_transient(e):
-                raise
-            raise CorruptRecordError(entry.name, entry.keys[i], _describe(e)) from None
+            raise self._corrupt(entry, i, e, Exception) from None
 
     def close(self) -> None:
         self.store.close()

@@ -65,7 +65,7 @@ class ZarrSource:
     def _has_group(self) -> bool:
         return self.storage.exists(f"{DATA_NAME}/zarr.json")
 
-    def _open_group(self) -> Any:
+    def open_group(self) -> Any:
         if self._group is None:
             if not self._has_group():
                 raise CacheError(f"cache {self.storage.url!r} has no {DATA_NAME} group")
@@ -80,7 +80,7 @@ class ZarrSource:
         """Array `path` with at least `rows` rows, and its stored dtype."""
         got = self._arrays.get(path)
         if got is None or got[0].shape[0] < rows:
-            group = self._open_group()
+            group = self.open_group()
             where = f"{DATA_NAME}/{path}/zarr.json"
             if not _zarr_call(where, lambda: path in group):
                 raise KeyError(f"{DATA_NAME} has no array {path!r}")
