@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.cache.contract import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
+from wandistill.cache.encoding import stored_as
 from wandistill.cache.entries import Entries
 from wandistill.cache.files import BLOCKS, MANIFESTS, FieldSpec, Manifest
 from wandistill.cache.journal import (
@@ -263,13 +264,7 @@ def mismatches(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> li
 
 
 def _stored(spec: FieldSpec) -> str:
-    """How a field is stored, in one word: name:dtype, plus its storage options (encoding.py)."""
-    text = f"{spec.name}:{spec.dtype}"
-    if spec.decoded:
-        text += f" (of {spec.decoded}{', scaled' if spec.scaled else ''})"
-    if spec.compression:
-        text += f" {spec.compression}-{spec.compression_level}"
-    return text
+    return f"{spec.name}:{stored_as(spec)}"
 
 
 def check_compatible(st: Storage, existing: Manifest, new: Manifest) -> None:

@@ -36,8 +36,6 @@ _SHARD_RE = re.compile(r"r(\d{5})-(\d{6})")
 class ShardSink(Protocol):
     """Writes one shard: `begin`, `add` per record, then `end` (publish) or `abort`."""
 
-    suffix: str
-
     def begin(self, name: str) -> None: ...
 
     def add(self, record: Record) -> None: ...

@@ -52,8 +52,6 @@ from wandistill.io.storage import LocalStorage, Storage
 class ZarrSink:
     """Buffers one writer shard; `end()` claims rows under a file lock and writes whole shards."""
 
-    suffix = ".zarr"
-
     def __init__(
         self,
         storage: Storage,
