@@ -40,12 +40,6 @@ def dump_json(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
 
 
-def _journal_rel(rank: int, segment: int = 0) -> str:
-    """Segment 0 keeps the name of a one-file journal, so short runs look as they always did."""
-    tail = f"-{segment:06d}" if segment else ""
-    return f"{JOURNAL_DIR}/rank-{rank:05d}{tail}.json"
-
-
 @dataclass(frozen=True, slots=True)
 class JournalSegment:
     """One journal file: whose it is, its place in that rank's run, and its shard entries."""
@@ -112,7 +106,8 @@ def write_journal_chunks(st: Storage, rank: int, entries: list[bytes], *, segmen
     objects) every entry it committed. The journal segment is the commit: it appears whole
     (rename, or one completed upload)."""
     st.makedirs(JOURNAL_DIR)
-    with st.upload(_journal_rel(rank, segment)) as f:
+    tail = f"-{segment:06d}" if segment else ""  # segment 0: the name a one-file journal had
+    with st.upload(f"{JOURNAL_DIR}/rank-{rank:05d}{tail}.json") as f:
         f.write(b'{"rank": %d, "shards": [\n' % rank)
         for i, chunk in enumerate(entries):
             if i:

@@ -313,13 +313,6 @@ class _Merger:
         self.summary.per_input[step.source] += len(keys)
         return seal_entry(entry)
 
-    def header(self) -> Manifest:
-        """M's header: the first input's, complete, no shards yet."""
-        first = self.stores[0].manifest
-        return first.model_copy(
-            update={"complete": True, "shards": Entries(first.shards.model, [])}
-        )
-
 
 def _existing(out: Storage, header: Manifest, steps: list[_Step]) -> bool:
     """True if M already is this merge's result; refuse any other cache at M."""
@@ -386,7 +379,10 @@ def merge(cfg: MergeConfig) -> MergeSummary:
         with outputs.claim(cfg.out, "cache", inputs=inputs) as folder:
             out = open_storage(folder.path)
             merger = _Merger(stores, out, stamps)
-            header = merger.header()
+            first = stores[0].manifest  # M's header: the first input's, complete, no shards yet
+            header = first.model_copy(
+                update={"complete": True, "shards": Entries(first.shards.model, [])}
+            )
             merger.summary.duplicates = dropped
             merger.summary.corrupt = [
                 f"input cache {str(cfg.inputs[n])!r} shard {name}: {problem}"
