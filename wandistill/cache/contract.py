@@ -238,7 +238,7 @@ def field_specs(
 
 def pad_embeds(embeds_LD: torch.Tensor, max_len: int) -> torch.Tensor:
     """Re-pad a trimmed embedding with zeros, exactly as WanPipeline's encode_prompt pads."""
-    length = embeds_LD.shape[0]
+    length, _ = embeds_LD.shape  # (and a 2-d tensor)
     if length > max_len:
         raise ValueError(f"embedding length {length} exceeds max_sequence_length {max_len}")
     return torch.nn.functional.pad(embeds_LD, (0, 0, 0, max_len - length))
