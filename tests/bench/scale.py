@@ -35,10 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for cach
 
 from harness import Report, environment  # noqa: E402
 
+from wandistill.cache import journal as jn  # noqa: E402
 from wandistill.cache import manifest as mf  # noqa: E402
 from wandistill.cache.files import Entries  # noqa: E402
 from wandistill.cache.keyindex import NameIndex  # noqa: E402
 from wandistill.cache.reader import CacheReader  # noqa: E402
+from wandistill.cache.seal import seal_entry  # noqa: E402
 from wandistill.io.storage import open_storage  # noqa: E402
 
 from cachefixtures import write_cache  # noqa: E402
@@ -53,7 +55,7 @@ def entries(base: Path, n: int) -> list[dict]:
         e.pop(mf.ENTRY_DIGEST, None)
         e["name"] = f"r00000-{j:06d}"
         e["keys"] = [f"{j:024x}{i:08x}" for i in range(len(e["keys"]))]
-        out.append(mf.seal_entry(e))
+        out.append(seal_entry(e))
     return out
 
 
@@ -79,16 +81,16 @@ def follow_leg(base: Path, work: Path, n: int, per_poll: int = 50) -> tuple[floa
     m = mf.read_manifest(path)
     m.complete = False
     mf.write_manifest(open_storage(path), m)
-    chunks = [mf.entry_json(e) for e in entries(base, n)]
+    chunks = [jn.entry_json(e) for e in entries(base, n)]
     store, total, last, seg, start, size = None, 0.0, 0.0, 0, 0, 0
-    limit = getattr(mf, "JOURNAL_SEGMENT_BYTES", None)  # None: before segments (2026-11-27)
+    limit = getattr(jn, "JOURNAL_SEGMENT_BYTES", None)  # None: before segments (2026-11-27)
     for upto in range(per_poll, n + 1, per_poll):
         for k in range(upto - per_poll, upto):  # the writer's segments
             if limit and k > start and size + len(chunks[k]) > limit:
                 seg, start, size = seg + 1, k, 0
             size += len(chunks[k])
         kw = {"segment": seg} if limit else {}
-        mf.write_journal_chunks(open_storage(path), 0, chunks[start:upto], **kw)
+        jn.write_journal_chunks(open_storage(path), 0, chunks[start:upto], **kw)
         t = time.perf_counter()
         if store is None:
             store = CacheReader(path)

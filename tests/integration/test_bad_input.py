@@ -479,7 +479,7 @@ def test_disk_full_in_precompute_keeps_every_committed_shard(
     monkeypatch: pytest.MonkeyPatch,
     where: str,
 ) -> None:
-    import wandistill.cache.manifest as mf
+    import wandistill.cache.journal as jn
     import wandistill.cache.wds.writer as wds
     from wandistill.cache import open_cache
 
@@ -493,7 +493,7 @@ def test_disk_full_in_precompute_keeps_every_committed_shard(
     if where == "tar-write":
         monkeypatch.setattr(wds._HashingFile, "write", _enospc)
     else:
-        monkeypatch.setattr(mf, "write_journal_chunks", _enospc)
+        monkeypatch.setattr(jn, "write_journal_chunks", _enospc)
     code, _, err = _cli(capsys, _pre_args(world, prompts, cache))
     text = " ".join(err.split())
     assert code == 1 and "Traceback" not in err and len(_error_lines(err)) == 1, err

@@ -355,10 +355,11 @@ def test_verify_names_a_missing_and_a_truncated_zarr_shard_object(
 def test_a_polling_reader_on_s3_rereads_only_the_journal_objects_that_changed(
     s3: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from wandistill.cache import journal as jn
     from wandistill.cache import manifest as mf
     from wandistill.cache.reader import CacheReader
 
-    monkeypatch.setattr(mf, "JOURNAL_SEGMENT_BYTES", 1200)  # a few shards per segment
+    monkeypatch.setattr(jn, "JOURNAL_SEGMENT_BYTES", 1200)  # a few shards per segment
     url = _url("follow-memo")
     write_cache(url, range(6), shard_records=1, finalize=False, complete=False)
     store = CacheReader(url)

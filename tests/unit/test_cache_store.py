@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from wandistill.cache import CacheWriter, open_cache
+from wandistill.cache import journal as jn
 from wandistill.cache import manifest as mf
 from wandistill.cache.contract import field_specs
 from wandistill.cache.manifest import read_manifest
+from wandistill.cache.seal import seal_entry
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
 from wandistill.io import fsutil
 from wandistill.io.storage import open_storage
@@ -87,7 +89,7 @@ def test_a_long_run_commits_into_bounded_journal_segments_and_resumes_in_the_las
     tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     limit = 1200  # a few one-record entries per segment
-    monkeypatch.setattr(mf, "JOURNAL_SEGMENT_BYTES", limit)
+    monkeypatch.setattr(jn, "JOURNAL_SEGMENT_BYTES", limit)
     write_cache(
         tmp_path, range(9), backend=backend, shard_records=1, finalize=False, complete=False
     )
@@ -96,7 +98,7 @@ def test_a_long_run_commits_into_bounded_journal_segments_and_resumes_in_the_las
     assert [s.segment for s in segments] == list(range(len(segments)))
     for s in segments:  # what one commit rewrites stays bounded
         assert (
-            len(s.shards) == 1 or sum(len(mf.entry_json(e)) for e in s.shards.json_list()) <= limit
+            len(s.shards) == 1 or sum(len(jn.entry_json(e)) for e in s.shards.json_list()) <= limit
         )
     names = [e.name for s in segments for e in s.shards]
     assert names == [f"r00000-{i:06d}" for i in range(9)]
@@ -276,7 +278,7 @@ def test_a_sealed_entry_that_breaks_the_schema_is_reported_when_used_naming_inde
     write_cache(tmp_path, range(4), backend=backend, shard_records=2)
     data = json.loads((tmp_path / "manifest.json").read_text())
     bad = {k: v for k, v in data["shards"][1].items() if k != mf.ENTRY_DIGEST}
-    data["shards"][1] = mf.seal_entry({**bad, "bytes": -1})  # re-sealed: the digest holds
+    data["shards"][1] = seal_entry({**bad, "bytes": -1})  # re-sealed: the digest holds
     (tmp_path / "manifest.json").write_text(json.dumps(data))
 
     m = mf.load_committed(tmp_path)
@@ -440,7 +442,7 @@ def test_a_polling_reader_rereads_only_the_journal_files_that_changed(
     from wandistill.cache.reader import CacheReader
     from wandistill.io.storage import LocalStorage
 
-    monkeypatch.setattr(mf, "JOURNAL_SEGMENT_BYTES", 1200)  # a few shards per segment
+    monkeypatch.setattr(jn, "JOURNAL_SEGMENT_BYTES", 1200)  # a few shards per segment
     write_cache(tmp_path, range(6), shard_records=1, finalize=False, complete=False)
     store = CacheReader(tmp_path)
     reads: list[str] = []

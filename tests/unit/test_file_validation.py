@@ -156,7 +156,7 @@ def test_inside_refuses_names_that_leave_their_folder_even_through_a_symlink(
 def _unchecked_cache(path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cache whose records carry no checksums (header metadata, the entry's crc32c): nothing
     guards a header, so a hostile one reaches the parser."""
-    from wandistill.cache.manifest import seal_entry
+    from wandistill.cache.seal import seal_entry
 
     with monkeypatch.context() as m:
         without_tensor_checksums(m)

@@ -20,7 +20,8 @@ import torch
 
 from wandistill.cache.contract import SCHEMA_VERSION
 from wandistill.cache.files import SEALED
-from wandistill.cache.manifest import HEADER_DIGEST, header_digests, read_manifest, seal_entry
+from wandistill.cache.manifest import HEADER_DIGEST, header_digests, read_manifest
+from wandistill.cache.seal import seal_entry
 from wandistill.precompute.numerics import record_numerics
 
 from cachefixtures import write_cache

@@ -29,7 +29,8 @@ import webdataset as wds
 
 from wandistill.cache import open_cache
 from wandistill.cache.files import WdsEntry
-from wandistill.cache.manifest import read_manifest, seal_entry
+from wandistill.cache.manifest import read_manifest
+from wandistill.cache.seal import seal_entry
 from wandistill.cache.wds.decoder import UnsafeMemberError, iter_members, safe_decoder
 from wandistill.cache.wds.reader import WebDatasetSource
 from wandistill.cli import main

@@ -36,17 +36,19 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.empty(n, dtype=np.uint8)).view(dtype).view(shape)
 
 
-def _differs(name: str, got: Shape | None, want: Shape) -> str | None:
-    """Why a sample's field cannot share a batch tensor with the first sample's, or None."""
-    if got is None:
-        return f"has no {name!r}, the batch's first sample has one"
-    same = got[0][1:] == want[0][1:] if name in RAGGED else got[0] == want[0]
-    if same and got[1] == want[1]:
-        return None
-    return (
-        f"{name!r} is {tuple(got[0])} {got[1]}, the batch's first sample has "
-        f"{tuple(want[0])} {want[1]}"
-    )
+def _differs(sample: dict[str, Shape], first: dict[str, Shape]) -> str | None:
+    """Why a sample's fields cannot share the batch tensors with the first sample's, or None."""
+    for name, want in first.items():
+        got = sample.get(name)
+        if got is None:
+            return f"has no {name!r}, the batch's first sample has one"
+        same = got[0][1:] == want[0][1:] if name in RAGGED else got[0] == want[0]
+        if not same or got[1] != want[1]:
+            return (
+                f"{name!r} is {tuple(got[0])} {got[1]}, the batch's first sample has "
+                f"{tuple(want[0])} {want[1]}"
+            )
+    return None
 
 
 class BatchBuffers:
@@ -77,10 +79,7 @@ class BatchBuffers:
         for b, s in enumerate(shapes):
             if s is None or s is first:
                 continue
-            problems[b] = next(
-                (p for name, want in first.items() if (p := _differs(name, s.get(name), want))),
-                None,
-            )
+            problems[b] = _differs(s, first)
         for name, (shape, dtype) in first.items():
             if name not in RAGGED:
                 self.tensors[name] = empty((self.size, *shape), dtype)
@@ -118,11 +117,6 @@ class BatchBuffers:
             b, : self.lengths[name][b] * (raw.shape[1] // max(1, self.tensors[name].shape[1]))
         ]
 
-    @staticmethod
-    def raw(t: torch.Tensor) -> Any:
-        """A writable uint8 numpy view over a contiguous tensor's bytes, for `preadv`/crc32c."""
-        return t.reshape(-1).view(torch.uint8).numpy()
-
 
 class RowsOf:
     """Rows `rows` of a batch whose samples come from several caches (`TrainingReader` over
@@ -152,9 +146,7 @@ class RowsOf:
         for i, (b, s) in enumerate(zip(self.rows, shapes, strict=True)):
             if s is None:
                 continue
-            problems[i] = next(
-                (p for name, w in want.items() if (p := _differs(name, s.get(name), w))), None
-            )
+            problems[i] = _differs(s, want)
             for name in batch.lengths:
                 n = s[name][0][0] if problems[i] is None and name in s else 0
                 if n > batch.tensors[name].shape[1]:

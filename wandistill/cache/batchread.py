@@ -38,7 +38,8 @@ class BatchReading:
         for b, (entry, _, _) in enumerate(samples):
             groups.setdefault(self._owner.get(id(entry), 0), []).append(b)
         if len(groups) == 1:
-            out, errors = self._read_rows(self.stores[next(iter(groups))], samples, pad)
+            out = BatchBuffers(len(samples), pad)  # one cache
+            errors = self._read_into(self.stores[next(iter(groups))], samples, out)
         else:
             out, errors = self._read_mixed(groups, samples, pad)
         for (entry, row, _), e in zip(samples, errors, strict=True):
@@ -61,16 +62,6 @@ class BatchReading:
                 tensors[name] = tensors[name][:, :longest].contiguous()
         return tensors, order
 
-    def _read_rows(
-        self, store: CacheReader, samples: list[Sample], pad: int | None
-    ) -> tuple[BatchBuffers, list[BaseException | None]]:
-        """Samples of one cache into one batch, in place where the backend can."""
-        out = BatchBuffers(len(samples), pad)
-        errors = None if self.with_next else store.read_batch(samples, self.fields, out)
-        if errors is None:
-            errors = self._read_each(samples, out)
-        return out, errors
-
     def _read_mixed(
         self, groups: dict[int, list[int]], samples: list[Sample], pad: int | None
     ) -> tuple[BatchBuffers, list[BaseException | None]]:
@@ -82,10 +73,7 @@ class BatchReading:
         errors: list[BaseException | None] = [None] * len(samples)
         for n, rows in groups.items():
             view: Any = RowsOf(out, rows)
-            mine = [samples[b] for b in rows]
-            errs = None if self.with_next else self.stores[n].read_batch(mine, self.fields, view)
-            if errs is None:
-                errs = self._read_each(mine, view)
+            errs = self._read_into(self.stores[n], [samples[b] for b in rows], view)
             for b, e in zip(rows, errs, strict=True):
                 errors[b] = e
         if pad is None:
@@ -94,6 +82,14 @@ class BatchReading:
                 if longest < out.tensors[name].shape[1]:
                     out.tensors[name] = out.tensors[name][:, :longest].contiguous()
         return out, errors
+
+    def _read_into(
+        self, store: CacheReader, samples: list[Sample], out: BatchBuffers
+    ) -> list[BaseException | None]:
+        """Samples of one cache into their rows of `out`: in place where the backend can, else
+        each read and decoded on its own; each sample's error, or None."""
+        errors = None if self.with_next else store.read_batch(samples, self.fields, out)
+        return self._read_each(samples, out) if errors is None else errors
 
     def _read_each(self, samples: list[Sample], out: BatchBuffers) -> list[BaseException | None]:
         """Read and decode each sample on its own, then copy it into its row of `out`; each

@@ -78,11 +78,11 @@ FIELDS: tuple[FieldTemplate, ...] = (
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 STEP_FIELDS = ("timesteps", "xt", "teacher_out")
 """Fields with a leading step axis: a training sample reads one row of each."""
-OPTIONAL_FIELDS = ("negative_prompt_embeds",)
-"""Per-record negative embedding, present only when a prompt brings its own negative prompt."""
 
 ZARR_DATA_NAME = "data.zarr"
 """The zarr backend's one group, relative to the cache directory."""
+ZARR_LOCK_NAME = "data.zarr.lock"
+"""The row-claim lock of the zarr backend (zarr/store.py), relative to the cache directory."""
 ZARR_DTYPE_ATTR = "wandistill_dtype"
 """zarr array attribute naming the dtype of an array stored as another dtype's bits (bf16)."""
 
@@ -123,8 +123,7 @@ DTYPES: tuple[DType, ...] = (
 )
 DTYPE_BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 DTYPE_NAMES: dict[torch.dtype, str] = {d.torch: d.name for d in DTYPES}
-DTYPES_BY_NAME: dict[str, torch.dtype] = {d.name: d.torch for d in DTYPES}
-DTYPE_NAMES_BY_SAFETENSORS: dict[str, str] = {d.safetensors: d.name for d in DTYPES}
+DTYPE_BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in DTYPES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -179,26 +178,19 @@ class Record:
 
     @classmethod
     def from_parts(cls, meta: RecordMeta, tensors: dict[str, torch.Tensor]) -> Record:
-        features = {
-            k[len(FEATURE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(FEATURE_PREFIX)
-        }
-        scales = {
-            k[len(SCALE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(SCALE_PREFIX)
-        }
+        def prefixed(p: str) -> dict[str, torch.Tensor]:
+            return {k.removeprefix(p): v for k, v in tensors.items() if k.startswith(p)}
+
         return cls(
             key=meta.key,
             prompt=meta.prompt,
             seed=meta.seed,
-            features=features,
+            features=prefixed(FEATURE_PREFIX),
             negative_prompt_embeds=tensors.get("negative_prompt_embeds"),
             extra=dict(meta.extra),
-            scales=scales,
+            scales=prefixed(SCALE_PREFIX),
             **{name: tensors[name] for name in FIELD_NAMES},
         )
-
-
-def settings_digest(settings: dict[str, Any]) -> str:
-    return hashlib.sha256(canonical_json(settings).encode()).hexdigest()
 
 
 def record_key(prompt: str, seed: int, settings: dict[str, Any]) -> str:
@@ -206,9 +198,8 @@ def record_key(prompt: str, seed: int, settings: dict[str, Any]) -> str:
 
     32 hex chars, no dots (webdataset splits member names at the first dot).
     """
-    payload = canonical_json(
-        {"prompt": prompt, "seed": seed, "settings": settings_digest(settings)}
-    )
+    digest = hashlib.sha256(canonical_json(settings).encode()).hexdigest()
+    payload = canonical_json({"prompt": prompt, "seed": seed, "settings": digest})
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
@@ -247,9 +238,7 @@ def field_specs(
 
 def pad_embeds(embeds_LD: torch.Tensor, max_len: int) -> torch.Tensor:
     """Re-pad a trimmed embedding with zeros, exactly as WanPipeline's encode_prompt pads."""
-    length, dim = embeds_LD.shape
+    length, _ = embeds_LD.shape  # (and a 2-d tensor)
     if length > max_len:
         raise ValueError(f"embedding length {length} exceeds max_sequence_length {max_len}")
-    out = embeds_LD.new_zeros((max_len, dim))
-    out[:length] = embeds_LD
-    return out
+    return torch.nn.functional.pad(embeds_LD, (0, 0, 0, max_len - length))

@@ -20,9 +20,9 @@ complete every record holds its own (trimmed) embeddings, and precompute removes
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -37,7 +37,7 @@ from safetensors.torch import save as st_save
 from wandistill.cache.contract import tensor_bytes
 from wandistill.cache.keyindex import NameIndex
 from wandistill.errors import CacheError
-from wandistill.io.fsutil import atomic_write_json, fsync_dir, temp_name, writing
+from wandistill.io.fsutil import atomic_write_bytes, atomic_write_json
 
 EMBED_DIR = "embeds"
 META_KEY = "wandistill"
@@ -72,14 +72,7 @@ class EmbedShard:
     truncated: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "file": f"{EMBED_DIR}/{self.name}.safetensors",
-            "bytes": self.bytes,
-            "sha256": self.sha256,
-            "names": self.names,
-            "truncated": self.truncated,
-        }
+        return {**dataclasses.asdict(self), "file": f"{EMBED_DIR}/{self.name}.safetensors"}
 
 
 class EmbedStore:
@@ -112,11 +105,7 @@ class EmbedStore:
             shard = self._committed(side)
             if shard is None:
                 continue
-            pos = len(self.shards)
-            self.shards.append(shard)
-            for name in shard.names:
-                self.index.add(name, pos)
-            shard.names, shard.truncated = [], []  # indexed; memory must not grow with prompts
+            self._add(shard)
             m = _SHARD_RE.fullmatch(shard.name)
             if m and int(m.group(1)) == self.rank:
                 self._seq = max(self._seq, int(m.group(2)) + 1)
@@ -139,6 +128,15 @@ class EmbedStore:
         if shard.name != side.stem or not path.is_file() or path.stat().st_size != shard.bytes:
             return None
         return shard
+
+    def _add(self, shard: EmbedShard) -> None:
+        """Index a committed shard's names, then drop its lists: memory must not grow with
+        prompts."""
+        pos = len(self.shards)
+        self.shards.append(shard)
+        for name in shard.names:
+            self.index.add(name, pos)
+        shard.names, shard.truncated = [], []
 
     def truncated_keys(self) -> NameIndex:
         """Every rank's truncated record keys (rank 0 reads them at the end, for the report),
@@ -174,18 +172,7 @@ class EmbedStore:
         name = f"r{self.rank:05d}-{self._seq:06d}"
         crcs = {n: _crc(t) for n, t in self._buffer.items()}
         blob = st_save(self._buffer, metadata={META_KEY: json.dumps({"crc32c": crcs})})
-        final = self.dir / f"{name}.safetensors"
-        tmp = temp_name(final)
-        try:
-            with writing(final), open(tmp, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(self.dir)
+        atomic_write_bytes(self.dir / f"{name}.safetensors", blob)
         shard = EmbedShard(
             name=name,
             bytes=len(blob),
@@ -194,11 +181,7 @@ class EmbedStore:
             truncated=list(self._buffer_truncated),
         )
         atomic_write_json(self.dir / f"{name}.json", shard.to_json())  # the commit
-        pos = len(self.shards)
-        self.shards.append(shard)
-        for n in shard.names:
-            self.index.add(n, pos)
-        shard.names, shard.truncated = [], []
+        self._add(shard)
         self._seq += 1
         self._buffer, self._buffer_truncated, self._buffer_bytes = {}, [], 0
 

@@ -76,6 +76,16 @@ class Encoding:
         return out
 
 
+def stored_as(spec: FieldSpec) -> str:
+    """How a field is stored, in words: its dtype, what it decodes to, its compression."""
+    text = spec.dtype
+    if spec.decoded:
+        text += f" (of {spec.decoded}{' + scale' if spec.scaled else ''})"
+    if spec.compression:
+        text += f", {spec.compression}-{spec.compression_level}"
+    return text
+
+
 def compression_of(fields: Sequence[FieldSpec]) -> tuple[str, int] | None:
     """The (codec, level) the fields declare (one per cache), or None."""
     for spec in fields:

@@ -26,8 +26,8 @@ from pydantic import (
 
 from wandistill import __version__
 from wandistill.cache.contract import (
+    DTYPE_BY_NAME,
     DTYPES,
-    DTYPES_BY_NAME,
     FORMAT_NAME,
     MAX_ROWS,
     SCHEMA_VERSION,
@@ -48,7 +48,7 @@ RecordKey = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
 Text = Annotated[str, StringConstraints(max_length=1 << 20)]
 Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")]
 Short = Annotated[str, StringConstraints(max_length=256)]
-Dtype = Literal[tuple(DTYPES_BY_NAME)]  # type: ignore[valid-type]
+Dtype = Literal[tuple(DTYPE_BY_NAME)]  # type: ignore[valid-type]
 Span = Annotated[list[Count], Field(min_length=2, max_length=2)]
 """[start, stop) or [offset, length] (JSON arrays: strict mode takes tuples from Python only)."""
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from wandistill.cache.contract import SCALE_PREFIX
+from wandistill.cache.encoding import stored_as
 from wandistill.cache.files import ZarrEntry
 from wandistill.cache.reader import open_cache
 
@@ -91,16 +92,8 @@ def footprint(path: Any) -> Footprint | None:
         else:
             lens = [store.source.read_meta(entry, i).embed_len for i in range(n)]
         embed_len = sum(lens) / len(lens)
-        described = {}
-        for spec in store.manifest.fields:
-            text = spec.dtype
-            if spec.decoded:
-                text += f" (of {spec.decoded}{' + scale' if spec.scaled else ''})"
-            if spec.compression:
-                text += f", {spec.compression}-{spec.compression_level}"
-            described[spec.name] = text
         return Footprint(
-            fields=described,
+            fields={spec.name: stored_as(spec) for spec in store.manifest.fields},
             here=field_bytes(tensors),
             projected={k: projected_bytes(tensors, v, embed_len) for k, v in WAN_SIZES.items()},
             embed_len=embed_len,

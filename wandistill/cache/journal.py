@@ -40,12 +40,6 @@ def dump_json(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
 
 
-def _journal_rel(rank: int, segment: int = 0) -> str:
-    """Segment 0 keeps the name of a one-file journal, so short runs look as they always did."""
-    tail = f"-{segment:06d}" if segment else ""
-    return f"{JOURNAL_DIR}/rank-{rank:05d}{tail}.json"
-
-
 @dataclass(frozen=True, slots=True)
 class JournalSegment:
     """One journal file: whose it is, its place in that rank's run, and its shard entries."""
@@ -65,18 +59,14 @@ def journal_segments(
 ) -> list[JournalSegment]:
     """Every journal segment, checked against the journal schema, by rank then segment. With a
     `memo`, a segment unchanged since the memo last read it is not read again."""
-    listed = (
-        [(n, None) for n in st.list(JOURNAL_DIR)] if memo is None else st.list_stamped(JOURNAL_DIR)
-    )
+    memo = memo or CommitMemo()
+    listed = st.list_stamped(JOURNAL_DIR)
     listed = [(n, s) for n, s in listed if n.startswith("rank-") and n.endswith(".json")]
-    if memo is None:
-        out = [_read_segment(st, name, backend) for name, _ in listed]
-    else:
-        memo.keep({f"{JOURNAL_DIR}/{n}" for n, _ in listed} | {MANIFEST_NAME})
-        out = [
-            memo.load(f"{JOURNAL_DIR}/{n}", stamp, lambda n=n: _read_segment(st, n, backend)).value
-            for n, stamp in listed
-        ]
+    memo.keep({f"{JOURNAL_DIR}/{n}" for n, _ in listed} | {MANIFEST_NAME})
+    out = [
+        memo.load(f"{JOURNAL_DIR}/{n}", stamp, lambda n=n: _read_segment(st, n, backend)).value
+        for n, stamp in listed
+    ]
     return sorted(out, key=lambda j: (j.rank, j.segment))
 
 
@@ -90,8 +80,8 @@ def _read_segment(st: Storage, name: str, backend: str) -> JournalSegment:
         )
     cap = MAX_MANIFEST_BYTES
     data = st.read(rel, max_bytes=cap, what="journal", fix=FIX_JOURNAL, error=CacheError)
-    obj = parse_json(data, f"{where} is corrupt", fix=FIX_JOURNAL, error=CacheError)
     bad = f"{where} is corrupt"
+    obj = parse_json(data, bad, fix=FIX_JOURNAL, error=CacheError)
     journal = check(JOURNALS[backend], obj, bad, fix=FIX_JOURNAL, error=CacheError)
     journal.shards.where, journal.shards.fix = where, FIX_JOURNAL
     ranks = {int(m.group(1)), journal.rank, *(e.rank for e in journal.shards)}
@@ -116,7 +106,8 @@ def write_journal_chunks(st: Storage, rank: int, entries: list[bytes], *, segmen
     objects) every entry it committed. The journal segment is the commit: it appears whole
     (rename, or one completed upload)."""
     st.makedirs(JOURNAL_DIR)
-    with st.upload(_journal_rel(rank, segment)) as f:
+    tail = f"-{segment:06d}" if segment else ""  # segment 0: the name a one-file journal had
+    with st.upload(f"{JOURNAL_DIR}/rank-{rank:05d}{tail}.json") as f:
         f.write(b'{"rank": %d, "shards": [\n' % rank)
         for i, chunk in enumerate(entries):
             if i:
@@ -176,8 +167,3 @@ class CommitMemo:
         if index not in verdicts:
             verdicts[index] = digest_problem(entry)
         return verdicts[index]
-
-
-def read_journals(st: Storage, backend: str) -> list[Entry]:
-    """Shard entries committed by writers since the last finalize, ordered by rank and sequence."""
-    return [e for j in journal_segments(st, backend) for e in j.shards]

@@ -24,60 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.cache.contract import FORMAT_NAME, MANIFEST_NAME, SCHEMA_VERSION
+from wandistill.cache.encoding import stored_as
 from wandistill.cache.entries import Entries
 from wandistill.cache.files import BLOCKS, MANIFESTS, FieldSpec, Manifest
 from wandistill.cache.journal import (
-    JOURNAL_DIR as JOURNAL_DIR,
-)
-from wandistill.cache.journal import (
-    JOURNAL_SEGMENT_BYTES as JOURNAL_SEGMENT_BYTES,
-)
-from wandistill.cache.journal import (
-    MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES,
-)
-from wandistill.cache.journal import (
-    CommitMemo as CommitMemo,
-)
-from wandistill.cache.journal import (
-    JournalSegment as JournalSegment,
-)
-from wandistill.cache.journal import (
+    MAX_MANIFEST_BYTES,
+    CommitMemo,
     clear_journals,
     dump_json,
+    journal_segments,
 )
-from wandistill.cache.journal import (
-    entry_json as entry_json,
-)
-from wandistill.cache.journal import (
-    journal_segments as journal_segments,
-)
-from wandistill.cache.journal import (
-    read_journals as read_journals,
-)
-from wandistill.cache.journal import (
-    write_journal_chunks as write_journal_chunks,
-)
-from wandistill.cache.seal import (
-    ENTRY_DIGEST as ENTRY_DIGEST,
-)
-from wandistill.cache.seal import (
-    HEADER_DIGEST as HEADER_DIGEST,
-)
-from wandistill.cache.seal import (
-    check_seal as check_seal,
-)
-from wandistill.cache.seal import (
-    digest_problem as digest_problem,
-)
-from wandistill.cache.seal import (
-    entry_digest as entry_digest,
-)
-from wandistill.cache.seal import (
-    header_digests as header_digests,
-)
-from wandistill.cache.seal import (
-    seal_entry as seal_entry,
-)
+from wandistill.cache.seal import ENTRY_DIGEST, HEADER_DIGEST, check_seal, header_digests
 from wandistill.checks.validate import check, parse_json
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
 from wandistill.io.storage import Storage, storage_at
@@ -307,13 +264,7 @@ def mismatches(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> li
 
 
 def _stored(spec: FieldSpec) -> str:
-    """How a field is stored, in one word: name:dtype, plus its storage options (encoding.py)."""
-    text = f"{spec.name}:{spec.dtype}"
-    if spec.decoded:
-        text += f" (of {spec.decoded}{', scaled' if spec.scaled else ''})"
-    if spec.compression:
-        text += f" {spec.compression}-{spec.compression_level}"
-    return text
+    return f"{spec.name}:{stored_as(spec)}"
 
 
 def check_compatible(st: Storage, existing: Manifest, new: Manifest) -> None:

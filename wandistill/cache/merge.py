@@ -32,7 +32,6 @@ exactly this merge's result (then nothing is done).
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -40,19 +39,19 @@ from pathlib import Path
 from typing import Any
 
 from wandistill.cache import manifest as mf
-from wandistill.cache.contract import SHARED_NAME, ZARR_DATA_NAME
+from wandistill.cache.contract import SHARED_NAME, ZARR_DATA_NAME, ZARR_LOCK_NAME
 from wandistill.cache.encoding import compression_of
 from wandistill.cache.entries import Entries
 from wandistill.cache.files import SEALED, Entry, Manifest
+from wandistill.cache.journal import journal_segments
 from wandistill.cache.reader import CacheReader
+from wandistill.cache.seal import ENTRY_DIGEST, digest_problem, seal_entry
 from wandistill.cache.transfer import COPIED, LINKED, SERVER, Transfer
 from wandistill.cache.writer import SHARD_DIR, shard_name
 from wandistill.errors import CacheError, CacheMismatchError, UsageError
 from wandistill.io.fsutil import fsync_dir
 from wandistill.io.storage import LocalStorage, Storage, is_url, open_storage
 
-ZARR_LOCK = "data.zarr.lock"
-"""zarr.layout.LOCK_NAME (not imported: merging webdataset caches needs no zarr)."""
 MERGE_RANK = 0
 """M's shards are named as rank 0's (`r00000-<seq>`): a later precompute into M resumes after
 them like after its own."""
@@ -108,10 +107,10 @@ def _open_input(path: str | Path) -> CacheReader:
     """The input cache at `path`, opened once: its checks and its reader share the storage."""
     st = open_storage(path)
     manifest = mf.read_manifest(st)  # not a cache / corrupt: one clear error
-    pending = mf.read_journals(st, manifest.backend)
+    pending = sum(len(j.shards) for j in journal_segments(st, manifest.backend))
     if not manifest.complete or pending:
         st.close()
-        why = f"{len(pending)} shard(s) still in its journal" if pending else "not complete"
+        why = f"{pending} shard(s) still in its journal" if pending else "not complete"
         raise CacheError(
             f"cache {st.url!r} is incomplete ({why}); merge takes finished caches only",
             fix="re-run its `wandistill precompute` to the end (it resumes), then merge",
@@ -203,7 +202,7 @@ def corrupt_shards(
             if stamps is not None:
                 for rel in _files(store, entry):
                     stamps[(n, rel)] = store.storage.stamp(rel)
-            problems = [p for p in (mf.digest_problem(store.entries.json(i)),) if p]
+            problems = [p for p in (digest_problem(store.entries.json(i)),) if p]
             problems += problems or _verify(store, entry)
             if problems:
                 bad[(n, entry.name)] = problems[0]
@@ -246,12 +245,11 @@ class _Merger:
         self.summary = MergeSummary(out=out.url, per_input=[0] * len(stores))
         self._linker: Any = None
 
-    def put(self, store: CacheReader, rel: str, dst: str) -> tuple[str, int]:
-        """Input `store`'s file `rel` as M's `dst` (transfer.py), refused if changed since
-        its check."""
-        source = self.stores.index(store)
-        stamp = self.stamps.get((source, rel))
-        return self.transfer.put(store.storage, rel, dst, stamp=stamp)
+    def put(self, storage: Storage, rel: str, dst: str) -> tuple[str, int]:
+        """An input's file `rel` as M's `dst` (transfer.py), refused if changed since its
+        check."""
+        source = next(n for n, s in enumerate(self.stores) if s.storage is storage)
+        return self.transfer.put(storage, rel, dst, stamp=self.stamps.get((source, rel)))
 
     def _count(self, ways: set[str]) -> None:
         """One shard put whole into M, counted by the slowest way one of its files took."""
@@ -264,19 +262,12 @@ class _Merger:
             from wandistill.cache.wds.writer import WebDatasetSink
 
             return WebDatasetSink(self.out)
-        from wandistill.cache.zarr.layout import BLOCK_RECORDS, MAX_META_BYTES
+        from wandistill.cache.zarr.layout import BLOCK_RECORDS, GROUP_ATTR
         from wandistill.cache.zarr.writer import ZarrSink
 
         first = self.stores[0]
-        meta = first.storage.read(
-            f"{ZARR_DATA_NAME}/zarr.json",
-            max_bytes=MAX_META_BYTES,
-            what="zarr group metadata",
-            fix="restore the input cache's data.zarr/zarr.json",
-            error=CacheError,
-        )
-        attrs = json.loads(meta)["attributes"]
-        block = int(attrs.get("wandistill", {}).get("block_records", BLOCK_RECORDS))
+        layout = first.source.open_group().attrs.get(GROUP_ATTR, {})  # type: ignore[attr-defined]
+        block = int(layout.get("block_records", BLOCK_RECORDS))
         fields = first.manifest.fields
         return ZarrSink(self.out, block_records=block, compression=compression_of(fields))
 
@@ -288,31 +279,24 @@ class _Merger:
         if self._linker is None:
             from wandistill.cache.zarr.merge import ZarrLinker
 
-            self._linker = ZarrLinker(self.out, self._put_any)
+            self._linker = ZarrLinker(self.out, self.put)
         return self._linker.add(store.storage, src)
-
-    def _put_any(self, storage: Storage, rel: str, dst: str) -> tuple[str, int]:
-        store = next(s for s in self.stores if s.storage is storage)
-        return self.put(store, rel, dst)
 
     def shard(self, seq: int, step: _Step) -> dict[str, Any]:
         """Write M's shard `seq` from `step`; its committed (sealed) entry."""
         name = shard_name(MERGE_RANK, seq)
         store = self.stores[step.source]
-        src = step.entry
+        src, keys = step.entry, _keys(step)
         linked_entry = self._link_zarr(store, src) if step.rows is None else None
         if linked_entry is not None:
             entry, ways = linked_entry
             self._count(ways)
-            keys = list(src.keys)
-            entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
         elif step.rows is None and self.backend == "webdataset":
             dst = f"{SHARD_DIR}/{name}.tar"
-            how, _ = self.put(store, store.source.rel(src), dst)  # type: ignore[attr-defined]
+            how, _ = self.put(store.storage, store.source.rel(src), dst)  # type: ignore[attr-defined]
             self._count({how})
-            entry = {k: v for k, v in step.raw.items() if k != mf.ENTRY_DIGEST}
-            entry.update(name=name, rank=MERGE_RANK, file=dst)
-            keys = list(src.keys)
+            entry = {k: v for k, v in step.raw.items() if k != ENTRY_DIGEST}
+            entry.update(file=dst)
         else:
             rows = step.rows if step.rows is not None else range(src.records)
             sink = self._sink()
@@ -324,18 +308,10 @@ class _Merger:
             except BaseException:
                 sink.abort()
                 raise
-            keys = [src.keys[i] for i in rows]
-            entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
             self.summary.rewritten += 1
+        entry.update(name=name, rank=MERGE_RANK, records=len(keys), keys=keys)
         self.summary.per_input[step.source] += len(keys)
-        return mf.seal_entry(entry)
-
-    def header(self) -> Manifest:
-        """M's header: the first input's, complete, no shards yet."""
-        first = self.stores[0].manifest
-        return first.model_copy(
-            update={"complete": True, "shards": Entries(first.shards.model, [])}
-        )
+        return seal_entry(entry)
 
 
 def _existing(out: Storage, header: Manifest, steps: list[_Step]) -> bool:
@@ -403,7 +379,10 @@ def merge(cfg: MergeConfig) -> MergeSummary:
         with outputs.claim(cfg.out, "cache", inputs=inputs) as folder:
             out = open_storage(folder.path)
             merger = _Merger(stores, out, stamps)
-            header = merger.header()
+            first = stores[0].manifest  # M's header: the first input's, complete, no shards yet
+            header = first.model_copy(
+                update={"complete": True, "shards": Entries(first.shards.model, [])}
+            )
             merger.summary.duplicates = dropped
             merger.summary.corrupt = [
                 f"input cache {str(cfg.inputs[n])!r} shard {name}: {problem}"
@@ -415,23 +394,20 @@ def merge(cfg: MergeConfig) -> MergeSummary:
                 for e in store.entries
                 if (n, e.name) in bad
             )
-            if _existing(out, header, steps):
-                merger.summary.unchanged = True
-                merger.summary.records = sum(len(_keys(s)) for s in steps)
-                merger.summary.shards = len(steps)
-                return merger.summary
-            _clear_unfinished(out)
-            out.makedirs(SHARD_DIR)
-            if stores[0].manifest.shared:
-                merger.put(stores[0], SHARED_NAME, SHARED_NAME)
-            made = [merger.shard(seq, step) for seq, step in enumerate(steps)]
-            header.shards = Entries(header.shards.model, made)
-            if isinstance(out, LocalStorage):
-                fsync_dir(out.path(SHARD_DIR))
-            mf.write_manifest(out, header)
-            merger.summary.records = header.num_records
-            merger.summary.shards = len(header.shards)
-            merger.summary.client_bytes = merger.transfer.moved.client_bytes
+            merger.summary.records = sum(len(_keys(s)) for s in steps)
+            merger.summary.shards = len(steps)
+            merger.summary.unchanged = _existing(out, header, steps)
+            if not merger.summary.unchanged:
+                _clear_unfinished(out)
+                out.makedirs(SHARD_DIR)
+                if stores[0].manifest.shared:
+                    merger.put(stores[0].storage, SHARED_NAME, SHARED_NAME)
+                made = [merger.shard(seq, step) for seq, step in enumerate(steps)]
+                header.shards = Entries(header.shards.model, made)
+                if isinstance(out, LocalStorage):
+                    fsync_dir(out.path(SHARD_DIR))
+                mf.write_manifest(out, header)
+            merger.summary.client_bytes = merger.transfer.client_bytes
             return merger.summary
     finally:
         for store in stores:
@@ -454,5 +430,5 @@ def _clear_unfinished(out: Storage) -> None:
         for name in (SHARD_DIR, ZARR_DATA_NAME):
             for rel in out.find(name):  # type: ignore[attr-defined]
                 out.rm(rel)
-    for name in (SHARED_NAME, ZARR_LOCK):
+    for name in (SHARED_NAME, ZARR_LOCK_NAME):
         out.rm(name)

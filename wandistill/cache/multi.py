@@ -21,6 +21,8 @@ ambiguous in batches and metrics: refused, the keys named (`cache merge` keeps o
 from __future__ import annotations
 
 import bisect
+import copy
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -126,25 +128,16 @@ class MixSpace:
     def __init__(self, spaces: list[Any], picks: list[torch.Tensor | None]) -> None:
         self.spaces = spaces
         self.picks = picks
-        self.starts: list[int] = []
-        n = 0
-        for space, pick in zip(spaces, picks, strict=True):
-            self.starts.append(n)
-            n += len(space) if pick is None else len(pick)
-        self._len = n
+        sizes = [len(s) if p is None else len(p) for s, p in zip(spaces, picks, strict=True)]
+        self.starts = [0, *itertools.accumulate(sizes)][:-1]
+        self._len = sum(sizes)
         self.order: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self._len
 
     def shuffled(self, order: torch.Tensor) -> MixSpace:
-        view = MixSpace.__new__(MixSpace)
-        view.spaces, view.picks, view.starts, view._len = (
-            self.spaces,
-            self.picks,
-            self.starts,
-            self._len,
-        )
+        view = copy.copy(self)
         view.order = order
         return view
 

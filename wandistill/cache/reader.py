@@ -18,12 +18,14 @@ from safetensors.torch import load as st_load
 
 from wandistill.cache import manifest as mf
 from wandistill.cache.batch import BatchBuffers
-from wandistill.cache.contract import SHARED_NAME, Record, dtype_name, pad_embeds
+from wandistill.cache.contract import SHARED_NAME, Record, dtype_name, is_step_field, pad_embeds
 from wandistill.cache.encoding import RecordCodec
 from wandistill.cache.entries import Entries
 from wandistill.cache.files import Entry, SharedBlock
+from wandistill.cache.journal import CommitMemo
+from wandistill.cache.seal import digest_problem
 from wandistill.checks.validate import MiB
-from wandistill.errors import CacheError, UsageError
+from wandistill.errors import CacheError
 from wandistill.io.storage import Storage, storage_at
 
 MAX_SHARED_BYTES = 256 * MiB
@@ -55,15 +57,14 @@ class RecordSource(Protocol):
 
 
 def _make_source(backend: str, store: Storage) -> RecordSource:
+    """The backend's reader (`backend` is one the manifest schema admits)."""
     if backend == "webdataset":
         from wandistill.cache.wds.reader import WebDatasetSource
 
         return WebDatasetSource(store)
-    if backend == "zarr":
-        from wandistill.cache.zarr.reader import ZarrSource
+    from wandistill.cache.zarr.reader import ZarrSource
 
-        return ZarrSource(store)
-    raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
+    return ZarrSource(store)
 
 
 class CacheReader:
@@ -76,7 +77,7 @@ class CacheReader:
         """The cache's path or URL (text: a URL is not a Path)."""
         self.check_entries = check_entries
         """False for `verify`: report edited shard entries (and what they break) as problems."""
-        self._memo = mf.CommitMemo()
+        self._memo = CommitMemo()
         """Files already read: `refresh()` re-reads only what changed (manifest.py)."""
         self.manifest = mf.load_committed(
             self.storage, check_entries=check_entries, memo=self._memo
@@ -150,8 +151,6 @@ class CacheReader:
         With `pad`, `prompt_embeds` comes back re-padded to max_sequence_length (bit-exact with
         what the pipeline fed the teacher) plus `prompt_len`.
         """
-        from wandistill.cache.contract import is_step_field
-
         wanted = {n: (step if is_step_field(n) else None) for n in self.codec.wanted(names)}
         out = self.codec.decode(self.source.read_tensors(entry, i, wanted))
         if pad and "prompt_embeds" in out:
@@ -165,8 +164,6 @@ class CacheReader:
         """Read (entry, record, step) samples straight into the rows of `out`; each sample's
         error (None when read). None when this cache cannot be read in place (a backend without
         batch reads, or fields stored in another dtype: those go through `read_sample`)."""
-        from wandistill.cache.contract import is_step_field
-
         read = getattr(self.source, "read_batch", None)
         if read is None or not self.codec.identity:
             return None
@@ -205,7 +202,7 @@ class CacheReader:
         """Every problem of the cache, one line each, naming shard and record where it can."""
         problems: list[str] = []
         for i, entry in enumerate(self.entries):
-            edited = mf.digest_problem(self.entries.json(i))
+            edited = digest_problem(self.entries.json(i))
             if edited:
                 problems.append(edited)
             problems.extend(self.source.verify(entry))

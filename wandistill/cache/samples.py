@@ -24,9 +24,7 @@ Sample = tuple[Entry, int, int]
 class SampleSpace:
     """Every (record, step) sample of some shards, in key order, as arrays: sample j is record
     j // len(slots) at slot j % len(slots), and `order` (a permutation) presents them shuffled.
-    A list of `Sample` tuples, plus its shuffled copy, took ~100 bytes a sample (about 1 GB per
-    rank for 1M records x 8 steps; tests/bench/scale.py); this holds 8 bytes a record plus 8 a
-    sample of `order`."""
+    It holds 8 bytes a record plus 8 a sample of `order` (see the module docstring)."""
 
     def __init__(self, entries: list[Entry], rows: list[tuple[int, int]], slots: list[int]) -> None:
         self.entries = entries

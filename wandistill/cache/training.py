@@ -42,7 +42,6 @@ module plans epochs, cuts global batches, keeps the position and hands batches o
 from __future__ import annotations
 
 import hashlib
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,10 +76,6 @@ def pad_to(embeds_BLD: torch.Tensor, length: int) -> torch.Tensor:
 def _seed_for(*parts: Any) -> int:
     digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _local_sync(names: list[str], complete: bool) -> tuple[list[str], bool]:
-    return names, complete
 
 
 def _open_caches(
@@ -158,7 +153,7 @@ class TrainingReader(FollowMode, BatchReading):
         self.follow = follow
         self.poll_interval = poll_interval
         self.follow_timeout = follow_timeout
-        self.sync = sync or _local_sync
+        self.sync = sync or (lambda names, complete: (names, complete))
         self.agree = agree or bool
         """Follow mode: True on every rank when it is True on every rank (`all_agree` in
         train/build.py)."""
@@ -170,7 +165,6 @@ class TrainingReader(FollowMode, BatchReading):
             for s in self.stores
         ]
         """Each cache's own held-out fraction."""
-        self.holdout = self.holdouts[0]
         self.skip_corrupt = skip_corrupt
         if pad not in ("max_sequence_length", "batch"):
             raise UsageError(f"pad={pad!r} must be 'max_sequence_length' or 'batch'")
@@ -179,7 +173,6 @@ class TrainingReader(FollowMode, BatchReading):
         """One line per skipped sample ("corrupt record ...") or shard ("unusable shard ...")."""
         self._unusable: dict[str, str] = {}
         self._last_good: dict[str, Any] | None = None
-        self.wait_seconds = 0.0
         # Position: epoch and optimizer steps (global batches) consumed in it (normal mode), or
         # the list of follow generations and steps consumed overall (follow mode).
         self.epoch = 0
@@ -344,9 +337,7 @@ class TrainingReader(FollowMode, BatchReading):
                     return
                 continue
             position, samples, future = pending.popleft()
-            t0 = time.perf_counter()
             tensors, order = future.result()
-            self.wait_seconds += time.perf_counter() - t0
             batch = self._collate(tensors, order, samples)
             # The position advances only when a batch is handed over, so a checkpoint taken
             # now resumes right after it, whatever was prefetched.
@@ -357,20 +348,13 @@ class TrainingReader(FollowMode, BatchReading):
         gen = torch.Generator().manual_seed(_seed_for(self.seed, *tag))
         return torch.randperm(n, generator=gen)
 
-    def _micro_starts(self, g: int) -> list[int]:
-        """Offsets of this rank's micro-batches of optimizer step g (micro m -> m*W + rank)."""
-        first = g * self.global_batch
-        return [
-            first + (m * self.world_size + self.rank) * self.batch_size
-            for m in range(self.grad_accum)
-        ]
-
     def _step_items(
         self, pool: Any, g: int, epoch: int
     ) -> Iterator[tuple[tuple[int, int], list[Sample]]]:
         """This rank's micro-batches of step g; the position counts the step only once its last
         micro-batch is handed over, so a resume replays a partly consumed step whole."""
-        for m, start in enumerate(self._micro_starts(g)):
+        for m in range(self.grad_accum):  # micro-batch m of the step is rank r's at m*W + r
+            start = g * self.global_batch + (m * self.world_size + self.rank) * self.batch_size
             done = g + 1 if m == self.grad_accum - 1 else g
             yield (epoch, done), [pool[j] for j in range(start, start + self.batch_size)]
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +38,6 @@ CHUNK = 8 << 20
 
 LINKED, SERVER, COPIED = "linked", "server", "copied"
 """How a file got into M: hard-linked, copied by the object store, copied through this process."""
-
-
-@dataclass(slots=True)
-class Moved:
-    """Files put into M by each way, and the bytes that passed through this process."""
-
-    linked: int = 0
-    server: int = 0
-    copied: int = 0
-    client_bytes: int = 0
 
 
 def link_or_copy(src: Path, dst: Path) -> bool:
@@ -70,18 +59,13 @@ def link_or_copy(src: Path, dst: Path) -> bool:
     return linked
 
 
-def same_store(a: Storage, b: Storage) -> bool:
-    """True when one object store can copy between the two (fsspec hands out one filesystem
-    instance per protocol and options: the same endpoint and credentials)."""
-    return isinstance(a, FsspecStorage) and isinstance(b, FsspecStorage) and a.fs is b.fs
-
-
 class Transfer:
-    """Puts input files into the store `out` (module docstring), counting each way."""
+    """Puts input files into the store `out` (module docstring)."""
 
     def __init__(self, out: Storage) -> None:
         self.out = out
-        self.moved = Moved()
+        self.client_bytes = 0
+        """Bytes that passed through this process."""
 
     def put(self, src: Storage, rel: str, dst: str, *, stamp: Any = None) -> tuple[str, int]:
         """Copy (or link) `src`'s `rel` to `dst` in `out`: (how, size in bytes). `stamp`: the
@@ -90,8 +74,11 @@ class Transfer:
             target = self.out.path(dst)
             target.parent.mkdir(parents=True, exist_ok=True)
             how = LINKED if link_or_copy(src.path(rel), target) else COPIED
-        elif same_store(src, self.out):
-            assert isinstance(src, FsspecStorage) and isinstance(self.out, FsspecStorage)
+        elif (  # one object store (fsspec hands out one filesystem per protocol and options)
+            isinstance(src, FsspecStorage)
+            and isinstance(self.out, FsspecStorage)
+            and src.fs is self.out.fs
+        ):
             self.out._call(dst, self.out.fs.cp_file, src.key(rel), self.out.key(dst))
             how = SERVER
         else:
@@ -109,8 +96,5 @@ class Transfer:
             )
         if size is None:
             raise CacheError(f"{self.out.name(dst)} is missing right after it was written")
-        self.moved.linked += how == LINKED
-        self.moved.server += how == SERVER
-        self.moved.copied += how == COPIED
-        self.moved.client_bytes += size if how == COPIED else 0
+        self.client_bytes += size if how == COPIED else 0
         return how, size

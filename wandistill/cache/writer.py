@@ -12,18 +12,19 @@ import hashlib
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save as st_save
 
+from wandistill.cache import journal as jn
 from wandistill.cache import manifest as mf
 from wandistill.cache.choices import ZARR_ONLY
 from wandistill.cache.contract import SHARED_NAME, STEP_FIELDS, Record, dtype_name, plain
 from wandistill.cache.encoding import RecordCodec, compression_of
 from wandistill.cache.files import FieldSpec, Manifest
 from wandistill.cache.keyindex import NameIndex
+from wandistill.cache.seal import seal_entry
 from wandistill.checks.finite import refuse_nonfinite_record
 from wandistill.errors import CacheError, UsageError
 from wandistill.io.storage import Storage, storage_at
@@ -34,8 +35,6 @@ _SHARD_RE = re.compile(r"r(\d{5})-(\d{6})")
 
 class ShardSink(Protocol):
     """Writes one shard: `begin`, `add` per record, then `end` (publish) or `abort`."""
-
-    suffix: str
 
     def begin(self, name: str) -> None: ...
 
@@ -73,11 +72,9 @@ def _make_sink(
                 fix="set cache.backend = 'zarr', or cache.compression = 'none'",
             )
         return WebDatasetSink(store)
-    if backend == "zarr":
-        from wandistill.cache.zarr.writer import ZarrSink
+    from wandistill.cache.zarr.writer import ZarrSink  # `new_manifest` checked the backend
 
-        return ZarrSink(store, block_records=shard_records, compression=compression)
-    raise UsageError(f"unknown cache backend {backend!r}", fix="use webdataset or zarr")
+    return ZarrSink(store, block_records=shard_records, compression=compression)
 
 
 def shared_blob(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, Any]]:
@@ -137,16 +134,16 @@ class CacheWriter:
         self._open_cache(header, blob)
         self.codec = RecordCodec(self.manifest.fields)
         """Converts each record to the stored dtypes the fields declare (encoding.py)."""
-        journals = mf.CommitMemo()  # the journals are read once for both uses below
+        journals = jn.CommitMemo()  # the journals are read once for both uses below
         committed = mf.committed_shards(self.store, self.manifest, journals)
         self._keys = NameIndex()  # compact: memory must not grow with the prompt file
         for s in committed:
             for k in s.keys:
                 self._keys.add(k, 0)
-        mine = [j for j in mf.journal_segments(self.store, backend, journals) if j.rank == rank]
+        mine = [j for j in jn.journal_segments(self.store, backend, journals) if j.rank == rank]
         self._segment = mine[-1].segment if mine else 0
         """This rank's last journal segment: each commit rewrites it (manifest.py)."""
-        self._mine = [mf.entry_json(s) for s in mine[-1].shards.json_list()] if mine else []
+        self._mine = [jn.entry_json(s) for s in mine[-1].shards.json_list()] if mine else []
         """Its entries, serialized once (not held as Python objects)."""
         self._mine_bytes = sum(map(len, self._mine))
         seqs = [
@@ -189,14 +186,6 @@ class CacheWriter:
 
     # ------------------------------------------------------------------ writing
 
-    def has(self, key: str) -> bool:
-        """True if a committed shard already holds `key` (resume skips it)."""
-        return key in self._keys
-
-    @property
-    def existing_keys(self) -> frozenset[str]:
-        return frozenset(self._keys.names())
-
     def write(self, record: Record) -> bool:
         """Add one record; returns False when it was already in the cache."""
         if record.key in self._keys or record.key in self._open:
@@ -231,12 +220,12 @@ class CacheWriter:
             records=len(self._open),
             keys=list(self._open),
         )
-        mf.seal_entry(entry)  # lets `cache verify` spot a hand-edited entry
-        chunk = mf.entry_json(entry)
-        if self._mine and self._mine_bytes + len(chunk) > mf.JOURNAL_SEGMENT_BYTES:
+        seal_entry(entry)  # lets `cache verify` spot a hand-edited entry
+        chunk = jn.entry_json(entry)
+        if self._mine and self._mine_bytes + len(chunk) > jn.JOURNAL_SEGMENT_BYTES:
             self._segment, self._mine, self._mine_bytes = self._segment + 1, [], 0
         try:
-            mf.write_journal_chunks(
+            jn.write_journal_chunks(
                 self.store, self.rank, [*self._mine, chunk], segment=self._segment
             )
         except OSError as e:  # the shard file is published but not committed: redone on resume
@@ -268,12 +257,7 @@ class CacheWriter:
     def __enter__(self) -> CacheWriter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is None:
             self.close()
         else:

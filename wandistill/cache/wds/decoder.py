@@ -12,9 +12,6 @@ from typing import Any
 import torch
 from safetensors.torch import load as st_load
 
-from wandistill.cache.contract import (
-    DTYPES_BY_NAME,
-)
 from wandistill.cache.wds.format import META_KEY, UNSAFE_EXTS, member_name_problem, tensor_checksums
 from wandistill.errors import CacheError
 
@@ -108,10 +105,7 @@ class SafeDecoder:
                 "only .json and .safetensors members",
                 fix="run `wandistill cache verify` on the cache",
             )
-        if ext == "safetensors" and not self.verify:
-            tensors = st_load(data)
-        else:
-            tensors = decode(data)
+        tensors = st_load(data) if ext == "safetensors" and not self.verify else decode(data)
         if ext == "safetensors" and self.codec is not None:
             return self.codec.decode(tensors)
         return tensors
@@ -153,11 +147,3 @@ def iter_members(path: str | Path) -> Iterator[tarfile.TarInfo]:
             if not m.isreg():
                 raise UnsafeMemberError(f"tar {str(path)!r}: member {m.name!r} is not a file")
             yield m
-
-
-def tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
-    """A writable tensor over a copy of `data` (frombuffer refuses empty and read-only buffers)."""
-    tdtype = DTYPES_BY_NAME[dtype]
-    if not data:
-        return torch.empty(shape, dtype=tdtype)
-    return torch.frombuffer(bytearray(data), dtype=tdtype).reshape(shape)

@@ -14,10 +14,9 @@ from safetensors.torch import load as st_load
 
 from wandistill.cache.batch import BatchBuffers, empty
 from wandistill.cache.contract import (
-    DTYPE_NAMES,
-    DTYPE_NAMES_BY_SAFETENSORS,
-    DTYPES_BY_NAME,
+    DTYPE_BY_SAFETENSORS,
     Record,
+    tensor_bytes,
 )
 from wandistill.cache.files import OwnMeta, RecordMeta, WdsEntry
 from wandistill.cache.wds.format import (
@@ -38,7 +37,6 @@ from wandistill.checks.validate import inside, rel_path_problem
 from wandistill.errors import CacheError, CorruptRecordError
 from wandistill.io.storage import LocalStorage, Storage, is_transient, storage_at
 
-_ST_DTYPES = DTYPE_NAMES_BY_SAFETENSORS
 _Read = tuple[str, int, Any, int | None]
 """One tensor read: (name, offset in the shard, destination buffer, expected crc32c)."""
 _RECORD_ERRORS = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError)
@@ -86,10 +84,6 @@ class WebDatasetSource(ShardChecks):
         elif problem := rel_path_problem(rel):  # an object store has no links to follow
             raise CacheError(f"{what} {rel!r} {problem}; refused", fix="restore the manifest")
         return rel
-
-    def path(self, entry: WdsEntry) -> str:
-        """The shard's path or URL."""
-        return self.store.name(self.rel(entry))
 
     def check_file(self, entry: WdsEntry) -> str | None:
         """Why this shard cannot be read at all (missing, wrong size, bad path), or None."""
@@ -210,7 +204,7 @@ class WebDatasetSource(ShardChecks):
         info = table.get(name)
         if info is None:
             raise KeyError(f"no tensor {name!r} in the record")
-        dtype = DTYPES_BY_NAME[_ST_DTYPES[info["dtype"]]]
+        dtype = DTYPE_BY_SAFETENSORS[info["dtype"]].torch
         a, b = info["data_offsets"]
         shape = list(info["shape"])
         nbytes = dtype.itemsize
@@ -249,32 +243,6 @@ class WebDatasetSource(ShardChecks):
             raise ValueError(f"json member names key {typed.key!r} (manifest keys edited?)")
         return typed
 
-    def read_ranges(
-        self, entry: WdsEntry, i: int, wanted: dict[str, int | None]
-    ) -> dict[str, tuple[bytes, str, list[int]]]:
-        """Raw bytes of the named tensors; for a name mapped to a step index, only that row.
-
-        Returns name -> (bytes, dtype name, shape) without touching torch, so callers decide
-        where tensors are built (pinned memory, a worker thread, ...).
-        """
-        try:
-            base, table, sums = self.header(entry, i)
-            rel = self.rel(entry)
-            out: dict[str, tuple[bytes, str, list[int]]] = {}
-            for name, step in wanted.items():
-                pos, n, dtype, shape, want = self._span(entry, i, base, table, sums, name, step)
-                data = self._pread(rel, pos, n, repr(name))
-                if sums is not None and crc32c(data) != want:
-                    raise ValueError(f"{name!r}{_step_text(step)} fails its crc32c check")
-                out[name] = (data, DTYPE_NAMES[dtype], shape)
-            return out
-        except CorruptRecordError:
-            raise
-        except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, CacheError) as e:
-            if is_transient(e):  # EMFILE and the like: about the process, not the record
-                raise
-            raise CorruptRecordError(entry.name, entry.keys[i], _describe(e)) from None
-
     def read_tensors(
         self, entry: WdsEntry, i: int, wanted: dict[str, int | None]
     ) -> dict[str, torch.Tensor]:
@@ -287,7 +255,8 @@ class WebDatasetSource(ShardChecks):
         try:
             rel, spans = self._spans(entry, i, wanted)
             out = {name: empty(tuple(s[3]), s[2]) for name, s in spans.items()}
-            self._fill(rel, wanted, spans, {n: BatchBuffers.raw(t) for n, t in out.items()})
+            reads = self._reads(spans, {n: tensor_bytes(t) for n, t in out.items()})
+            self._check(wanted, reads, self._read_into(rel, reads))
             return out
         except Exception as e:
             raise self._corrupt(entry, i, e) from None
@@ -328,19 +297,14 @@ class WebDatasetSource(ShardChecks):
                 self.store.will_need(rel, [(r[1], r[2].nbytes) for _, rs in group for r in rs])
         for rel, group in groups.items():
             try:
-                got: list[int] | None = self.store.read_into(
-                    rel, [(r[1], r[2]) for _, rs in group for r in rs]
-                )
+                got: list[int] | None = self._read_into(rel, [r for _, rs in group for r in rs])
             except Exception:  # the file as a whole: read each sample alone to say which
                 got = None
             k = 0
             for b, reads in group:
                 entry, i, wanted = samples[b]
                 try:
-                    if got is None:
-                        mine = self.store.read_into(rel, [(r[1], r[2]) for r in reads])
-                    else:
-                        mine = got[k : k + len(reads)]
+                    mine = self._read_into(rel, reads) if got is None else got[k : k + len(reads)]
                     self._check(wanted, reads, mine)
                 except Exception as e:
                     errors[b] = self._corrupt(entry, i, e)
@@ -357,16 +321,9 @@ class WebDatasetSource(ShardChecks):
             spans = {n: (*s[:4], -1 if s[4] is None else s[4]) for n, s in spans.items()}
         return self.rel(entry), spans
 
-    def _fill(
-        self,
-        rel: str,
-        wanted: dict[str, int | None],
-        spans: dict[str, tuple[int, int, torch.dtype, list[int], int | None]],
-        dest: dict[str, Any],
-    ) -> None:
-        """One positioned read per span into its destination, then its crc32c check."""
-        reads = self._reads(spans, dest)
-        self._check(wanted, reads, self.store.read_into(rel, [(r[1], r[2]) for r in reads]))
+    def _read_into(self, rel: str, reads: list[_Read]) -> list[int]:
+        """One positioned read per `_reads` item into its destination: the bytes each got."""
+        return self.store.read_into(rel, [(r[1], r[2]) for r in reads])
 
     @staticmethod
     def _reads(
@@ -392,12 +349,12 @@ class WebDatasetSource(ShardChecks):
                 )
 
     @staticmethod
-    def _corrupt(entry: WdsEntry, i: int, e: BaseException) -> BaseException:
-        """A read failure as the CorruptRecordError naming shard and record (a failure that is
-        not about the data, e.g. a bug, as it is)."""
-        if isinstance(e, CorruptRecordError) or not isinstance(e, _RECORD_ERRORS):
-            return e
-        if is_transient(e):
+    def _corrupt(
+        entry: WdsEntry, i: int, e: BaseException, kinds: Any = _RECORD_ERRORS
+    ) -> BaseException:
+        """A read failure of one of these `kinds` as the CorruptRecordError naming shard and
+        record (a failure that is not about the data, e.g. a bug or EMFILE, as it is)."""
+        if isinstance(e, CorruptRecordError) or not isinstance(e, kinds) or is_transient(e):
             return e
         return CorruptRecordError(entry.name, entry.keys[i], _describe(e))
 
@@ -426,15 +383,8 @@ class WebDatasetSource(ShardChecks):
     def read_record(self, entry: WdsEntry, i: int) -> Record:
         try:
             return self._checked_record(entry, i)
-        except CorruptRecordError:
-            raise
         except Exception as e:  # safetensors raises its own error types on a bad blob
-            if is_transient(e):
-                raise
-            raise CorruptRecordError(entry.name, entry.keys[i], _describe(e)) from None
+            raise self._corrupt(entry, i, e, Exception) from None
 
     def close(self) -> None:
         self.store.close()
-
-
-# ---------------------------------------------------------------------- stock webdataset reads

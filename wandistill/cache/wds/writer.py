@@ -112,13 +112,11 @@ class _Aborted(Exception):
 
 
 class WebDatasetSink:
-    suffix = ".tar"
-
     def __init__(self, store: Storage) -> None:
         self.store = store
 
     def begin(self, name: str) -> None:
-        self.rel = f"shards/{name}{self.suffix}"
+        self.rel = f"shards/{name}.tar"
         self.upload = self.store.upload(self.rel, bulk=True)
         self.file = self.upload.__enter__()  # left in end (publish) or abort (drop)
         self.hashing = _HashingFile(self.file)

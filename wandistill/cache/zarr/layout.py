@@ -32,7 +32,6 @@ from wandistill.errors import CacheError
 from wandistill.io.storage import FsspecStorage, LocalStorage, Storage, is_transient
 
 DATA_NAME = ZARR_DATA_NAME
-LOCK_NAME = "data.zarr.lock"
 BLOCK_RECORDS = 64
 """Rows per zarr shard (file) of every record-indexed array."""
 TOKEN_CHUNK = 32
@@ -129,14 +128,8 @@ def _check_meta_file(storage: Storage, rel: str, *, group_root: bool) -> None:
         return
     group = check(ZarrGroupMeta, obj, where, fix=_META_FIX, error=CacheError)
     if group_root and GROUP_ATTR in group.attributes:
-        attrs = group.attributes[GROUP_ATTR]
-        check(
-            ZarrGroupAttrs,
-            attrs,
-            f"{where}: attributes.{GROUP_ATTR}",
-            fix=_META_FIX,
-            error=CacheError,
-        )
+        where = f"{where}: attributes.{GROUP_ATTR}"
+        check(ZarrGroupAttrs, group.attributes[GROUP_ATTR], where, fix=_META_FIX, error=CacheError)
 
 
 def _zarr_call(what: str, fn: Callable[[], Any]) -> Any:
@@ -185,6 +178,17 @@ def _array_dtype(arr: Any) -> DType:
     return DTYPE_BY_NAME[name]
 
 
+def group_arrays(group: Any) -> dict[str, Any]:
+    """Every array of a cache's group by path, the ragged fields' `values` and `offsets`
+    included (an array whose path ends in `/values` is indexed by token, any other by record)."""
+    arrays = dict(group.arrays())
+    for name in RAGGED:
+        for part in ("values", "offsets"):
+            if f"{name}/{part}" in group:
+                arrays[f"{name}/{part}"] = group[f"{name}/{part}"]
+    return arrays
+
+
 def _ceil_to(n: int, block: int) -> int:
     return -(-n // block) * block
 
@@ -222,9 +226,7 @@ async def _gather(coros: list[Any]) -> list[Any]:
 def _as_chunk_error(err: BaseException, files: list[str]) -> BaseException:
     """zarr's exception while reading `files` as a ZarrChunkError naming them; an error that
     says nothing about the data (bad index, EMFILE, a bug) as it is."""
-    if isinstance(err, ZarrChunkError | IndexError | KeyError):
-        return err
-    if is_transient(err):
+    if isinstance(err, ZarrChunkError | IndexError | KeyError) or is_transient(err):
         return err
     if not isinstance(err, OSError | ValueError):
         return err

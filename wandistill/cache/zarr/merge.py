@@ -33,6 +33,7 @@ from wandistill.cache.zarr.layout import (
     GROUP_ATTR,
     RAGGED,
     _ceil_to,
+    group_arrays,
     zarr_store,
 )
 from wandistill.cache.zarr.store import _SealingStore
@@ -77,18 +78,12 @@ class ZarrLinker:
     def _open_arrays(self, group: Any) -> None:
         """Read M's arrays once per entry: the merge's re-writer (a `ZarrSink` of its own) may
         have grown them since the last entry."""
-        arrays = dict(group.arrays())
-        for name in RAGGED:
-            for part in ("values", "offsets"):
-                if f"{name}/{part}" in group:
-                    arrays[f"{name}/{part}"] = group[f"{name}/{part}"]
+        arrays = group_arrays(group)
         self._arrays = {p: a.with_config(_WRITE_CONFIG) for p, a in arrays.items()}
 
     def _record_arrays(self) -> list[Any]:
-        """M's record-indexed arrays (ragged offsets included, values not), as
-        `ZarrSink._record_arrays` lists them."""
-        values = {f"{name}/values" for name in RAGGED}
-        return [arr for path, arr in self._arrays.items() if path not in values]
+        """M's record-indexed arrays (`group_arrays`: all but the ragged values)."""
+        return [arr for path, arr in self._arrays.items() if not path.endswith("/values")]
 
     def _source(self, cache: Storage, path: str) -> Any:
         """Input `cache`'s array `path`, opened once per merge."""

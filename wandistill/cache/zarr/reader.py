@@ -65,7 +65,7 @@ class ZarrSource:
     def _has_group(self) -> bool:
         return self.storage.exists(f"{DATA_NAME}/zarr.json")
 
-    def _open_group(self) -> Any:
+    def open_group(self) -> Any:
         if self._group is None:
             if not self._has_group():
                 raise CacheError(f"cache {self.storage.url!r} has no {DATA_NAME} group")
@@ -80,7 +80,7 @@ class ZarrSource:
         """Array `path` with at least `rows` rows, and its stored dtype."""
         got = self._arrays.get(path)
         if got is None or got[0].shape[0] < rows:
-            group = self._open_group()
+            group = self.open_group()
             where = f"{DATA_NAME}/{path}/zarr.json"
             if not _zarr_call(where, lambda: path in group):
                 raise KeyError(f"{DATA_NAME} has no array {path!r}")
@@ -144,16 +144,15 @@ class ZarrSource:
         value = rows[i] if step is None else rows[i, step]
         return to_torch(np.array(value), self._array(name, 0)[1])
 
-    def _read(
-        self, data: ZarrEntry, i: int, wanted: dict[str, int | None], *, missing_ok: bool
-    ) -> dict[str, torch.Tensor]:
-        e = data
+    def _plans(
+        self, e: ZarrEntry, i: int, wanted: dict[str, int | None], *, missing_ok: bool = False
+    ) -> tuple[str, dict[str, Any]]:
+        """(where, name -> its `_plan`) for the wanted fields of record i; a field the record
+        lacks is a KeyError, or with `missing_ok` (a ragged field it has no row of) left out."""
         if not 0 <= i < e.records:
             raise IndexError(f"shard {e.name} has {e.records} records, no record {i}")
-        key = e.keys[i] if i < len(e.keys) else f"#{i}"
-        where = f"shard {e.name} record {key}"
-        out: dict[str, torch.Tensor] = {}
-        reads: list[tuple[str, str, Any, int, int]] = []
+        where = f"shard {e.name} record {e.keys[i]}"
+        plans: dict[str, Any] = {}
         for name, step in wanted.items():
             if name not in e.fields:
                 raise KeyError(f"{where} has no {name!r}")
@@ -161,27 +160,33 @@ class ZarrSource:
                 plan = self._plan(e, i, name, step)
             except ZarrChunkError as err:
                 raise ZarrChunkError(f"{where}: {name}: {err.message}") from None
-            if plan is None:
-                if not missing_ok:
-                    raise KeyError(f"{where} has no {name!r}")
-            elif isinstance(plan, torch.Tensor):
-                out[name] = plan
-            else:
-                reads.append((name, *plan))
-        if not reads:
-            return out
-        arrays = [self._array(path, stop) for _, path, _, _, stop in reads]
-        got = sync(
-            _gather(
-                [arr.async_array.getitem(r[2]) for (arr, _), r in zip(arrays, reads, strict=True)]
-            )
-        )
-        for (name, _, _, a, b), (arr, dtype), value in zip(reads, arrays, got, strict=True):
+            if plan is not None:
+                plans[name] = plan
+            elif not missing_ok:
+                raise KeyError(f"{where} has no {name!r}")
+        return where, plans
+
+    def _failed(self, where: str, name: str, err: BaseException, plan: Any) -> BaseException:
+        """zarr's error reading field `name` (`plan`) as the ZarrChunkError naming record, field
+        and files; an error that says nothing about the data as it is."""
+        path, _, a, b = plan
+        err = _as_chunk_error(err, _shard_files(self._array(path, b)[0], a, b))
+        if isinstance(err, ZarrChunkError):
+            return ZarrChunkError(f"{where}: {name}: {err.message}")
+        return err
+
+    def _read(
+        self, e: ZarrEntry, i: int, wanted: dict[str, int | None], *, missing_ok: bool
+    ) -> dict[str, torch.Tensor]:
+        where, plans = self._plans(e, i, wanted, missing_ok=missing_ok)
+        out = {n: p for n, p in plans.items() if isinstance(p, torch.Tensor)}
+        reads = [(n, p) for n, p in plans.items() if not isinstance(p, torch.Tensor)]
+        arrays = [self._array(p[0], p[3]) for _, p in reads]
+        coros = [a.async_array.getitem(p[1]) for (a, _), (_, p) in zip(arrays, reads, strict=True)]
+        got = sync(_gather(coros))
+        for (name, plan), (_, dtype), value in zip(reads, arrays, got, strict=True):
             if isinstance(value, BaseException):
-                err = _as_chunk_error(value, _shard_files(arr, a, b))
-                if isinstance(err, ZarrChunkError):
-                    raise ZarrChunkError(f"{where}: {name}: {err.message}") from None
-                raise err
+                raise self._failed(where, name, value, plan) from None
             out[name] = to_torch(value, dtype)
         return out
 
@@ -208,27 +213,17 @@ class ZarrSource:
         `AsyncArray.get_orthogonal_selection(..., out=<its row>)`, all of them in one
         `asyncio.gather` on zarr's event loop, so zarr decodes each chunk (and checks its
         crc32c) into the batch tensor itself. Returns each sample's error, or None."""
-        plans: list[dict[str, Any] | None] = []
+        plans: list[tuple[str, dict[str, Any]] | None] = []
         errors: list[BaseException | None] = []
         for entry, i, wanted in samples:
             try:
-                e = entry
-                if not 0 <= i < e.records:
-                    raise IndexError(f"shard {e.name} has {e.records} records, no record {i}")
-                where = f"shard {e.name} record {e.keys[i] if i < len(e.keys) else f'#{i}'}"
-                plan: dict[str, Any] = {}
-                for name, step in wanted.items():
-                    got = self._plan(e, i, name, step) if name in e.fields else None
-                    if got is None:
-                        raise KeyError(f"{where} has no {name!r}")
-                    plan[name] = got
-                plans.append(plan)
+                plans.append(self._plans(entry, i, wanted))
                 errors.append(None)
             except Exception as err:
                 plans.append(None)
                 errors.append(err)
         problems = out.allocate(
-            [None if p is None else {n: self._shape(x) for n, x in p.items()} for p in plans]
+            [None if p is None else {n: self._shape(x) for n, x in p[1].items()} for p in plans]
         )
         reads: list[tuple[int, str, tuple[str, Any, int, int]]] = []
         coros = []
@@ -237,7 +232,7 @@ class ZarrSource:
             if plan is None or problems[b] is not None:
                 errors[b] = errors[b] or (ValueError(problems[b]) if problems[b] else None)
                 continue
-            for name, x in plan.items():
+            for name, x in plan[1].items():
                 row = out.row(b, name)
                 if isinstance(x, torch.Tensor):
                     row.copy_(x)
@@ -246,28 +241,20 @@ class ZarrSource:
                     dest = proto.nd_buffer.from_numpy_array(_numpy_view(row, dtype))
                     coros.append(arr.async_array.get_orthogonal_selection(x[1], out=dest))
                     reads.append((b, name, x))
-        for (b, name, (path, _, a, stop)), value in zip(reads, sync(_gather(coros)), strict=True):
+        for (b, name, plan), value in zip(reads, sync(_gather(coros)), strict=True):
             if isinstance(value, BaseException) and errors[b] is None:
-                err = _as_chunk_error(value, _shard_files(self._array(path, stop)[0], a, stop))
-                if isinstance(err, ZarrChunkError):
-                    entry, i, _ = samples[b]
-                    err = ZarrChunkError(
-                        f"shard {entry.name} record {entry.keys[i]}: {name}: {err.message}"
-                    )
-                errors[b] = err
+                errors[b] = self._failed(plans[b][0], name, value, plan)  # type: ignore[index]
         return errors
 
     def read_record(self, entry: ZarrEntry, i: int) -> Record:
-        e = entry
-        tensors = self._read(entry, i, dict.fromkeys(e.fields), missing_ok=True)
-        return Record.from_parts(e.meta[i], tensors)
+        tensors = self._read(entry, i, dict.fromkeys(entry.fields), missing_ok=True)
+        return Record.from_parts(entry.meta[i], tensors)
 
     def offsets(self, entry: ZarrEntry, name: str) -> np.ndarray:
         """(records, 2) [start, length] of ragged field `name` for one shard entry."""
-        e = entry
-        got = self._small_rows(e, f"{name}/offsets")
+        got = self._small_rows(entry, f"{name}/offsets")
         if got is None:
-            got = np.stack([self._row(f"{name}/offsets", r) for r in range(*e.rows)])
+            got = np.stack([self._row(f"{name}/offsets", r) for r in range(*entry.rows)])
         return got
 
     # -------------------------------------------------------------- verify

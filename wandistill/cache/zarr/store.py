@@ -19,12 +19,12 @@ from zarr.abc.store import RangeByteRequest, Store, SuffixByteRequest
 from zarr.experimental.cache_store import CacheStore
 from zarr.storage import FsspecStore, LocalStore, MemoryStore, WrapperStore
 
+from wandistill.cache.contract import ZARR_LOCK_NAME
 from wandistill.cache.zarr.layout import (
     CLAIM_WAIT_S,
     DATA_NAME,
     FSYNC_THREADS,
     INDEX_CACHE_BYTES,
-    LOCK_NAME,
     ZarrChunkError,
 )
 from wandistill.errors import CacheError
@@ -36,28 +36,21 @@ from wandistill.runtime import waiting
 
 
 @contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock across processes and threads (each call opens its own fd)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the last fd of this open file description drops the lock
-
-
-@contextlib.contextmanager
 def claim_lock(storage: Storage) -> Iterator[None]:
     """The lock every writer takes to claim rows: `flock` on `data.zarr.lock` on a local disk;
     on an object store (no flock) a lease lock object of that name (`lease.LeaseLock`),
     waited for. A claim holds it for a few metadata rewrites, so holders come and go; a dead
     holder's lock goes stale after its lease (at once on its own host)."""
-    if isinstance(storage, LocalStorage):
-        with _flock(storage.root / LOCK_NAME):
+    if isinstance(storage, LocalStorage):  # its own fd: excludes other threads too
+        fd = os.open(storage.root / ZARR_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
+        finally:
+            os.close(fd)  # closing the last fd of this open file description drops the lock
         return
     assert isinstance(storage, FsspecStorage), storage
-    lock = LeaseLock(storage, LOCK_NAME, holder_identity())
+    lock = LeaseLock(storage, ZARR_LOCK_NAME, holder_identity())
     start = time.monotonic()
     announced = False
     while (holder := lock.acquire()) is not None:
@@ -91,11 +84,6 @@ def _fsync_path(path: Path, *, bulk: bool = False) -> None:
             drop_cached(fd)
     finally:
         os.close(fd)
-
-
-def _check_node_name(name: str) -> None:
-    if not name or "/" in name or name.startswith("__") or name in (".", ".."):
-        raise CacheError(f"tensor name {name!r} cannot be a zarr array name")
 
 
 # ------------------------------------------------------------------------------------ stores

@@ -38,9 +38,10 @@ from wandistill.cache.zarr.layout import (
     _numpy_view,
     _zarr_call,
     check_metadata,
+    group_arrays,
     zarr_store,
 )
-from wandistill.cache.zarr.store import _check_node_name, _SealingStore, claim_lock
+from wandistill.cache.zarr.store import _SealingStore, claim_lock
 from wandistill.errors import CacheError
 from wandistill.io.fsutil import fsync_dir
 from wandistill.io.storage import LocalStorage, Storage
@@ -50,8 +51,6 @@ from wandistill.io.storage import LocalStorage, Storage
 
 class ZarrSink:
     """Buffers one writer shard; `end()` claims rows under a file lock and writes whole shards."""
-
-    suffix = ".zarr"
 
     def __init__(
         self,
@@ -130,7 +129,8 @@ class ZarrSink:
             )
         checked = []
         for name, t in tensors.items():
-            _check_node_name(name)
+            if not name or "/" in name or name.startswith("__") or name in (".", ".."):
+                raise CacheError(f"tensor name {name!r} cannot be a zarr array name")
             dtype = _dtype_of(t)
             known = self._dtypes.get(name, dtype)
             if known != dtype:
@@ -282,20 +282,13 @@ class ZarrSink:
             )
         return out
 
-    @staticmethod
-    def _record_arrays(group: Any) -> list[Any]:
-        """Every record-indexed array of the group (ragged offsets included, values not)."""
-        out = [arr for _, arr in group.arrays()]
-        out.extend(group[f"{name}/offsets"] for name in RAGGED if f"{name}/offsets" in group)
-        return out
-
     def _claim(self, store: _SealingStore, n: int) -> tuple[dict[str, Any], int, int, dict]:
         """Under the lock: create arrays, claim rows and tokens, grow every array to cover them.
         Returns (arrays by path, first row, reserved stop, token range per ragged field)."""
         group, cfg = self._open_group(store)
         block, tblock = int(cfg["block_records"]), int(cfg["token_block"])
         arrays = self._arrays(group, cfg)
-        record_arrays = self._record_arrays(group)
+        record_arrays = [a for p, a in group_arrays(group).items() if not p.endswith("/values")]
         start = _ceil_to(max((int(a.shape[0]) for a in record_arrays), default=0), block)
         reserved = start + _ceil_to(n, block)
         token_rows: dict[str, tuple[int, int]] = {}
