@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
@@ -36,15 +35,6 @@ def _oom_device(exc: BaseException, device: torch.device) -> torch.device:
     return device
 
 
-def _process_rss() -> int:
-    """Resident memory of this process (VmRSS), 0 where /proc is missing."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def memory_figures(device: torch.device) -> str:
     """ "allocated X GiB, reserved Y GiB, total Z GiB, free W GiB" for a GPU or the CPU."""
     if device.type == "cuda" and torch.cuda.is_available():
@@ -61,8 +51,9 @@ def memory_figures(device: torch.device) -> str:
         )
     info = read_meminfo()
     total, free = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+    rss = read_meminfo("/proc/self/status").get("VmRSS", 0)
     return (
-        f"process resident {_process_rss() / GiB:.2f} GiB, total {total / GiB:.2f} GiB, "
+        f"process resident {rss / GiB:.2f} GiB, total {total / GiB:.2f} GiB, "
         f"available {free / GiB:.2f} GiB"
     )
 
