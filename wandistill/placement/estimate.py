@@ -38,9 +38,10 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "fp32_kept",
-    "meta_model",
+    "module_sizes",
     "quiet_libraries",
     "shared_meta_model",
+    "special_dtypes",
 ]
 
 #: Margin on every activation estimate.
@@ -179,8 +180,10 @@ def quiet_libraries() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def meta_model(name: str, config: Mapping[str, Any]) -> torch.nn.Module:
-    """Component `name` built on the meta device from its config dict: no memory, no weights."""
+@functools.lru_cache(maxsize=8)
+def shared_meta_model(name: str, config_json: str) -> torch.nn.Module:
+    """Component `name` built on the meta device from its config (JSON text): no memory, no
+    weights; built once per (component, config), since plans only read these."""
     from accelerate import init_empty_weights
 
     cls = component_class(name)
@@ -188,17 +191,26 @@ def meta_model(name: str, config: Mapping[str, Any]) -> torch.nn.Module:
         if name == "text_encoder":
             from transformers import UMT5Config
 
-            model = cls(UMT5Config.from_dict(dict(config)))
+            model = cls(UMT5Config.from_dict(json.loads(config_json)))
         else:
-            model = cls.from_config(dict(config))
+            model = cls.from_config(json.loads(config_json))
     workarounds.tie_meta_weights(model)  # from_pretrained ties shared <-> encoder.embed_tokens
     return model.eval()
 
 
-@functools.lru_cache(maxsize=8)
-def shared_meta_model(name: str, config_json: str) -> torch.nn.Module:
-    """meta_model, built once per (component, config): plans only read these."""
-    return meta_model(name, json.loads(config_json))
+def special_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """accelerate's `special_dtypes` for `model` at `dtype`: its fp32-kept parameters."""
+    kept = fp32_kept(type(model), dtype)
+    return {n: torch.float32 for n, _ in model.named_parameters() if kept(n)}
+
+
+@functools.lru_cache(maxsize=16)
+def module_sizes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """accelerate's `compute_module_sizes` of a (shared, meta) model at the run dtype."""
+    from accelerate.utils import compute_module_sizes
+
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes(model, dtype))
+    return dict(sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,11 +293,7 @@ def component_size(
 ) -> ComponentSize:
     """Sizes of a meta-device component; weight totals from safetensors headers when given
     ({tensor: (numel, dtype code)}, `TeacherFolder.numels`)."""
-    from accelerate.utils import compute_module_sizes
-
     kept = fp32_kept(type(model), dtype)
-    special = {n: torch.float32 for n, _ in model.named_parameters() if kept(n)}
-    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special)
     params = sum(p.numel() for p in model.parameters())
     total = sum(p.numel() * (4 if kept(n) else dtype.itemsize) for n, p in model.named_parameters())
     kept_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if kept(n))
@@ -293,7 +301,7 @@ def component_size(
     if header:
         params, total, kept_bytes = _weights_from_headers(header, model, dtype, kept)
         source = "safetensors headers"
-    blocks = _block_sizes(model, BLOCK_LISTS.get(name), sizes)
+    blocks = _block_sizes(model, BLOCK_LISTS.get(name), module_sizes(model, dtype))
     no_split = tuple(getattr(model, "_no_split_modules", None) or ())
     return ComponentSize(
         name=name,

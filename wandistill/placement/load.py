@@ -34,11 +34,11 @@ import torch
 
 from wandistill.errors import UsageError, WandistillError
 from wandistill.io.modelfolder import load_pretrained
-from wandistill.placement.auto import Auto
 from wandistill.placement.devicemap import DeviceMapFile
 from wandistill.placement.estimate import SamplerSizes, fp32_kept
 from wandistill.placement.inventory import Inventory
 from wandistill.placement.oom import oom_guard
+from wandistill.placement.parse import Auto
 from wandistill.placement.plan import make_plan
 from wandistill.placement.protocol import component_class
 from wandistill.placement.strategies import AccelerateMap, Placement

@@ -21,6 +21,7 @@ process on the CPU. `Plan.auto` is the fastest strategy (lowest speed rank) that
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -32,7 +33,6 @@ import torch
 
 from wandistill.errors import UsageError
 from wandistill.io.modelfolder import COMPONENT_CLASSES
-from wandistill.placement.auto import Auto
 from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, GiB, device_key
 from wandistill.placement.estimate import (
     ComponentSize,
@@ -40,11 +40,13 @@ from wandistill.placement.estimate import (
     activation_bytes,
     component_size,
     dtype_name,
-    fp32_kept,
+    module_sizes,
     quiet_libraries,
     shared_meta_model,
+    special_dtypes,
 )
 from wandistill.placement.inventory import Inventory
+from wandistill.placement.parse import Auto
 from wandistill.placement.protocol import Need
 from wandistill.placement.strategies import Cuda, Placement
 from wandistill.teacher.folder import CONFIG_NAMES, TeacherFolder
@@ -146,26 +148,11 @@ class Plan:
         return {
             "teacher": self.teacher,
             "dtype": dtype_name(self.dtype),
-            "sizes": {k: getattr(self.sizes, k) for k in SamplerSizes.__dataclass_fields__},
+            "sizes": dataclasses.asdict(self.sizes),
             "tokens": self.sizes.tokens(),
-            "inventory": {
-                "gpus": [list(g) for g in self.inventory.gpus],
-                "cpu_bytes": self.inventory.cpu_bytes,
-                "disk_bytes": self.inventory.disk_bytes,
-                "source": self.inventory.source,
-            },
-            "components": [
-                {k: getattr(c, k) for k in ComponentSize.__dataclass_fields__}
-                for c in self.components
-            ],
-            "phases": [
-                {
-                    "name": p.name,
-                    "components": list(p.components),
-                    "activation_bytes": p.activation_bytes,
-                }
-                for p in self.phases
-            ],
+            "inventory": dataclasses.asdict(self.inventory),
+            "components": [dataclasses.asdict(c) for c in self.components],
+            "phases": [dataclasses.asdict(p) for p in self.phases],
             "strategies": [
                 {
                     "strategy": s.strategy,
@@ -253,7 +240,6 @@ class PlanContext:
     caps: dict[int | str, int]
     """The user's max_memory: GPU index or "cpu" -> bytes."""
     best_gpu: int
-    _sizes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def gpu(self) -> str:
@@ -266,21 +252,9 @@ class PlanContext:
         key: int | str = device_key(device)
         return min(have, self.caps[key]) if key in self.caps else have
 
-    def special_dtypes(self, name: str) -> dict[str, torch.dtype]:
-        kept = fp32_kept(type(self.models[name]), self.dtype)
-        return {p: torch.float32 for p, _ in self.models[name].named_parameters() if kept(p)}
-
     def module_sizes(self, name: str) -> dict[str, int]:
         """accelerate's `compute_module_sizes` of component `name` at the run dtype."""
-        if name not in self._sizes:
-            from accelerate.utils import compute_module_sizes
-
-            self._sizes[name] = dict(
-                compute_module_sizes(
-                    self.models[name], dtype=self.dtype, special_dtypes=self.special_dtypes(name)
-                )
-            )
-        return self._sizes[name]
+        return module_sizes(self.models[name], self.dtype)
 
     def module_names(self, name: str) -> set[str]:
         """Every module and tensor name of component `name` (tied ones under each name)."""
@@ -310,7 +284,7 @@ class PlanContext:
             planned[name] = dict(budget)
             kwargs = {
                 "no_split_module_classes": list(comp.no_split),
-                "special_dtypes": self.special_dtypes(name),
+                "special_dtypes": special_dtypes(model, self.dtype),
             }
             with quiet_libraries():
                 mm = dict(budget)

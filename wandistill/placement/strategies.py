@@ -15,10 +15,9 @@ that answers:
 * `next_to_try(...)`: what to suggest after running out of memory.
 
 The recipe (`wandistill.config`) parses placements and `train/` loads recipes but must never
-import `teacher/`: this module, `devices`, `protocol`, `auto`, `devicemap` and `parse` import
-nothing of `teacher/` and no diffusers at module level. Device-map files (`ModuleMap`,
-`DeviceMapFile`) live in `placement.devicemap`; `auto`, the planner's request, in
-`placement.auto`.
+import `teacher/`: this module, `devices`, `protocol`, `devicemap` and `parse` import nothing of
+`teacher/` and no diffusers at module level. Device-map files (`ModuleMap`, `DeviceMapFile`)
+live in `placement.devicemap`; `Auto`, the planner's request, in `placement.parse`.
 """
 
 from __future__ import annotations
