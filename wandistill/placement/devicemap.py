@@ -11,7 +11,6 @@ import dataclasses
 import difflib
 import functools
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -141,10 +140,6 @@ class DeviceMapFile(Placement):
                     else 'map it to "cpu" or "disk", or run where that GPU exists',
                 )
 
-    def with_budgets(self, budgets: Mapping[str, Mapping[int | str, int]]) -> Placement:
-        packed = tuple((c, tuple(b.items())) for c, b in sorted(budgets.items()))
-        return dataclasses.replace(self, budgets=packed)
-
     @property
     def resolved(self) -> bool:
         spread = any(isinstance(p, AccelerateMap) for p in self.entries.values())
@@ -205,32 +200,26 @@ def _entry(name: str, value: Any, path: Path, caps: Caps) -> Placement:
     spread = {"balanced": Balanced, "balanced_low_0": BalancedLow0, "sequential": Sequential}
     if isinstance(value, str) and value in spread:
         return spread[value](caps=caps)
-    if isinstance(value, dict):
-        modules = tuple(
-            (m, _device_entry(v, f"{name}.{m or '<root>'}", path)) for m, v in value.items()
+    modules = (
+        tuple((m, _device_entry(v, f"{name}.{m or '<root>'}", path)) for m, v in value.items())
+        if isinstance(value, dict)
+        else (("", _device_entry(value, name, path)),)
+    )
+    devices = {d for _, d in modules}
+    if (len(devices) > 1 or "disk" in devices) and workarounds.never_split(
+        COMPONENT_CLASSES[name][1]
+    ):
+        raise UsageError(
+            f"device map {str(path)!r} splits or disk-offloads the vae",
+            fix='map "vae" to one GPU or "cpu": its causal cache does not survive '
+            "accelerate's per-module hooks",
         )
-        devices = {d for _, d in modules}
-        if (len(devices) > 1 or "disk" in devices) and workarounds.never_split(_class_name(name)):
-            raise UsageError(
-                f"device map {str(path)!r} splits or disk-offloads the vae",
-                fix='map "vae" to one GPU or "cpu": its causal cache does not survive '
-                "accelerate's per-module hooks",
-            )
+    if isinstance(value, dict):
         return ModuleMap(modules)
-    device = _device_entry(value, name, path)
+    device = modules[0][1]
     if device == "disk":
-        if workarounds.never_split(_class_name(name)):
-            raise UsageError(
-                f"device map {str(path)!r} disk-offloads the vae",
-                fix='map "vae" to one GPU or "cpu": its causal cache does not survive '
-                "accelerate's per-module hooks",
-            )
         return DiskOffload()
     return Cpu() if device == "cpu" else Cuda(int(device))
-
-
-def _class_name(component: str) -> str:
-    return COMPONENT_CLASSES.get(component, ("", ""))[1]
 
 
 @functools.lru_cache(maxsize=16)

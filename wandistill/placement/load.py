@@ -67,19 +67,11 @@ class Placed:
     placement: Placement
     """The concrete strategy this component was loaded with (after `for_component`)."""
     execution_device: torch.device
-    dtype: torch.dtype
     offload_dir: Path | None = None
-    device_map: Mapping[str, Any] | None = None
-    """accelerate's hf_device_map where one was used."""
     hook: Any = None
     """model-offload: accelerate's UserCpuOffloadHook (`park` calls its offload())."""
     cleanup: Callable[[], Any] | None = None
     """Removes the offload folder; also runs when the module is garbage-collected or at exit."""
-
-    @property
-    def label(self) -> str:
-        """The strategy as error messages name it."""
-        return self.placement.label
 
 
 # --------------------------------------------------------------------------- resolution
@@ -87,10 +79,6 @@ class Placed:
 
 def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _current_gpu() -> int:
-    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def _rank_view(
@@ -153,7 +141,8 @@ def resolve_placement(
         placement = _planned(plan, placement)
     if own is not None:  # the plan saw this rank's GPU as cuda:0
         return placement.on_gpu(own)
-    return placement.bind(_current_gpu() if inv.has_cuda else None)
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return placement.bind(current if inv.has_cuda else None)
 
 
 def _planned(plan: Any, placement: Placement) -> Placement:
@@ -268,9 +257,7 @@ def load_component(
         component=name,
         placement=concrete,
         execution_device=concrete.execution_device(model),
-        dtype=dtype,
         offload_dir=loader.folder,
-        device_map=getattr(model, "hf_device_map", None),
         hook=loaded.hook,
         cleanup=cleanup,
     )

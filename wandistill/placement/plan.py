@@ -323,7 +323,10 @@ def _strategy_plan(
     notes: list[str] = []
     budgets: dict[str, dict[int | str, int]] = {}
     for phase in phases:
-        need = placement.need(phase, ctx)
+        one = phase.components[0] if len(phase.components) == 1 else None
+        # a phase of one component runs it as `for_component` places it (the VAE: whole)
+        placed = placement.for_component(one, ctx.comps[one].class_name) if one else placement
+        need = placed.need(phase, ctx)
         needs[phase.name] = need.devices
         budgets.update(need.max_memory)
         if need.note:

@@ -52,10 +52,6 @@ __all__ = [
 ]
 
 
-def _exec_gpu(device: str | None) -> str | None:
-    return device if device is not None and device.startswith("cuda") else None
-
-
 @dataclass(frozen=True)
 class Placement:
     """One placement strategy. Subclasses set `name` (the --placement value) and `why`."""
@@ -63,6 +59,9 @@ class Placement:
     name: ClassVar[str]
     why: ClassVar[str] = ""
     """What it costs at run time (the plan's note for a strategy that fits)."""
+    needs_cuda: ClassVar[bool] = False
+    cpu_only: ClassVar[bool] = False
+    """Runs entirely on the CPU (torchrun ranks then bind no GPU)."""
 
     def __str__(self) -> str:
         return self.name
@@ -71,15 +70,6 @@ class Placement:
     def label(self) -> str:
         """The strategy as error messages name it."""
         return str(self)
-
-    @property
-    def needs_cuda(self) -> bool:
-        return False
-
-    @property
-    def cpu_only(self) -> bool:
-        """Runs entirely on the CPU (torchrun ranks then bind no GPU)."""
-        return False
 
     def flags(self) -> str:
         """The command-line flags that select this placement."""
@@ -111,8 +101,12 @@ class Placement:
         return self
 
     def with_budgets(self, budgets: Mapping[str, Mapping[int | str, int]]) -> Placement:
-        """Device-map strategies keep the plan's per-component max_memory; others ignore it."""
-        return self
+        """Device-map strategies (a `budgets` field) keep the plan's per-component max_memory;
+        others ignore it."""
+        if not hasattr(self, "budgets"):
+            return self
+        packed = tuple((c, tuple(b.items())) for c, b in sorted(budgets.items()))
+        return dataclasses.replace(self, budgets=packed)
 
     @property
     def resolved(self) -> bool:
@@ -147,15 +141,6 @@ def _weights(ctx: PlanContext, phase: Phase) -> int:
     return sum(ctx.comps[c].weight_bytes for c in phase.components)
 
 
-def _component_override(p: Placement, phase: Phase, ctx: PlanContext) -> Placement | None:
-    """The placement a single-component phase really uses, if `for_component` changes it."""
-    if len(phase.components) != 1:
-        return None
-    name = phase.components[0]
-    other = p.for_component(name, ctx.comps[name].class_name)
-    return None if other == p else other
-
-
 # --------------------------------------------------------------------------- cpu / cuda
 
 
@@ -163,10 +148,7 @@ def _component_override(p: Placement, phase: Phase, ctx: PlanContext) -> Placeme
 class Cpu(Placement):
     name: ClassVar[str] = "cpu"
     why: ClassVar[str] = "computes on the CPU: orders of magnitude slower at real Wan sizes"
-
-    @property
-    def cpu_only(self) -> bool:
-        return True
+    cpu_only: ClassVar[bool] = True
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
         return Need({"cpu": CPU_OVERHEAD + _weights(ctx, phase) + phase.activation_bytes})
@@ -190,13 +172,10 @@ class Cuda(Placement):
     alias: str = ""
     name: ClassVar[str] = "cuda"
     why: ClassVar[str] = "all weights resident on one GPU, no transfers"
+    needs_cuda: ClassVar[bool] = True
 
     def __str__(self) -> str:
         return self.alias or ("cuda" if self.index is None else f"cuda:{self.index}")
-
-    @property
-    def needs_cuda(self) -> bool:
-        return True
 
     @property
     def device(self) -> str:
@@ -255,14 +234,7 @@ class AccelerateMap(Placement):
     caps: Caps = ()
     budgets: tuple[tuple[str, Caps], ...] | None = None
     low_zero: ClassVar[bool] = False
-
-    @property
-    def needs_cuda(self) -> bool:
-        return True
-
-    def with_budgets(self, budgets: Mapping[str, Mapping[int | str, int]]) -> Placement:
-        packed = tuple((c, tuple(b.items())) for c, b in sorted(budgets.items()))
-        return dataclasses.replace(self, budgets=packed)
+    needs_cuda: ClassVar[bool] = True
 
     @property
     def resolved(self) -> bool:
@@ -282,9 +254,6 @@ class AccelerateMap(Placement):
         return self
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        other = _component_override(self, phase, ctx)
-        if other is not None:
-            return other.need(phase, ctx)
         return ctx.simulate_device_map(phase, self.name, low_zero=self.low_zero)
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
@@ -359,9 +328,16 @@ class _Offload(Placement):
 
     def _whole(self) -> Placement:
         """Where a component that must not be split runs: whole on the execution device."""
-        gpu = _exec_gpu(self.device)
-        index = gpu_index(gpu) if gpu else None
+        index = gpu_index(self.device) if self.device else None
         return Cpu() if index is None else Cuda(index)
+
+    def _need(self, phase: Phase, ctx: PlanContext, on_gpu: int) -> Need:
+        """Every weight in CPU RAM, `on_gpu` bytes of them on the execution device at a time."""
+        devices = {"cpu": CPU_OVERHEAD + _weights(ctx, phase)}
+        merge_bytes(
+            devices, {self.device or ctx.gpu: on_gpu + phase.activation_bytes + CUDA_OVERHEAD}
+        )
+        return Need(devices)
 
 
 @dataclass(frozen=True)
@@ -370,12 +346,7 @@ class ModelOffload(_Offload):
     why: ClassVar[str] = "whole component copied CPU->GPU when it starts to run"
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        biggest = max(ctx.comps[c].weight_bytes for c in phase.components)
-        devices = {"cpu": CPU_OVERHEAD + _weights(ctx, phase)}
-        merge_bytes(
-            devices, {self.device or ctx.gpu: biggest + phase.activation_bytes + CUDA_OVERHEAD}
-        )
-        return Need(devices)
+        return self._need(phase, ctx, max(ctx.comps[c].weight_bytes for c in phase.components))
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
         from accelerate import cpu_offload_with_hook
@@ -398,11 +369,8 @@ class GroupOffload(_Offload):
         return "group-offload (leaf_level)" if self.level == "leaf_level" else self.name
 
     def flags(self) -> str:
-        if self.level == "leaf_level":
-            return (
-                f"{Placement.flags(self)} --set precompute.teacher.group_offload_level=leaf_level"
-            )
-        return Placement.flags(self)
+        leaf = " --set precompute.teacher.group_offload_level=leaf_level"
+        return Placement.flags(self) + (leaf if self.level == "leaf_level" else "")
 
     def for_component(self, name: str, class_name: str) -> Placement:
         if workarounds.never_split(class_name):
@@ -411,22 +379,15 @@ class GroupOffload(_Offload):
         return self if level == self.level else dataclasses.replace(self, level=level)
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        other = _component_override(self, phase, ctx)
-        if other is not None:
-            return other.need(phase, ctx)
         inflight = 2 if ctx.inventory.has_cuda else 1  # current group + the prefetched one
-        on_gpu = 0
-        for name in phase.components:
-            c = ctx.comps[name]
-            if self.level == "leaf_level":
-                on_gpu = max(on_gpu, inflight * c.largest_leaf_bytes)
-            else:
-                on_gpu = max(on_gpu, c.resident_bytes + inflight * c.largest_group_bytes)
-        devices = {"cpu": CPU_OVERHEAD + _weights(ctx, phase)}
-        merge_bytes(
-            devices, {self.device or ctx.gpu: on_gpu + phase.activation_bytes + CUDA_OVERHEAD}
+        leaf = self.level == "leaf_level"
+        on_gpu = max(
+            inflight * c.largest_leaf_bytes
+            if leaf
+            else c.resident_bytes + inflight * c.largest_group_bytes
+            for c in (ctx.comps[n] for n in phase.components)
         )
-        return Need(devices)
+        return self._need(phase, ctx, on_gpu)
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
         import torch
@@ -468,9 +429,6 @@ class DiskOffload(_Offload):
         return self._whole() if workarounds.never_split(class_name) else self
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        other = _component_override(self, phase, ctx)
-        if other is not None:
-            return other.need(phase, ctx)
         leaf = max(ctx.comps[c].largest_leaf_bytes for c in phase.components)
         on = self.device or (ctx.gpu if ctx.inventory.has_cuda else "cpu")
         extra = CUDA_OVERHEAD if on != "cpu" else 0
