@@ -12,7 +12,6 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 
 from wandistill.errors import UsageError
 from wandistill.io.modelfolder import COMPONENT_CLASSES, FLOAT_CODES, SAFETENSORS_BYTES
+from wandistill.placement.train_size import TrainShape
 from wandistill.runtime import workarounds
 
 if TYPE_CHECKING:
@@ -103,14 +103,10 @@ class SamplerSizes:
     def latent_frames(self) -> int:
         return (self.num_frames - 1) // 4 + 1
 
-    def tokens(self, patch: tuple[int, int, int] = (1, 2, 2), vae_stride: int = 8) -> int:
+    def tokens(self, patch: tuple[int, int, int] = (1, 2, 2)) -> int:
         """Transformer sequence length: latent frames x (h / 16) x (w / 16) for Wan."""
-        t, ph, pw = patch
-        return (
-            math.ceil(self.latent_frames / t)
-            * (self.height // vae_stride // ph)
-            * (self.width // vae_stride // pw)
-        )
+        video = {"num_frames": self.num_frames, "height": self.height, "width": self.width}
+        return TrainShape.from_video(**video).tokens(patch)
 
     @property
     def denoise_batch(self) -> int:

@@ -134,18 +134,9 @@ class RecordingSampler:
         return "transformer" if b is None or t >= b else "transformer_2"
 
     def start(self, jobs: list[Job], device: torch.device) -> BatchState:
-        shape = (1, *self.spec.latent_shape)
-        noise = torch.cat(
-            [
-                randn_tensor(
-                    shape,
-                    generator=torch.Generator().manual_seed(j.seed),
-                    device=device,
-                    dtype=torch.float32,
-                )
-                for j in jobs
-            ]
-        )
+        shape = (len(jobs), *self.spec.latent_shape)
+        gens = [torch.Generator().manual_seed(j.seed) for j in jobs]  # one per prompt
+        noise = randn_tensor(shape, generator=gens, device=device, dtype=torch.float32)
         sched = copy.deepcopy(self.template)
         sched.set_timesteps(self.spec.num_inference_steps, device=device)
         sched.set_begin_index(0)
@@ -238,22 +229,20 @@ class RecordingSampler:
         feats = {n: torch.stack([v[s] for s in steps], dim=1) for n, v in state.feats.items()}
         final = state.latents.detach().cpu()
         noise = state.noise.detach().cpu()
-        records = []
-        for b, job in enumerate(state.jobs):
-            records.append(
-                Record(
-                    key=job.key,
-                    prompt=job.prompt,
-                    seed=job.seed,
-                    prompt_embeds=job.embeds,
-                    noise=noise[b].clone(),
-                    timesteps=ts.clone(),
-                    xt=xt[b].clone(),
-                    teacher_out=out[b].clone(),
-                    final_latent=final[b].clone(),
-                    features={n: f[b].clone() for n, f in feats.items()},
-                    negative_prompt_embeds=job.negative if job.own_negative else None,
-                    extra=job.extra,
-                )
+        return [
+            Record(
+                key=job.key,
+                prompt=job.prompt,
+                seed=job.seed,
+                prompt_embeds=job.embeds,
+                noise=noise[b].clone(),
+                timesteps=ts.clone(),
+                xt=xt[b].clone(),
+                teacher_out=out[b].clone(),
+                final_latent=final[b].clone(),
+                features={n: f[b].clone() for n, f in feats.items()},
+                negative_prompt_embeds=job.negative if job.own_negative else None,
+                extra=job.extra,
             )
-        return records
+            for b, job in enumerate(state.jobs)
+        ]
