@@ -232,13 +232,6 @@ class ComponentSize:
     """Module classes accelerate must not split across devices; empty: whole component on one."""
 
 
-def _block_sizes(model: torch.nn.Module, prefix: str | None, sizes: Mapping[str, int]) -> list[int]:
-    if prefix is None:
-        return []
-    blocks = model.get_submodule(prefix)
-    return [sizes.get(f"{prefix}.{i}", 0) for i in range(len(blocks))]
-
-
 def _own_bytes(model: torch.nn.Module, dtype: torch.dtype, kept: Callable[[str], bool]) -> int:
     """Largest sum of one module's direct parameters (what one accelerate hook onloads)."""
     best = 0
@@ -290,14 +283,13 @@ def component_size(
     """Sizes of a meta-device component; weight totals from safetensors headers when given
     ({tensor: (numel, dtype code)}, `TeacherFolder.numels`)."""
     kept = fp32_kept(type(model), dtype)
-    params = sum(p.numel() for p in model.parameters())
-    total = sum(p.numel() * (4 if kept(n) else dtype.itemsize) for n, p in model.named_parameters())
-    kept_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if kept(n))
-    source = "config"
-    if header:
-        params, total, kept_bytes = _weights_from_headers(header, model, dtype, kept)
-        source = "safetensors headers"
-    blocks = _block_sizes(model, BLOCK_LISTS.get(name), module_sizes(model, dtype))
+    source = "safetensors headers" if header else "config"
+    if not header:  # the meta model's own parameters, as float tensors
+        header = {n: (p.numel(), "F32") for n, p in model.named_parameters()}
+    params, total, kept_bytes = _weights_from_headers(header, model, dtype, kept)
+    prefix, sizes = BLOCK_LISTS.get(name), module_sizes(model, dtype)
+    count = len(model.get_submodule(prefix)) if prefix else 0
+    blocks = [sizes.get(f"{prefix}.{i}", 0) for i in range(count)]
     no_split = tuple(getattr(model, "_no_split_modules", None) or ())
     return ComponentSize(
         name=name,

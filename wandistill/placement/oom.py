@@ -19,7 +19,7 @@ import torch
 from wandistill.errors import WandistillError
 from wandistill.placement.devices import GiB
 from wandistill.placement.inventory import read_meminfo
-from wandistill.placement.strategies import DiskOffload, GroupOffload, Placement
+from wandistill.placement.strategies import DiskOffload, Placement
 from wandistill.runtime.failures import is_oom
 
 __all__ = ["is_oom", "memory_figures", "next_strategies", "oom_error", "oom_guard"]
@@ -64,12 +64,8 @@ def next_strategies(placement: Placement | None, device: torch.device) -> list[s
         # CPU RAM ran out: offloading to the CPU makes it worse; only the disk relieves it.
         return [] if isinstance(placement, DiskOffload) else [DiskOffload().flags()]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    after = (
-        placement.next_to_try(gpus)
-        if placement is not None
-        else [GroupOffload(), GroupOffload(level="leaf_level"), DiskOffload()]
-    )
-    return [p.flags() for p in after]
+    # a module loaded elsewhere: what any placement suggests (`Placement.next_to_try`)
+    return [p.flags() for p in (placement or Placement()).next_to_try(gpus)]
 
 
 def oom_error(
