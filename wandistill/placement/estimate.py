@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from wandistill.errors import UsageError
-from wandistill.io.modelfolder import COMPONENT_CLASSES, FLOAT_CODES, SAFETENSORS_BYTES
+from wandistill.io.modelfolder import FLOAT_CODES, SAFETENSORS_BYTES
+from wandistill.placement.protocol import component_class
 from wandistill.placement.train_size import TrainShape
 from wandistill.runtime import workarounds
 
@@ -33,7 +34,6 @@ __all__ = [
     "ComponentSize",
     "SamplerSizes",
     "activation_bytes",
-    "component_class",
     "component_size",
     "dtype_from_name",
     "dtype_name",
@@ -149,14 +149,6 @@ def fp32_kept(cls: type, dtype: torch.dtype) -> Callable[[str], bool]:
         return lambda name: rx.search(name) is not None
     keep = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
     return lambda name: any(part in keep for part in name.split("."))
-
-
-def component_class(name: str) -> type:
-    """The class that loads component `name` (imports diffusers/transformers lazily)."""
-    import importlib
-
-    library, cls_name = COMPONENT_CLASSES[name]
-    return getattr(importlib.import_module(library), cls_name)
 
 
 @contextlib.contextmanager

@@ -198,14 +198,10 @@ class _Loader:
     def offload_folder(self, name: str) -> Path:
         """A fresh folder for one (component, rank, run): never shared, never reused; the
         parents made here are removed with it, so no empty `.offload/rank0/` stays behind."""
-        root = self.offload_root
-        base = (
-            Path(root) if root is not None else Path(tempfile.gettempdir()) / "wandistill-offload"
-        )
+        base = Path(self.offload_root or Path(tempfile.gettempdir()) / "wandistill-offload")
         self.created = [p for p in (base.absolute(), *base.absolute().parents) if not p.exists()]
         base.mkdir(parents=True, exist_ok=True)
-        rank = os.environ.get("RANK", "0")
-        prefix = f"{name}-rank{rank}-pid{os.getpid()}-"
+        prefix = f"{name}-rank{os.environ.get('RANK', '0')}-pid{os.getpid()}-"
         self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
         return self.folder
 

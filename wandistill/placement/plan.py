@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from wandistill.errors import UsageError
-from wandistill.io.modelfolder import COMPONENT_CLASSES
 from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, GiB, device_key
 from wandistill.placement.estimate import (
     ComponentSize,
@@ -49,7 +48,7 @@ from wandistill.placement.inventory import Inventory
 from wandistill.placement.parse import Auto
 from wandistill.placement.protocol import Need
 from wandistill.placement.strategies import Cuda, Placement
-from wandistill.teacher.folder import CONFIG_NAMES, TeacherFolder
+from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.schema import validate_config
 
 __all__ = [
@@ -97,10 +96,6 @@ class StrategyPlan:
     def strategy(self) -> str:
         """The --placement value (cuda rows name their GPU, e.g. cuda:0)."""
         return str(self.placement)
-
-    @property
-    def flag(self) -> str:
-        return self.placement.flags()
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +192,7 @@ def _load_configs(
         for name, config in source.items():
             validate_config(name, config, source=f"config dict {name!r}")
         return "config dicts", {k: dict(v) for k, v in source.items()}, None
-    if isinstance(source, TeacherFolder):
-        folder = source
-    elif str(source) in CONFIG_NAMES:
-        folder = TeacherFolder.published(str(source))
-    else:
-        folder = TeacherFolder.open(source, complete=False)
+    folder = TeacherFolder.coerce(source, complete=False)
     return folder.label, {n: folder.raw_config(n) for n in folder.components}, folder
 
 
@@ -391,9 +381,6 @@ def make_plan(
     label, configs, folder = _load_configs(folder_or_configs)
     if components is not None:
         configs = {n: c for n, c in configs.items() if n in components}
-    unknown = sorted(set(configs) - set(COMPONENT_CLASSES))
-    if unknown:
-        raise UsageError(f"unknown teacher component(s) {unknown}", fix="use Wan diffusers folders")
     models = {n: shared_meta_model(n, json.dumps(c, sort_keys=True)) for n, c in configs.items()}
     comps = {
         n: component_size(n, m, dtype, folder.numels(n) if folder is not None else None)

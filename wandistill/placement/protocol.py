@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from wandistill.io.modelfolder import COMPONENT_CLASSES
+
 if TYPE_CHECKING:
     import torch
 
@@ -41,11 +43,14 @@ class LoadContext(Protocol):
     def offload_folder(self, name: str) -> Path: ...
 
 
-def component_class(comp: Component) -> type:
-    """The library class of a teacher component (diffusers / transformers, imported lazily)."""
+def component_class(comp: Component | str) -> type:
+    """The library class of a teacher component, or of the one named so (diffusers /
+    transformers, imported lazily)."""
     import importlib
 
-    return getattr(importlib.import_module(comp.library), comp.class_name)
+    ref = COMPONENT_CLASSES[comp] if isinstance(comp, str) else (comp.library, comp.class_name)
+    library, name = ref
+    return getattr(importlib.import_module(library), name)
 
 
 def merge_bytes(into: dict[str, int], need: Mapping[str, int]) -> None:

@@ -362,11 +362,8 @@ def render_train_plan(plan: TrainPlan) -> list[Any]:
     for col in ("choice", "weights", "grads", "AdamW", "EMA", "act", "total", "fits"):
         t.add_column(col, justify="left" if col == "choice" else "right", overflow="fold")
     for i, r in enumerate((plan.requested, *plan.rows)):
-        ckpt_on, ckpt_off = (
-            (r.activations, r.activations_other)
-            if r.choice.checkpointing
-            else (r.activations_other, r.activations)
-        )
+        pair = (r.activations, r.activations_other)
+        ckpt_on, ckpt_off = pair if r.choice.checkpointing else pair[::-1]
         extra = f" +{_gib(r.offloaded)} in RAM" if r.offloaded else ""
         fits = Text("yes", style="green") if r.fits else Text("no", style="red")
         t.add_row(

@@ -192,13 +192,13 @@ class TeacherFolder:
         return dataclasses.replace(cls.open(config_folder(name), complete=False), label=name)
 
     @classmethod
-    def coerce(cls, folder: TeacherFolder | str | Path) -> TeacherFolder:
+    def coerce(cls, folder: TeacherFolder | str | Path, *, complete: bool = True) -> TeacherFolder:
         """`folder` itself, or the folder at that path (or published config name) opened."""
         if isinstance(folder, TeacherFolder):
             return folder
         if str(folder) in CONFIG_NAMES:
             return cls.published(str(folder))
-        return cls.open(folder)
+        return cls.open(folder, complete=complete)
 
     # ------------------------------------------------------------------ components
 
