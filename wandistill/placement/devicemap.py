@@ -28,6 +28,7 @@ from wandistill.placement.strategies import (
     DiskOffload,
     Placement,
     Sequential,
+    mapped_device,
 )
 from wandistill.runtime import workarounds
 
@@ -94,13 +95,7 @@ class ModuleMap(Placement):
         return Loaded(ctx.load_weights(comp, dtype, device_map=self.mapping, **extra))
 
     def execution_device(self, model: torch.nn.Module | None = None) -> torch.device:
-        import torch
-
-        if model is None:
-            return torch.device(self.device)
-        from diffusers.utils.torch_utils import get_module_execution_device
-
-        return torch.device(get_module_execution_device(model))
+        return mapped_device(model, self.device)
 
 
 @dataclass(frozen=True)

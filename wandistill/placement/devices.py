@@ -62,11 +62,10 @@ def parse_size(value: Any, what: str) -> int:
             return value
         raise UsageError(f"{what} {value} must be positive", fix=f"e.g. {what} 80GiB")
     text = str(value).strip()
-    scaled = re.fullmatch(r"(.*?)\s*([tT])(i?)([bB])", text)
+    scaled = re.fullmatch(r"(\d+(?:\.\d+)?)\s*[tT](i?)([bB])", text)
     if scaled:  # accelerate stops at GB/GiB: express TB/TiB in GB/GiB for it
-        num, _, i, b = scaled.groups()
-        factor = 1024 if i else 1000
-        text = f"{_number(num, what, value) * factor}G{i}{b}"
+        num, i, b = scaled.groups()
+        text = f"{float(num) * (1024 if i else 1000)}G{i}{b}"
     from accelerate.utils import convert_file_size_to_int
 
     try:
@@ -78,13 +77,6 @@ def parse_size(value: Any, what: str) -> int:
             f"{what} {value!r} is not a memory size", fix=f"write it like {_nearest_size(text)}"
         )
     return size
-
-
-def _number(num: str, what: str, value: Any) -> float:
-    try:
-        return float(num)
-    except ValueError:
-        raise UsageError(f"{what} {value!r} is not a memory size", fix="e.g. 2TiB") from None
 
 
 def _nearest_size(text: str) -> str:

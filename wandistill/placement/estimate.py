@@ -26,7 +26,7 @@ from wandistill.placement.train_size import TrainShape
 from wandistill.runtime import workarounds
 
 if TYPE_CHECKING:
-    from wandistill.config import PrecomputeConfig, SamplerConfig
+    from wandistill.config import PrecomputeConfig
 
 __all__ = [
     "ACTIVATION_MARGIN",
@@ -83,21 +83,17 @@ class SamplerSizes:
     """A VAE decode phase follows the denoiser."""
 
     @classmethod
-    def from_sampler(cls, s: SamplerConfig, *, previews: bool = False) -> SamplerSizes:
-        guided = s.guidance_scale > 1.0 or (s.guidance_scale_2 or 0.0) > 1.0
+    def from_config(cls, cfg: PrecomputeConfig) -> SamplerSizes:
+        s = cfg.sampler
         return cls(
             height=s.height,
             width=s.width,
             num_frames=s.num_frames,
             batch_size=s.batch_size,
             max_sequence_length=s.max_sequence_length,
-            cfg=guided,
-            previews=previews,
+            cfg=s.guidance_scale > 1.0 or (s.guidance_scale_2 or 0.0) > 1.0,
+            previews=cfg.previews > 0,
         )
-
-    @classmethod
-    def from_config(cls, cfg: PrecomputeConfig) -> SamplerSizes:
-        return cls.from_sampler(cfg.sampler, previews=cfg.previews > 0)
 
     @property
     def latent_frames(self) -> int:

@@ -174,8 +174,6 @@ def same_strategy(placement: Placement, which: str | Placement) -> bool:
         return str(placement) == which or (single and isinstance(placement, Cuda))
     if isinstance(which, Cuda):
         return isinstance(placement, Cuda)
-    if isinstance(which, Auto):
-        return False
     same_kind = type(placement) is type(which) and str(placement) == str(which)
     return same_kind and getattr(placement, "level", None) == getattr(which, "level", None)
 

@@ -141,6 +141,17 @@ def _weights(ctx: PlanContext, phase: Phase) -> int:
     return sum(ctx.comps[c].weight_bytes for c in phase.components)
 
 
+def mapped_device(model: torch.nn.Module | None, expected: str) -> torch.device:
+    """Where a device-mapped `model` computes, as diffusers finds it (None: `expected`)."""
+    import torch
+
+    if model is None:
+        return torch.device(expected)
+    from diffusers.utils.torch_utils import get_module_execution_device
+
+    return torch.device(get_module_execution_device(model))
+
+
 # --------------------------------------------------------------------------- cpu / cuda
 
 
@@ -190,9 +201,7 @@ class Cuda(Placement):
             )
 
     def bind(self, gpu: int | None) -> Placement:
-        if self.resolved:
-            return self
-        return Cuda(self.index if self.index is not None else (gpu or 0))
+        return self if self.resolved else Cuda(self.index if self.index is not None else (gpu or 0))
 
     @property
     def resolved(self) -> bool:
@@ -242,10 +251,7 @@ class AccelerateMap(Placement):
 
     def budget(self, component: str) -> dict[int | str, int]:
         """The max_memory to pass when loading `component` (from the plan)."""
-        for name, caps in self.budgets or ():
-            if name == component:
-                return dict(caps)
-        raise KeyError(component)
+        return dict(dict(self.budgets or ())[component])
 
     def for_component(self, name: str, class_name: str) -> Placement:
         if workarounds.never_split(class_name):
@@ -261,13 +267,7 @@ class AccelerateMap(Placement):
         return Loaded(ctx.load_weights(comp, dtype, device_map=self.name, max_memory=budget))
 
     def execution_device(self, model: torch.nn.Module | None = None) -> torch.device:
-        import torch
-
-        if model is None:
-            return torch.device("cuda", 0)
-        from diffusers.utils.torch_utils import get_module_execution_device
-
-        return torch.device(get_module_execution_device(model))
+        return mapped_device(model, "cuda:0")
 
     def allowed_devices(self, model: torch.nn.Module) -> set[str] | None:
         dmap = getattr(model, "hf_device_map", None) or {}
@@ -308,18 +308,16 @@ class _Offload(Placement):
         return self.device is None or self.device.startswith("cuda")
 
     def bind(self, gpu: int | None) -> Placement:
-        if self.device is not None:
-            return self
-        return dataclasses.replace(self, device="cpu" if gpu is None else f"cuda:{gpu}")
+        where = "cpu" if gpu is None else f"cuda:{gpu}"
+        return self if self.resolved else dataclasses.replace(self, device=where)
 
     @property
     def resolved(self) -> bool:
         return self.device is not None
 
     def on_gpu(self, gpu: int) -> Placement:
-        if self.device is None or self.device.startswith("cuda"):
-            return dataclasses.replace(self, device=f"cuda:{gpu}")
-        return self
+        on_cpu = self.device is not None and not self.device.startswith("cuda")
+        return self if on_cpu else dataclasses.replace(self, device=f"cuda:{gpu}")
 
     def execution_device(self, model: torch.nn.Module | None = None) -> torch.device:
         import torch
