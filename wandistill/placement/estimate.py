@@ -243,14 +243,13 @@ def _weights_from_headers(
     A tensor stored under two tied names (UMT5's shared / encoder.embed_tokens) counts once.
     """
     ids = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
-    seen: set[int] = set()
+    seen: set[int | str] = set()
     params = total = kept_bytes = 0
     for name, (numel, code) in header.items():
-        pid = ids.get(name)
-        if pid is not None:
-            if pid in seen:
-                continue
-            seen.add(pid)
+        pid = ids.get(name, name)  # a tensor the model lacks is its own
+        if pid in seen:
+            continue
+        seen.add(pid)
         params += numel
         if code not in FLOAT_CODES:
             total += numel * SAFETENSORS_BYTES.get(code, 4)

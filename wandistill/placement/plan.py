@@ -293,9 +293,7 @@ class PlanContext:
                     budget[dev] = max(0, budget[dev] - sizes.get(module, 0))
                 else:
                     spilled.append(f"{name}.{module}" if module else name)
-        for i in range(len(self.inventory.gpus)):
-            if f"cuda:{i}" in devices:
-                devices[f"cuda:{i}"] += headroom
+        devices = {d: n + (headroom if d != "cpu" else 0) for d, n in devices.items()}
         note = (
             f"{len(spilled)} module(s) do not fit on the GPUs (e.g. {spilled[0]})"
             if spilled

@@ -6,7 +6,6 @@ what the loader (`placement.load`) hands `Placement.load`; `Loaded` is what come
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -18,7 +17,7 @@ if TYPE_CHECKING:
 
     from wandistill.teacher.folder import Component
 
-__all__ = ["LoadContext", "Loaded", "Need", "component_class", "merge_bytes"]
+__all__ = ["LoadContext", "Loaded", "Need", "component_class"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +50,6 @@ def component_class(comp: Component | str) -> type:
     ref = COMPONENT_CLASSES[comp] if isinstance(comp, str) else (comp.library, comp.class_name)
     library, name = ref
     return getattr(importlib.import_module(library), name)
-
-
-def merge_bytes(into: dict[str, int], need: Mapping[str, int]) -> None:
-    for device, n in need.items():
-        into[device] = into.get(device, 0) + n
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,13 +23,14 @@ live in `placement.devicemap`; `Auto`, the planner's request, in `placement.pars
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from wandistill.errors import UsageError
 from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, Caps, gpu_index
-from wandistill.placement.protocol import LoadContext, Loaded, Need, merge_bytes
+from wandistill.placement.protocol import LoadContext, Loaded, Need
 from wandistill.runtime import workarounds
 
 if TYPE_CHECKING:
@@ -331,11 +332,9 @@ class _Offload(Placement):
 
     def _need(self, phase: Phase, ctx: PlanContext, on_gpu: int) -> Need:
         """Every weight in CPU RAM, `on_gpu` bytes of them on the execution device at a time."""
-        devices = {"cpu": CPU_OVERHEAD + _weights(ctx, phase)}
-        merge_bytes(
-            devices, {self.device or ctx.gpu: on_gpu + phase.activation_bytes + CUDA_OVERHEAD}
-        )
-        return Need(devices)
+        devices = Counter({"cpu": CPU_OVERHEAD + _weights(ctx, phase)})
+        devices[self.device or ctx.gpu] += on_gpu + phase.activation_bytes + CUDA_OVERHEAD
+        return Need(dict(devices))
 
 
 @dataclass(frozen=True)
@@ -430,13 +429,13 @@ class DiskOffload(_Offload):
         leaf = max(ctx.comps[c].largest_leaf_bytes for c in phase.components)
         on = self.device or (ctx.gpu if ctx.inventory.has_cuda else "cpu")
         extra = CUDA_OVERHEAD if on != "cpu" else 0
-        devices = {"cpu": CPU_OVERHEAD}
-        merge_bytes(devices, {on: leaf + phase.activation_bytes + extra})
+        devices = Counter({"cpu": CPU_OVERHEAD})
+        devices[on] += leaf + phase.activation_bytes + extra
         # transformers indexes the original safetensors instead of writing .dat copies
         devices["disk"] = sum(
             ctx.comps[c].weight_bytes for c in phase.components if c != "text_encoder"
         )
-        return Need(devices)
+        return Need(dict(devices))
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
         import torch

@@ -299,11 +299,7 @@ def _alternatives(base: Choice) -> list[Choice]:
         rep(base, lora_rank=base.lora_rank or PROPOSED_LORA_RANK, checkpointing=True),
         rep(base, batch_size=max(1, base.batch_size // 2)),
     ]
-    seen: list[Choice] = []
-    for c in ladder:
-        if c != base and c not in seen:
-            seen.append(c)
-    return seen
+    return [c for c in dict.fromkeys(ladder) if c != base]
 
 
 def make_train_plan(

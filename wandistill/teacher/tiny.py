@@ -323,9 +323,7 @@ def write_teacher(
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    if tmp.exists():  # an unfinished build by a dead process that had our pid
-        shutil.rmtree(tmp)
-
+    shutil.rmtree(tmp, ignore_errors=True)  # an unfinished build by a dead process with our pid
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
         _normalise_model_index(tmp)
@@ -350,6 +348,5 @@ def write_teacher(
             os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
