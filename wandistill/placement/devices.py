@@ -93,12 +93,8 @@ def parse_max_memory(caps: Mapping[Any, Any] | None, what: str = "max_memory") -
     out: list[tuple[int | str, int]] = []
     for key, value in (caps or {}).items():
         k = str(key)
-        index = int(k) if k.isdigit() else gpu_index(k)
-        if index is not None:
-            device: int | str = index
-        elif k == "cpu":
-            device = "cpu"
-        else:
+        device = "cpu" if k == "cpu" else int(k) if k.isdigit() else gpu_index(k)
+        if device is None:
             raise UsageError(
                 f"{what} key {key!r} is not a device",
                 fix='use a GPU index ("0"), "cuda:N" or "cpu"',

@@ -121,13 +121,10 @@ def resolve_placement(
     """
     inv = inventory if inventory is not None else Inventory.detect()
     placement.check(len(inv.gpus))
-    own: int | None = None
-    if isinstance(placement, Auto) or (
-        isinstance(placement, (AccelerateMap, DeviceMapFile)) and placement.budgets is None
-    ):
-        view = inv
-        if isinstance(placement, Auto):
-            view, own = _rank_view(inv, world_size, local_rank)
+    auto = isinstance(placement, Auto)
+    view, own = _rank_view(inv, world_size, local_rank) if auto else (inv, None)
+    mapped = isinstance(placement, (AccelerateMap, DeviceMapFile))
+    if auto or (mapped and placement.budgets is None):
         plan = make_plan(
             folder,
             dtype=dtype,
@@ -284,7 +281,7 @@ def _check_placed(
     served = workarounds.served_names(model)
     orphans, misplaced = [], []
     for full, t in [*model.named_parameters(), *model.named_buffers()]:
-        dev = t.device.type if t.device.index is None else f"{t.device.type}:{t.device.index}"
+        dev = str(t.device)
         if t.device.type == "meta":
             if full not in served:
                 orphans.append(full)

@@ -352,8 +352,8 @@ def _as_auto(requested: Placement | None) -> Auto:
     """The `auto` whose candidates share the requested strategy's caps and group level."""
     if isinstance(requested, Auto):
         return requested
-    caps = getattr(requested, "caps", ())
-    return Auto(level=getattr(requested, "level", "block_level"), caps=caps)
+    level = getattr(requested, "level", "block_level")
+    return Auto(level=level, caps=getattr(requested, "caps", ()))
 
 
 def make_plan(
@@ -423,22 +423,18 @@ def too_small(plan: Plan) -> UsageError:
     to fitting (least memory short), what it needs per device, and the flags that would do."""
     spilled = tuple(f"{p.name}: " for p in plan.phases)  # device maps that spill: no size fixes
     pool = [s for s in plan.strategies if not s.note.startswith(spilled)] or list(plan.strategies)
-
-    def short(s: StrategyPlan) -> int:
-        inv = plan.inventory
-        return sum(max(0, b - inv.available(d)) for d, b in s.peak.items())
-
-    best = min(pool, key=short)
+    inv = plan.inventory
+    best = min(pool, key=lambda s: sum(max(0, b - inv.available(d)) for d, b in s.peak.items()))
     needs = ", ".join(f"{d} {b / GiB:.1f} GiB" for d, b in best.peak.items())
     raise_to: dict[str, int] = {}
     for device, b in best.peak.items():
-        if b > plan.inventory.available(device):
+        if b > inv.available(device):
             flag = _FLAGS.get(device, "--gpu-mem")
             extra = GiB // 2 if flag == "--gpu-mem" else 0  # a described GPU keeps 0.5 GiB back
             raise_to[flag] = max(raise_to.get(flag, 0), b + extra)
     fix = " ".join(f"{f} {math.ceil(n / GiB)}GiB" for f, n in raise_to.items())
     return UsageError(
-        f"the described machine ({plan.inventory.source.removeprefix('described: ')}) is too "
+        f"the described machine ({inv.source.removeprefix('described: ')}) is too "
         f"small for teacher {plan.teacher} with any placement; the closest, {best.strategy}, "
         f"needs {needs}",
         fix=f"describe a bigger machine: {fix}" if fix else best.note,

@@ -185,10 +185,9 @@ class RankMemory:
         return have
 
     def to_json(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["ram"] = self.ram
-        data["choice"] = dataclasses.asdict(self.choice) | {"label": self.choice.label()}
-        return data | {"total": self.total, "fits": self.fits}
+        data = dataclasses.asdict(self) | {"ram": self.ram, "total": self.total, "fits": self.fits}
+        data["choice"] |= {"label": self.choice.label()}
+        return data
 
 
 def _room(inventory: Inventory, world: int) -> tuple[str, int, int]:
