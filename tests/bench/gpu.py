@@ -452,11 +452,11 @@ def write_device_map(ctx: Ctx) -> Path:
 
 def placement_api() -> SimpleNamespace:
     """The package's placement functions (wandistill/placement/), in one namespace."""
-    from wandistill.placement import auto, devices, estimate, inventory, load, plan, strategies
+    from wandistill.placement import devices, estimate, inventory, load, parse, plan, strategies
 
     return SimpleNamespace(
         CPU_OVERHEAD=devices.CPU_OVERHEAD,
-        Auto=auto.Auto,
+        Auto=parse.Auto,
         Cpu=strategies.Cpu,
         Cuda=strategies.Cuda,
         Inventory=inventory.Inventory,

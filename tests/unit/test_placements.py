@@ -17,11 +17,10 @@ from rich.console import Console
 from wandistill.config import load_recipe, to_dict
 from wandistill.errors import ConfigError, UsageError
 from wandistill.placement import load as pl
-from wandistill.placement.auto import Auto
 from wandistill.placement.devices import CUDA_OVERHEAD, GiB, parse_size
 from wandistill.placement.estimate import SamplerSizes
 from wandistill.placement.inventory import Inventory
-from wandistill.placement.parse import parse_device, parse_placement
+from wandistill.placement.parse import Auto, parse_device, parse_placement
 from wandistill.placement.plan import make_plan
 from wandistill.placement.render import render_plan
 from wandistill.placement.strategies import (

@@ -58,7 +58,7 @@ from wandistill.eval.stream import (
 )
 from wandistill.io import outputs
 from wandistill.io.fsutil import atomic_write_bytes, atomic_write_json
-from wandistill.placement.auto import Auto
+from wandistill.placement.parse import Auto
 from wandistill.placement.strategies import Cpu, Cuda, Placement
 from wandistill.student.folders import FinishedStudent
 from wandistill.student.sampler import sample_latents, student_pipeline

@@ -5,9 +5,9 @@ Modules, lowest first (each imports only those above it; none imports `train/`):
 * `devices`: the one `cuda:N` parser, memory sizes ("80GiB"), per-device allowances;
 * `protocol`: what a strategy is given and answers with (`Need`, `LoadContext`, `Loaded`);
 * `strategies`: the `Placement` classes (cpu, cuda, balanced / sequential, offloads);
-* `auto`: `--placement auto`, a request to the planner, with the strategies it may pick;
 * `devicemap`: explicit module maps and per-component device-map JSON files;
-* `parse`: `--placement` / `--device` text to a strategy (what the recipe loader calls);
+* `parse`: `--placement` / `--device` text to a strategy (what the recipe loader calls), and
+  `auto`, a request to the planner, with the strategies it may pick;
 * `inventory`: the machine a plan may use (detected, faked or described on the command line);
 * `estimate`: weights from safetensors headers / meta models, activation formulas;
 * `plan`: every strategy's need per phase on an inventory, and `auto`'s choice;
@@ -17,7 +17,7 @@ Modules, lowest first (each imports only those above it; none imports `train/`):
 * `train_size`, `train_plan`, `train_inputs`: the memory plan for `train` (per-rank weights,
   gradients, AdamW, EMA, activations of each way to train a student; `plan --train`).
 
-`devices`, `protocol`, `strategies`, `auto`, `devicemap` and `parse` import nothing of
+`devices`, `protocol`, `strategies`, `devicemap` and `parse` import nothing of
 `teacher/` (the recipe, which `train/` reads, parses placements); the rest read teacher folders.
 Nothing is imported here, so `import wandistill.placement.parse` stays as light as the recipe
 needs.

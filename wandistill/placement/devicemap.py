@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import functools
 import json
-from collections.abc import Mapping
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from wandistill.errors import UsageError
 from wandistill.io.modelfolder import COMPONENT_CLASSES
 from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, Caps, gpu_index
-from wandistill.placement.protocol import LoadContext, Loaded, Need, component_class, merge_bytes
+from wandistill.placement.protocol import LoadContext, Loaded, Need, component_class
 from wandistill.placement.strategies import (
     AccelerateMap,
     Balanced,
@@ -29,6 +29,7 @@ from wandistill.placement.strategies import (
     DiskOffload,
     Placement,
     Sequential,
+    mapped_device,
 )
 from wandistill.runtime import workarounds
 
@@ -51,10 +52,6 @@ class ModuleMap(Placement):
     why: ClassVar[str] = "modules where the device-map file puts them"
 
     @property
-    def mapping(self) -> dict[str, int | str]:
-        return dict(self.modules)
-
-    @property
     def needs_cuda(self) -> bool:
         return any(isinstance(d, int) for _, d in self.modules)
 
@@ -64,16 +61,16 @@ class ModuleMap(Placement):
         return f"cuda:{gpus[0]}" if gpus else "cpu"
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        devices: dict[str, int] = {"cpu": CPU_OVERHEAD}
+        devices = Counter({"cpu": CPU_OVERHEAD})
         for name in phase.components:
             sizes = ctx.module_sizes(name)
             self._validate(name, ctx.module_names(name))
             for module, device in self.modules:
                 key = f"cuda:{device}" if isinstance(device, int) else device
-                devices[key] = devices.get(key, 0) + sizes.get(module, 0)
+                devices[key] += sizes.get(module, 0)
         overhead = CUDA_OVERHEAD if self.device != "cpu" else 0
-        devices[self.device] = devices.get(self.device, 0) + phase.activation_bytes + overhead
-        return Need(devices)
+        devices[self.device] += phase.activation_bytes + overhead
+        return Need(dict(devices))
 
     def _validate(self, component: str, names: set[str]) -> None:
         """Every module named exists (one line naming the nearest); a map that misses weights
@@ -89,19 +86,14 @@ class ModuleMap(Placement):
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
         extra: dict[str, Any] = {}
-        if "disk" in self.mapping.values():
+        mapping = dict(self.modules)
+        if "disk" in mapping.values():
             extra["offload_folder"] = str(ctx.offload_folder(comp.name))
             extra.update(workarounds.mixed_map_kwargs(component_class(comp)))
-        return Loaded(ctx.load_weights(comp, dtype, device_map=self.mapping, **extra))
+        return Loaded(ctx.load_weights(comp, dtype, device_map=mapping, **extra))
 
     def execution_device(self, model: torch.nn.Module | None = None) -> torch.device:
-        import torch
-
-        if model is None:
-            return torch.device(self.device)
-        from diffusers.utils.torch_utils import get_module_execution_device
-
-        return torch.device(get_module_execution_device(model))
+        return mapped_device(model, self.device)
 
 
 @dataclass(frozen=True)
@@ -141,10 +133,6 @@ class DeviceMapFile(Placement):
                     else 'map it to "cpu" or "disk", or run where that GPU exists',
                 )
 
-    def with_budgets(self, budgets: Mapping[str, Mapping[int | str, int]]) -> Placement:
-        packed = tuple((c, tuple(b.items())) for c, b in sorted(budgets.items()))
-        return dataclasses.replace(self, budgets=packed)
-
     @property
     def resolved(self) -> bool:
         spread = any(isinstance(p, AccelerateMap) for p in self.entries.values())
@@ -163,16 +151,16 @@ class DeviceMapFile(Placement):
         return entry.for_component(name, class_name)
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        devices: dict[str, int] = {}
+        devices: Counter[str] = Counter()
         notes: list[str] = []
         budgets: dict[str, dict[int | str, int]] = {}
         for name in phase.components:
             sub = dataclasses.replace(phase, components=(name,))
             need = self.for_component(name, ctx.comps[name].class_name).need(sub, ctx)
-            merge_bytes(devices, need.devices)
+            devices.update(need.devices)
             notes += [need.note] if need.note else []
             budgets.update(need.max_memory)
-        return Need(devices, "; ".join(notes), budgets)
+        return Need(dict(devices), "; ".join(notes), budgets)
 
 
 def _gpu_indices(entry: Placement) -> list[int]:
@@ -187,11 +175,9 @@ def _device_entry(value: Any, where: str, path: Path) -> int | str:
     """A device-map value as accelerate wants it: GPU index int, "cpu" or "disk"."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
-    index = gpu_index(value) if isinstance(value, str) else None
+    index = gpu_index("cuda:0" if value == "cuda" else value) if isinstance(value, str) else None
     if index is not None:
         return index
-    if value == "cuda":
-        return 0
     if value in ("cpu", "disk"):
         return value
     raise UsageError(
@@ -205,32 +191,26 @@ def _entry(name: str, value: Any, path: Path, caps: Caps) -> Placement:
     spread = {"balanced": Balanced, "balanced_low_0": BalancedLow0, "sequential": Sequential}
     if isinstance(value, str) and value in spread:
         return spread[value](caps=caps)
-    if isinstance(value, dict):
-        modules = tuple(
-            (m, _device_entry(v, f"{name}.{m or '<root>'}", path)) for m, v in value.items()
+    modules = (
+        tuple((m, _device_entry(v, f"{name}.{m or '<root>'}", path)) for m, v in value.items())
+        if isinstance(value, dict)
+        else (("", _device_entry(value, name, path)),)
+    )
+    devices = {d for _, d in modules}
+    if (len(devices) > 1 or "disk" in devices) and workarounds.never_split(
+        COMPONENT_CLASSES[name][1]
+    ):
+        raise UsageError(
+            f"device map {str(path)!r} splits or disk-offloads the vae",
+            fix='map "vae" to one GPU or "cpu": its causal cache does not survive '
+            "accelerate's per-module hooks",
         )
-        devices = {d for _, d in modules}
-        if (len(devices) > 1 or "disk" in devices) and workarounds.never_split(_class_name(name)):
-            raise UsageError(
-                f"device map {str(path)!r} splits or disk-offloads the vae",
-                fix='map "vae" to one GPU or "cpu": its causal cache does not survive '
-                "accelerate's per-module hooks",
-            )
+    if isinstance(value, dict):
         return ModuleMap(modules)
-    device = _device_entry(value, name, path)
+    device = modules[0][1]
     if device == "disk":
-        if workarounds.never_split(_class_name(name)):
-            raise UsageError(
-                f"device map {str(path)!r} disk-offloads the vae",
-                fix='map "vae" to one GPU or "cpu": its causal cache does not survive '
-                "accelerate's per-module hooks",
-            )
         return DiskOffload()
     return Cpu() if device == "cpu" else Cuda(int(device))
-
-
-def _class_name(component: str) -> str:
-    return COMPONENT_CLASSES.get(component, ("", ""))[1]
 
 
 @functools.lru_cache(maxsize=16)

@@ -62,11 +62,10 @@ def parse_size(value: Any, what: str) -> int:
             return value
         raise UsageError(f"{what} {value} must be positive", fix=f"e.g. {what} 80GiB")
     text = str(value).strip()
-    scaled = re.fullmatch(r"(.*?)\s*([tT])(i?)([bB])", text)
+    scaled = re.fullmatch(r"(\d+(?:\.\d+)?)\s*[tT](i?)([bB])", text)
     if scaled:  # accelerate stops at GB/GiB: express TB/TiB in GB/GiB for it
-        num, _, i, b = scaled.groups()
-        factor = 1024 if i else 1000
-        text = f"{_number(num, what, value) * factor}G{i}{b}"
+        num, i, b = scaled.groups()
+        text = f"{float(num) * (1024 if i else 1000)}G{i}{b}"
     from accelerate.utils import convert_file_size_to_int
 
     try:
@@ -78,13 +77,6 @@ def parse_size(value: Any, what: str) -> int:
             f"{what} {value!r} is not a memory size", fix=f"write it like {_nearest_size(text)}"
         )
     return size
-
-
-def _number(num: str, what: str, value: Any) -> float:
-    try:
-        return float(num)
-    except ValueError:
-        raise UsageError(f"{what} {value!r} is not a memory size", fix="e.g. 2TiB") from None
 
 
 def _nearest_size(text: str) -> str:
@@ -101,12 +93,8 @@ def parse_max_memory(caps: Mapping[Any, Any] | None, what: str = "max_memory") -
     out: list[tuple[int | str, int]] = []
     for key, value in (caps or {}).items():
         k = str(key)
-        index = int(k) if k.isdigit() else gpu_index(k)
-        if index is not None:
-            device: int | str = index
-        elif k == "cpu":
-            device = "cpu"
-        else:
+        device = "cpu" if k == "cpu" else int(k) if k.isdigit() else gpu_index(k)
+        if device is None:
             raise UsageError(
                 f"{what} key {key!r} is not a device",
                 fix='use a GPU index ("0"), "cuda:N" or "cpu"',

@@ -12,7 +12,6 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -21,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from wandistill.errors import UsageError
-from wandistill.io.modelfolder import COMPONENT_CLASSES, FLOAT_CODES, SAFETENSORS_BYTES
+from wandistill.io.modelfolder import FLOAT_CODES, SAFETENSORS_BYTES
+from wandistill.placement.protocol import component_class
+from wandistill.placement.train_size import TrainShape
 from wandistill.runtime import workarounds
 
 if TYPE_CHECKING:
-    from wandistill.config import PrecomputeConfig, SamplerConfig
+    from wandistill.config import PrecomputeConfig
 
 __all__ = [
     "ACTIVATION_MARGIN",
@@ -33,14 +34,14 @@ __all__ = [
     "ComponentSize",
     "SamplerSizes",
     "activation_bytes",
-    "component_class",
     "component_size",
     "dtype_from_name",
     "dtype_name",
     "fp32_kept",
-    "meta_model",
+    "module_sizes",
     "quiet_libraries",
     "shared_meta_model",
+    "special_dtypes",
 ]
 
 #: Margin on every activation estimate.
@@ -82,34 +83,26 @@ class SamplerSizes:
     """A VAE decode phase follows the denoiser."""
 
     @classmethod
-    def from_sampler(cls, s: SamplerConfig, *, previews: bool = False) -> SamplerSizes:
-        guided = s.guidance_scale > 1.0 or (s.guidance_scale_2 or 0.0) > 1.0
+    def from_config(cls, cfg: PrecomputeConfig) -> SamplerSizes:
+        s = cfg.sampler
         return cls(
             height=s.height,
             width=s.width,
             num_frames=s.num_frames,
             batch_size=s.batch_size,
             max_sequence_length=s.max_sequence_length,
-            cfg=guided,
-            previews=previews,
+            cfg=s.guidance_scale > 1.0 or (s.guidance_scale_2 or 0.0) > 1.0,
+            previews=cfg.previews > 0,
         )
-
-    @classmethod
-    def from_config(cls, cfg: PrecomputeConfig) -> SamplerSizes:
-        return cls.from_sampler(cfg.sampler, previews=cfg.previews > 0)
 
     @property
     def latent_frames(self) -> int:
         return (self.num_frames - 1) // 4 + 1
 
-    def tokens(self, patch: tuple[int, int, int] = (1, 2, 2), vae_stride: int = 8) -> int:
+    def tokens(self, patch: tuple[int, int, int] = (1, 2, 2)) -> int:
         """Transformer sequence length: latent frames x (h / 16) x (w / 16) for Wan."""
-        t, ph, pw = patch
-        return (
-            math.ceil(self.latent_frames / t)
-            * (self.height // vae_stride // ph)
-            * (self.width // vae_stride // pw)
-        )
+        video = {"num_frames": self.num_frames, "height": self.height, "width": self.width}
+        return TrainShape.from_video(**video).tokens(patch)
 
     @property
     def denoise_batch(self) -> int:
@@ -154,14 +147,6 @@ def fp32_kept(cls: type, dtype: torch.dtype) -> Callable[[str], bool]:
     return lambda name: any(part in keep for part in name.split("."))
 
 
-def component_class(name: str) -> type:
-    """The class that loads component `name` (imports diffusers/transformers lazily)."""
-    import importlib
-
-    library, cls_name = COMPONENT_CLASSES[name]
-    return getattr(importlib.import_module(library), cls_name)
-
-
 @contextlib.contextmanager
 def quiet_libraries() -> Iterator[None]:
     """Mute accelerate's "Device 0 is not available" and friends while simulating fake GPUs."""
@@ -179,8 +164,10 @@ def quiet_libraries() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def meta_model(name: str, config: Mapping[str, Any]) -> torch.nn.Module:
-    """Component `name` built on the meta device from its config dict: no memory, no weights."""
+@functools.lru_cache(maxsize=8)
+def shared_meta_model(name: str, config_json: str) -> torch.nn.Module:
+    """Component `name` built on the meta device from its config (JSON text): no memory, no
+    weights; built once per (component, config), since plans only read these."""
     from accelerate import init_empty_weights
 
     cls = component_class(name)
@@ -188,17 +175,26 @@ def meta_model(name: str, config: Mapping[str, Any]) -> torch.nn.Module:
         if name == "text_encoder":
             from transformers import UMT5Config
 
-            model = cls(UMT5Config.from_dict(dict(config)))
+            model = cls(UMT5Config.from_dict(json.loads(config_json)))
         else:
-            model = cls.from_config(dict(config))
+            model = cls.from_config(json.loads(config_json))
     workarounds.tie_meta_weights(model)  # from_pretrained ties shared <-> encoder.embed_tokens
     return model.eval()
 
 
-@functools.lru_cache(maxsize=8)
-def shared_meta_model(name: str, config_json: str) -> torch.nn.Module:
-    """meta_model, built once per (component, config): plans only read these."""
-    return meta_model(name, json.loads(config_json))
+def special_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """accelerate's `special_dtypes` for `model` at `dtype`: its fp32-kept parameters."""
+    kept = fp32_kept(type(model), dtype)
+    return {n: torch.float32 for n, _ in model.named_parameters() if kept(n)}
+
+
+@functools.lru_cache(maxsize=16)
+def module_sizes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """accelerate's `compute_module_sizes` of a (shared, meta) model at the run dtype."""
+    from accelerate.utils import compute_module_sizes
+
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes(model, dtype))
+    return dict(sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,13 +220,6 @@ class ComponentSize:
     """Module classes accelerate must not split across devices; empty: whole component on one."""
 
 
-def _block_sizes(model: torch.nn.Module, prefix: str | None, sizes: Mapping[str, int]) -> list[int]:
-    if prefix is None:
-        return []
-    blocks = model.get_submodule(prefix)
-    return [sizes.get(f"{prefix}.{i}", 0) for i in range(len(blocks))]
-
-
 def _own_bytes(model: torch.nn.Module, dtype: torch.dtype, kept: Callable[[str], bool]) -> int:
     """Largest sum of one module's direct parameters (what one accelerate hook onloads)."""
     best = 0
@@ -254,14 +243,13 @@ def _weights_from_headers(
     A tensor stored under two tied names (UMT5's shared / encoder.embed_tokens) counts once.
     """
     ids = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
-    seen: set[int] = set()
+    seen: set[int | str] = set()
     params = total = kept_bytes = 0
     for name, (numel, code) in header.items():
-        pid = ids.get(name)
-        if pid is not None:
-            if pid in seen:
-                continue
-            seen.add(pid)
+        pid = ids.get(name, name)  # a tensor the model lacks is its own
+        if pid in seen:
+            continue
+        seen.add(pid)
         params += numel
         if code not in FLOAT_CODES:
             total += numel * SAFETENSORS_BYTES.get(code, 4)
@@ -281,19 +269,14 @@ def component_size(
 ) -> ComponentSize:
     """Sizes of a meta-device component; weight totals from safetensors headers when given
     ({tensor: (numel, dtype code)}, `TeacherFolder.numels`)."""
-    from accelerate.utils import compute_module_sizes
-
     kept = fp32_kept(type(model), dtype)
-    special = {n: torch.float32 for n, _ in model.named_parameters() if kept(n)}
-    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special)
-    params = sum(p.numel() for p in model.parameters())
-    total = sum(p.numel() * (4 if kept(n) else dtype.itemsize) for n, p in model.named_parameters())
-    kept_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if kept(n))
-    source = "config"
-    if header:
-        params, total, kept_bytes = _weights_from_headers(header, model, dtype, kept)
-        source = "safetensors headers"
-    blocks = _block_sizes(model, BLOCK_LISTS.get(name), sizes)
+    source = "safetensors headers" if header else "config"
+    if not header:  # the meta model's own parameters, as float tensors
+        header = {n: (p.numel(), "F32") for n, p in model.named_parameters()}
+    params, total, kept_bytes = _weights_from_headers(header, model, dtype, kept)
+    prefix, sizes = BLOCK_LISTS.get(name), module_sizes(model, dtype)
+    count = len(model.get_submodule(prefix)) if prefix else 0
+    blocks = [sizes.get(f"{prefix}.{i}", 0) for i in range(count)]
     no_split = tuple(getattr(model, "_no_split_modules", None) or ())
     return ComponentSize(
         name=name,

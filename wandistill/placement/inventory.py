@@ -51,13 +51,6 @@ def _cgroup_available() -> int | None:
     return None if limit == "max" else max(0, int(limit) - used)
 
 
-def _existing_parent(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
 @dataclass(frozen=True, slots=True)
 class Inventory:
     """The memory a plan may use: GPUs with their free memory, CPU RAM and disk."""
@@ -84,7 +77,8 @@ class Inventory:
         cgroup = _cgroup_available()
         if cgroup is not None:
             ram = min(ram, cgroup) if ram else cgroup
-        disk = shutil.disk_usage(_existing_parent(Path(disk_path or "."))).free
+        where = Path(disk_path or ".").absolute()  # its nearest existing folder
+        disk = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free
         return cls(gpus=tuple(gpus), cpu_bytes=ram, disk_bytes=disk)
 
     @classmethod

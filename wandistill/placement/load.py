@@ -34,11 +34,11 @@ import torch
 
 from wandistill.errors import UsageError, WandistillError
 from wandistill.io.modelfolder import load_pretrained
-from wandistill.placement.auto import Auto
 from wandistill.placement.devicemap import DeviceMapFile
 from wandistill.placement.estimate import SamplerSizes, fp32_kept
 from wandistill.placement.inventory import Inventory
 from wandistill.placement.oom import oom_guard
+from wandistill.placement.parse import Auto
 from wandistill.placement.plan import make_plan
 from wandistill.placement.protocol import component_class
 from wandistill.placement.strategies import AccelerateMap, Placement
@@ -67,19 +67,11 @@ class Placed:
     placement: Placement
     """The concrete strategy this component was loaded with (after `for_component`)."""
     execution_device: torch.device
-    dtype: torch.dtype
     offload_dir: Path | None = None
-    device_map: Mapping[str, Any] | None = None
-    """accelerate's hf_device_map where one was used."""
     hook: Any = None
     """model-offload: accelerate's UserCpuOffloadHook (`park` calls its offload())."""
     cleanup: Callable[[], Any] | None = None
     """Removes the offload folder; also runs when the module is garbage-collected or at exit."""
-
-    @property
-    def label(self) -> str:
-        """The strategy as error messages name it."""
-        return self.placement.label
 
 
 # --------------------------------------------------------------------------- resolution
@@ -87,10 +79,6 @@ class Placed:
 
 def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _current_gpu() -> int:
-    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def _rank_view(
@@ -133,13 +121,10 @@ def resolve_placement(
     """
     inv = inventory if inventory is not None else Inventory.detect()
     placement.check(len(inv.gpus))
-    own: int | None = None
-    if isinstance(placement, Auto) or (
-        isinstance(placement, (AccelerateMap, DeviceMapFile)) and placement.budgets is None
-    ):
-        view = inv
-        if isinstance(placement, Auto):
-            view, own = _rank_view(inv, world_size, local_rank)
+    auto = isinstance(placement, Auto)
+    view, own = _rank_view(inv, world_size, local_rank) if auto else (inv, None)
+    mapped = isinstance(placement, (AccelerateMap, DeviceMapFile))
+    if auto or (mapped and placement.budgets is None):
         plan = make_plan(
             folder,
             dtype=dtype,
@@ -153,7 +138,8 @@ def resolve_placement(
         placement = _planned(plan, placement)
     if own is not None:  # the plan saw this rank's GPU as cuda:0
         return placement.on_gpu(own)
-    return placement.bind(_current_gpu() if inv.has_cuda else None)
+    current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return placement.bind(current if inv.has_cuda else None)
 
 
 def _planned(plan: Any, placement: Placement) -> Placement:
@@ -209,14 +195,10 @@ class _Loader:
     def offload_folder(self, name: str) -> Path:
         """A fresh folder for one (component, rank, run): never shared, never reused; the
         parents made here are removed with it, so no empty `.offload/rank0/` stays behind."""
-        root = self.offload_root
-        base = (
-            Path(root) if root is not None else Path(tempfile.gettempdir()) / "wandistill-offload"
-        )
+        base = Path(self.offload_root or Path(tempfile.gettempdir()) / "wandistill-offload")
         self.created = [p for p in (base.absolute(), *base.absolute().parents) if not p.exists()]
         base.mkdir(parents=True, exist_ok=True)
-        rank = os.environ.get("RANK", "0")
-        prefix = f"{name}-rank{rank}-pid{os.getpid()}-"
+        prefix = f"{name}-rank{os.environ.get('RANK', '0')}-pid{os.getpid()}-"
         self.folder = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
         return self.folder
 
@@ -268,9 +250,7 @@ def load_component(
         component=name,
         placement=concrete,
         execution_device=concrete.execution_device(model),
-        dtype=dtype,
         offload_dir=loader.folder,
-        device_map=getattr(model, "hf_device_map", None),
         hook=loaded.hook,
         cleanup=cleanup,
     )
@@ -301,7 +281,7 @@ def _check_placed(
     served = workarounds.served_names(model)
     orphans, misplaced = [], []
     for full, t in [*model.named_parameters(), *model.named_buffers()]:
-        dev = t.device.type if t.device.index is None else f"{t.device.type}:{t.device.index}"
+        dev = str(t.device)
         if t.device.type == "meta":
             if full not in served:
                 orphans.append(full)

@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
 from wandistill.errors import WandistillError
 from wandistill.placement.devices import GiB
 from wandistill.placement.inventory import read_meminfo
-from wandistill.placement.strategies import DiskOffload, GroupOffload, Placement
+from wandistill.placement.strategies import DiskOffload, Placement
 from wandistill.runtime.failures import is_oom
 
 __all__ = ["is_oom", "memory_figures", "next_strategies", "oom_error", "oom_guard"]
@@ -34,15 +33,6 @@ def _oom_device(exc: BaseException, device: torch.device) -> torch.device:
     if isinstance(exc, MemoryError) or "cpu" in str(exc).lower():
         return torch.device("cpu")
     return device
-
-
-def _process_rss() -> int:
-    """Resident memory of this process (VmRSS), 0 where /proc is missing."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def memory_figures(device: torch.device) -> str:
@@ -61,8 +51,9 @@ def memory_figures(device: torch.device) -> str:
         )
     info = read_meminfo()
     total, free = info.get("MemTotal", 0), info.get("MemAvailable", 0)
+    rss = read_meminfo("/proc/self/status").get("VmRSS", 0)
     return (
-        f"process resident {_process_rss() / GiB:.2f} GiB, total {total / GiB:.2f} GiB, "
+        f"process resident {rss / GiB:.2f} GiB, total {total / GiB:.2f} GiB, "
         f"available {free / GiB:.2f} GiB"
     )
 
@@ -73,12 +64,8 @@ def next_strategies(placement: Placement | None, device: torch.device) -> list[s
         # CPU RAM ran out: offloading to the CPU makes it worse; only the disk relieves it.
         return [] if isinstance(placement, DiskOffload) else [DiskOffload().flags()]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    after = (
-        placement.next_to_try(gpus)
-        if placement is not None
-        else [GroupOffload(), GroupOffload(level="leaf_level"), DiskOffload()]
-    )
-    return [p.flags() for p in after]
+    # a module loaded elsewhere: what any placement suggests (`Placement.next_to_try`)
+    return [p.flags() for p in (placement or Placement()).next_to_try(gpus)]
 
 
 def oom_error(

@@ -1,14 +1,19 @@
-"""`--placement` and `--device` text parsed into the typed strategies, once, at the edge."""
+"""`--placement` and `--device` text parsed into the typed strategies, once, at the edge.
+
+`--placement auto` (`Auto`) is not a place for weights but a request to the planner: it loads
+nothing and needs nothing (`Placement.need`/`load` refuse it); `placement/plan.py` resolves it
+to the fastest of its `candidates` that fits every phase, and the loader asks the plan first.
+"""
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from wandistill.errors import UsageError
-from wandistill.placement.auto import Auto
 from wandistill.placement.devicemap import DeviceMapFile
 from wandistill.placement.devices import Caps, gpu_index, parse_max_memory
 from wandistill.placement.strategies import (
@@ -23,7 +28,7 @@ from wandistill.placement.strategies import (
     Sequential,
 )
 
-__all__ = ["GROUP_LEVELS", "NAMES", "parse_device", "parse_placement"]
+__all__ = ["GROUP_LEVELS", "NAMES", "Auto", "parse_device", "parse_placement"]
 
 GROUP_LEVELS = ("block_level", "leaf_level")
 NAMES = (
@@ -38,6 +43,38 @@ NAMES = (
     "group-offload",
     "disk-offload",
 )
+
+
+@dataclass(frozen=True)
+class Auto(Placement):
+    """The plan's choice: the fastest strategy that fits every phase (see placement/plan.py)."""
+
+    level: str = "block_level"
+    caps: Caps = ()
+    name: ClassVar[str] = "auto"
+
+    @property
+    def resolved(self) -> bool:
+        return False
+
+    def candidates(self, gpus: int, best: int) -> list[Placement]:
+        """Every strategy `auto` may pick on a machine with `gpus` GPUs, fastest first."""
+        if gpus == 0:
+            return [Cpu(), DiskOffload(device="cpu")]
+        gpu = f"cuda:{best}"
+        spread: list[Placement] = (
+            [Balanced(self.caps), Sequential(self.caps), BalancedLow0(self.caps)]
+            if gpus > 1
+            else []
+        )
+        return [
+            Cuda(best),
+            *spread,
+            ModelOffload(device=gpu),
+            GroupOffload(device=gpu, level=self.level),
+            DiskOffload(device=gpu),
+            Cpu(),
+        ]
 
 
 def parse_placement(

@@ -21,6 +21,7 @@ process on the CPU. `Plan.auto` is the fastest strategy (lowest speed rank) that
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -31,8 +32,6 @@ from typing import Any
 import torch
 
 from wandistill.errors import UsageError
-from wandistill.io.modelfolder import COMPONENT_CLASSES
-from wandistill.placement.auto import Auto
 from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, GiB, device_key
 from wandistill.placement.estimate import (
     ComponentSize,
@@ -40,14 +39,16 @@ from wandistill.placement.estimate import (
     activation_bytes,
     component_size,
     dtype_name,
-    fp32_kept,
+    module_sizes,
     quiet_libraries,
     shared_meta_model,
+    special_dtypes,
 )
 from wandistill.placement.inventory import Inventory
+from wandistill.placement.parse import Auto
 from wandistill.placement.protocol import Need
 from wandistill.placement.strategies import Cuda, Placement
-from wandistill.teacher.folder import CONFIG_NAMES, TeacherFolder
+from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.schema import validate_config
 
 __all__ = [
@@ -96,10 +97,6 @@ class StrategyPlan:
         """The --placement value (cuda rows name their GPU, e.g. cuda:0)."""
         return str(self.placement)
 
-    @property
-    def flag(self) -> str:
-        return self.placement.flags()
-
 
 @dataclass(frozen=True, slots=True)
 class AutoChoice:
@@ -146,26 +143,11 @@ class Plan:
         return {
             "teacher": self.teacher,
             "dtype": dtype_name(self.dtype),
-            "sizes": {k: getattr(self.sizes, k) for k in SamplerSizes.__dataclass_fields__},
+            "sizes": dataclasses.asdict(self.sizes),
             "tokens": self.sizes.tokens(),
-            "inventory": {
-                "gpus": [list(g) for g in self.inventory.gpus],
-                "cpu_bytes": self.inventory.cpu_bytes,
-                "disk_bytes": self.inventory.disk_bytes,
-                "source": self.inventory.source,
-            },
-            "components": [
-                {k: getattr(c, k) for k in ComponentSize.__dataclass_fields__}
-                for c in self.components
-            ],
-            "phases": [
-                {
-                    "name": p.name,
-                    "components": list(p.components),
-                    "activation_bytes": p.activation_bytes,
-                }
-                for p in self.phases
-            ],
+            "inventory": dataclasses.asdict(self.inventory),
+            "components": [dataclasses.asdict(c) for c in self.components],
+            "phases": [dataclasses.asdict(p) for p in self.phases],
             "strategies": [
                 {
                     "strategy": s.strategy,
@@ -192,8 +174,6 @@ def same_strategy(placement: Placement, which: str | Placement) -> bool:
         return str(placement) == which or (single and isinstance(placement, Cuda))
     if isinstance(which, Cuda):
         return isinstance(placement, Cuda)
-    if isinstance(which, Auto):
-        return False
     same_kind = type(placement) is type(which) and str(placement) == str(which)
     return same_kind and getattr(placement, "level", None) == getattr(which, "level", None)
 
@@ -210,12 +190,7 @@ def _load_configs(
         for name, config in source.items():
             validate_config(name, config, source=f"config dict {name!r}")
         return "config dicts", {k: dict(v) for k, v in source.items()}, None
-    if isinstance(source, TeacherFolder):
-        folder = source
-    elif str(source) in CONFIG_NAMES:
-        folder = TeacherFolder.published(str(source))
-    else:
-        folder = TeacherFolder.open(source, complete=False)
+    folder = TeacherFolder.coerce(source, complete=False)
     return folder.label, {n: folder.raw_config(n) for n in folder.components}, folder
 
 
@@ -253,7 +228,6 @@ class PlanContext:
     caps: dict[int | str, int]
     """The user's max_memory: GPU index or "cpu" -> bytes."""
     best_gpu: int
-    _sizes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def gpu(self) -> str:
@@ -266,21 +240,9 @@ class PlanContext:
         key: int | str = device_key(device)
         return min(have, self.caps[key]) if key in self.caps else have
 
-    def special_dtypes(self, name: str) -> dict[str, torch.dtype]:
-        kept = fp32_kept(type(self.models[name]), self.dtype)
-        return {p: torch.float32 for p, _ in self.models[name].named_parameters() if kept(p)}
-
     def module_sizes(self, name: str) -> dict[str, int]:
         """accelerate's `compute_module_sizes` of component `name` at the run dtype."""
-        if name not in self._sizes:
-            from accelerate.utils import compute_module_sizes
-
-            self._sizes[name] = dict(
-                compute_module_sizes(
-                    self.models[name], dtype=self.dtype, special_dtypes=self.special_dtypes(name)
-                )
-            )
-        return self._sizes[name]
+        return module_sizes(self.models[name], self.dtype)
 
     def module_names(self, name: str) -> set[str]:
         """Every module and tensor name of component `name` (tied ones under each name)."""
@@ -310,7 +272,7 @@ class PlanContext:
             planned[name] = dict(budget)
             kwargs = {
                 "no_split_module_classes": list(comp.no_split),
-                "special_dtypes": self.special_dtypes(name),
+                "special_dtypes": special_dtypes(model, self.dtype),
             }
             with quiet_libraries():
                 mm = dict(budget)
@@ -331,9 +293,7 @@ class PlanContext:
                     budget[dev] = max(0, budget[dev] - sizes.get(module, 0))
                 else:
                     spilled.append(f"{name}.{module}" if module else name)
-        for i in range(len(self.inventory.gpus)):
-            if f"cuda:{i}" in devices:
-                devices[f"cuda:{i}"] += headroom
+        devices = {d: n + (headroom if d != "cpu" else 0) for d, n in devices.items()}
         note = (
             f"{len(spilled)} module(s) do not fit on the GPUs (e.g. {spilled[0]})"
             if spilled
@@ -349,7 +309,10 @@ def _strategy_plan(
     notes: list[str] = []
     budgets: dict[str, dict[int | str, int]] = {}
     for phase in phases:
-        need = placement.need(phase, ctx)
+        one = phase.components[0] if len(phase.components) == 1 else None
+        # a phase of one component runs it as `for_component` places it (the VAE: whole)
+        placed = placement.for_component(one, ctx.comps[one].class_name) if one else placement
+        need = placed.need(phase, ctx)
         needs[phase.name] = need.devices
         budgets.update(need.max_memory)
         if need.note:
@@ -389,8 +352,8 @@ def _as_auto(requested: Placement | None) -> Auto:
     """The `auto` whose candidates share the requested strategy's caps and group level."""
     if isinstance(requested, Auto):
         return requested
-    caps = getattr(requested, "caps", ())
-    return Auto(level=getattr(requested, "level", "block_level"), caps=caps)
+    level = getattr(requested, "level", "block_level")
+    return Auto(level=level, caps=getattr(requested, "caps", ()))
 
 
 def make_plan(
@@ -414,9 +377,6 @@ def make_plan(
     label, configs, folder = _load_configs(folder_or_configs)
     if components is not None:
         configs = {n: c for n, c in configs.items() if n in components}
-    unknown = sorted(set(configs) - set(COMPONENT_CLASSES))
-    if unknown:
-        raise UsageError(f"unknown teacher component(s) {unknown}", fix="use Wan diffusers folders")
     models = {n: shared_meta_model(n, json.dumps(c, sort_keys=True)) for n, c in configs.items()}
     comps = {
         n: component_size(n, m, dtype, folder.numels(n) if folder is not None else None)
@@ -463,22 +423,18 @@ def too_small(plan: Plan) -> UsageError:
     to fitting (least memory short), what it needs per device, and the flags that would do."""
     spilled = tuple(f"{p.name}: " for p in plan.phases)  # device maps that spill: no size fixes
     pool = [s for s in plan.strategies if not s.note.startswith(spilled)] or list(plan.strategies)
-
-    def short(s: StrategyPlan) -> int:
-        inv = plan.inventory
-        return sum(max(0, b - inv.available(d)) for d, b in s.peak.items())
-
-    best = min(pool, key=short)
+    inv = plan.inventory
+    best = min(pool, key=lambda s: sum(max(0, b - inv.available(d)) for d, b in s.peak.items()))
     needs = ", ".join(f"{d} {b / GiB:.1f} GiB" for d, b in best.peak.items())
     raise_to: dict[str, int] = {}
     for device, b in best.peak.items():
-        if b > plan.inventory.available(device):
+        if b > inv.available(device):
             flag = _FLAGS.get(device, "--gpu-mem")
             extra = GiB // 2 if flag == "--gpu-mem" else 0  # a described GPU keeps 0.5 GiB back
             raise_to[flag] = max(raise_to.get(flag, 0), b + extra)
     fix = " ".join(f"{f} {math.ceil(n / GiB)}GiB" for f, n in raise_to.items())
     return UsageError(
-        f"the described machine ({plan.inventory.source.removeprefix('described: ')}) is too "
+        f"the described machine ({inv.source.removeprefix('described: ')}) is too "
         f"small for teacher {plan.teacher} with any placement; the closest, {best.strategy}, "
         f"needs {needs}",
         fix=f"describe a bigger machine: {fix}" if fix else best.note,

@@ -6,17 +6,18 @@ what the loader (`placement.load`) hands `Placement.load`; `Loaded` is what come
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from wandistill.io.modelfolder import COMPONENT_CLASSES
 
 if TYPE_CHECKING:
     import torch
 
     from wandistill.teacher.folder import Component
 
-__all__ = ["LoadContext", "Loaded", "Need", "component_class", "merge_bytes"]
+__all__ = ["LoadContext", "Loaded", "Need", "component_class"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +42,14 @@ class LoadContext(Protocol):
     def offload_folder(self, name: str) -> Path: ...
 
 
-def component_class(comp: Component) -> type:
-    """The library class of a teacher component (diffusers / transformers, imported lazily)."""
+def component_class(comp: Component | str) -> type:
+    """The library class of a teacher component, or of the one named so (diffusers /
+    transformers, imported lazily)."""
     import importlib
 
-    return getattr(importlib.import_module(comp.library), comp.class_name)
-
-
-def merge_bytes(into: dict[str, int], need: Mapping[str, int]) -> None:
-    for device, n in need.items():
-        into[device] = into.get(device, 0) + n
+    ref = COMPONENT_CLASSES[comp] if isinstance(comp, str) else (comp.library, comp.class_name)
+    library, name = ref
+    return getattr(importlib.import_module(library), name)
 
 
 @dataclass(frozen=True, slots=True)

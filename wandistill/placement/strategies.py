@@ -15,22 +15,22 @@ that answers:
 * `next_to_try(...)`: what to suggest after running out of memory.
 
 The recipe (`wandistill.config`) parses placements and `train/` loads recipes but must never
-import `teacher/`: this module, `devices`, `protocol`, `auto`, `devicemap` and `parse` import
-nothing of `teacher/` and no diffusers at module level. Device-map files (`ModuleMap`,
-`DeviceMapFile`) live in `placement.devicemap`; `auto`, the planner's request, in
-`placement.auto`.
+import `teacher/`: this module, `devices`, `protocol`, `devicemap` and `parse` import nothing of
+`teacher/` and no diffusers at module level. Device-map files (`ModuleMap`, `DeviceMapFile`)
+live in `placement.devicemap`; `Auto`, the planner's request, in `placement.parse`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from wandistill.errors import UsageError
 from wandistill.placement.devices import CPU_OVERHEAD, CUDA_OVERHEAD, Caps, gpu_index
-from wandistill.placement.protocol import LoadContext, Loaded, Need, merge_bytes
+from wandistill.placement.protocol import LoadContext, Loaded, Need
 from wandistill.runtime import workarounds
 
 if TYPE_CHECKING:
@@ -53,10 +53,6 @@ __all__ = [
 ]
 
 
-def _exec_gpu(device: str | None) -> str | None:
-    return device if device is not None and device.startswith("cuda") else None
-
-
 @dataclass(frozen=True)
 class Placement:
     """One placement strategy. Subclasses set `name` (the --placement value) and `why`."""
@@ -64,6 +60,9 @@ class Placement:
     name: ClassVar[str]
     why: ClassVar[str] = ""
     """What it costs at run time (the plan's note for a strategy that fits)."""
+    needs_cuda: ClassVar[bool] = False
+    cpu_only: ClassVar[bool] = False
+    """Runs entirely on the CPU (torchrun ranks then bind no GPU)."""
 
     def __str__(self) -> str:
         return self.name
@@ -72,15 +71,6 @@ class Placement:
     def label(self) -> str:
         """The strategy as error messages name it."""
         return str(self)
-
-    @property
-    def needs_cuda(self) -> bool:
-        return False
-
-    @property
-    def cpu_only(self) -> bool:
-        """Runs entirely on the CPU (torchrun ranks then bind no GPU)."""
-        return False
 
     def flags(self) -> str:
         """The command-line flags that select this placement."""
@@ -112,8 +102,12 @@ class Placement:
         return self
 
     def with_budgets(self, budgets: Mapping[str, Mapping[int | str, int]]) -> Placement:
-        """Device-map strategies keep the plan's per-component max_memory; others ignore it."""
-        return self
+        """Device-map strategies (a `budgets` field) keep the plan's per-component max_memory;
+        others ignore it."""
+        if not hasattr(self, "budgets"):
+            return self
+        packed = tuple((c, tuple(b.items())) for c, b in sorted(budgets.items()))
+        return dataclasses.replace(self, budgets=packed)
 
     @property
     def resolved(self) -> bool:
@@ -148,13 +142,15 @@ def _weights(ctx: PlanContext, phase: Phase) -> int:
     return sum(ctx.comps[c].weight_bytes for c in phase.components)
 
 
-def _component_override(p: Placement, phase: Phase, ctx: PlanContext) -> Placement | None:
-    """The placement a single-component phase really uses, if `for_component` changes it."""
-    if len(phase.components) != 1:
-        return None
-    name = phase.components[0]
-    other = p.for_component(name, ctx.comps[name].class_name)
-    return None if other == p else other
+def mapped_device(model: torch.nn.Module | None, expected: str) -> torch.device:
+    """Where a device-mapped `model` computes, as diffusers finds it (None: `expected`)."""
+    import torch
+
+    if model is None:
+        return torch.device(expected)
+    from diffusers.utils.torch_utils import get_module_execution_device
+
+    return torch.device(get_module_execution_device(model))
 
 
 # --------------------------------------------------------------------------- cpu / cuda
@@ -164,10 +160,7 @@ def _component_override(p: Placement, phase: Phase, ctx: PlanContext) -> Placeme
 class Cpu(Placement):
     name: ClassVar[str] = "cpu"
     why: ClassVar[str] = "computes on the CPU: orders of magnitude slower at real Wan sizes"
-
-    @property
-    def cpu_only(self) -> bool:
-        return True
+    cpu_only: ClassVar[bool] = True
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
         return Need({"cpu": CPU_OVERHEAD + _weights(ctx, phase) + phase.activation_bytes})
@@ -191,13 +184,10 @@ class Cuda(Placement):
     alias: str = ""
     name: ClassVar[str] = "cuda"
     why: ClassVar[str] = "all weights resident on one GPU, no transfers"
+    needs_cuda: ClassVar[bool] = True
 
     def __str__(self) -> str:
         return self.alias or ("cuda" if self.index is None else f"cuda:{self.index}")
-
-    @property
-    def needs_cuda(self) -> bool:
-        return True
 
     @property
     def device(self) -> str:
@@ -212,9 +202,7 @@ class Cuda(Placement):
             )
 
     def bind(self, gpu: int | None) -> Placement:
-        if self.resolved:
-            return self
-        return Cuda(self.index if self.index is not None else (gpu or 0))
+        return self if self.resolved else Cuda(self.index if self.index is not None else (gpu or 0))
 
     @property
     def resolved(self) -> bool:
@@ -256,14 +244,7 @@ class AccelerateMap(Placement):
     caps: Caps = ()
     budgets: tuple[tuple[str, Caps], ...] | None = None
     low_zero: ClassVar[bool] = False
-
-    @property
-    def needs_cuda(self) -> bool:
-        return True
-
-    def with_budgets(self, budgets: Mapping[str, Mapping[int | str, int]]) -> Placement:
-        packed = tuple((c, tuple(b.items())) for c, b in sorted(budgets.items()))
-        return dataclasses.replace(self, budgets=packed)
+    needs_cuda: ClassVar[bool] = True
 
     @property
     def resolved(self) -> bool:
@@ -271,10 +252,7 @@ class AccelerateMap(Placement):
 
     def budget(self, component: str) -> dict[int | str, int]:
         """The max_memory to pass when loading `component` (from the plan)."""
-        for name, caps in self.budgets or ():
-            if name == component:
-                return dict(caps)
-        raise KeyError(component)
+        return dict(dict(self.budgets or ())[component])
 
     def for_component(self, name: str, class_name: str) -> Placement:
         if workarounds.never_split(class_name):
@@ -283,9 +261,6 @@ class AccelerateMap(Placement):
         return self
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        other = _component_override(self, phase, ctx)
-        if other is not None:
-            return other.need(phase, ctx)
         return ctx.simulate_device_map(phase, self.name, low_zero=self.low_zero)
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
@@ -293,13 +268,7 @@ class AccelerateMap(Placement):
         return Loaded(ctx.load_weights(comp, dtype, device_map=self.name, max_memory=budget))
 
     def execution_device(self, model: torch.nn.Module | None = None) -> torch.device:
-        import torch
-
-        if model is None:
-            return torch.device("cuda", 0)
-        from diffusers.utils.torch_utils import get_module_execution_device
-
-        return torch.device(get_module_execution_device(model))
+        return mapped_device(model, "cuda:0")
 
     def allowed_devices(self, model: torch.nn.Module) -> set[str] | None:
         dmap = getattr(model, "hf_device_map", None) or {}
@@ -340,18 +309,16 @@ class _Offload(Placement):
         return self.device is None or self.device.startswith("cuda")
 
     def bind(self, gpu: int | None) -> Placement:
-        if self.device is not None:
-            return self
-        return dataclasses.replace(self, device="cpu" if gpu is None else f"cuda:{gpu}")
+        where = "cpu" if gpu is None else f"cuda:{gpu}"
+        return self if self.resolved else dataclasses.replace(self, device=where)
 
     @property
     def resolved(self) -> bool:
         return self.device is not None
 
     def on_gpu(self, gpu: int) -> Placement:
-        if self.device is None or self.device.startswith("cuda"):
-            return dataclasses.replace(self, device=f"cuda:{gpu}")
-        return self
+        on_cpu = self.device is not None and not self.device.startswith("cuda")
+        return self if on_cpu else dataclasses.replace(self, device=f"cuda:{gpu}")
 
     def execution_device(self, model: torch.nn.Module | None = None) -> torch.device:
         import torch
@@ -360,9 +327,14 @@ class _Offload(Placement):
 
     def _whole(self) -> Placement:
         """Where a component that must not be split runs: whole on the execution device."""
-        gpu = _exec_gpu(self.device)
-        index = gpu_index(gpu) if gpu else None
+        index = gpu_index(self.device) if self.device else None
         return Cpu() if index is None else Cuda(index)
+
+    def _need(self, phase: Phase, ctx: PlanContext, on_gpu: int) -> Need:
+        """Every weight in CPU RAM, `on_gpu` bytes of them on the execution device at a time."""
+        devices = Counter({"cpu": CPU_OVERHEAD + _weights(ctx, phase)})
+        devices[self.device or ctx.gpu] += on_gpu + phase.activation_bytes + CUDA_OVERHEAD
+        return Need(dict(devices))
 
 
 @dataclass(frozen=True)
@@ -371,12 +343,7 @@ class ModelOffload(_Offload):
     why: ClassVar[str] = "whole component copied CPU->GPU when it starts to run"
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        biggest = max(ctx.comps[c].weight_bytes for c in phase.components)
-        devices = {"cpu": CPU_OVERHEAD + _weights(ctx, phase)}
-        merge_bytes(
-            devices, {self.device or ctx.gpu: biggest + phase.activation_bytes + CUDA_OVERHEAD}
-        )
-        return Need(devices)
+        return self._need(phase, ctx, max(ctx.comps[c].weight_bytes for c in phase.components))
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
         from accelerate import cpu_offload_with_hook
@@ -399,11 +366,8 @@ class GroupOffload(_Offload):
         return "group-offload (leaf_level)" if self.level == "leaf_level" else self.name
 
     def flags(self) -> str:
-        if self.level == "leaf_level":
-            return (
-                f"{Placement.flags(self)} --set precompute.teacher.group_offload_level=leaf_level"
-            )
-        return Placement.flags(self)
+        leaf = " --set precompute.teacher.group_offload_level=leaf_level"
+        return Placement.flags(self) + (leaf if self.level == "leaf_level" else "")
 
     def for_component(self, name: str, class_name: str) -> Placement:
         if workarounds.never_split(class_name):
@@ -412,22 +376,15 @@ class GroupOffload(_Offload):
         return self if level == self.level else dataclasses.replace(self, level=level)
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        other = _component_override(self, phase, ctx)
-        if other is not None:
-            return other.need(phase, ctx)
         inflight = 2 if ctx.inventory.has_cuda else 1  # current group + the prefetched one
-        on_gpu = 0
-        for name in phase.components:
-            c = ctx.comps[name]
-            if self.level == "leaf_level":
-                on_gpu = max(on_gpu, inflight * c.largest_leaf_bytes)
-            else:
-                on_gpu = max(on_gpu, c.resident_bytes + inflight * c.largest_group_bytes)
-        devices = {"cpu": CPU_OVERHEAD + _weights(ctx, phase)}
-        merge_bytes(
-            devices, {self.device or ctx.gpu: on_gpu + phase.activation_bytes + CUDA_OVERHEAD}
+        leaf = self.level == "leaf_level"
+        on_gpu = max(
+            inflight * c.largest_leaf_bytes
+            if leaf
+            else c.resident_bytes + inflight * c.largest_group_bytes
+            for c in (ctx.comps[n] for n in phase.components)
         )
-        return Need(devices)
+        return self._need(phase, ctx, on_gpu)
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
         import torch
@@ -469,19 +426,16 @@ class DiskOffload(_Offload):
         return self._whole() if workarounds.never_split(class_name) else self
 
     def need(self, phase: Phase, ctx: PlanContext) -> Need:
-        other = _component_override(self, phase, ctx)
-        if other is not None:
-            return other.need(phase, ctx)
         leaf = max(ctx.comps[c].largest_leaf_bytes for c in phase.components)
         on = self.device or (ctx.gpu if ctx.inventory.has_cuda else "cpu")
         extra = CUDA_OVERHEAD if on != "cpu" else 0
-        devices = {"cpu": CPU_OVERHEAD}
-        merge_bytes(devices, {on: leaf + phase.activation_bytes + extra})
+        devices = Counter({"cpu": CPU_OVERHEAD})
+        devices[on] += leaf + phase.activation_bytes + extra
         # transformers indexes the original safetensors instead of writing .dat copies
         devices["disk"] = sum(
             ctx.comps[c].weight_bytes for c in phase.components if c != "text_encoder"
         )
-        return Need(devices)
+        return Need(dict(devices))
 
     def load(self, comp: Component, dtype: torch.dtype, ctx: LoadContext) -> Loaded:
         import torch

@@ -44,6 +44,7 @@ weights, gradients and optimizer states (and the EMA) to CPU RAM, shared by the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -184,10 +185,9 @@ class RankMemory:
         return have
 
     def to_json(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["ram"] = self.ram
-        data["choice"] = dataclasses.asdict(self.choice) | {"label": self.choice.label()}
-        return data | {"total": self.total, "fits": self.fits}
+        data = dataclasses.asdict(self) | {"ram": self.ram, "total": self.total, "fits": self.fits}
+        data["choice"] |= {"label": self.choice.label()}
+        return data
 
 
 def _room(inventory: Inventory, world: int) -> tuple[str, int, int]:
@@ -298,11 +298,7 @@ def _alternatives(base: Choice) -> list[Choice]:
         rep(base, lora_rank=base.lora_rank or PROPOSED_LORA_RANK, checkpointing=True),
         rep(base, batch_size=max(1, base.batch_size // 2)),
     ]
-    seen: list[Choice] = []
-    for c in ladder:
-        if c != base and c not in seen:
-            seen.append(c)
-    return seen
+    return [c for c in dict.fromkeys(ladder) if c != base]
 
 
 def make_train_plan(
@@ -319,32 +315,24 @@ def make_train_plan(
 
     `world_size`: ranks (default: the inventory's GPUs, 1 without any)."""
     world = world_size or max(1, len(inventory.gpus))
-    size = StudentSize.from_config(student_config, lora_rank=choice.lora_rank, targets=lora_targets)
-    sizes = {choice.lora_rank: size}
+
+    @functools.cache
+    def size(lora_rank: int) -> StudentSize:
+        return StudentSize.from_config(student_config, lora_rank=lora_rank, targets=lora_targets)
 
     def priced(c: Choice) -> RankMemory:
-        if c.lora_rank not in sizes:
-            sizes[c.lora_rank] = StudentSize.from_config(
-                student_config, lora_rank=c.lora_rank, targets=lora_targets
-            )
-        return rank_memory(sizes[c.lora_rank], shape, c, inventory, world)
+        return rank_memory(size(c.lora_rank), shape, c, inventory, world)
 
     rows = tuple(priced(c) for c in _alternatives(choice))
     return TrainPlan(
         student=student,
-        size=size,
+        size=size(choice.lora_rank),
         shape=shape,
         inventory=inventory,
         world_size=world,
         requested=priced(choice),
         rows=rows,
     )
-
-
-def _scale(plan: TrainPlan) -> tuple[int, str]:
-    """GiB for real students; MiB when the requested row is under 1 GiB (tiny recipes)."""
-    small = plan.requested.total - plan.requested.overhead < GiB
-    return (1 << 20, "MiB") if small else (GiB, "GiB")
 
 
 def render_train_plan(plan: TrainPlan) -> list[Any]:
@@ -356,7 +344,8 @@ def render_train_plan(plan: TrainPlan) -> list[Any]:
     head.add_row("student", plan.size.describe())
     head.add_row("batch", plan.shape.describe())
     head.add_row("machine", f"{plan.inventory.source}; {plan.world_size} rank(s)")
-    unit, name = _scale(plan)
+    small = plan.requested.total - plan.requested.overhead < GiB  # tiny recipes: MiB
+    unit, name = (1 << 20, "MiB") if small else (GiB, "GiB")
 
     def _gib(n: int) -> str:
         return f"{n / unit:.1f}"
@@ -368,11 +357,8 @@ def render_train_plan(plan: TrainPlan) -> list[Any]:
     for col in ("choice", "weights", "grads", "AdamW", "EMA", "act", "total", "fits"):
         t.add_column(col, justify="left" if col == "choice" else "right", overflow="fold")
     for i, r in enumerate((plan.requested, *plan.rows)):
-        ckpt_on, ckpt_off = (
-            (r.activations, r.activations_other)
-            if r.choice.checkpointing
-            else (r.activations_other, r.activations)
-        )
+        pair = (r.activations, r.activations_other)
+        ckpt_on, ckpt_off = pair if r.choice.checkpointing else pair[::-1]
         extra = f" +{_gib(r.offloaded)} in RAM" if r.offloaded else ""
         fits = Text("yes", style="green") if r.fits else Text("no", style="red")
         t.add_row(

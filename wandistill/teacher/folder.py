@@ -168,7 +168,7 @@ class TeacherFolder:
         }
         tokenizer = _tokenizer(files, complete)
         scheduler, raw_scheduler = _scheduler(files, index, complete)
-        _check_other_json(files, raw_index)
+        fingerprint = _fingerprint(files, raw_index)
         if flow_shift is not None and not (math.isfinite(flow_shift) and flow_shift > 0):
             raise UsageError(
                 f"flow_shift={flow_shift} must be a positive number",
@@ -182,7 +182,7 @@ class TeacherFolder:
             tokenizer_path=tokenizer,
             scheduler_config=scheduler,
             raw_scheduler_config=raw_scheduler,
-            fingerprint=_fingerprint(files, raw_index),
+            fingerprint=fingerprint,
             flow_shift=flow_shift,
         )
 
@@ -192,13 +192,13 @@ class TeacherFolder:
         return dataclasses.replace(cls.open(config_folder(name), complete=False), label=name)
 
     @classmethod
-    def coerce(cls, folder: TeacherFolder | str | Path) -> TeacherFolder:
+    def coerce(cls, folder: TeacherFolder | str | Path, *, complete: bool = True) -> TeacherFolder:
         """`folder` itself, or the folder at that path (or published config name) opened."""
         if isinstance(folder, TeacherFolder):
             return folder
         if str(folder) in CONFIG_NAMES:
             return cls.published(str(folder))
-        return cls.open(folder)
+        return cls.open(folder, complete=complete)
 
     # ------------------------------------------------------------------ components
 
@@ -424,20 +424,17 @@ def _component_files(files: _Files, raw_index: Mapping[str, Any]) -> dict[str, l
     return out
 
 
-def _check_other_json(files: _Files, raw_index: Mapping[str, Any]) -> None:
-    """Every JSON file of every component (tokenizer.json, special_tokens_map.json, ...) parses
-    within the caps and names no shipped code, even those only a library reads."""
-    for paths in _component_files(files, raw_index).values():
-        for p in paths:
-            if p.suffix == ".json":
-                files.json(p)
-
-
 def _fingerprint(files: _Files, raw_index: Mapping[str, Any]) -> dict[str, Any]:
+    """The folder's digest. On the way, every JSON file of every component (tokenizer.json,
+    special_tokens_map.json, ...) is parsed: it must be within the caps and name no shipped
+    code, even those only a library reads."""
     index = files.root / "model_index.json"
     components = {"model_index": {"model_index.json": files.digest(index)}}
     for name, paths in _component_files(files, raw_index).items():
         sub = files.root / name
+        for p in paths:
+            if p.suffix == ".json":
+                files.json(p)
         components[name] = {str(p.relative_to(sub)): files.digest(p) for p in paths}
     blob = json.dumps(components, sort_keys=True).encode()
     return {

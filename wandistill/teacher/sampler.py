@@ -74,12 +74,14 @@ class BatchState:
         return self.step >= len(self.timesteps)
 
 
-def _pad_stack(embeds: list[torch.Tensor], max_len: int) -> torch.Tensor:
+def _pad_stack(
+    embeds: list[torch.Tensor], max_len: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """Zero-pad trimmed embeddings to max_len and stack: exactly what encode_prompt returns."""
     out = embeds[0].new_zeros((len(embeds), max_len, embeds[0].shape[1]))
     for i, e in enumerate(embeds):
         out[i, : e.shape[0]] = e
-    return out
+    return out.to(device=device, dtype=dtype)
 
 
 def _forward(
@@ -134,18 +136,9 @@ class RecordingSampler:
         return "transformer" if b is None or t >= b else "transformer_2"
 
     def start(self, jobs: list[Job], device: torch.device) -> BatchState:
-        shape = (1, *self.spec.latent_shape)
-        noise = torch.cat(
-            [
-                randn_tensor(
-                    shape,
-                    generator=torch.Generator().manual_seed(j.seed),
-                    device=device,
-                    dtype=torch.float32,
-                )
-                for j in jobs
-            ]
-        )
+        shape = (len(jobs), *self.spec.latent_shape)
+        gens = [torch.Generator().manual_seed(j.seed) for j in jobs]  # one per prompt
+        noise = randn_tensor(shape, generator=gens, device=device, dtype=torch.float32)
         sched = copy.deepcopy(self.template)
         sched.set_timesteps(self.spec.num_inference_steps, device=device)
         sched.set_begin_index(0)
@@ -164,18 +157,14 @@ class RecordingSampler:
         """Run every remaining step of `state` that belongs to `expert`, then stop."""
         spec = self.spec
         dtype = model.dtype
-        cond = _pad_stack([j.embeds for j in state.jobs], spec.max_sequence_length)
-        cond = cond.to(device=device, dtype=dtype)
+        cond = _pad_stack([j.embeds for j in state.jobs], spec.max_sequence_length, device, dtype)
         uncond = None
         if spec.cfg:
-            uncond = _pad_stack([j.negative for j in state.jobs], spec.max_sequence_length)
-            uncond = uncond.to(device=device, dtype=dtype)
+            negative = [j.negative for j in state.jobs]
+            uncond = _pad_stack(negative, spec.max_sequence_length, device, dtype)
         tap = _FeatureTap(model, spec.features) if spec.features else None
-        g = (
-            spec.guidance_scale
-            if expert == "transformer"
-            else (spec.guidance_scale_2 or spec.guidance_scale)
-        )
+        # transformer_2 guides with guidance_scale_2 where one is set
+        g = (expert != "transformer" and spec.guidance_scale_2) or spec.guidance_scale
         try:
             while not state.done and self.expert_for(state.timesteps[state.step]) == expert:
                 self._step(state, model, cond, uncond, g, dtype, tap)
@@ -238,22 +227,20 @@ class RecordingSampler:
         feats = {n: torch.stack([v[s] for s in steps], dim=1) for n, v in state.feats.items()}
         final = state.latents.detach().cpu()
         noise = state.noise.detach().cpu()
-        records = []
-        for b, job in enumerate(state.jobs):
-            records.append(
-                Record(
-                    key=job.key,
-                    prompt=job.prompt,
-                    seed=job.seed,
-                    prompt_embeds=job.embeds,
-                    noise=noise[b].clone(),
-                    timesteps=ts.clone(),
-                    xt=xt[b].clone(),
-                    teacher_out=out[b].clone(),
-                    final_latent=final[b].clone(),
-                    features={n: f[b].clone() for n, f in feats.items()},
-                    negative_prompt_embeds=job.negative if job.own_negative else None,
-                    extra=job.extra,
-                )
+        return [
+            Record(
+                key=job.key,
+                prompt=job.prompt,
+                seed=job.seed,
+                prompt_embeds=job.embeds,
+                noise=noise[b].clone(),
+                timesteps=ts.clone(),
+                xt=xt[b].clone(),
+                teacher_out=out[b].clone(),
+                final_latent=final[b].clone(),
+                features={n: f[b].clone() for n, f in feats.items()},
+                negative_prompt_embeds=job.negative if job.own_negative else None,
+                extra=job.extra,
             )
-        return records
+            for b, job in enumerate(state.jobs)
+        ]

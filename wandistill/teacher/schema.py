@@ -45,14 +45,8 @@ _REF_FIX = (
 def _ref(library: str, classes: str, *, optional: bool = False) -> Any:
     """A model_index.json entry: [library, class], checked against what wandistill loads."""
     extra = {"fix": _REF_FIX, "library": library, "classes": classes}
-    if optional:
-        return Field(
-            default_factory=lambda: [None, None],
-            min_length=2,
-            max_length=2,
-            json_schema_extra=extra,
-        )
-    return Field(min_length=2, max_length=2, json_schema_extra=extra)
+    absent = {"default_factory": lambda: [None, None]} if optional else {}
+    return Field(**absent, min_length=2, max_length=2, json_schema_extra=extra)
 
 
 Ref = list[str | None]

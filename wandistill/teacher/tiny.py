@@ -15,7 +15,6 @@ non-trivial and byte-for-byte reproducible from the seed, which is what caches a
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from wandistill.io.fsutil import fsync_dir
 from wandistill.runtime.workarounds import t5_tokenizer_class
 
 __all__ = [
@@ -260,23 +260,6 @@ def build_components(seed: int, wan22: bool, extra_words: tuple[str, ...] = ()) 
     }
 
 
-def _fsync(path: Path) -> None:
-    """fsync a file or directory; skipped where that is impossible (e.g. directories on Windows)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file, then every directory (deepest first), under and including `root`."""
-    paths = sorted(root.rglob("*"), key=lambda p: (p.is_dir(), -len(p.parts)))
-    for path in [*paths, root]:
-        _fsync(path)
-
-
 class NotATeacherError(FileExistsError):
     """The target exists and is no teacher folder: never replaced, even with overwrite."""
 
@@ -340,15 +323,15 @@ def write_teacher(
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    if tmp.exists():  # an unfinished build by a dead process that had our pid
-        shutil.rmtree(tmp)
-
+    shutil.rmtree(tmp, ignore_errors=True)  # an unfinished build by a dead process with our pid
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
         _normalise_model_index(tmp)
         for name, obj in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-        _fsync_tree(tmp)
+        # every file, then every directory (deepest first), then tmp itself
+        for p in [*sorted(tmp.rglob("*"), key=lambda p: (p.is_dir(), -len(p.parts))), tmp]:
+            fsync_dir(p)
 
         check_target(path, overwrite)  # again: another writer may have finished meanwhile
         if path.is_dir() and any(path.iterdir()):
@@ -363,8 +346,7 @@ def write_teacher(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-        _fsync(path.parent)
+        fsync_dir(path.parent)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return path

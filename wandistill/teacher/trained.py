@@ -228,8 +228,7 @@ def build_trained_pipeline(settings: BuildSettings, progress: bool = True) -> tu
         model = WanTransformer3DModel(**settings.transformer_config())
         components["transformer"] = model
         pipe = WanPipeline(**components)
-        loss = _train(model, pipe, settings, progress)
-    model.eval()
+        loss = _train(model, pipe, settings, progress)  # leaves the model in eval mode
     return pipe, loss
 
 

@@ -168,18 +168,15 @@ def synthetic_prompts(n: int, seed: int = 0) -> list[str]:
     return out
 
 
-_KNOWN = {(p.colour, p.shape, p.size, p.position) for p in _grammar()}
-_PROMPT_RE = re.compile(
-    r"^an? (?:(?P<size>small|big) )?(?P<colour>\w+) (?P<shape>\w+)(?: (?P<position>.+))?$"
-)
+_BY_WORDS = {p.text.split(" ", 1)[1]: p for p in _grammar()}
+"""Every prompt of the grammar by its words after the article ("a" / "an")."""
 
 
 def parse_prompt(prompt: str) -> _Prompt:
     """The grammar's reading of `prompt`; anything outside the grammar raises UsageError."""
-    m = _PROMPT_RE.match(prompt.strip())
-    words = {k: m.group(k) or "" for k in ("colour", "shape", "size", "position")} if m else {}
-    spec = _Prompt(**words) if words else None
-    if spec is None or (spec.colour, spec.shape, spec.size, spec.position) not in _KNOWN:
+    m = re.fullmatch(r"an? (.+)", prompt.strip())
+    spec = _BY_WORDS.get(m.group(1)) if m else None
+    if spec is None:
         raise UsageError(
             f"prompt {prompt!r} is not in the trained teacher's grammar",
             fix="use 'a [small] <colour> <circle|bar|column> [at the top|...]', e.g. 'a red bar'",
