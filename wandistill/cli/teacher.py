@@ -44,10 +44,10 @@ def teacher_make_tiny(
     ] = False,
 ) -> None:
     """Write a tiny random-weight Wan teacher that WanPipeline loads and runs on CPU."""
-    from wandistill.checks.bounds import SEED, flag_problem
+    from wandistill.checks.bounds import SEED
     from wandistill.teacher.tiny import make_tiny_teacher
 
-    if (problem := flag_problem("--seed", seed, SEED)) is not None:
+    if (problem := SEED.problem("--seed", seed)) is not None:
         raise UsageError(problem)
     with _teacher_target(path):
         made = make_tiny_teacher(path, wan22=wan22, seed=seed, overwrite=overwrite)
@@ -82,10 +82,10 @@ def teacher_make_trained(
 
     Prompts like "a red circle at the top" give matching patterns: its samples have structure
     and few-step sampling visibly degrades."""
-    from wandistill.checks.bounds import SEED, flag_problem
+    from wandistill.checks.bounds import SEED
     from wandistill.teacher.trained import make_trained_teacher
 
-    if (problem := flag_problem("--seed", seed, SEED)) is not None:
+    if (problem := SEED.problem("--seed", seed)) is not None:
         raise UsageError(problem)
     _positive(steps=steps)
     with _teacher_target(path):

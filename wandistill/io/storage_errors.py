@@ -28,21 +28,12 @@ try: the worst silent-free wait of one call is CONNECT_ATTEMPTS x the timeouts."
 def timeouts() -> tuple[float, float]:
     """(connect, read) seconds for object-store requests: WANDISTILL_STORAGE_TIMEOUT, checked
     like every number (finite, in (0, 600]), else the defaults."""
-    from wandistill.checks.bounds import Range
+    from wandistill.checks.bounds import Range, env_seconds
 
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
+    fix = f"set {TIMEOUT_ENV} to a number of seconds (default {READ_TIMEOUT_S:g})"
+    seconds = env_seconds(TIMEOUT_ENV, Range(gt=0, le=600), fix)
+    if seconds is None:
         return CONNECT_TIMEOUT_S, READ_TIMEOUT_S
-    try:
-        seconds = float(raw) if len(raw) < 64 else float("nan")
-    except ValueError:
-        seconds = float("nan")
-    problem = Range(gt=0, le=600).problem(TIMEOUT_ENV, seconds)
-    if problem is not None:
-        raise UsageError(
-            problem.replace("=nan", f"={raw[:40]!r}"),
-            fix=f"set {TIMEOUT_ENV} to a number of seconds (default {READ_TIMEOUT_S:g})",
-        )
     return min(CONNECT_TIMEOUT_S, seconds), seconds
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from wandistill import __version__
-from wandistill.checks.bounds import TIMEOUT_S
+from wandistill.checks.bounds import TIMEOUT_S, env_seconds
 from wandistill.errors import UsageError, WandistillError
 from wandistill.runtime import faults, waiting
 
@@ -94,19 +94,9 @@ def resolve_timeout(value: float | None = None) -> float:
     300; checked like every other number (finite, positive, at most a week)."""
     if value is not None:
         return float(value)
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    problem = TIMEOUT_S.problem(TIMEOUT_ENV, seconds)
-    if problem is not None:
-        raise UsageError(
-            problem.replace("=nan", f"={raw!r}"), fix=f"set {TIMEOUT_ENV} to a number of seconds"
-        )
-    return seconds
+    fix = f"set {TIMEOUT_ENV} to a number of seconds"
+    seconds = env_seconds(TIMEOUT_ENV, TIMEOUT_S, fix)
+    return DEFAULT_TIMEOUT_S if seconds is None else seconds
 
 
 def init(
@@ -225,7 +215,7 @@ def _join(rank: int, world: int, timeout: float) -> Any:
     except (RuntimeError, OSError) as e:  # DistNetworkError / DistStoreError / socket errors
         raise DistTimeout(
             f"rank {rank} of {world}: no rendezvous at {addr}:{port} within {timeout:g} s; "
-            f"{host}, which hosts it, never arrived ({_first_line(e)})",
+            f"{host}, which hosts it, never arrived ({first_line(e)})",
             fix=f"start every rank (check rank 0's log), or raise {TIMEOUT_ENV}",
         ) from None
     finally:
@@ -283,9 +273,10 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _first_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return re.sub(r"^\[[^\]]*\]:?\s*", "", text)[:200]
+def first_line(e: BaseException) -> str:
+    """An error's first line without gloo's "[.../pair.cc:537]" source tags, at most 300 chars."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"\[[^\]]*\]:?\s*", "", first)[:300]
 
 
 # --------------------------------------------------------------------------- heartbeat
@@ -438,18 +429,7 @@ def cleanup() -> None:
 
 def barrier(info: DistInfo) -> None:
     if info.distributed:
-        if info.backend == "nccl":
-            dist.barrier(device_ids=[info.device.index])
-        else:
-            dist.barrier()
-
-
-def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
-    return (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-        if data
-        else torch.empty(0, dtype=torch.uint8, device=device)
-    )
+        dist.barrier(device_ids=[info.device.index] if info.backend == "nccl" else None)
 
 
 def all_gather_json(info: DistInfo, obj: Any) -> list[Any]:
@@ -462,7 +442,7 @@ def all_gather_json(info: DistInfo, obj: Any) -> list[Any]:
     dist.all_gather(sizes, size)
     longest = int(max(s.item() for s in sizes))
     buf = torch.zeros(longest, dtype=torch.uint8, device=info.device)
-    buf[: len(payload)] = _bytes_tensor(payload, info.device)
+    buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     bufs = [torch.zeros_like(buf) for _ in range(info.world_size)]
     dist.all_gather(bufs, buf)
     return [

@@ -9,15 +9,14 @@ out-of-memory rule and lost peers.
 * `is_oom`: the one rule for "this error means out of memory" (CUDA, Python's MemoryError and
   the CPU allocator's RuntimeErrors); the advice that follows is the stage's own
   (wandistill/placement/oom.py for placements, wandistill/train/oom.py for training levers).
-* `is_collective_failure` / `collective_error` / `first_line`: a peer went away mid-collective,
-  as one line instead of a gloo / nccl traceback.
+* `is_collective_failure` / `collective_error`: a peer went away mid-collective, as one line
+  instead of a gloo / nccl traceback.
 * Test-only fault injection is `wandistill.runtime.faults` (one hook, one variable).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -34,7 +33,6 @@ __all__ = [
     "StopRequested",
     "StopSignals",
     "collective_error",
-    "first_line",
     "is_collective_failure",
     "is_oom",
 ]
@@ -175,12 +173,6 @@ def is_collective_failure(e: BaseException) -> bool:
     )
 
 
-def first_line(e: BaseException) -> str:
-    """An error's first line without gloo's "[.../pair.cc:537]" source tags, at most 300 chars."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return re.sub(r"\[[^\]]*\]:?\s*", "", first)[:300]
-
-
 def collective_error(info: dist.DistInfo, e: BaseException) -> WandistillError:
     """Another rank died mid-collective: say so in one line instead of a gloo/nccl traceback."""
     missing = dist.unresponsive_ranks(info)
@@ -191,6 +183,7 @@ def collective_error(info: dist.DistInfo, e: BaseException) -> WandistillError:
         else "most likely because another rank stopped"
     )
     return WandistillError(
-        f"rank {info.rank}: a collective failed, {who} (see that rank's error): {first_line(e)}",
+        f"rank {info.rank}: a collective failed, {who} (see that rank's error): "
+        f"{dist.first_line(e)}",
         fix="fix that rank's error, then re-run with --resume",
     )
