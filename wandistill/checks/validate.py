@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -121,11 +122,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """The JSON object of `pairs`, refusing a key given twice (`json` keeps the last)."""
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"duplicate key {key!r}")
-            seen.add(key)
+        key = next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+        raise ValueError(f"duplicate key {key!r}")
     return out
 
 

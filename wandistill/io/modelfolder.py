@@ -113,14 +113,10 @@ class SafetensorsFile:
     without reading gigabytes (see TeacherFolder's fingerprint)."""
 
 
-def _weights_fix(path: Path) -> str:
-    return f"re-download or re-save {str(path.parent)!r}: the weight file is damaged"
-
-
 def read_safetensors(path: Path, *, what: str = "weight file") -> SafetensorsFile:
     """Read and check one .safetensors file's header; UsageError naming the file otherwise."""
     name = label(what, path)
-    fix = _weights_fix(path)
+    fix = f"re-download or re-save {str(path.parent)!r}: the weight file is damaged"
     try:
         with open(path, "rb") as f:
             size = f.seek(0, 2)

@@ -175,7 +175,8 @@ def _claim(path: str | Path, purpose: str, inputs: Inputs, flag: str) -> OutputF
         lock.acquire(timeout=0)
     except Timeout:
         raise UsageError(
-            f"{label} is in use by another wandistill process ({_holder(target)})",
+            f"{label} is in use by another wandistill process "
+            f"({holder_text(_read_json(target / HOLDER))})",  # "not known yet" while it starts
             fix=f"wait for it to finish (or stop it), or choose another {flag}",
         ) from None
     except OSError as e:
@@ -272,11 +273,6 @@ def _marker(purpose: str) -> dict[str, Any]:
         "wandistill_version": __version__,
         "created": created,
     }
-
-
-def _holder(target: Path) -> str:
-    """Who holds the lock, from the holder file it wrote (it may be starting: unknown yet)."""
-    return holder_text(_read_json(target / HOLDER))
 
 
 def claim_remote(url: str, purpose: str, inputs: Inputs, flag: str) -> OutputFolder:
