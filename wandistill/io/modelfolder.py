@@ -32,6 +32,7 @@ from wandistill.checks.validate import (
     Schema,
     check,
     label,
+    load_json_file,
     parse_json,
     read_capped,
 )
@@ -273,13 +274,11 @@ def conversion_fix(folder: Path, library: str, class_name: str) -> str:
 
 def _own_library(folder: Path) -> tuple[str, str] | None:
     """(library, class) a folder's config.json names, to convert it with its own library."""
-    path = folder / "config.json"
     try:
-        data = read_capped(path, max_bytes=Reader.SMALL_BYTES, what="config", fix="")
-        config = parse_json(data, label("config", path), fix="")
-    except UsageError:
-        return None
-    if not isinstance(config, dict):
+        config, _ = load_json_file(
+            folder / "config.json", dict, what="config", fix="", max_bytes=Reader.SMALL_BYTES
+        )
+    except UsageError:  # unreadable, not JSON, not an object: convert it without a library
         return None
     archs = config.get("architectures")
     if isinstance(config.get("_class_name"), str):

@@ -111,6 +111,9 @@ class _Descriptors:
                 if leases == 0:
                     os.close(fd)
 
+    def __len__(self) -> int:
+        return len(self._open)
+
 
 def open_storage(location: str | Path) -> Storage:
     """The storage at `location`: the one place where a location becomes a store."""

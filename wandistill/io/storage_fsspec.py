@@ -102,11 +102,7 @@ class FsspecStorage(Storage):
             return None
 
     def list(self, rel: str) -> list[str]:
-        try:
-            found = self._call(rel, self.fs.ls, self.key(rel), detail=False, refresh=True)
-        except FileNotFoundError:
-            return []
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
+        return [name for name, _ in self.list_stamped(rel)]
 
     def stamp(self, rel: str) -> Any:
         """The object's ETag (content-derived on S3; GCS's md5Hash) and size, asked afresh."""

@@ -117,7 +117,7 @@ def init(
     """
     joined = _state.get("info")
     if joined is not None and dist.is_initialized():  # joined early (`launch` of a stage)
-        if config is not None and _digest(config) != _state.get("checked"):
+        if config is not None and _digest(config)[0] != _state.get("checked"):
             check_same_config(joined, config)
         return joined
     timeout = resolve_timeout(timeout_s)
@@ -386,9 +386,10 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): json.dumps(obj, sort_keys=True, default=str)}
 
 
-def _digest(config: dict[str, Any]) -> str:
+def _digest(config: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The configuration's digest, and the flat key -> value view it is taken over."""
     flat = _flatten({**config, "wandistill_version": __version__})
-    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest(), flat
 
 
 def check_same_config(info: DistInfo, config: dict[str, Any]) -> None:
@@ -396,8 +397,7 @@ def check_same_config(info: DistInfo, config: dict[str, Any]) -> None:
     differ (and each rank's value). Two small collectives; the second only on a mismatch."""
     if not info.distributed:
         return
-    flat = _flatten({**config, "wandistill_version": __version__})
-    digest = _digest(config)
+    digest, flat = _digest(config)
     digests = all_gather_json(info, digest)
     if len(set(digests)) == 1:
         _state["checked"] = digest

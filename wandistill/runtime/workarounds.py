@@ -71,11 +71,8 @@ def ddp_no_buffer_sync() -> dict[str, bool]:
     torch 2.1, also skipped the *initial* buffer broadcast). Older torch only has the old name.
     Our student's only buffers are RoPE tables, equal on every rank, so either spelling is right.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
+    new = _ddp_takes("forward_sync_buffers")
+    return {"forward_sync_buffers" if new else "broadcast_buffers": False}
 
 
 def ddp_skip_init_sync() -> dict[str, bool]:
@@ -87,11 +84,13 @@ def ddp_skip_init_sync() -> dict[str, bool]:
     `init_sync` came with torch 2.6 (pytorch#142824); pyproject allows torch >= 2.4, where this
     returns {} and DDP broadcasts everything as before: correct, only a transient of the frozen
     base's size per rank more (docs/benchmarks.md, train memory)."""
+    return {"init_sync": False} if _ddp_takes("init_sync") else {}
+
+
+def _ddp_takes(name: str) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
-    if "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"init_sync": False}
-    return {}
+    return name in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 # --------------------------------------------------------------------------- transformers
