@@ -25,16 +25,12 @@ from typing import IO, Any
 
 def fsync_dir(path: str | Path) -> None:
     """Make a rename durable; silently skipped where directories cannot be opened (Windows)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def temp_name(path: Path) -> Path:

@@ -28,15 +28,6 @@ import torch
 from wandistill.errors import WandistillError
 from wandistill.runtime import dist
 
-__all__ = [
-    "Stopped",
-    "StopRequested",
-    "StopSignals",
-    "collective_error",
-    "is_collective_failure",
-    "is_oom",
-]
-
 # --------------------------------------------------------------------------- stop signals
 
 
@@ -154,12 +145,9 @@ _OOM_TEXT = (
 
 def is_oom(exc: BaseException) -> bool:
     """True for CUDA OOM, Python MemoryError and the CPU allocator's "not enough memory"."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    if isinstance(exc, RuntimeError):
-        text = str(exc).lower()
-        return any(t in text for t in _OOM_TEXT)
-    return False
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
+    )
 
 
 _PEER_LOST = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe")
