@@ -148,14 +148,11 @@ def remove_stale_temps(folder: Path) -> list[Path]:
         if here != folder and (here / MARKER).exists():
             dirs[:] = []
             continue
-        for name in [d for d in dirs if is_temp(d)]:
-            dirs.remove(name)
+        temps = [name for name in (*dirs, *files) if is_temp(name)]
+        dirs[:] = [d for d in dirs if not is_temp(d)]  # never walked into
+        for name in temps:
             _remove(here / name)
             removed.append(here / name)
-        for name in files:
-            if is_temp(name):
-                _remove(here / name)
-                removed.append(here / name)
     return removed
 
 

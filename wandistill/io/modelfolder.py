@@ -39,25 +39,11 @@ from wandistill.checks.validate import (
 from wandistill.errors import UsageError
 
 SAFETENSORS_BYTES: Mapping[str, int] = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E4M3FNUZ": 1,
-    "F8_E5M2": 1,
-    "F8_E5M2FNUZ": 1,
-    "F8_E8M0": 1,
-    "C64": 8,
+    **dict.fromkeys(("F64", "I64", "U64", "C64"), 8),
+    **dict.fromkeys(("F32", "I32", "U32"), 4),
+    **dict.fromkeys(("F16", "BF16", "I16", "U16"), 2),
+    **dict.fromkeys(("I8", "U8", "BOOL"), 1),
+    **dict.fromkeys(("F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ", "F8_E8M0"), 1),
 }
 """Bytes per element of every safetensors dtype code torch can load."""
 COMPONENT_CLASSES: Mapping[str, tuple[str, str]] = {

@@ -187,10 +187,9 @@ def storage_error(where: str, e: BaseException) -> StorageError:
             "no space left (or the object is too large)",
             "free space or choose another --out",
         ),
+        "exists": (f"{type(e).__name__}: {first}", "another writer created it first"),
     }
     message, fix = lines.get(
         kind, (f"{type(e).__name__}: {first}", "check the URL, the endpoint and credentials")
     )
-    if kind == "exists":
-        message, fix = f"{type(e).__name__}: {first}", "another writer created it first"
     return StorageError(f"{where}: {message}", fix=fix, kind=kind)

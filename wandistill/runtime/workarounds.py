@@ -136,19 +136,13 @@ def offload_hooks(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, Any
 
 def _loaders(model: torch.nn.Module) -> list[Any]:
     """The distinct OffloadedWeightsLoaders behind the hooks (`PrefixedDataset.dataset`)."""
-    seen: dict[int, Any] = {}
-    for _, h in offload_hooks(model):
-        loader = getattr(h.weights_map, "dataset", h.weights_map)
-        seen.setdefault(id(loader), loader)
-    return list(seen.values())
+    loaders = (getattr(h.weights_map, "dataset", h.weights_map) for _, h in offload_hooks(model))
+    return list({id(loader): loader for loader in loaders}.values())
 
 
 def offload_index(model: torch.nn.Module) -> dict[str, Any]:
     """The merged offload index (`OffloadedWeightsLoader.index`) of a disk-offloaded model."""
-    index: dict[str, Any] = {}
-    for loader in _loaders(model):
-        index.update(getattr(loader, "index", {}))
-    return index
+    return {k: v for loader in _loaders(model) for k, v in getattr(loader, "index", {}).items()}
 
 
 def served_names(model: torch.nn.Module) -> set[str]:
