@@ -245,12 +245,11 @@ def load_json_file(
     fix: str,
     error: type[WandistillError] = UsageError,
     max_bytes: int = MiB,
-    max_depth: int = MAX_DEPTH,
 ) -> tuple[T, Any]:
     """Read, parse and check one JSON file: (the typed object, the parsed JSON as read)."""
     where = label(what, path)
     data = read_capped(path, max_bytes=max_bytes, what=what, fix=fix, error=error)
-    obj = parse_json(data, where, fix=fix, error=error, max_depth=max_depth)
+    obj = parse_json(data, where, fix=fix, error=error)
     return check(tp, obj, where, fix=fix, error=error), obj
 
 
@@ -280,12 +279,10 @@ def _shown(value: Any) -> str:
 
 
 _WANTED = {
-    "model_type": "a JSON object",
-    "model_attributes_type": "a JSON object",
-    "dataclass_type": "a JSON object",
-    "dict_type": "a JSON object",
-    "list_type": "a JSON array",
-    "tuple_type": "a JSON array",
+    **dict.fromkeys(
+        ("model_type", "model_attributes_type", "dataclass_type", "dict_type"), "a JSON object"
+    ),
+    **dict.fromkeys(("list_type", "tuple_type"), "a JSON array"),
     "int_type": "an integer",
     "float_type": "a number",
     "string_type": "a string",

@@ -226,8 +226,7 @@ def _join(rank: int, world: int, timeout: float) -> Any:
     store.set(f"arrived/{rank}", "1")
     store.add("arrived", 1)
     _wait_keys(store, "arrived", world, rank, timeout, "joined the job")
-    host = rank == 0 and not agent
-    _state.update(store=store, tcp=tcp, timeout=timeout, rank=rank, world=world, host=host)
+    _state.update(store=store, tcp=tcp, timeout=timeout, host=rank == 0 and not agent)
     _start_heartbeat(store, rank, timeout)
     return tcp
 
@@ -249,14 +248,13 @@ def _wait_keys(
     while int(store.add(name, 0)) < world:
         missing = [r for r in range(world) if not store.check([f"{name}/{r}"])]
         if not announced and time.monotonic() - start > waiting.NOTICE_S:
-            announced = True  # rank 0 only, once: every rank waits for the same peers
+            announced = True  # once, on rank 0 (`say`): every rank waits for the same peers
             limit = (
                 f"giving up after {timeout:g} s ({TIMEOUT_ENV})"
                 if alive is None
                 else f"giving up if one makes no progress for {timeout:g} s ({TIMEOUT_ENV})"
             )
-            if rank == 0:
-                waiting.say(f"for {_ranks(missing)} of {world} to have {what}; {limit}")
+            waiting.say(f"for {_ranks(missing)} of {world} to have {what}; {limit}")
         stalled = alive(missing) if alive is not None else None
         if stalled or (alive is None and time.monotonic() > deadline):
             late = stalled or missing
@@ -353,15 +351,15 @@ class _Interrupted(Exception):
     pass
 
 
-def unresponsive_ranks(info: DistInfo, wait_s: float | None = None) -> list[int]:
+def unresponsive_ranks(info: DistInfo) -> list[int]:
     """After a collective failed here: report in the store and return the ranks that do not
-    report too within `wait_s` (default: a tenth of the timeout, 2..15 s). The survivors of a
-    failed collective all get here together; the ranks missing are the ones that stopped,
-    died or hang. [] if the store itself is gone (rank 0, its host, is the one that stopped)."""
+    report too within a tenth of the timeout (2..15 s). The survivors of a failed collective
+    all get here together; the ranks missing are the ones that stopped, died or hang. [] if
+    the store itself is gone (rank 0, its host, is the one that stopped)."""
     store = _state.get("store")
     if store is None or not info.distributed:
         return []
-    wait = wait_s if wait_s is not None else min(15.0, max(2.0, _state["timeout"] / 10))
+    wait = min(15.0, max(2.0, _state["timeout"] / 10))
     try:
         store.set(f"failed/{info.rank}", "1")
         deadline = time.monotonic() + wait
