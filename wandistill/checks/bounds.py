@@ -92,7 +92,6 @@ def range_in(annotation: Any) -> Range | None:
 
 
 def range_of(cls: type, name: str) -> Range | None:
-    """The declared range of field `name` of config class `cls`, or None."""
     return range_in(typing.get_type_hints(cls, include_extras=True).get(name))
 
 

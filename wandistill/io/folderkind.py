@@ -162,8 +162,3 @@ def _remove(path: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink()
-
-
-def _a(word: str) -> str:
-    """`an export`, `a run`."""
-    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"

@@ -91,7 +91,6 @@ def parse(text: str | Path, flag: str, *, url: bool) -> str | Path:
 
 
 def local(text: str | Path, flag: str) -> Path:
-    """A location that must be on the local filesystem."""
     p = parse(text, flag, url=False)
     assert isinstance(p, Path)
     return p

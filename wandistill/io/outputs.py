@@ -54,7 +54,6 @@ from wandistill.io.folderkind import (
     MARKER,
     MARKER_FORMAT,
     PURPOSES,
-    _a,
     _has_content,
     _is_legacy_cache,
     _printable,
@@ -266,12 +265,11 @@ def _resolve(path: str | Path, purpose: str) -> Path:
 
 
 def _marker(purpose: str) -> dict[str, Any]:
-    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return {
         "format": MARKER_FORMAT,
         "purpose": purpose,
         "wandistill_version": __version__,
-        "created": created,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
@@ -411,7 +409,9 @@ def _refuse_foreign(
         raise UsageError(f"{label} has an unreadable {MARKER}", fix=f"{fix}, or delete {MARKER}")
     if found is not None and found != purpose:
         raise UsageError(
-            f"{label} is a wandistill {found} folder, not {_a(purpose)} folder", fix=fix
+            f"{label} is a wandistill {found} folder, not "
+            f"{'an' if purpose[0] in 'aeiou' else 'a'} {purpose} folder",
+            fix=fix,
         )
     if evidence is not None:
         raise UsageError(

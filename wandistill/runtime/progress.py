@@ -44,7 +44,6 @@ _listeners: list[Callable[[], None]] = []
 
 
 def on_beat(listener: Callable[[], None], *, remove: bool = False) -> None:
-    """Register (or remove) a function called on every `beat()`."""
     if remove:
         if listener in _listeners:
             _listeners.remove(listener)
@@ -138,7 +137,6 @@ class Progress:
         return (n1 - n0) / (t1 - t0) if t1 > t0 and n1 > n0 else None
 
     def parts(self) -> dict[str, str]:
-        """The pieces of a line, each already formatted."""
         elapsed = time.monotonic() - self._started if self._started is not None else 0.0
         rate = self.rate()
         left = self.total - self.done
@@ -163,7 +161,6 @@ class Progress:
         }
 
     def line(self, width: int, *, bar: bool) -> Text:
-        """The status line laid out for `width` columns."""
         p = self.parts()
         full = [p["count"], p["pct"], p["rate"], p["elapsed"], p["eta"]]
         core = [p["count"], p["pct"], p["rate"], p["eta"]]

@@ -267,12 +267,10 @@ def remove_diffusers_hooks(module: torch.nn.Module) -> None:
     `_diffusers_hook` HookRegistry, whose `remove_hook` we call per hook name.
     """
     for sub in module.modules():
-        registry = getattr(sub, "_diffusers_hook", None)
-        if registry is None:
-            continue
-        for hook_name in list(registry.hooks):
-            registry.remove_hook(hook_name, recurse=False)
-        del sub._diffusers_hook
+        if (registry := getattr(sub, "_diffusers_hook", None)) is not None:
+            for hook_name in list(registry.hooks):
+                registry.remove_hook(hook_name, recurse=False)
+            del sub._diffusers_hook
 
 
 # --------------------------------------------------------------------------- typer
