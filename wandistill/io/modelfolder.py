@@ -282,10 +282,7 @@ def require_safetensors(folder: str | Path, what: str, components: tuple[str, ..
     """
     root = Path(folder)
     for sub in [root / c for c in components] or [root]:
-        if not sub.is_dir() or any(sub.glob("*.safetensors")):
-            continue
-        found = unsafe_files(sub)
-        if not found:
+        if not sub.is_dir() or any(sub.glob("*.safetensors")) or not (found := unsafe_files(sub)):
             continue
         owner = _own_library(sub)
         fix = (

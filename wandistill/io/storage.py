@@ -149,10 +149,8 @@ class LocalStorage(Storage):
         return self.path(rel).is_dir()
 
     def size(self, rel: str) -> int | None:
-        try:
-            return self.path(rel).stat().st_size
-        except FileNotFoundError:
-            return None
+        stamp = self.stamp(rel)
+        return None if stamp is None else stamp[1]
 
     def stamp(self, rel: str) -> Any:
         """(inode, size, mtime): every `put` renames a new inode into place."""

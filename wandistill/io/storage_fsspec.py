@@ -135,16 +135,13 @@ class FsspecStorage(Storage):
 
     def read(self, rel: str, *, max_bytes: int, what: str, fix: str, error: type) -> bytes:
         name = f"{what} {self.name(rel)!r}"
-        size = self.size(rel)
-        if size is None:
-            raise error(f"{name} does not exist", fix=fix)
-        if size > max_bytes:
-            raise error(
-                f"{name} is larger than the {max_bytes} bytes such a file may be "
-                "(oversized or not the file wandistill expects)",
-                fix=fix,
-            )
         try:
+            if int(self._call(rel, self.fs.size, self.key(rel))) > max_bytes:
+                raise error(
+                    f"{name} is larger than the {max_bytes} bytes such a file may be "
+                    "(oversized or not the file wandistill expects)",
+                    fix=fix,
+                )
             return bytes(self._call(rel, self.fs.cat_file, self.key(rel)))
         except FileNotFoundError:
             raise error(f"{name} does not exist", fix=fix) from None

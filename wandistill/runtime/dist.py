@@ -254,20 +254,21 @@ def _wait_keys(
                 if alive is None
                 else f"giving up if one makes no progress for {timeout:g} s ({TIMEOUT_ENV})"
             )
-            waiting.say(f"for {_ranks(missing)} of {world} to have {what}; {limit}")
+            waiting.say(f"for {ranks_text(missing)} of {world} to have {what}; {limit}")
         stalled = alive(missing) if alive is not None else None
         if stalled or (alive is None and time.monotonic() > deadline):
             late = stalled or missing
             raise DistTimeout(
-                f"rank {rank} of {world}: {_ranks(late)} {'has' if len(late) == 1 else 'have'} "
+                f"rank {rank} of {world}: {ranks_text(late)} {'has' if len(late) == 1 else 'have'} "
                 f"not {what} within {timeout:g} s ({TIMEOUT_ENV})",
-                fix=f"see {_ranks(late)}'s log (it never started, hangs or died); "
+                fix=f"see {ranks_text(late)}'s log (it never started, hangs or died); "
                 f"raise {TIMEOUT_ENV} if it is just slow; then re-run",
             )
         time.sleep(_POLL_S)
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
+    """`rank 2`, `ranks 1, 3`."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 

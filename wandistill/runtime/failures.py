@@ -165,8 +165,7 @@ def collective_error(info: dist.DistInfo, e: BaseException) -> WandistillError:
     """Another rank died mid-collective: say so in one line instead of a gloo/nccl traceback."""
     missing = dist.unresponsive_ranks(info)
     who = (
-        f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not answer "
-        "(stopped, died or hangs)"
+        f"{dist.ranks_text(missing)} did not answer (stopped, died or hangs)"
         if missing
         else "most likely because another rank stopped"
     )
