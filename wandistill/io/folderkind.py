@@ -150,15 +150,11 @@ def remove_stale_temps(folder: Path) -> list[Path]:
             continue
         temps = [name for name in (*dirs, *files) if is_temp(name)]
         dirs[:] = [d for d in dirs if not is_temp(d)]  # never walked into
-        for name in temps:
-            _remove(here / name)
-            removed.append(here / name)
+        for path in [here / name for name in temps]:
+            with contextlib.suppress(FileNotFoundError):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            removed.append(path)
     return removed
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()

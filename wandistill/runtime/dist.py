@@ -130,16 +130,14 @@ def init(
             "CUDA was asked for but this machine has no usable GPU",
             fix="run on a GPU machine, or use the CPU (e.g. --set train.device=cpu)",
         )
+    if want_cuda and local_rank >= torch.cuda.device_count():
+        raise UsageError(
+            f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible",
+            fix="lower --nproc_per_node or set CUDA_VISIBLE_DEVICES",
+        )
+    dev = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
     if want_cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(
-                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible",
-                fix="lower --nproc_per_node or set CUDA_VISIBLE_DEVICES",
-            )
-        dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
     backend: str | None = None
     if world > 1:
         backend = "nccl" if want_cuda else "gloo"
