@@ -52,8 +52,7 @@ class Range(Interval):
         if isinstance(value, float) and not math.isfinite(value):
             return f"{name}={value!r} must be a finite number in {self.text()}"
         if self.ge is not None and value < self.ge:
-            positive = self.ge == 1 and isinstance(value, int)
-            need = "positive" if positive else f">= {_fmt(self.ge)}"
+            need = "positive" if self.ge == 1 and isinstance(value, int) else f">= {_fmt(self.ge)}"
             return f"{name}={value!r} must be {need} (allowed: {self.text()})"
         if self.gt is not None and value <= self.gt:
             need = "positive" if self.gt == 0 else f"> {_fmt(self.gt)}"

@@ -4,12 +4,12 @@ botocore/aiohttp/fsspec failure to its kind (`classify`) and to the line naming 
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Iterator
 from typing import Any
 
 from wandistill.errors import UsageError
+from wandistill.io.fsutil import WRITE_FULL
 from wandistill.runtime import waiting
 
 CONNECT_TIMEOUT_S = 5.0
@@ -119,7 +119,7 @@ def classify(e: BaseException) -> str:
         return "exists"
     if isinstance(e, PermissionError):
         return "forbidden"
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if isinstance(e, OSError) and e.errno in WRITE_FULL:
         return "no-space"
     return "other"
 
