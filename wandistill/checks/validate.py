@@ -170,15 +170,9 @@ def json_problem(obj: Any, max_depth: int = MAX_DEPTH) -> str | None:
 
     Iterative (a hostile depth cannot exhaust the Python stack) and without building field
     names: tokenizer.json has ~1e6 nodes; names are built only once a problem is found."""
-    stack = [(obj, 1)]
+    stack: list[tuple[Any, int]] = [([obj], 0)]  # the top level as an item, checked like all
     while stack:
         node, depth = stack.pop()
-        if type(node) is float:
-            if not math.isfinite(node):
-                return _named_problem(obj, max_depth)
-            continue
-        if type(node) is not dict and type(node) is not list:
-            continue
         if depth > max_depth:
             return _named_problem(obj, max_depth)
         for v in node.values() if type(node) is dict else node:
