@@ -100,9 +100,7 @@ def option(flag: str, *, url: bool) -> dict[str, Any]:
     """typer.Option arguments: the value is parsed here (never by click's Path type, which
     would fold `//`) and refused in one line naming `flag`."""
 
-    def convert(value: Any) -> str | Path:
-        if value == "":  # an empty flag clears the recipe's value (it never means ".")
-            return ""
-        return parse(value, flag, url=url)
+    def convert(value: Any) -> str | Path:  # an empty flag clears the recipe's value, never "."
+        return "" if value == "" else parse(value, flag, url=url)
 
     return {"parser": convert, "metavar": "URL|DIR" if url else "PATH"}

@@ -180,13 +180,12 @@ class LocalStorage(Storage):
             os.fsync(f.fileno())
         try:
             os.link(tmp, final)  # atomic create-if-absent, unlike rename
-            won = True
         except FileExistsError:
-            won = False
+            return False
         finally:
             os.unlink(tmp)
-        fsync_dir(final.parent)
-        return won
+            fsync_dir(final.parent)
+        return True
 
     def rm(self, rel: str) -> None:
         self.path(rel).unlink(missing_ok=True)

@@ -199,9 +199,9 @@ class FsspecStorage(Storage):
         ends = [off + n for off, n in spans]
         got = self._call(rel, self.fs.cat_ranges, [key] * len(spans), starts, ends)
         for g in got:
+            if isinstance(g, FileNotFoundError):
+                raise g
             if isinstance(g, BaseException):
-                if isinstance(g, FileNotFoundError):
-                    raise g
                 raise storage_error(self.name(rel), g)
         return [bytes(g) for g in got]
 
