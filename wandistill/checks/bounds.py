@@ -9,8 +9,8 @@ pydantic enforces it (with the recipe config's `allow_inf_nan=False`) before the
 relational checks (`height % 16`, `record_steps < num_inference_steps`), so those never see a
 NaN; `wandistill.config.common` turns each failure back into one line naming the key, its value
 and the allowed range (`Range.problem`). CLI flags that do not go through a recipe use the same
-`Range` objects (`flag_problem`), and so do numbers read from files (a prompt's seed) and the
-environment (`WANDISTILL_DIST_TIMEOUT`).
+`Range` objects, and so do numbers read from files (a prompt's seed) and the environment
+(`env_seconds`: `WANDISTILL_DIST_TIMEOUT`).
 
 Why a range and not just a sign: a NaN passes `x > 0 is False` checks as "not positive" but
 `inf`, `1e308` or a 70-bit seed pass them and then poison the run hours later (an inf guidance
@@ -21,11 +21,14 @@ seed aliases another seed).
 from __future__ import annotations
 
 import math
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any
 
 from annotated_types import Interval
+
+from wandistill.errors import UsageError
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +52,7 @@ class Range(Interval):
         if isinstance(value, float) and not math.isfinite(value):
             return f"{name}={value!r} must be a finite number in {self.text()}"
         if self.ge is not None and value < self.ge:
-            positive = self.ge == 1 and isinstance(value, int)
-            need = "positive" if positive else f">= {_fmt(self.ge)}"
+            need = "positive" if self.ge == 1 and isinstance(value, int) else f">= {_fmt(self.ge)}"
             return f"{name}={value!r} must be {need} (allowed: {self.text()})"
         if self.gt is not None and value <= self.gt:
             need = "positive" if self.gt == 0 else f"> {_fmt(self.gt)}"
@@ -89,10 +91,20 @@ def range_in(annotation: Any) -> Range | None:
 
 
 def range_of(cls: type, name: str) -> Range | None:
-    """The declared range of field `name` of config class `cls`, or None."""
     return range_in(typing.get_type_hints(cls, include_extras=True).get(name))
 
 
-def flag_problem(flag: str, value: Any, rng: Range) -> str | None:
-    """The same check for a command-line flag that bypasses the recipe (`--limit 0`)."""
-    return rng.problem(flag, value)
+def env_seconds(name: str, rng: Range, fix: str) -> float | None:
+    """Environment variable `name` as a number of seconds in `rng`, or None when unset; any
+    other value (a typo, a 5,000-digit number, nan) is one line naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw) if len(raw) < 64 else float("nan")
+    except ValueError:
+        seconds = float("nan")
+    problem = rng.problem(name, seconds)
+    if problem is not None:
+        raise UsageError(problem.replace("=nan", f"={raw[:40]!r}"), fix=fix)
+    return seconds

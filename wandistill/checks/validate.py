@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -121,11 +122,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """The JSON object of `pairs`, refusing a key given twice (`json` keeps the last)."""
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"duplicate key {key!r}")
-            seen.add(key)
+        key = next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+        raise ValueError(f"duplicate key {key!r}")
     return out
 
 
@@ -172,15 +170,9 @@ def json_problem(obj: Any, max_depth: int = MAX_DEPTH) -> str | None:
 
     Iterative (a hostile depth cannot exhaust the Python stack) and without building field
     names: tokenizer.json has ~1e6 nodes; names are built only once a problem is found."""
-    stack = [(obj, 1)]
+    stack: list[tuple[Any, int]] = [([obj], 0)]  # the top level as an item, checked like all
     while stack:
         node, depth = stack.pop()
-        if type(node) is float:
-            if not math.isfinite(node):
-                return _named_problem(obj, max_depth)
-            continue
-        if type(node) is not dict and type(node) is not list:
-            continue
         if depth > max_depth:
             return _named_problem(obj, max_depth)
         for v in node.values() if type(node) is dict else node:
@@ -247,12 +239,11 @@ def load_json_file(
     fix: str,
     error: type[WandistillError] = UsageError,
     max_bytes: int = MiB,
-    max_depth: int = MAX_DEPTH,
 ) -> tuple[T, Any]:
     """Read, parse and check one JSON file: (the typed object, the parsed JSON as read)."""
     where = label(what, path)
     data = read_capped(path, max_bytes=max_bytes, what=what, fix=fix, error=error)
-    obj = parse_json(data, where, fix=fix, error=error, max_depth=max_depth)
+    obj = parse_json(data, where, fix=fix, error=error)
     return check(tp, obj, where, fix=fix, error=error), obj
 
 
@@ -282,12 +273,10 @@ def _shown(value: Any) -> str:
 
 
 _WANTED = {
-    "model_type": "a JSON object",
-    "model_attributes_type": "a JSON object",
-    "dataclass_type": "a JSON object",
-    "dict_type": "a JSON object",
-    "list_type": "a JSON array",
-    "tuple_type": "a JSON array",
+    **dict.fromkeys(
+        ("model_type", "model_attributes_type", "dataclass_type", "dict_type"), "a JSON object"
+    ),
+    **dict.fromkeys(("list_type", "tuple_type"), "a JSON array"),
     "int_type": "an integer",
     "float_type": "a number",
     "string_type": "a string",

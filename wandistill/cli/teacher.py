@@ -90,9 +90,9 @@ def teacher_make_trained(
 def _teacher_target(path: Path, seed: int, steps: int | None = None) -> Iterator[None]:
     """One line for a bad --seed or --steps, a PATH under a file or an existing folder, for
     every teacher builder."""
-    from wandistill.checks.bounds import SEED, flag_problem
+    from wandistill.checks.bounds import SEED
 
-    if (problem := flag_problem("--seed", seed, SEED)) is not None:
+    if (problem := SEED.problem("--seed", seed)) is not None:
         raise UsageError(problem)
     _positive(steps=steps)
     blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)

@@ -114,13 +114,9 @@ class SamplerConfig:
 
     def __post_init__(self) -> None:
         _problems(
-            (
-                self.height % 16 == 0,
-                f"sampler.height={self.height} must be a positive multiple of 16",
-            ),
-            (
-                self.width % 16 == 0,
-                f"sampler.width={self.width} must be a positive multiple of 16",
+            *(
+                (v % 16 == 0, f"sampler.{k}={v} must be a positive multiple of 16")
+                for k, v in (("height", self.height), ("width", self.width))
             ),
             (
                 self.num_frames % 4 == 1,

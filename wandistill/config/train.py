@@ -171,13 +171,8 @@ class LossConfig:
 
     def weights(self) -> dict[str, float]:
         """Objective name -> weight, for every objective (weight 0: off)."""
-        return {
-            "output": self.output,
-            "final_latent": self.final_latent,
-            "feature": self.feature,
-            "unroll": self.unroll,
-            "perflow": self.perflow,
-        }
+        names = ("output", "final_latent", "feature", "unroll", "perflow")
+        return {name: getattr(self, name) for name in names}
 
     @property
     def x0_terms(self) -> bool:

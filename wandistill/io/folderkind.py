@@ -148,25 +148,13 @@ def remove_stale_temps(folder: Path) -> list[Path]:
         if here != folder and (here / MARKER).exists():
             dirs[:] = []
             continue
-        for name in [d for d in dirs if is_temp(d)]:
-            dirs.remove(name)
-            _remove(here / name)
-            removed.append(here / name)
-        for name in files:
-            if is_temp(name):
-                _remove(here / name)
-                removed.append(here / name)
+        temps = [name for name in (*dirs, *files) if is_temp(name)]
+        dirs[:] = [d for d in dirs if not is_temp(d)]  # never walked into
+        for path in [here / name for name in temps]:
+            with contextlib.suppress(FileNotFoundError):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            removed.append(path)
     return removed
-
-
-def _remove(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-
-
-def _a(word: str) -> str:
-    """`an export`, `a run`."""
-    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"

@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 from wandistill.errors import UsageError
+from wandistill.io.folderkind import _printable
 from wandistill.io.storage import FsspecStorage
 from wandistill.runtime import waiting
 
@@ -230,11 +231,6 @@ def _beat_text(beat: Any) -> str:
     if type(beat) in (int, float) and math.isfinite(beat):
         return f"{beat - time.time():.0f} s in the future: is the writer's clock ahead?"
     return "not a time"
-
-
-def _printable(value: Any) -> str:
-    """One line, whatever a lock object or holder file holds (newlines, escapes)."""
-    return str(value).encode("unicode_escape").decode("ascii")[:200]
 
 
 def holder_text(info: dict[str, Any]) -> str:

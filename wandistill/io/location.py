@@ -43,63 +43,54 @@ def is_url(text: str | Path) -> bool:
 def problem(text: str | Path, flag: str, *, url: bool) -> str | None:
     """Why `text` cannot be `flag`'s location (one line), or None. `url`: the command supports
     an object-store URL there end to end."""
-    e = _check(str(text), flag, url=url)
-    return None if e is None else e.message
+    try:
+        parse(text, flag, url=url)
+    except UsageError as e:
+        return e.message
+    return None
 
 
 FULL_URL = "write the URL in full (s3://bucket/prefix), or ./NAME for a local folder of that name"
 
 
-def _check(s: str, flag: str, *, url: bool) -> UsageError | None:
-    if not s:
-        return None
+def parse(text: str | Path, flag: str, *, url: bool) -> str | Path:
+    """`text` as `flag`'s location: a URL string (only where `url`), else a local `Path`."""
+    s = str(text)
     if "\x00" in s or "\n" in s or "\r" in s:
-        return UsageError(f"{flag} {s[:80]!r} holds a NUL or newline character", fix="fix it")
+        raise UsageError(f"{flag} {s[:80]!r} holds a NUL or newline character", fix="fix it")
     if s.startswith("file://"):
         s = s[len("file://") :]
     elif "://" in s:
         m = _SCHEME.match(s)
         if m is None:
-            return UsageError(
+            raise UsageError(
                 f"{flag} {s[:200]!r} is neither a local path nor a URL (scheme://...)",
                 fix="pass a local path" + (" or a scheme://bucket/prefix URL" if url else ""),
             )
         if not url:
-            return UsageError(
+            raise UsageError(
                 f"{flag} {s[:200]!r} is a URL, but this command takes {flag} only as a path on "
                 "a local (or mounted) filesystem",
                 fix=COPY_FIX,
             )
         rest = s[len(m[0]) + 2 :]
         if not rest or rest.startswith("/"):
-            return UsageError(
+            raise UsageError(
                 f"{flag} {s[:200]!r} names no bucket (expected {m[1]}://bucket/prefix)",
                 fix=FULL_URL,
             )
-        return None
+        return s.rstrip("/")
     m = _SCHEME.match(s)
     if m is not None:
-        return UsageError(
+        raise UsageError(
             f"{flag} {s[:200]!r} looks like a {m[1]}:// URL that lost its '//' (it would "
             "become a local folder named like a URL)",
             fix=FULL_URL,
         )
-    return None
-
-
-def parse(text: str | Path, flag: str, *, url: bool) -> str | Path:
-    """`text` as `flag`'s location: a URL string (only where `url`), else a local `Path`."""
-    e = _check(str(text), flag, url=url)
-    if e is not None:
-        raise e
-    s = str(text)
-    if is_url(s):
-        return s.rstrip("/")
-    return Path(s[len("file://") :] if s.startswith("file://") else s)
+    return Path(s)
 
 
 def local(text: str | Path, flag: str) -> Path:
-    """A location that must be on the local filesystem."""
     p = parse(text, flag, url=False)
     assert isinstance(p, Path)
     return p
@@ -109,9 +100,7 @@ def option(flag: str, *, url: bool) -> dict[str, Any]:
     """typer.Option arguments: the value is parsed here (never by click's Path type, which
     would fold `//`) and refused in one line naming `flag`."""
 
-    def convert(value: Any) -> str | Path:
-        if value == "":  # an empty flag clears the recipe's value (it never means ".")
-            return ""
-        return parse(value, flag, url=url)
+    def convert(value: Any) -> str | Path:  # an empty flag clears the recipe's value, never "."
+        return "" if value == "" else parse(value, flag, url=url)
 
     return {"parser": convert, "metavar": "URL|DIR" if url else "PATH"}

@@ -32,31 +32,18 @@ from wandistill.checks.validate import (
     Schema,
     check,
     label,
+    load_json_file,
     parse_json,
     read_capped,
 )
 from wandistill.errors import UsageError
 
 SAFETENSORS_BYTES: Mapping[str, int] = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E4M3FNUZ": 1,
-    "F8_E5M2": 1,
-    "F8_E5M2FNUZ": 1,
-    "F8_E8M0": 1,
-    "C64": 8,
+    **dict.fromkeys(("F64", "I64", "U64", "C64"), 8),
+    **dict.fromkeys(("F32", "I32", "U32"), 4),
+    **dict.fromkeys(("F16", "BF16", "I16", "U16"), 2),
+    **dict.fromkeys(("I8", "U8", "BOOL"), 1),
+    **dict.fromkeys(("F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ", "F8_E8M0"), 1),
 }
 """Bytes per element of every safetensors dtype code torch can load."""
 COMPONENT_CLASSES: Mapping[str, tuple[str, str]] = {
@@ -113,14 +100,10 @@ class SafetensorsFile:
     without reading gigabytes (see TeacherFolder's fingerprint)."""
 
 
-def _weights_fix(path: Path) -> str:
-    return f"re-download or re-save {str(path.parent)!r}: the weight file is damaged"
-
-
 def read_safetensors(path: Path, *, what: str = "weight file") -> SafetensorsFile:
     """Read and check one .safetensors file's header; UsageError naming the file otherwise."""
     name = label(what, path)
-    fix = _weights_fix(path)
+    fix = f"re-download or re-save {str(path.parent)!r}: the weight file is damaged"
     try:
         with open(path, "rb") as f:
             size = f.seek(0, 2)
@@ -277,13 +260,11 @@ def conversion_fix(folder: Path, library: str, class_name: str) -> str:
 
 def _own_library(folder: Path) -> tuple[str, str] | None:
     """(library, class) a folder's config.json names, to convert it with its own library."""
-    path = folder / "config.json"
     try:
-        data = read_capped(path, max_bytes=Reader.SMALL_BYTES, what="config", fix="")
-        config = parse_json(data, label("config", path), fix="")
-    except UsageError:
-        return None
-    if not isinstance(config, dict):
+        config, _ = load_json_file(
+            folder / "config.json", dict, what="config", fix="", max_bytes=Reader.SMALL_BYTES
+        )
+    except UsageError:  # unreadable, not JSON, not an object: convert it without a library
         return None
     archs = config.get("architectures")
     if isinstance(config.get("_class_name"), str):
@@ -301,10 +282,7 @@ def require_safetensors(folder: str | Path, what: str, components: tuple[str, ..
     """
     root = Path(folder)
     for sub in [root / c for c in components] or [root]:
-        if not sub.is_dir() or any(sub.glob("*.safetensors")):
-            continue
-        found = unsafe_files(sub)
-        if not found:
+        if not sub.is_dir() or any(sub.glob("*.safetensors")) or not (found := unsafe_files(sub)):
             continue
         owner = _own_library(sub)
         fix = (
@@ -452,23 +430,3 @@ def config_mismatch(
                 f"{list(t.shape)}"
             )
     return None
-
-
-__all__ = [
-    "COMPONENT_CLASSES",
-    "SAFETENSORS_BYTES",
-    "SafetensorsFile",
-    "Reader",
-    "TensorInfo",
-    "Weights",
-    "code_files",
-    "config_mismatch",
-    "conversion_fix",
-    "custom_code_error",
-    "load_pretrained",
-    "read_safetensors",
-    "read_weights",
-    "refuse_custom_code",
-    "require_safetensors",
-    "unsafe_files",
-]

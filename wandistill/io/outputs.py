@@ -54,7 +54,6 @@ from wandistill.io.folderkind import (
     MARKER,
     MARKER_FORMAT,
     PURPOSES,
-    _a,
     _has_content,
     _is_legacy_cache,
     _printable,
@@ -175,7 +174,8 @@ def _claim(path: str | Path, purpose: str, inputs: Inputs, flag: str) -> OutputF
         lock.acquire(timeout=0)
     except Timeout:
         raise UsageError(
-            f"{label} is in use by another wandistill process ({_holder(target)})",
+            f"{label} is in use by another wandistill process "
+            f"({holder_text(_read_json(target / HOLDER))})",  # "not known yet" while it starts
             fix=f"wait for it to finish (or stop it), or choose another {flag}",
         ) from None
     except OSError as e:
@@ -265,18 +265,12 @@ def _resolve(path: str | Path, purpose: str) -> Path:
 
 
 def _marker(purpose: str) -> dict[str, Any]:
-    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return {
         "format": MARKER_FORMAT,
         "purpose": purpose,
         "wandistill_version": __version__,
-        "created": created,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-def _holder(target: Path) -> str:
-    """Who holds the lock, from the holder file it wrote (it may be starting: unknown yet)."""
-    return holder_text(_read_json(target / HOLDER))
 
 
 def claim_remote(url: str, purpose: str, inputs: Inputs, flag: str) -> OutputFolder:
@@ -327,21 +321,9 @@ def _remote_marker(store: FsspecStorage) -> dict[str, Any]:
 def _inspect_remote(store: FsspecStorage, purpose: str, label: str) -> None:
     """An object-store prefix must be new, empty, or a wandistill `purpose` prefix."""
     names = [n for n in store.list("") if n not in BOOKKEEPING]
-    if not names:
-        return
-    fix = "choose a new or empty output location"
-    found = _remote_marker(store).get("purpose")
-    if found == "?":
-        raise UsageError(f"{label} has an unreadable {MARKER}", fix=f"{fix}, or delete {MARKER}")
-    if found is not None and found != purpose:
-        raise UsageError(f"{label} is a wandistill {found} folder, not a {purpose} folder", fix=fix)
-    if found is None:
-        shown = ", ".join(_printable(n) for n in names[:4])
-        raise UsageError(
-            f"{label} is not empty and was not written by wandistill (holds {shown}); "
-            "wandistill never overwrites files it did not write",
-            fix=fix,
-        )
+    if names:
+        found = _remote_marker(store).get("purpose")
+        _refuse_foreign(label, purpose, found, names, "choose a new or empty output location")
 
 
 # --------------------------------------------------------------------------- refusals
@@ -405,27 +387,43 @@ def _inspect(target: Path, purpose: str, label: str) -> str:
         return "missing"
     if not _has_content(target):  # nothing, or only a claim's bookkeeping: free for any use
         return "empty"
-    fix = "choose a new or empty output directory"
     found = owner(target)
+    names = sorted(p.name for p in target.iterdir() if p.name not in BOOKKEEPING)
+    evidence = None if found == "export" == purpose else model_evidence(target, strict=not found)
+    fix = "choose a new or empty output directory"
+    _refuse_foreign(label, purpose, found, names, fix, evidence)
+    return "ours"
+
+
+def _refuse_foreign(
+    label: str,
+    purpose: str,
+    found: str | None,
+    names: list[str],
+    fix: str,
+    evidence: str | None = None,
+) -> None:
+    """Refuse a non-empty folder or prefix that is not this `purpose`'s: its marker unreadable
+    (`found` "?"), another purpose's, a model folder (`evidence`), or not wandistill's."""
     if found == "?":
         raise UsageError(f"{label} has an unreadable {MARKER}", fix=f"{fix}, or delete {MARKER}")
     if found is not None and found != purpose:
         raise UsageError(
-            f"{label} is a wandistill {found} folder, not {_a(purpose)} folder", fix=fix
+            f"{label} is a wandistill {found} folder, not "
+            f"{'an' if purpose[0] in 'aeiou' else 'a'} {purpose} folder",
+            fix=fix,
         )
-    evidence = model_evidence(target, strict=found is None)
-    if evidence is not None and not (found == "export" == purpose):
+    if evidence is not None:
         raise UsageError(
             f"{label} is a model folder ({evidence}); wandistill never writes into a teacher "
             "or model folder",
             fix=fix,
         )
     if found is None:
-        names = sorted(_printable(p.name) for p in target.iterdir() if p.name not in BOOKKEEPING)
-        shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+        shown = ", ".join(map(_printable, names[:4]))
+        shown += f", ... ({len(names)} in all)" if len(names) > 4 else ""
         raise UsageError(
             f"{label} is not empty and was not written by wandistill (holds {shown}); "
             "wandistill never overwrites files it did not write",
             fix=fix,
         )
-    return "ours"

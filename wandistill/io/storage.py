@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from wandistill.checks.validate import read_capped
-from wandistill.io.fsutil import atomic_open, fsync_dir, temp_name, writing
+from wandistill.io.fsutil import atomic_open, atomic_write_bytes, fsync_dir, temp_name, writing
 from wandistill.io.storage_base import Storage, describe, is_url, join, local_path
 from wandistill.io.storage_fsspec import FsspecStorage
 
@@ -92,7 +92,10 @@ class _Descriptors:
                 slot = self._open[path] = [os.open(path, os.O_RDONLY), 0]
             self._open.move_to_end(path)
             slot[1] += 1
-            self._evict()
+            while len(self._open) > self.limit:  # evict the least recently used
+                _, old = self._open.popitem(last=False)
+                if old[1] == 0:
+                    os.close(old[0])  # else its last lease closes it
         try:
             yield slot[0]
         finally:
@@ -100,12 +103,6 @@ class _Descriptors:
                 slot[1] -= 1
                 if slot[1] == 0 and self._open.get(path) is not slot:
                     os.close(slot[0])  # evicted (or closed) while this read ran
-
-    def _evict(self) -> None:
-        while len(self._open) > self.limit:
-            _, slot = self._open.popitem(last=False)
-            if slot[1] == 0:
-                os.close(slot[0])  # else its last lease closes it
 
     def close(self) -> None:
         with self._lock:
@@ -152,10 +149,8 @@ class LocalStorage(Storage):
         return self.path(rel).is_dir()
 
     def size(self, rel: str) -> int | None:
-        try:
-            return self.path(rel).stat().st_size
-        except FileNotFoundError:
-            return None
+        stamp = self.stamp(rel)
+        return None if stamp is None else stamp[1]
 
     def stamp(self, rel: str) -> Any:
         """(inode, size, mtime): every `put` renames a new inode into place."""
@@ -173,10 +168,8 @@ class LocalStorage(Storage):
         return read_capped(self.path(rel), max_bytes=max_bytes, what=what, fix=fix, error=error)
 
     def put(self, rel: str, data: bytes) -> None:
-        path = self.path(rel)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_open(path, "wb") as f:
-            f.write(data)
+        self.path(rel).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.path(rel), data)
 
     def create(self, rel: str, data: bytes) -> bool:
         final = self.path(rel)
@@ -187,13 +180,12 @@ class LocalStorage(Storage):
             os.fsync(f.fileno())
         try:
             os.link(tmp, final)  # atomic create-if-absent, unlike rename
-            won = True
         except FileExistsError:
-            won = False
+            return False
         finally:
             os.unlink(tmp)
-        fsync_dir(final.parent)
-        return won
+            fsync_dir(final.parent)
+        return True
 
     def rm(self, rel: str) -> None:
         self.path(rel).unlink(missing_ok=True)

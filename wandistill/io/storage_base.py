@@ -14,13 +14,7 @@ import hashlib
 from pathlib import Path
 from typing import IO, Any
 
-
-def is_url(location: str | Path) -> bool:
-    """True for an fsspec URL other than `file://` (which is a local path): the one rule,
-    `wandistill.io.location.is_url`."""
-    from wandistill.io.location import is_url as url
-
-    return url(location)
+from wandistill.io.location import is_url
 
 
 def local_path(location: str | Path) -> Path:

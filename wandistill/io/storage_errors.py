@@ -4,12 +4,12 @@ botocore/aiohttp/fsspec failure to its kind (`classify`) and to the line naming 
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Iterator
 from typing import Any
 
 from wandistill.errors import UsageError
+from wandistill.io.fsutil import WRITE_FULL
 from wandistill.runtime import waiting
 
 CONNECT_TIMEOUT_S = 5.0
@@ -28,21 +28,12 @@ try: the worst silent-free wait of one call is CONNECT_ATTEMPTS x the timeouts."
 def timeouts() -> tuple[float, float]:
     """(connect, read) seconds for object-store requests: WANDISTILL_STORAGE_TIMEOUT, checked
     like every number (finite, in (0, 600]), else the defaults."""
-    from wandistill.checks.bounds import Range
+    from wandistill.checks.bounds import Range, env_seconds
 
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
+    fix = f"set {TIMEOUT_ENV} to a number of seconds (default {READ_TIMEOUT_S:g})"
+    seconds = env_seconds(TIMEOUT_ENV, Range(gt=0, le=600), fix)
+    if seconds is None:
         return CONNECT_TIMEOUT_S, READ_TIMEOUT_S
-    try:
-        seconds = float(raw) if len(raw) < 64 else float("nan")
-    except ValueError:
-        seconds = float("nan")
-    problem = Range(gt=0, le=600).problem(TIMEOUT_ENV, seconds)
-    if problem is not None:
-        raise UsageError(
-            problem.replace("=nan", f"={raw[:40]!r}"),
-            fix=f"set {TIMEOUT_ENV} to a number of seconds (default {READ_TIMEOUT_S:g})",
-        )
     return min(CONNECT_TIMEOUT_S, seconds), seconds
 
 
@@ -128,7 +119,7 @@ def classify(e: BaseException) -> str:
         return "exists"
     if isinstance(e, PermissionError):
         return "forbidden"
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if isinstance(e, OSError) and e.errno in WRITE_FULL:
         return "no-space"
     return "other"
 
@@ -196,10 +187,9 @@ def storage_error(where: str, e: BaseException) -> StorageError:
             "no space left (or the object is too large)",
             "free space or choose another --out",
         ),
+        "exists": (f"{type(e).__name__}: {first}", "another writer created it first"),
     }
     message, fix = lines.get(
         kind, (f"{type(e).__name__}: {first}", "check the URL, the endpoint and credentials")
     )
-    if kind == "exists":
-        message, fix = f"{type(e).__name__}: {first}", "another writer created it first"
     return StorageError(f"{where}: {message}", fix=fix, kind=kind)

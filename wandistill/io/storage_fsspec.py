@@ -102,11 +102,7 @@ class FsspecStorage(Storage):
             return None
 
     def list(self, rel: str) -> list[str]:
-        try:
-            found = self._call(rel, self.fs.ls, self.key(rel), detail=False, refresh=True)
-        except FileNotFoundError:
-            return []
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
+        return [name for name, _ in self.list_stamped(rel)]
 
     def stamp(self, rel: str) -> Any:
         """The object's ETag (content-derived on S3; GCS's md5Hash) and size, asked afresh."""
@@ -139,16 +135,13 @@ class FsspecStorage(Storage):
 
     def read(self, rel: str, *, max_bytes: int, what: str, fix: str, error: type) -> bytes:
         name = f"{what} {self.name(rel)!r}"
-        size = self.size(rel)
-        if size is None:
-            raise error(f"{name} does not exist", fix=fix)
-        if size > max_bytes:
-            raise error(
-                f"{name} is larger than the {max_bytes} bytes such a file may be "
-                "(oversized or not the file wandistill expects)",
-                fix=fix,
-            )
         try:
+            if int(self._call(rel, self.fs.size, self.key(rel))) > max_bytes:
+                raise error(
+                    f"{name} is larger than the {max_bytes} bytes such a file may be "
+                    "(oversized or not the file wandistill expects)",
+                    fix=fix,
+                )
             return bytes(self._call(rel, self.fs.cat_file, self.key(rel)))
         except FileNotFoundError:
             raise error(f"{name} does not exist", fix=fix) from None
@@ -206,9 +199,9 @@ class FsspecStorage(Storage):
         ends = [off + n for off, n in spans]
         got = self._call(rel, self.fs.cat_ranges, [key] * len(spans), starts, ends)
         for g in got:
+            if isinstance(g, FileNotFoundError):
+                raise g
             if isinstance(g, BaseException):
-                if isinstance(g, FileNotFoundError):
-                    raise g
                 raise storage_error(self.name(rel), g)
         return [bytes(g) for g in got]
 

@@ -16,7 +16,7 @@ from wandistill.errors import UsageError, WandistillError
 from wandistill.io import storage
 from wandistill.precompute.prompts import PromptReport
 from wandistill.runtime import dist
-from wandistill.runtime.failures import Stopped, StopSignals, first_line
+from wandistill.runtime.failures import Stopped, StopSignals
 from wandistill.runtime.progress import SUMMARY_WIDTH, human_bytes, plural, summary_lines
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ def _barrier(info: dist.DistInfo, stop: StopSignals, records: int) -> None:
             if stop.signum is None:
                 raise WandistillError(
                     f"rank {info.rank}: waiting for the other ranks failed, most likely because "
-                    f"another rank stopped (see its error): {first_line(e)}",
+                    f"another rank stopped (see its error): {dist.first_line(e)}",
                     fix="fix that rank's error, then re-run the same command to resume",
                 ) from None
     if stop.signum is not None:

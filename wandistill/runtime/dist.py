@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from wandistill import __version__
-from wandistill.checks.bounds import TIMEOUT_S
+from wandistill.checks.bounds import TIMEOUT_S, env_seconds
 from wandistill.errors import UsageError, WandistillError
 from wandistill.runtime import faults, waiting
 
@@ -94,19 +94,9 @@ def resolve_timeout(value: float | None = None) -> float:
     300; checked like every other number (finite, positive, at most a week)."""
     if value is not None:
         return float(value)
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = float("nan")
-    problem = TIMEOUT_S.problem(TIMEOUT_ENV, seconds)
-    if problem is not None:
-        raise UsageError(
-            problem.replace("=nan", f"={raw!r}"), fix=f"set {TIMEOUT_ENV} to a number of seconds"
-        )
-    return seconds
+    fix = f"set {TIMEOUT_ENV} to a number of seconds"
+    seconds = env_seconds(TIMEOUT_ENV, TIMEOUT_S, fix)
+    return DEFAULT_TIMEOUT_S if seconds is None else seconds
 
 
 def init(
@@ -127,7 +117,7 @@ def init(
     """
     joined = _state.get("info")
     if joined is not None and dist.is_initialized():  # joined early (`launch` of a stage)
-        if config is not None and _digest(config) != _state.get("checked"):
+        if config is not None and _digest(config)[0] != _state.get("checked"):
             check_same_config(joined, config)
         return joined
     timeout = resolve_timeout(timeout_s)
@@ -140,16 +130,14 @@ def init(
             "CUDA was asked for but this machine has no usable GPU",
             fix="run on a GPU machine, or use the CPU (e.g. --set train.device=cpu)",
         )
+    if want_cuda and local_rank >= torch.cuda.device_count():
+        raise UsageError(
+            f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible",
+            fix="lower --nproc_per_node or set CUDA_VISIBLE_DEVICES",
+        )
+    dev = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
     if want_cuda:
-        if local_rank >= torch.cuda.device_count():
-            raise UsageError(
-                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible",
-                fix="lower --nproc_per_node or set CUDA_VISIBLE_DEVICES",
-            )
-        dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
     backend: str | None = None
     if world > 1:
         backend = "nccl" if want_cuda else "gloo"
@@ -225,7 +213,7 @@ def _join(rank: int, world: int, timeout: float) -> Any:
     except (RuntimeError, OSError) as e:  # DistNetworkError / DistStoreError / socket errors
         raise DistTimeout(
             f"rank {rank} of {world}: no rendezvous at {addr}:{port} within {timeout:g} s; "
-            f"{host}, which hosts it, never arrived ({_first_line(e)})",
+            f"{host}, which hosts it, never arrived ({first_line(e)})",
             fix=f"start every rank (check rank 0's log), or raise {TIMEOUT_ENV}",
         ) from None
     finally:
@@ -236,8 +224,7 @@ def _join(rank: int, world: int, timeout: float) -> Any:
     store.set(f"arrived/{rank}", "1")
     store.add("arrived", 1)
     _wait_keys(store, "arrived", world, rank, timeout, "joined the job")
-    host = rank == 0 and not agent
-    _state.update(store=store, tcp=tcp, timeout=timeout, rank=rank, world=world, host=host)
+    _state.update(store=store, tcp=tcp, timeout=timeout, host=rank == 0 and not agent)
     _start_heartbeat(store, rank, timeout)
     return tcp
 
@@ -259,33 +246,34 @@ def _wait_keys(
     while int(store.add(name, 0)) < world:
         missing = [r for r in range(world) if not store.check([f"{name}/{r}"])]
         if not announced and time.monotonic() - start > waiting.NOTICE_S:
-            announced = True  # rank 0 only, once: every rank waits for the same peers
+            announced = True  # once, on rank 0 (`say`): every rank waits for the same peers
             limit = (
                 f"giving up after {timeout:g} s ({TIMEOUT_ENV})"
                 if alive is None
                 else f"giving up if one makes no progress for {timeout:g} s ({TIMEOUT_ENV})"
             )
-            if rank == 0:
-                waiting.say(f"for {_ranks(missing)} of {world} to have {what}; {limit}")
+            waiting.say(f"for {ranks_text(missing)} of {world} to have {what}; {limit}")
         stalled = alive(missing) if alive is not None else None
         if stalled or (alive is None and time.monotonic() > deadline):
             late = stalled or missing
             raise DistTimeout(
-                f"rank {rank} of {world}: {_ranks(late)} {'has' if len(late) == 1 else 'have'} "
+                f"rank {rank} of {world}: {ranks_text(late)} {'has' if len(late) == 1 else 'have'} "
                 f"not {what} within {timeout:g} s ({TIMEOUT_ENV})",
-                fix=f"see {_ranks(late)}'s log (it never started, hangs or died); "
+                fix=f"see {ranks_text(late)}'s log (it never started, hangs or died); "
                 f"raise {TIMEOUT_ENV} if it is just slow; then re-run",
             )
         time.sleep(_POLL_S)
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
+    """`rank 2`, `ranks 1, 3`."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _first_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return re.sub(r"^\[[^\]]*\]:?\s*", "", text)[:200]
+def first_line(e: BaseException) -> str:
+    """An error's first line without gloo's "[.../pair.cc:537]" source tags, at most 300 chars."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"\[[^\]]*\]:?\s*", "", first)[:300]
 
 
 # --------------------------------------------------------------------------- heartbeat
@@ -362,15 +350,15 @@ class _Interrupted(Exception):
     pass
 
 
-def unresponsive_ranks(info: DistInfo, wait_s: float | None = None) -> list[int]:
+def unresponsive_ranks(info: DistInfo) -> list[int]:
     """After a collective failed here: report in the store and return the ranks that do not
-    report too within `wait_s` (default: a tenth of the timeout, 2..15 s). The survivors of a
-    failed collective all get here together; the ranks missing are the ones that stopped,
-    died or hang. [] if the store itself is gone (rank 0, its host, is the one that stopped)."""
+    report too within a tenth of the timeout (2..15 s). The survivors of a failed collective
+    all get here together; the ranks missing are the ones that stopped, died or hang. [] if
+    the store itself is gone (rank 0, its host, is the one that stopped)."""
     store = _state.get("store")
     if store is None or not info.distributed:
         return []
-    wait = wait_s if wait_s is not None else min(15.0, max(2.0, _state["timeout"] / 10))
+    wait = min(15.0, max(2.0, _state["timeout"] / 10))
     try:
         store.set(f"failed/{info.rank}", "1")
         deadline = time.monotonic() + wait
@@ -395,9 +383,10 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): json.dumps(obj, sort_keys=True, default=str)}
 
 
-def _digest(config: dict[str, Any]) -> str:
+def _digest(config: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The configuration's digest, and the flat key -> value view it is taken over."""
     flat = _flatten({**config, "wandistill_version": __version__})
-    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest(), flat
 
 
 def check_same_config(info: DistInfo, config: dict[str, Any]) -> None:
@@ -405,8 +394,7 @@ def check_same_config(info: DistInfo, config: dict[str, Any]) -> None:
     differ (and each rank's value). Two small collectives; the second only on a mismatch."""
     if not info.distributed:
         return
-    flat = _flatten({**config, "wandistill_version": __version__})
-    digest = _digest(config)
+    digest, flat = _digest(config)
     digests = all_gather_json(info, digest)
     if len(set(digests)) == 1:
         _state["checked"] = digest
@@ -438,18 +426,7 @@ def cleanup() -> None:
 
 def barrier(info: DistInfo) -> None:
     if info.distributed:
-        if info.backend == "nccl":
-            dist.barrier(device_ids=[info.device.index])
-        else:
-            dist.barrier()
-
-
-def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
-    return (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-        if data
-        else torch.empty(0, dtype=torch.uint8, device=device)
-    )
+        dist.barrier(device_ids=[info.device.index] if info.backend == "nccl" else None)
 
 
 def all_gather_json(info: DistInfo, obj: Any) -> list[Any]:
@@ -462,7 +439,7 @@ def all_gather_json(info: DistInfo, obj: Any) -> list[Any]:
     dist.all_gather(sizes, size)
     longest = int(max(s.item() for s in sizes))
     buf = torch.zeros(longest, dtype=torch.uint8, device=info.device)
-    buf[: len(payload)] = _bytes_tensor(payload, info.device)
+    buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     bufs = [torch.zeros_like(buf) for _ in range(info.world_size)]
     dist.all_gather(bufs, buf)
     return [

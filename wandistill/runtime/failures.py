@@ -9,15 +9,14 @@ out-of-memory rule and lost peers.
 * `is_oom`: the one rule for "this error means out of memory" (CUDA, Python's MemoryError and
   the CPU allocator's RuntimeErrors); the advice that follows is the stage's own
   (wandistill/placement/oom.py for placements, wandistill/train/oom.py for training levers).
-* `is_collective_failure` / `collective_error` / `first_line`: a peer went away mid-collective,
-  as one line instead of a gloo / nccl traceback.
+* `is_collective_failure` / `collective_error`: a peer went away mid-collective, as one line
+  instead of a gloo / nccl traceback.
 * Test-only fault injection is `wandistill.runtime.faults` (one hook, one variable).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -28,16 +27,6 @@ import torch
 
 from wandistill.errors import WandistillError
 from wandistill.runtime import dist
-
-__all__ = [
-    "Stopped",
-    "StopRequested",
-    "StopSignals",
-    "collective_error",
-    "first_line",
-    "is_collective_failure",
-    "is_oom",
-]
 
 # --------------------------------------------------------------------------- stop signals
 
@@ -156,12 +145,9 @@ _OOM_TEXT = (
 
 def is_oom(exc: BaseException) -> bool:
     """True for CUDA OOM, Python MemoryError and the CPU allocator's "not enough memory"."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    if isinstance(exc, RuntimeError):
-        text = str(exc).lower()
-        return any(t in text for t in _OOM_TEXT)
-    return False
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
+    )
 
 
 _PEER_LOST = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe")
@@ -175,22 +161,16 @@ def is_collective_failure(e: BaseException) -> bool:
     )
 
 
-def first_line(e: BaseException) -> str:
-    """An error's first line without gloo's "[.../pair.cc:537]" source tags, at most 300 chars."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return re.sub(r"\[[^\]]*\]:?\s*", "", first)[:300]
-
-
 def collective_error(info: dist.DistInfo, e: BaseException) -> WandistillError:
     """Another rank died mid-collective: say so in one line instead of a gloo/nccl traceback."""
     missing = dist.unresponsive_ranks(info)
     who = (
-        f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not answer "
-        "(stopped, died or hangs)"
+        f"{dist.ranks_text(missing)} did not answer (stopped, died or hangs)"
         if missing
         else "most likely because another rank stopped"
     )
     return WandistillError(
-        f"rank {info.rank}: a collective failed, {who} (see that rank's error): {first_line(e)}",
+        f"rank {info.rank}: a collective failed, {who} (see that rank's error): "
+        f"{dist.first_line(e)}",
         fix="fix that rank's error, then re-run with --resume",
     )

@@ -48,9 +48,6 @@ import torch
 
 from wandistill.errors import UsageError, WandistillError
 
-__all__ = ["ACTIONS", "ENV", "at", "wants"]
-
-
 ENV = "WANDISTILL_FAULT"
 ACTIONS = ("kill", "term", "int", "raise", "oom", "stop", "hang", "nan")
 
@@ -59,12 +56,9 @@ def at(stage: str, point: str, n: int, rank: int = 0) -> bool:
     """Act if `WANDISTILL_FAULT` names this stage, point, count and rank; True only for
     the `nan` action (the caller then poisons its value)."""
     action = wants(stage, point, n, rank)
-    if action is None:
-        return False
-    if action == "nan":
-        return True
-    _act(action, f"rank {rank} at {stage} {point} {n}", os.environ[ENV])
-    return False
+    if action not in (None, "nan"):
+        _act(action, f"rank {rank} at {stage} {point} {n}", os.environ[ENV])
+    return action == "nan"
 
 
 def wants(stage: str, point: str, n: int, rank: int = 0) -> str | None:

@@ -23,9 +23,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from types import TracebackType
 
-from rich.console import Console, ConsoleOptions, RenderResult
+from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
@@ -45,7 +44,6 @@ _listeners: list[Callable[[], None]] = []
 
 
 def on_beat(listener: Callable[[], None], *, remove: bool = False) -> None:
-    """Register (or remove) a function called on every `beat()`."""
     if remove:
         if listener in _listeners:
             _listeners.remove(listener)
@@ -81,7 +79,6 @@ class Progress:
         self.console = console or Console(stderr=True, highlight=False)
         self.done = max(0, int(initial))
         self.extra = ""
-        self._initial = 0
         self._started: float | None = None
         self._window: deque[tuple[float, int]] = deque()
         self._live: Live | None = None
@@ -93,21 +90,16 @@ class Progress:
 
     def __enter__(self) -> Progress:
         self._started = time.monotonic()
-        self._initial = self.done
         self._window.append((self._started, self.done))
         if self.enabled and self.console.is_terminal:
-            self._live = Live(
-                _Line(self), console=self.console, refresh_per_second=4, transient=False
+            self._live = Live(  # re-laid-out for the terminal's width at each refresh
+                console=self.console,
+                get_renderable=lambda: self.line(self.console.width, bar=True),
             )
             self._live.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._live is not None:
             self._live.stop()
             self._live = None
@@ -145,7 +137,6 @@ class Progress:
         return (n1 - n0) / (t1 - t0) if t1 > t0 and n1 > n0 else None
 
     def parts(self) -> dict[str, str]:
-        """The pieces of a line, each already formatted."""
         elapsed = time.monotonic() - self._started if self._started is not None else 0.0
         rate = self.rate()
         left = self.total - self.done
@@ -170,7 +161,6 @@ class Progress:
         }
 
     def line(self, width: int, *, bar: bool) -> Text:
-        """The status line laid out for `width` columns."""
         p = self.parts()
         full = [p["count"], p["pct"], p["rate"], p["elapsed"], p["eta"]]
         core = [p["count"], p["pct"], p["rate"], p["eta"]]
@@ -209,16 +199,6 @@ class Progress:
         self.console.print(self.line(max(self.console.width, 80), bar=False), soft_wrap=True)
 
 
-class _Line:
-    """Live renderable: the line re-laid-out for the terminal's current width."""
-
-    def __init__(self, progress: Progress) -> None:
-        self.progress = progress
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        yield self.progress.line(options.max_width, bar=True)
-
-
 SUMMARY_WIDTH = 80
 
 
@@ -241,8 +221,8 @@ def plural(n: int, word: str) -> str:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return str(n)
+    return f"{n:.1f} TB"

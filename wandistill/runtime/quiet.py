@@ -71,15 +71,9 @@ def configure(verbose: bool = False) -> bool:
 def _apply_loaded(verbose: bool) -> None:
     """The same settings for libraries this process imported before `configure` ran."""
     for name in ("diffusers.utils.logging", "transformers.utils.logging"):
-        lib = sys.modules.get(name)
-        if lib is None:
-            continue
-        if verbose:
-            lib.set_verbosity_warning()
-            lib.enable_progress_bar()
-        else:
-            lib.set_verbosity_error()
-            lib.disable_progress_bar()
+        if (lib := sys.modules.get(name)) is not None:
+            (lib.set_verbosity_warning if verbose else lib.set_verbosity_error)()
+            (lib.enable_progress_bar if verbose else lib.disable_progress_bar)()
     hub = sys.modules.get("huggingface_hub.utils")
     if hub is not None:
         (hub.enable_progress_bars if verbose else hub.disable_progress_bars)()

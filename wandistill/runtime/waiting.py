@@ -26,13 +26,9 @@ REPEAT_S = 10.0
 a long one still shows it goes on)."""
 
 
-def is_rank0() -> bool:
-    return os.environ.get("RANK", "0") in ("", "0")
-
-
 def say(message: str) -> None:
     """One `waiting:` line on stderr, on rank 0."""
-    if is_rank0():
+    if os.environ.get("RANK", "0") in ("", "0"):
         print(f"waiting: {message}", file=sys.stderr, flush=True)
 
 

@@ -25,29 +25,6 @@ if TYPE_CHECKING:
     import torch
 
 
-__all__ = [
-    "WORKAROUNDS",
-    "Workaround",
-    "ddp_no_buffer_sync",
-    "ddp_skip_init_sync",
-    "dtype_kwarg",
-    "group_offload_level",
-    "hide_flag_types",
-    "incomplete_device_map",
-    "mixed_map_kwargs",
-    "never_split",
-    "offload_hooks",
-    "offload_index",
-    "redispatch_disk",
-    "remove_diffusers_hooks",
-    "restore_fp32_offloaded",
-    "safetensors_header",
-    "served_names",
-    "t5_tokenizer_class",
-    "tie_meta_weights",
-]
-
-
 @dataclass(frozen=True, slots=True)
 class Workaround:
     """One entry of `WORKAROUNDS`: what, for which versions, and where upstream tracks it."""
@@ -71,11 +48,8 @@ def ddp_no_buffer_sync() -> dict[str, bool]:
     torch 2.1, also skipped the *initial* buffer broadcast). Older torch only has the old name.
     Our student's only buffers are RoPE tables, equal on every rank, so either spelling is right.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
+    new = _ddp_takes("forward_sync_buffers")
+    return {"forward_sync_buffers" if new else "broadcast_buffers": False}
 
 
 def ddp_skip_init_sync() -> dict[str, bool]:
@@ -87,11 +61,13 @@ def ddp_skip_init_sync() -> dict[str, bool]:
     `init_sync` came with torch 2.6 (pytorch#142824); pyproject allows torch >= 2.4, where this
     returns {} and DDP broadcasts everything as before: correct, only a transient of the frozen
     base's size per rank more (docs/benchmarks.md, train memory)."""
+    return {"init_sync": False} if _ddp_takes("init_sync") else {}
+
+
+def _ddp_takes(name: str) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
-    if "init_sync" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"init_sync": False}
-    return {}
+    return name in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 # --------------------------------------------------------------------------- transformers
@@ -160,19 +136,13 @@ def offload_hooks(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, Any
 
 def _loaders(model: torch.nn.Module) -> list[Any]:
     """The distinct OffloadedWeightsLoaders behind the hooks (`PrefixedDataset.dataset`)."""
-    seen: dict[int, Any] = {}
-    for _, h in offload_hooks(model):
-        loader = getattr(h.weights_map, "dataset", h.weights_map)
-        seen.setdefault(id(loader), loader)
-    return list(seen.values())
+    loaders = (getattr(h.weights_map, "dataset", h.weights_map) for _, h in offload_hooks(model))
+    return list({id(loader): loader for loader in loaders}.values())
 
 
 def offload_index(model: torch.nn.Module) -> dict[str, Any]:
     """The merged offload index (`OffloadedWeightsLoader.index`) of a disk-offloaded model."""
-    index: dict[str, Any] = {}
-    for loader in _loaders(model):
-        index.update(getattr(loader, "index", {}))
-    return index
+    return {k: v for loader in _loaders(model) for k, v in getattr(loader, "index", {}).items()}
 
 
 def served_names(model: torch.nn.Module) -> set[str]:
@@ -297,12 +267,10 @@ def remove_diffusers_hooks(module: torch.nn.Module) -> None:
     `_diffusers_hook` HookRegistry, whose `remove_hook` we call per hook name.
     """
     for sub in module.modules():
-        registry = getattr(sub, "_diffusers_hook", None)
-        if registry is None:
-            continue
-        for hook_name in list(registry.hooks):
-            registry.remove_hook(hook_name, recurse=False)
-        del sub._diffusers_hook
+        if (registry := getattr(sub, "_diffusers_hook", None)) is not None:
+            for hook_name in list(registry.hooks):
+                registry.remove_hook(hook_name, recurse=False)
+            del sub._diffusers_hook
 
 
 # --------------------------------------------------------------------------- typer
