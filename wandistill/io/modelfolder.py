@@ -430,3 +430,23 @@ def config_mismatch(
                 f"{list(t.shape)}"
             )
     return None
+
+
+__all__ = [
+    "COMPONENT_CLASSES",
+    "SAFETENSORS_BYTES",
+    "SafetensorsFile",
+    "Reader",
+    "TensorInfo",
+    "Weights",
+    "code_files",
+    "config_mismatch",
+    "conversion_fix",
+    "custom_code_error",
+    "load_pretrained",
+    "read_safetensors",
+    "read_weights",
+    "refuse_custom_code",
+    "require_safetensors",
+    "unsafe_files",
+]

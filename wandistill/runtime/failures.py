@@ -28,6 +28,15 @@ import torch
 from wandistill.errors import WandistillError
 from wandistill.runtime import dist
 
+__all__ = [
+    "Stopped",
+    "StopRequested",
+    "StopSignals",
+    "collective_error",
+    "is_collective_failure",
+    "is_oom",
+]
+
 # --------------------------------------------------------------------------- stop signals
 
 

@@ -48,6 +48,8 @@ import torch
 
 from wandistill.errors import UsageError, WandistillError
 
+__all__ = ["ACTIONS", "ENV", "at", "wants"]
+
 ENV = "WANDISTILL_FAULT"
 ACTIONS = ("kill", "term", "int", "raise", "oom", "stop", "hang", "nan")
 

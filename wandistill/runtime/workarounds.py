@@ -24,6 +24,28 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+__all__ = [
+    "WORKAROUNDS",
+    "Workaround",
+    "ddp_no_buffer_sync",
+    "ddp_skip_init_sync",
+    "dtype_kwarg",
+    "group_offload_level",
+    "hide_flag_types",
+    "incomplete_device_map",
+    "mixed_map_kwargs",
+    "never_split",
+    "offload_hooks",
+    "offload_index",
+    "redispatch_disk",
+    "remove_diffusers_hooks",
+    "restore_fp32_offloaded",
+    "safetensors_header",
+    "served_names",
+    "t5_tokenizer_class",
+    "tie_meta_weights",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class Workaround:
