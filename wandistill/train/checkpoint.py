@@ -205,7 +205,7 @@ def flatten_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict
     for idx, entry in sd["state"].items():
         for name, value in entry.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"state.{idx}.{name}"] = value.detach().cpu().contiguous()
+                tensors[f"state.{idx}.{name}"] = value.detach()
             else:
                 scalars.setdefault(str(idx), {})[name] = value
     groups = [
@@ -231,13 +231,24 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) 
 # --------------------------------------------------------------------------- write
 
 
-def _write(path: Path, data: bytes, sums: dict[str, dict[str, int]] | None = None) -> None:
+def write_file(path: Path, data: bytes, sums: dict[str, dict[str, int]] | None = None) -> None:
+    """Write and fsync one checkpoint file (also train/dcp.py's), its size and crc32c into
+    `sums`."""
     with writing(path), open(path, "wb") as f:  # a full disk names this file
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     if sums is not None:
         sums[path.name] = {"bytes": len(data), "crc32c": int(google_crc32c.value(data))}
+
+
+def file_sum(path: Path) -> dict[str, int]:
+    """A file's state.json entry (`FileSum`), streamed: a large student is never held twice."""
+    crc, size = 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(16 * MiB):
+            crc, size = google_crc32c.extend(crc, chunk), size + len(chunk)
+    return {"bytes": size, "crc32c": crc}
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -249,14 +260,14 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, *, keep: int) -> Path:
     tmp = start_checkpoint(root, ckpt.step)
     sums: dict[str, dict[str, int]] = {}
     try:
-        _write(tmp / "student.safetensors", save(_contiguous(ckpt.student)), sums)
-        _write(tmp / "ema.safetensors", save(_contiguous(ckpt.ema)), sums)
+        write_file(tmp / "student.safetensors", save(_contiguous(ckpt.student)), sums)
+        write_file(tmp / "ema.safetensors", save(_contiguous(ckpt.ema)), sums)
         if ckpt.projections:
-            _write(tmp / "projections.safetensors", save(_contiguous(ckpt.projections)), sums)
+            write_file(tmp / "projections.safetensors", save(_contiguous(ckpt.projections)), sums)
         opt_tensors, opt_rest = flatten_optimizer(ckpt.optimizer)
-        _write(tmp / "optimizer.safetensors", save(opt_tensors), sums)
-        _write(tmp / OPTIMIZER_JSON, json.dumps(opt_rest).encode(), sums)
-        _write(tmp / "rng.safetensors", save(_contiguous(ckpt.rng)), sums)
+        write_file(tmp / "optimizer.safetensors", save(_contiguous(opt_tensors)), sums)
+        write_file(tmp / OPTIMIZER_JSON, json.dumps(opt_rest).encode(), sums)
+        write_file(tmp / "rng.safetensors", save(_contiguous(ckpt.rng)), sums)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -288,7 +299,7 @@ def seal_and_publish(
         state = {k: v for k, v in state.items() if k not in ("files", "sha256")}
         state["files"] = sums
         state["sha256"] = seal(state)
-        _write(tmp / STATE, (json.dumps(state, indent=1) + "\n").encode())
+        write_file(tmp / STATE, (json.dumps(state, indent=1) + "\n").encode())
         fsync_dir(tmp)
         final = root / name
         if final.exists():  # re-saving a step (a run extended with a larger --steps)
@@ -346,8 +357,3 @@ def resolve_latest(root: Path) -> Path | None:
 
 
 _FIX_LATEST = "delete it: --resume then takes the highest complete checkpoint"
-
-
-# Public name for the sharded (FSDP) checkpoints of train/dcp.py, which share this folder
-# contract (their reading side: `train.checkpoint_read`).
-write_file = _write

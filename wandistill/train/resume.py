@@ -157,35 +157,18 @@ def save(t: Trainer, step: int) -> None:
     }
     check_weights(t.info, step, weights)  # never a checkpoint (or final student) of NaN weights
     rng = rng_states(t.info)  # a collective: every rank takes part
+    state = {
+        "step": step,
+        "scheduler": t.scheduler.state_dict(),
+        "reader": t.reader.state_dict(),
+        "meta": t.meta,
+    }
+    root, keep = t.plan.out / "checkpoints", t.cfg.keep_checkpoints
     if t.cfg.parallel == "fsdp":  # every rank writes its shard
-        state = {
-            "step": step,
-            "scheduler": t.scheduler.state_dict(),
-            "reader": t.reader.state_dict(),
-            "meta": {**t.meta, "shards": t.info.world_size},
-        }
+        state["meta"] = {**t.meta, "shards": t.info.world_size}
         parts = checkpoint_parts(t.model, t.ema)
-        root = t.plan.out / "checkpoints"
-        keep = t.cfg.keep_checkpoints
         sharded.save_checkpoint(root, step, parts, t.optimizer, rng, state, t.info, keep=keep)
-        return
-    if not t.info.is_main:
-        return
-    ckpt_io.save_checkpoint(
-        t.plan.out / "checkpoints",
-        ckpt_io.Checkpoint(
-            step=step,
-            student=lora.trainable_state_dict(t.model.student),
-            ema=t.ema.state_dict(),
-            projections=t.model.projection_state(),
-            optimizer=t.optimizer.state_dict(),
-            rng=rng,
-            state={
-                "step": step,
-                "scheduler": t.scheduler.state_dict(),
-                "reader": t.reader.state_dict(),
-                "meta": t.meta,
-            },
-        ),
-        keep=t.cfg.keep_checkpoints,
-    )
+    elif t.info.is_main:
+        own = (lora.trainable_state_dict(t.model.student), t.ema.state_dict())
+        tensors = (*own, t.model.projection_state(), t.optimizer.state_dict(), rng)
+        ckpt_io.save_checkpoint(root, ckpt_io.Checkpoint(step, *tensors, state), keep=keep)
