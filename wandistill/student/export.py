@@ -133,7 +133,7 @@ def export(
                 scheduler, usage = _build_lora(tmp, finished, teacher)
             else:
                 scheduler, usage = _build(tmp, finished, teacher, copy=copy), ""
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             _install(tmp, claimed.path, last=last)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -243,29 +243,23 @@ def lora_usage(teacher: Path, out: Path, run: FinishedStudent, scheduler: str, w
     with the adapted expert as `transformer`; per-expert LoRAs go one into each expert of the
     teacher's own pipeline."""
     assert run.lora is not None
+    kw, loads = "", [f"pipe.load_lora_weights({str(out)!r})"]
     if run.boundary_ratio is not None:
-        return "\n".join(
-            [
-                f"pipe = WanPipeline.from_pretrained({str(teacher)!r})",
-                f"pipe.load_lora_weights({str(out / experts.HIGH)!r})",
-                f"pipe.load_lora_weights({str(out / experts.LOW)!r}, load_into_transformer_2=True)",
-                f"pipe.scheduler = diffusers.{scheduler}.from_pretrained({str(out)!r}, "
-                "subfolder='scheduler')",
-                f"pipe(prompt, num_inference_steps={run.num_inference_steps}, guidance_scale=1.0)",
-            ]
-        )
-    kw = ""
-    if run.lora.component != "transformer":
+        loads = [
+            f"pipe.load_lora_weights({str(out / experts.HIGH)!r})",
+            f"pipe.load_lora_weights({str(out / experts.LOW)!r}, load_into_transformer_2=True)",
+        ]
+    elif run.lora.component != "transformer":
         kw += (
             f", transformer=WanTransformer3DModel.from_pretrained({str(teacher)!r}, "
             f"subfolder={run.lora.component!r})"
         )
-    if wan22:
+    if wan22 and run.boundary_ratio is None:
         kw += ", transformer_2=None, boundary_ratio=None"
     return "\n".join(
         [
             f"pipe = WanPipeline.from_pretrained({str(teacher)!r}{kw})",
-            f"pipe.load_lora_weights({str(out)!r})",
+            *loads,
             f"pipe.scheduler = diffusers.{scheduler}.from_pretrained({str(out)!r}, "
             "subfolder='scheduler')",
             f"pipe(prompt, num_inference_steps={run.num_inference_steps}, guidance_scale=1.0)",
@@ -388,8 +382,9 @@ def _model_index(
     return index
 
 
-def _fsync_tree(folder: Path) -> None:
-    """fsync every file we wrote (not through the teacher symlinks), then every directory."""
+def fsync_tree(folder: Path) -> None:
+    """fsync every file we wrote (not through the teacher symlinks), then every directory
+    (train's result folders too)."""
     for root, dirs, files in os.walk(folder):  # os.walk does not follow directory symlinks
         for name in files:
             path = Path(root) / name

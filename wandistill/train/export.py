@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from wandistill.io.fsutil import atomic_write_json, fsync_dir, make_temp_dir, publish
+from wandistill.io.fsutil import atomic_write_json, make_temp_dir, publish
 from wandistill.runtime.dist import DistInfo, barrier
 from wandistill.student import experts, lora
+from wandistill.student.export import fsync_tree
 from wandistill.train.ema import EMA
 from wandistill.train.parallel import gather_to_main, is_sharded, unwrapped_class
 
@@ -45,13 +46,7 @@ def _save_folder(
             lora.save_lora_folder(model, tmp, adapter)
         else:
             model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
-        for f in sorted(tmp.rglob("*")):  # per-expert students: transformer/, transformer_2/
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-            else:
-                fsync_dir(f)
-        fsync_dir(tmp)
+        fsync_tree(tmp)  # per-expert students: transformer/, transformer_2/ too
         if final.exists():  # park the old result, swap, then delete it
             old = make_temp_dir(final.parent, f"{final.name}.old")  # a temp name: see outputs
             os.replace(final, old)

@@ -82,24 +82,22 @@ def _cache_started(st: Storage) -> bool:
 def wait_for_manifest(cfg: TrainConfig) -> list[Storage]:
     """--follow may start before precompute has created the cache: wait for its manifest (each
     cache's, with several). Returns the storages it polled, for `validate` to read on."""
-    return [_wait_for_cache(cfg, storage_at(cache)) for cache in cfg.caches]
-
-
-def _wait_for_cache(cfg: TrainConfig, st: Storage) -> Storage:
-    path = manifest_name(st)
-    start = time.monotonic()
-    told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
-    while not _cache_started(st):
-        if not told:
-            console.print(f"train: waiting for {path} (has precompute started?)")
-            told = True
-        if cfg.follow_timeout and time.monotonic() - start > cfg.follow_timeout:
-            raise CacheError(
-                f"--follow: {str(path)!r} did not appear within {cfg.follow_timeout:.0f} s",
-                fix="start `wandistill precompute` with --out pointing at this cache",
-            )
-        time.sleep(cfg.follow_poll_interval)
-    return st
+    opened = [storage_at(cache) for cache in cfg.caches]
+    for st in opened:
+        path = manifest_name(st)
+        start = time.monotonic()
+        told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
+        while not _cache_started(st):
+            if not told:
+                console.print(f"train: waiting for {path} (has precompute started?)")
+                told = True
+            if cfg.follow_timeout and time.monotonic() - start > cfg.follow_timeout:
+                raise CacheError(
+                    f"--follow: {str(path)!r} did not appear within {cfg.follow_timeout:.0f} s",
+                    fix="start `wandistill precompute` with --out pointing at this cache",
+                )
+            time.sleep(cfg.follow_poll_interval)
+    return opened
 
 
 def open_caches(cfg: TrainConfig, opened: list[Storage] | None = None) -> tuple[CacheReader, ...]:

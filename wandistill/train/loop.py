@@ -136,7 +136,8 @@ def run(
         student, ema = export_pretrained(
             trainer.model.student, trainer.ema, plan.out, info, sampling
         )
-        corrupt = gather_corrupt(trainer)
+        views = dist.all_gather_json(info, trainer.reader.corrupt)  # reported once, by rank 0
+        corrupt = [m for view in views for m in view]
         trainer.metrics.write({"event": "end", "step": steps, "corrupt": len(corrupt)})
         if info.is_main:
             plot_loss(trainer.metrics.path, plan.out / LOSS_PNG)
@@ -168,11 +169,6 @@ def run(
         is_main=info.is_main,
         start_step=start_step,
     )
-
-
-def stopped(signum: int, step: int, info: dist.DistInfo) -> Stopped:
-    """Training stopped on SIGTERM / SIGINT after saving a checkpoint at `step`."""
-    return Stopped(signum, f"at step {step}", info, "resume with --resume", resume_flag="--resume")
 
 
 # --------------------------------------------------------------------------- setup
@@ -288,10 +284,9 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
             signum = stop.agreed(info) if stop is not None else 0
             if signum:  # every rank stops here, at the same step, after the same checkpoint
                 if step != saved:
-                    if window.steps:
-                        log_window(t, step, window, samples_per_step)
-                    save(t, step)
-                raise stopped(signum, step, info)
+                    _last_save(t, step, window, samples_per_step)
+                how = "resume with --resume"
+                raise Stopped(signum, f"at step {step}", info, how, resume_flag="--resume")
             t0 = time.perf_counter()
             wait = 0.0
             terms: dict[str, torch.Tensor] = {}  # this step's terms, for the finiteness check
@@ -340,10 +335,15 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
                 saved = step
                 at("train", "saved", step, info.rank)
     if step != saved:
-        if window.steps:
-            log_window(t, step, window, samples_per_step)
-        save(t, step)
+        _last_save(t, step, window, samples_per_step)
     return step
+
+
+def _last_save(t: Trainer, step: int, window: Window, samples_per_step: int) -> None:
+    """A checkpoint at an unsaved last step (the run's end, or a stop), its metrics row first."""
+    if window.steps:
+        log_window(t, step, window, samples_per_step)
+    save(t, step)
 
 
 def forward(
@@ -406,14 +406,6 @@ def _unroll(
         )
         out = out.index_put((rows,), final.float())
     return out
-
-
-# --------------------------------------------------------------------------- logging
-
-
-def gather_corrupt(t: Trainer) -> list[str]:
-    """Every rank's skipped records (reported once, by rank 0)."""
-    return [m for view in dist.all_gather_json(t.info, t.reader.corrupt) for m in view]
 
 
 # --------------------------------------------------------------------------- failures
