@@ -232,10 +232,12 @@ def first_order_spec(teacher: dict[str, Any], k: int) -> dict[str, Any]:
     )
 
 
-def match_steps(teacher: TeacherSchedule, spec: dict[str, Any], k: int) -> list[int] | None:
-    """Teacher step index of each sigma of the K-step schedule, or None if one is off-grid."""
+def match_steps(teacher: TeacherSchedule, k: int) -> StudentSchedule | None:
+    """The first-order K-step schedule, if each of its sigmas is one of the teacher's steps."""
+    assert teacher.scheduler is not None
+    spec = first_order_spec(teacher.scheduler, k)
     try:
-        _, sigmas = _set_timesteps(build_scheduler(spec), k)
+        timesteps, sigmas = _set_timesteps(build_scheduler(spec), k)
     except (ValueError, RuntimeError, TypeError):  # e.g. dynamic shifting without mu
         return None
     if len(sigmas) != k + 1 or abs(sigmas[-1] - teacher.sigmas[-1]) > SIGMA_TOLERANCE:
@@ -250,7 +252,7 @@ def match_steps(teacher: TeacherSchedule, spec: dict[str, Any], k: int) -> list[
         if not hit:
             return None
         steps.append(hit[0])
-    return steps
+    return StudentSchedule(k, tuple(steps), sigmas, timesteps, spec, first_order=True)
 
 
 def student_schedule(
@@ -281,28 +283,15 @@ def student_schedule(
             "as the teacher's schedule has",
             fix=f"choose K <= {n}",
         )
-    steps = match_steps(teacher, first_order_spec(teacher.scheduler, k), k)
-    if steps is None:
-        valid = [
-            j
-            for j in range(1, n + 1)
-            if match_steps(teacher, first_order_spec(teacher.scheduler, j), j)
-        ]
+    found = match_steps(teacher, k)
+    if found is None:
+        valid = [j for j in range(1, n + 1) if match_steps(teacher, j)]
         raise UsageError(
             f"{key}={k}: the {teacher.scheduler['_class_name']} {k}-step schedule does not land "
             f"on the teacher's {n}-step one (for UniPC, K must divide N)",
             fix=f"choose K from {valid}",
         )
-    spec = first_order_spec(teacher.scheduler, k)
-    timesteps, sigmas = _set_timesteps(build_scheduler(spec), k)
-    return StudentSchedule(
-        num_inference_steps=k,
-        steps=tuple(steps),
-        sigmas=sigmas,
-        timesteps=timesteps,
-        scheduler=spec,
-        first_order=True,
-    )
+    return found
 
 
 def student_steps_for(scheduler: Any, num_inference_steps: int) -> Any:

@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from wandistill.io.fsutil import atomic_write_json, make_temp_dir, publish
 from wandistill.runtime.dist import DistInfo, barrier
 from wandistill.student import experts, lora
 from wandistill.student.export import fsync_tree
 from wandistill.train.ema import EMA
-from wandistill.train.parallel import gather_to_main, is_sharded, unwrapped_class
+from wandistill.train.parallel import gather_to_main
 
 STUDENT = "student"
 STUDENT_EMA = "student_ema"
@@ -67,7 +68,7 @@ def export_pretrained(
     for the second save: training is over, and no second copy of the model is needed), then
     sampling.json."""
     paths = (out / STUDENT, out / STUDENT_EMA)
-    if is_sharded(student):
+    if experts.is_sharded(student):
         _export_sharded(student, ema, paths, info)
         if info.is_main:
             atomic_write_json(out / SAMPLING, sampling)
@@ -115,4 +116,6 @@ def _meta_copy(student: nn.Module) -> nn.Module:
                 student.boundary_ratio,
                 student.num_train_timesteps,
             )
-        return unwrapped_class(student).from_config(student.config)  # type: ignore[attr-defined]
+        # the model's own class (fully_shard swaps in an `FSDP<name>` subclass)
+        own = next(c for c in type(student).__mro__ if not issubclass(c, FSDPModule))
+        return own.from_config(student.config)  # type: ignore[attr-defined]

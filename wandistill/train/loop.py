@@ -171,6 +171,11 @@ def run(
     )
 
 
+def stopped(signum: int, step: int, info: dist.DistInfo) -> Stopped:
+    """Training stopped on SIGTERM / SIGINT after saving a checkpoint at `step`."""
+    return Stopped(signum, f"at step {step}", info, "resume with --resume", resume_flag="--resume")
+
+
 # --------------------------------------------------------------------------- setup
 
 
@@ -243,20 +248,16 @@ def announce(t: Trainer, store: CacheReader, follow: bool) -> None:
         ),
         *([f"weights {t.reader.weights}"] if t.reader.weights else []),
     ]
-    for line in summary_lines(phrases):  # short lines: readable at 80 columns and in logs
-        console.print(line, soft_wrap=True)
-    if cfg.parallel == "fsdp":
-        for line in summary_lines(parallel.describe(cfg, info)):
-            console.print(line, soft_wrap=True)
-    for line in summary_lines(f"train: {t.plan.objectives.describe()[0]}".split(" ")):
-        console.print(line, soft_wrap=True)
+    groups = [phrases, parallel.describe(cfg, info) if cfg.parallel == "fsdp" else []]
+    groups.append(f"train: {t.plan.objectives.describe()[0]}".split(" "))
+    for line in (line for g in groups for line in summary_lines(g)):  # short lines: 80 columns
+        console.print(line)
     split = experts_record(t)
     if split is not None:
         high, low = (split[f"{n}_steps"] for n in experts.EXPERTS)
         console.print(
             f"train: per-expert students split at t = {split['boundary_timestep']:g}: K-step "
-            f"steps {high} -> transformer, {low} -> transformer_2",
-            soft_wrap=True,
+            f"steps {high} -> transformer, {low} -> transformer_2"
         )
     if not store.complete and not follow:
         console.print(
@@ -285,8 +286,7 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
             if signum:  # every rank stops here, at the same step, after the same checkpoint
                 if step != saved:
                     _last_save(t, step, window, samples_per_step)
-                how = "resume with --resume"
-                raise Stopped(signum, f"at step {step}", info, how, resume_flag="--resume")
+                raise stopped(signum, step, info)
             t0 = time.perf_counter()
             wait = 0.0
             terms: dict[str, torch.Tensor] = {}  # this step's terms, for the finiteness check

@@ -128,10 +128,6 @@ def shard(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> int:
     return info.world_size
 
 
-def is_sharded(module: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
 @contextlib.contextmanager
 def no_sync(module: nn.Module) -> Iterator[None]:
     """No gradient all-reduce / reduce-scatter for the micro-steps inside (accumulation): DDP's
@@ -169,11 +165,6 @@ def gather_to_main(named: Iterable[tuple[str, torch.Tensor]], info: DistInfo) ->
             out[name] = whole.cpu()
         del whole
     return out
-
-
-def unwrapped_class(module: nn.Module) -> type[nn.Module]:
-    """The model's own class (fully_shard swaps in an `FSDP<name>` subclass)."""
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 def describe(cfg: TrainConfig, info: DistInfo) -> list[str]:

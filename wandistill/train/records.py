@@ -4,6 +4,7 @@ experts), which eval, sample and export read back."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,4 +77,4 @@ def experts_record(t: Trainer) -> dict[str, Any] | None:
     if t.cfg.student.experts != experts.PER_EXPERT:
         return None
     o = t.plan.objectives
-    return experts.split_for(o, t.plan.manifest.dims, t.cfg.student.num_inference_steps).to_json()
+    return asdict(experts.split_for(o, t.plan.manifest.dims, t.cfg.student.num_inference_steps))

@@ -66,10 +66,6 @@ def restore(
     return step
 
 
-Loaded = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
-"""A checkpoint's step, its state.json as read (scheduler, reader) and this rank's RNG states."""
-
-
 def _load(
     path: Path,
     info: dist.DistInfo,
@@ -78,8 +74,9 @@ def _load(
     ema: EMA,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> Loaded:
-    """The checkpoint's tensors into the live modules: a sharded (FSDP) checkpoint on any
+) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
+    """The checkpoint's tensors into the live modules; returns its step, its state.json as read
+    (scheduler, reader) and this rank's RNG states. A sharded (FSDP) checkpoint on any
     number of ranks (train/dcp.py), or a DDP one (whole tensors in safetensors files)."""
     if meta["parallel"] == "fsdp":
         state, raw, _ = ckpt_read.check_state(path)
