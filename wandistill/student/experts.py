@@ -371,17 +371,13 @@ def build(
     from wandistill.student.model import build_student
 
     init = base_init(student, config)
-    if student.experts != PER_EXPERT:
-        model = build_student(config, seed=seed)
-        if init.path:
-            init_from_teacher(model, init)
-        return model
     made = []
-    for name in EXPERTS:
-        model = build_student(config, seed=seed)
+    for name in EXPERTS if student.experts == PER_EXPERT else (None,):
+        made.append(build_student(config, seed=seed))
         if init.path:
-            init_from_teacher(model, replace(init, component=name))
-        made.append(model)
+            init_from_teacher(made[-1], replace(init, component=name) if name else init)
+    if len(made) == 1:
+        return made[0]
     steps = int((settings.scheduler_config or {}).get("num_train_timesteps", 1000))  # type: ignore[arg-type]
     assert settings.boundary_ratio is not None, "check() refuses caches without a boundary"
     return ExpertPair(made[0], made[1], settings.boundary_ratio, steps)

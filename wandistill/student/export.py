@@ -92,9 +92,6 @@ class ExportResult:
     weights: Path
     lora: bool = False
     """OUT holds a LoRA file for the teacher folder, not a pipeline."""
-    scheduler: str = ""
-    """The K-step scheduler's diffusers class (what a LoRA export's user loads OUT/scheduler
-    with)."""
     usage: str = ""
     """A LoRA export: the stock diffusers lines that sample it (also in the marker)."""
 
@@ -120,32 +117,26 @@ def export(
     if finished.lora is not None:
         check_lora_base(teacher, finished)
     lora_file = finished.lora is not None and not merge_lora
-    if lora_file:
-        check_lora_boundary(teacher, finished)
     last = INDEX
     if lora_file:
+        check_lora_boundary(teacher, finished)
         last = experts.LOW if finished.boundary_ratio is not None else LORA_FILE
     inputs = {"--run": run, "--teacher": teacher.path}
     with outputs.claim(out, "export", inputs=inputs) as claimed:
         tmp = make_temp_dir(claimed.path, "export")
         try:
-            if lora_file:
-                scheduler, usage = _build_lora(tmp, finished, teacher)
-            else:
-                scheduler, usage = _build(tmp, finished, teacher, copy=copy), ""
+            scheduler = _scheduler(finished.schedule, teacher)  # the K-step one
+            scheduler.save_pretrained(tmp / "scheduler")
+            name = type(scheduler).__name__
+            usage = _build_lora(tmp, finished, teacher, name) if lora_file else ""
+            if not lora_file:
+                _build(tmp, finished, teacher, name, copy=copy)
             fsync_tree(tmp)
             _install(tmp, claimed.path, last=last)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return ExportResult(
-        Path(out),
-        finished.num_inference_steps,
-        not copy,
-        finished.weights,
-        lora=lora_file,
-        scheduler=scheduler,
-        usage=usage,
-    )
+    k = finished.num_inference_steps
+    return ExportResult(Path(out), k, not copy, finished.weights, lora=lora_file, usage=usage)
 
 
 # --------------------------------------------------------------------------- checks
@@ -267,32 +258,22 @@ def lora_usage(teacher: Path, out: Path, run: FinishedStudent, scheduler: str, w
     )
 
 
-def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder) -> tuple[str, str]:
-    """The adapter file as train wrote it (per expert: `transformer/`, `transformer_2/`), the
-    K-step scheduler, the marker; returns the scheduler's class name and the usage lines."""
+def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, scheduler: str) -> str:
+    """The adapter file as train wrote it (per expert: `transformer/`, `transformer_2/`) and
+    the marker; returns the usage lines (`scheduler`: the K-step scheduler's class)."""
     if run.boundary_ratio is None:
         shutil.copyfile(run.weights / LORA_FILE, tmp / LORA_FILE)
     else:
         for name, folder in run.expert_folders.items():
             (tmp / name).mkdir()
             shutil.copyfile(folder / LORA_FILE, tmp / name / LORA_FILE)
-    scheduler = _scheduler(run.schedule, teacher)
-    scheduler.save_pretrained(tmp / "scheduler")
     assert run.lora is not None
     wan22 = bool(teacher.index.present("transformer_2"))
     out = tmp.parent.resolve()  # the claimed OUT the entries move into
-    usage = lora_usage(teacher.path.resolve(), out, run, type(scheduler).__name__, wan22)
-    marker = _marker(
-        "lora",
-        run,
-        teacher,
-        lora=run.lora.model_dump(),
-        scheduler_class=type(scheduler).__name__,
-        wan22_teacher=wan22,
-        usage=usage,
-    )
-    atomic_write_json(tmp / MARKER, marker)
-    return type(scheduler).__name__, usage
+    usage = lora_usage(teacher.path.resolve(), out, run, scheduler, wan22)
+    own = {"lora": run.lora.model_dump(), "scheduler_class": scheduler, "wan22_teacher": wan22}
+    atomic_write_json(tmp / MARKER, _marker("lora", run, teacher, **own, usage=usage))
+    return usage
 
 
 def _merged_transformers(run: FinishedStudent, teacher: TeacherFolder, tmp: Path) -> None:
@@ -308,7 +289,9 @@ def _merged_transformers(run: FinishedStudent, teacher: TeacherFolder, tmp: Path
         expert.save_pretrained(tmp / name, safe_serialization=True)  # type: ignore[operator]
 
 
-def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: bool) -> str:
+def _build(
+    tmp: Path, run: FinishedStudent, teacher: TeacherFolder, scheduler: str, *, copy: bool
+) -> None:
     if run.lora is not None:
         _merged_transformers(run, teacher, tmp)
     else:
@@ -317,19 +300,15 @@ def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: boo
             for f in sorted(folder.iterdir()):
                 if f.is_file():
                     shutil.copyfile(f, tmp / name / f.name)  # copyfile: umask, not 0600
-    scheduler = _scheduler(run.schedule, teacher)
-    scheduler.save_pretrained(tmp / "scheduler")
     for name in LINKED:
         source = (teacher.path / name).resolve()
         if copy:
             copy_tree(source, tmp / name)  # a failure is that file's one error
         else:
             os.symlink(source, tmp / name, target_is_directory=True)
-    index = _model_index(teacher, type(scheduler).__name__, run.boundary_ratio)
-    atomic_write_json(tmp / INDEX, index)
+    atomic_write_json(tmp / INDEX, _model_index(teacher, scheduler, run.boundary_ratio))
     components = "copied" if copy else "symlinked"
     atomic_write_json(tmp / MARKER, _marker("export", run, teacher, components=components))
-    return type(scheduler).__name__
 
 
 def _marker(kind: str, run: FinishedStudent, teacher: TeacherFolder, **own: Any) -> dict:

@@ -87,9 +87,7 @@ class TeacherSchedule:
         config = settings.scheduler_config or {}
         train_steps = float(config.get("num_train_timesteps", 1000))
         timesteps = t.flatten().tolist() if t is not None else (sigmas[:-1] * train_steps).tolist()
-        spec = None
-        if settings.scheduler:
-            spec = {"_class_name": settings.scheduler, **config}
+        spec = {"_class_name": settings.scheduler, **config} if settings.scheduler else None
         ratio = settings.boundary_ratio
         return cls(
             num_inference_steps=n,
@@ -262,14 +260,8 @@ def student_schedule(
     one whose steps land on the teacher's schedule. `key` names the setting in messages."""
     n = teacher.num_inference_steps
     if not few_step:
-        return StudentSchedule(
-            num_inference_steps=n,
-            steps=tuple(range(n)),
-            sigmas=teacher.sigmas,
-            timesteps=teacher.timesteps,
-            scheduler=teacher.scheduler,
-            first_order=False,
-        )
+        own = (teacher.sigmas, teacher.timesteps, teacher.scheduler)
+        return StudentSchedule(n, tuple(range(n)), *own, first_order=False)
     k = n if k is None else k
     if teacher.scheduler is None or len(teacher.sigmas) != n + 1:
         raise UsageError(

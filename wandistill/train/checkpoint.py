@@ -321,13 +321,8 @@ def step_of(path: Path) -> int | None:
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints (those with state.json), oldest first."""
-    found = []
-    if root.is_dir():
-        for p in root.glob(f"{PREFIX}*"):
-            step = step_of(p)
-            if step is not None and (p / STATE).is_file():
-                found.append((step, p))
-    return sorted(found)
+    named = ((step_of(p), p) for p in root.glob(f"{PREFIX}*"))  # none if root is missing
+    return sorted((s, p) for s, p in named if s is not None and (p / STATE).is_file())
 
 
 def prune(root: Path, keep: int) -> None:
