@@ -62,16 +62,15 @@ from wandistill.errors import UsageError
 from wandistill.io import outputs
 from wandistill.io.fsutil import atomic_write_json, copy_tree, fsync_dir, make_temp_dir
 from wandistill.student import experts
-from wandistill.student.folders import EXPORT_MARKER, SAMPLING, FinishedStudent, read_run
+from wandistill.student.folders import EXPORT_MARKER, FinishedStudent, read_run
 from wandistill.student.lora import LORA_FILE
 from wandistill.student.schedule import StudentSchedule, build_scheduler
 
-MARKER = EXPORT_MARKER
 LINKED = ("tokenizer", "text_encoder", "vae")
 """Teacher components the export reuses as they are."""
 INDEX = "model_index.json"
 
-__all__ = ["LINKED", "MARKER", "SAMPLING", "ExportResult", "check_teacher", "export"]
+__all__ = ["LINKED", "ExportResult", "check_teacher", "export"]
 
 
 class TeacherFolder(Protocol):
@@ -272,7 +271,7 @@ def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, schedul
     out = tmp.parent.resolve()  # the claimed OUT the entries move into
     usage = lora_usage(teacher.path.resolve(), out, run, scheduler, wan22)
     own = {"lora": run.lora.model_dump(), "scheduler_class": scheduler, "wan22_teacher": wan22}
-    atomic_write_json(tmp / MARKER, _marker("lora", run, teacher, **own, usage=usage))
+    atomic_write_json(tmp / EXPORT_MARKER, _marker("lora", run, teacher, **own, usage=usage))
     return usage
 
 
@@ -308,7 +307,7 @@ def _build(
             os.symlink(source, tmp / name, target_is_directory=True)
     atomic_write_json(tmp / INDEX, _model_index(teacher, scheduler, run.boundary_ratio))
     components = "copied" if copy else "symlinked"
-    atomic_write_json(tmp / MARKER, _marker("export", run, teacher, components=components))
+    atomic_write_json(tmp / EXPORT_MARKER, _marker("export", run, teacher, components=components))
 
 
 def _marker(kind: str, run: FinishedStudent, teacher: TeacherFolder, **own: Any) -> dict:

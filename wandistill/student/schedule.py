@@ -107,7 +107,8 @@ class TeacherSchedule:
         boundary_ratio: float | None = None,
     ) -> TeacherSchedule:
         """The schedule precompute will record with `scheduler` (a configured diffusers one)."""
-        spec = _spec_of(scheduler)
+        config = json.loads(json.dumps(dict(scheduler.config), default=str))  # JSON values
+        spec = {"_class_name": type(scheduler).__name__, **config}
         train_steps = float(spec.get("num_train_timesteps", 1000))
         timesteps, sigmas = _set_timesteps(build_scheduler(spec), num_inference_steps)
         return cls(
@@ -167,11 +168,6 @@ class StudentSchedule:
 
 
 # --------------------------------------------------------------------------- schedulers
-
-
-def _spec_of(scheduler: Any) -> dict[str, Any]:
-    config = json.loads(json.dumps(dict(scheduler.config), default=str))
-    return {"_class_name": type(scheduler).__name__, **config}
 
 
 def build_scheduler(spec: dict[str, Any]) -> Any:

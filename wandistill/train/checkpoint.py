@@ -251,7 +251,7 @@ def file_sum(path: Path) -> dict[str, int]:
     return {"bytes": size, "crc32c": crc}
 
 
-def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def cpu_contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
@@ -260,14 +260,16 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, *, keep: int) -> Path:
     tmp = start_checkpoint(root, ckpt.step)
     sums: dict[str, dict[str, int]] = {}
     try:
-        write_file(tmp / "student.safetensors", save(_contiguous(ckpt.student)), sums)
-        write_file(tmp / "ema.safetensors", save(_contiguous(ckpt.ema)), sums)
+        write_file(tmp / "student.safetensors", save(cpu_contiguous(ckpt.student)), sums)
+        write_file(tmp / "ema.safetensors", save(cpu_contiguous(ckpt.ema)), sums)
         if ckpt.projections:
-            write_file(tmp / "projections.safetensors", save(_contiguous(ckpt.projections)), sums)
+            write_file(
+                tmp / "projections.safetensors", save(cpu_contiguous(ckpt.projections)), sums
+            )
         opt_tensors, opt_rest = flatten_optimizer(ckpt.optimizer)
-        write_file(tmp / "optimizer.safetensors", save(_contiguous(opt_tensors)), sums)
+        write_file(tmp / "optimizer.safetensors", save(cpu_contiguous(opt_tensors)), sums)
         write_file(tmp / OPTIMIZER_JSON, json.dumps(opt_rest).encode(), sums)
-        write_file(tmp / "rng.safetensors", save(_contiguous(ckpt.rng)), sums)
+        write_file(tmp / "rng.safetensors", save(cpu_contiguous(ckpt.rng)), sums)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

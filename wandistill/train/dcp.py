@@ -90,7 +90,6 @@ class _ShardWriter(HuggingFaceStorageWriter):
     def __init__(self, path: Path, rank: int) -> None:
         super().__init__(str(path), save_distributed=True)
         self._shard_rank = rank  # not `rank`: set_up_storage_writer sets that to DCP's own
-        self._file_bytes = SHARD_FILE_BYTES
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         return [
@@ -98,7 +97,7 @@ class _ShardWriter(HuggingFaceStorageWriter):
                 p,
                 storage_data={
                     "shard_index": self._shard_rank + 1,
-                    "fqn_to_index_mapping": file_of(p.items, self._file_bytes),
+                    "fqn_to_index_mapping": file_of(p.items, SHARD_FILE_BYTES),
                 },
             )
             for p in plans
@@ -150,8 +149,7 @@ def save_checkpoint(
         return
     sums = {name: s for view in views for name, s in view.items()}
     ckpt_io.write_file(tmp / ckpt_io.OPTIMIZER_JSON, json.dumps(rest).encode(), sums)
-    cpu_rng = {k: v.detach().cpu().contiguous() for k, v in rng.items()}
-    ckpt_io.write_file(tmp / "rng.safetensors", save(cpu_rng), sums)
+    ckpt_io.write_file(tmp / "rng.safetensors", save(ckpt_io.cpu_contiguous(rng)), sums)
     fsync_dir(tmp / SHARDS)
     ckpt_io.seal_and_publish(root, tmp, step, state, sums, keep=keep)
 
@@ -174,9 +172,7 @@ def load_checkpoint(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     opt = _optimizer_targets(path, saved, params)
     _quiet(torch_dcp.load, {**target, **opt}, storage_reader=reader, no_dist=True)
-    by_index: dict[str, torch.Tensor] = {
-        f"state.{k.removeprefix(OPT_PREFIX)}": v for k, v in opt.items()
-    }
+    by_index = {k.removeprefix("optimizer."): v for k, v in opt.items()}  # state.<i>.<name>
     optimizer.load_state_dict(ckpt_io.unflatten_optimizer(by_index, opt_obj))
     return read_tensors(path, "rng.safetensors", state)
 

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 from torch import nn
 
 from wandistill.cache.reader import CacheReader
@@ -55,14 +54,12 @@ from wandistill.train import job, parallel
 from wandistill.train.build import build_model, build_reader, objective_masks
 from wandistill.train.ema import EMA
 from wandistill.train.export import export_pretrained
-from wandistill.train.inputs import Plan, run_inputs, validate
+from wandistill.train.inputs import Plan, console, run_inputs, validate
 from wandistill.train.metrics import MetricsLog, Window, log_window
 from wandistill.train.oom import oom_error
 from wandistill.train.optim import build_optimizer, build_scheduler
 from wandistill.train.records import experts_record, run_meta, sampling_record, write_run_settings
 from wandistill.train.resume import restore, save
-
-console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 @dataclass(slots=True)
@@ -297,8 +294,7 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
                 wait += time.perf_counter() - w0
                 if batch is None:
                     break
-                last = micro == cfg.grad_accum - 1
-                no_sync = info.distributed and not last
+                no_sync = info.distributed and micro < cfg.grad_accum - 1  # not the last
                 with parallel.no_sync(t.ddp) if no_sync else contextlib.nullcontext():
                     losses, counts = forward(t, batch)
                     if at("train", "loss", step + 1, info.rank):  # test-only NaN

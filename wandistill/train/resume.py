@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.console import Console
 
 from wandistill.cache.training import TrainingReader
 from wandistill.checks.finite import check_weights
@@ -24,13 +23,12 @@ from wandistill.train import checkpoint_read as ckpt_read
 from wandistill.train import dcp as sharded
 from wandistill.train import parallel
 from wandistill.train.ema import EMA
+from wandistill.train.inputs import console
 from wandistill.train.metrics import truncate_after
 
 if TYPE_CHECKING:
     from wandistill.train.inputs import Plan
     from wandistill.train.loop import Trainer
-
-console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def restore(
