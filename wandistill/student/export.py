@@ -58,6 +58,7 @@ import torch
 from safetensors import safe_open
 
 from wandistill import __version__
+from wandistill.checks.finite import is_finite
 from wandistill.errors import UsageError
 from wandistill.io import outputs
 from wandistill.io.fsutil import atomic_write_json, copy_tree, fsync_dir, make_temp_dir
@@ -142,8 +143,14 @@ def export(
 
 
 def refuse_non_finite(run: FinishedStudent) -> None:
-    """A student whose weights hold NaN or inf samples garbage: refuse it by name."""
-    bad = _non_finite(sorted(run.weights.rglob("*.safetensors")))
+    """A student whose weights hold NaN or inf samples garbage: refuse it by name (its tensors
+    read one at a time)."""
+    bad = []
+    for f in sorted(run.weights.rglob("*.safetensors")):
+        with safe_open(f, framework="pt") as sf:
+            for key in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if not is_finite(sf.get_tensor(key)):
+                    bad.append(key)
     if bad:
         raise UsageError(
             f"{run.label}: the {run.weights.name} weights hold NaN or inf "
@@ -151,18 +158,6 @@ def refuse_non_finite(run: FinishedStudent) -> None:
             fix="resume from an earlier checkpoint with a lower optim.lr, or export the other "
             "weights (--ema / --no-ema)",
         )
-
-
-def _non_finite(files: list[Path]) -> list[str]:
-    """Names of tensors with a NaN or inf, read one tensor at a time."""
-    bad = []
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            for key in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
-                t = sf.get_tensor(key)
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    bad.append(key)
-    return bad
 
 
 def check_teacher(folder: TeacherFolder, run: FinishedStudent) -> TeacherFolder:

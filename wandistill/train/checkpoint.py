@@ -311,7 +311,8 @@ def seal_and_publish(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     atomic_write_bytes(root / LATEST, f"{name}\n".encode())
-    prune(root, keep)
+    for _, old in list_checkpoints(root)[:-keep]:  # prune
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -325,11 +326,6 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints (those with state.json), oldest first."""
     named = ((step_of(p), p) for p in root.glob(f"{PREFIX}*"))  # none if root is missing
     return sorted((s, p) for s, p in named if s is not None and (p / STATE).is_file())
-
-
-def prune(root: Path, keep: int) -> None:
-    for _, path in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def resolve_latest(root: Path) -> Path | None:

@@ -71,15 +71,6 @@ def run_inputs(cfg: TrainConfig) -> dict[str, str]:
     }
 
 
-def _cache_started(st: Storage) -> bool:
-    """The manifest exists and so does the shared schedule it lists (the writer creates the
-    manifest first, then shared.safetensors: the steps plan needs both)."""
-    if not has_manifest(st):
-        return False
-    listed = bool(read_manifest(st).shared)
-    return not listed or st.exists(SHARED_NAME)
-
-
 def wait_for_manifest(cfg: TrainConfig) -> list[Storage]:
     """--follow may start before precompute has created the cache: wait for its manifest (each
     cache's, with several). Returns the storages it polled, for `validate` to read on."""
@@ -88,7 +79,9 @@ def wait_for_manifest(cfg: TrainConfig) -> list[Storage]:
         path = manifest_name(st)
         start = time.monotonic()
         told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
-        while not _cache_started(st):
+        # The manifest and the shared schedule it lists (the writer creates the manifest
+        # first, then shared.safetensors: the steps plan needs both)
+        while not has_manifest(st) or (read_manifest(st).shared and not st.exists(SHARED_NAME)):
             if not told:
                 console.print(f"train: waiting for {path} (has precompute started?)")
                 told = True

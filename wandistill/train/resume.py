@@ -57,7 +57,10 @@ def restore(
     step, state, rng = _load(root / name, info, meta, model, ema, optimizer, scheduler)
     scheduler.load_state_dict(state["scheduler"])
     reader.load_state_dict(state["reader"])
-    set_rng(rng, info)
+    rank = info.rank if f"rank{info.rank}.cpu" in rng else 0  # more ranks now: rank 0's
+    torch.set_rng_state(rng[f"rank{rank}.cpu"])
+    if info.device.type == "cuda" and f"rank{rank}.cuda" in rng:
+        torch.cuda.set_rng_state(rng[f"rank{rank}.cuda"], info.device)
     if info.is_main:
         truncate_after(plan.out, step)
         console.print(f"train: resumed from {root / name} at step {step}")
@@ -136,13 +139,6 @@ def rng_states(info: dist.DistInfo) -> dict[str, torch.Tensor]:
             raw = bytearray(base64.b64decode(text))
             out[f"rank{rank}.{k}"] = torch.frombuffer(raw, dtype=torch.uint8).clone()
     return out
-
-
-def set_rng(states: dict[str, torch.Tensor], info: dist.DistInfo) -> None:
-    rank = info.rank if f"rank{info.rank}.cpu" in states else 0
-    torch.set_rng_state(states[f"rank{rank}.cpu"])
-    if info.device.type == "cuda" and f"rank{rank}.cuda" in states:
-        torch.cuda.set_rng_state(states[f"rank{rank}.cuda"], info.device)
 
 
 def save(t: Trainer, step: int) -> None:
