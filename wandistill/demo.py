@@ -13,6 +13,7 @@ overrides them.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -62,13 +63,15 @@ def run_demo(
     root: str | Path = "cache/demo",
     recipe: str | Path = "tiny-fewstep",
     overrides: list[str] | None = None,
-    quiet: bool = False,
     baseline: bool = True,
     teacher: str | Path | None = None,
 ) -> DemoResult:
     """`teacher`: a Wan teacher folder to use instead of the trained tiny one (tests pass a
     random tiny teacher to skip the minute of teacher training)."""
+    from wandistill.eval.run import evaluate
     from wandistill.precompute.run import run as precompute
+    from wandistill.student.folders import read_run
+    from wandistill.teacher.folder import TeacherFolder
 
     root = Path(root)
     seconds: dict[str, float] = {}
@@ -79,7 +82,7 @@ def run_demo(
         seconds[stage] = time.perf_counter() - clock
         clock = time.perf_counter()
 
-    say = (lambda line: None) if quiet else _announce
+    say = functools.partial(print, flush=True)  # a line per stage, before it (80 columns)
     load_recipe(recipe, overrides)  # a bad recipe or --set fails before a minute of teacher
     say(
         "demo 1/5 teacher: the trained tiny teacher (built once, about a minute)"
@@ -89,7 +92,7 @@ def run_demo(
     if teacher is None:
         from wandistill.teacher.trained import ensure_trained_teacher
 
-        teacher = ensure_trained_teacher(root, seed=TEACHER_SEED, progress=not quiet)
+        teacher = ensure_trained_teacher(root, seed=TEACHER_SEED, progress=True)
     teacher = Path(teacher).absolute()
     lap("teacher")
     paths = [
@@ -104,7 +107,7 @@ def run_demo(
     write_prompts(Path(cfg.precompute.prompts))
     n = cfg.precompute.sampler.num_inference_steps
     say(f"demo 2/5 cache: the teacher's {n}-step samples of each prompt (reused if there)")
-    precompute(cfg.precompute, quiet=quiet)
+    precompute(cfg.precompute)
     lap("precompute")
     k = cfg.train.student.num_inference_steps
     runs = {"student": cfg.train}
@@ -120,26 +123,15 @@ def run_demo(
         _train(train_cfg)
         lap(f"train {name}")
     say("demo 5/5 eval: student, teacher and baseline on the held-out prompts")
-    ev = _evaluate(cfg.train.cache, root, teacher, baseline)
+    base = read_run(root / "baseline", flag="--baseline") if baseline else None
+    run, folder = read_run(root / "run"), TeacherFolder.open(teacher)
+    ev = evaluate(cfg.train.cache, run, root / "eval", teacher=folder, baseline=base)
     lap("eval")
     grid = root / "grid.png"
     shutil.copyfile(root / "eval" / "grid.png", grid)
     plot = plots.plot_loss(Path(cfg.train.out) / "metrics.jsonl", root / plots.LOSS_PNG)
     metrics = plots.plot_eval_metrics(root / "eval" / "eval.json", root / "metrics.png")
-    return DemoResult(
-        root=root,
-        teacher=teacher,
-        eval=ev,
-        grid=grid,
-        loss_plot=plot,
-        metrics_plot=metrics,
-        seconds=seconds,
-    )
-
-
-def _announce(line: str) -> None:
-    """One line per stage, before it starts (each fits 80 columns)."""
-    print(line, flush=True)
+    return DemoResult(root, teacher, ev, grid, plot, metrics, seconds)
 
 
 def short_path(path: str | Path) -> str:
@@ -160,19 +152,3 @@ def _train(cfg: TrainConfig) -> None:
         train(cfg, resume=(Path(cfg.out) / "checkpoints" / "latest").exists())
     except Stopped as e:  # the demo resumes its runs itself: re-running it is the way on
         raise Stopped(e.signum, e.progress, e.info, "re-run the demo to resume") from None
-
-
-def _evaluate(cache: str, root: Path, teacher: Path, baseline: bool) -> EvalResult:
-    """student@K, teacher@K and (if trained) the baseline on the held-out prompts."""
-    from wandistill.eval.run import evaluate
-    from wandistill.student.folders import read_run
-    from wandistill.teacher.folder import TeacherFolder
-
-    base = read_run(root / "baseline", flag="--baseline") if baseline else None
-    return evaluate(
-        cache,
-        read_run(root / "run"),
-        root / "eval",
-        teacher=TeacherFolder.open(teacher),
-        baseline=base,
-    )

@@ -13,16 +13,11 @@ from rich.table import Table
 from wandistill.cli.common import _out_dir, _positive, cache_app, err, option, out
 from wandistill.errors import CacheError
 from wandistill.io.location import option as loc
+from wandistill.runtime.progress import human_bytes
 
 CachePathArg = Annotated[
     str, typer.Argument(help="Cache directory or fsspec URL (s3://...).", **loc("PATH", url=True))
 ]
-
-
-def _human(n: float) -> str:
-    from wandistill.runtime.progress import human_bytes
-
-    return human_bytes(n)
 
 
 @cache_app.command("info")
@@ -57,13 +52,11 @@ def cache_info(
     head.add_row("complete", str(m.complete))
     head.add_row("records", str(m.num_records))
     head.add_row("shards", str(len(m.shards)))
-    head.add_row("bytes", _human(m.num_bytes))
+    head.add_row("bytes", human_bytes(m.num_bytes))
     head.add_row("teacher", m.teacher.fingerprint[:16])
     head.add_row("schema", f"v{m.schema_version} (wandistill {m.wandistill_version})")
     out.print(head)
-    fields = Table(title="fields")
-    for col in ("name", "dtype", "shape"):
-        fields.add_column(col)
+    fields = Table("name", "dtype", "shape", title="fields")
     for f in m.fields:
         fields.add_row(f.name, f.dtype, f.shape)
     out.print(fields)
@@ -81,13 +74,11 @@ def cache_info(
     for k, v in below.items():
         out.print(f"{k}:", highlight=False)
         out.print_json(json.dumps(v))
-    shards = Table(title="shards")
-    for col in ("name", "records", "bytes", "sha256"):
-        shards.add_column(col)
+    shards = Table("name", "records", "bytes", "sha256", title="shards")
     for s in m.shards:
         digest = s.frame_sha256 if isinstance(s, WdsEntry) else s.sha256  # type: ignore[attr-defined]
         sha = digest if isinstance(digest, str) else f"{len(digest)} files"
-        shards.add_row(s.name, str(s.records), _human(s.bytes), sha[:16])
+        shards.add_row(s.name, str(s.records), human_bytes(s.bytes), sha[:16])
     out.print(shards)
 
 
@@ -106,16 +97,18 @@ def _print_footprint(path: Path, records: tuple[int, ...] = (10_000, 100_000)) -
     for col in ("field", "stored as", "here", *WAN_SIZES):
         table.add_column(col, justify="left" if col in ("field", "stored as") else "right")
     for name, n in fp.here.items():
-        sizes = [_human(fp.projected[k].get(name, 0)) for k in WAN_SIZES]
-        table.add_row(name, fp.fields.get(name, "(scale)"), _human(n), *sizes)
+        sizes = [human_bytes(fp.projected[k].get(name, 0)) for k in WAN_SIZES]
+        table.add_row(name, fp.fields.get(name, "(scale)"), human_bytes(n), *sizes)
     totals = {k: sum(v.values()) for k, v in fp.projected.items()}
-    table.add_row("total", "", _human(sum(fp.here.values())), *map(_human, totals.values()))
+    table.add_row(
+        "total", "", human_bytes(sum(fp.here.values())), *map(human_bytes, totals.values())
+    )
     for n in records:
-        table.add_row(f"x {n:,} records", "", "", *(_human(t * n) for t in totals.values()))
+        table.add_row(f"x {n:,} records", "", "", *(human_bytes(t * n) for t in totals.values()))
     out.print(table)
     ratio = fp.on_disk / max(1, sum(fp.here.values()))
     out.print(
-        f"on disk here: {_human(fp.on_disk)} per record ({ratio:.2f}x the stored tensors: "
+        f"on disk here: {human_bytes(fp.on_disk)} per record ({ratio:.2f}x the stored tensors: "
         "compression and container overhead; projections are before compression)",
         highlight=False,
     )

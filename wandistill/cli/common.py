@@ -68,7 +68,7 @@ def option(
     if path is not None:
         rest.update(loc(path, url=url))
     if recipe is not None:
-        rest["show_default"] = _recipe_key(recipe, fallback)
+        rest["show_default"] = f"recipe's {recipe}" + (f", else {fallback}" if fallback else "")
     return typer.Option(*decls, help=help, **rest)
 
 
@@ -103,12 +103,6 @@ def _flag_sets(flags: dict[str, Any]) -> list[str]:
         for k, v in flags.items()
         if v is not None
     ]
-
-
-def _recipe_key(key: str, fallback: str | None = None) -> str:
-    """How --help shows the default of a flag that overrides a recipe key (and the value when
-    the recipe leaves the key out)."""
-    return f"recipe's {key}" + (f", else {fallback}" if fallback else "")
 
 
 DTYPES = ("fp32", "fp16", "bf16")

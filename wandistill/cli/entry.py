@@ -154,19 +154,12 @@ def main(argv: list[str] | None = None) -> None:
                 "free space (or raise the limit), or choose another output directory; re-run "
                 "to resume",
             )
+        text = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
         if e.errno in (errno.EMFILE, errno.ENFILE):
-            _fail(
-                f"{e.strerror or e}: {e.filename}" if e.filename else str(e),
-                1,
-                "raise the open-file limit (`ulimit -n 65536`) or lower data_threads",
-            )
+            _fail(text, 1, "raise the open-file limit (`ulimit -n 65536`) or lower data_threads")
         if e.errno in _PATH_ERRNOS:  # a path the user gave: unreadable, read-only, not a dir
-            _fail(
-                f"{e.strerror or e}: {e.filename}" if e.filename else str(e),
-                2,
-                "check the path and its permissions, or choose another one",
-            )
-        _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e), 1)
+            _fail(text, 2, "check the path and its permissions, or choose another one")
+        _fail(text, 1)
     except Exception as e:  # a bug: one line and a crash log, not a traceback
         if _debug:
             raise

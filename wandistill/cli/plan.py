@@ -168,8 +168,9 @@ def plan_cmd(
 
     if teacher and config:
         raise UsageError("--teacher and --config both given", fix="pass one of them")
+    machine = (gpus, gpu_mem, cpu_mem, disk)
     if train:
-        _plan_train(recipe, teacher, config, overrides, as_json, (gpus, gpu_mem, cpu_mem, disk))
+        _plan_train(recipe, teacher, config, overrides, as_json, machine)
         return
     flags = {"teacher.path": teacher, "teacher.placement": placement, "teacher.dtype": dtype}
     full = load_recipe(recipe, [*(overrides or []), *_flag_sets(flags)], stage="precompute")
@@ -179,7 +180,11 @@ def plan_cmd(
             "no teacher to plan",
             fix="pass --teacher PATH, --config wan2.1-14b, or a recipe with teacher.path",
         )
-    inventory, what_if = _plan_machine(full, recipe, (gpus, gpu_mem, cpu_mem, disk))
+    here = cfg.teacher.offload_folder or cfg.cache.path
+    needs_cuda = cfg.teacher.placement.needs_cuda
+    inventory, what_if = _machine(full, recipe, machine, here, gpus_needed=needs_cuda)
+    if any(v is not None for v in machine):  # cuda:3 on --gpus 2 is an error
+        cfg.teacher.placement.check(len(inventory.gpus))
     plan = _teacher_plan(cfg, config, inventory)
     if as_json:
         out.print_json(json.dumps(plan.to_json()))
@@ -201,28 +206,22 @@ def plan_cmd(
             err.print(f"[yellow]requested placement:[/yellow] {e.message}", highlight=False)
 
 
-def _plan_machine(full: Recipe, recipe: str | None, machine: Machine) -> tuple[Inventory, bool]:
-    """The machine a teacher plan is for, and whether it is a what-if (not this one): the one
-    the flags describe, else this one, or the machine a recipe is named for where this one has
-    no GPU (said in a note)."""
+def _machine(
+    full: Recipe, recipe: str | None, machine: Machine, here: str, *, gpus_needed: bool
+) -> tuple[Inventory, bool]:
+    """The machine a plan is for, and whether it is a what-if (not this one): the one the
+    flags describe, else this one (`here`: the folder whose free disk counts), or the machine
+    a recipe is named for where this one has no GPU (said in a note)."""
     from wandistill.placement.inventory import Inventory
     from wandistill.placement.train_inputs import machine_for
 
-    cfg = full.precompute
     gpus, gpu_mem, cpu_mem, disk = machine
-    what_if = any(v is not None for v in (gpus, gpu_mem, cpu_mem, disk))
-    if what_if:
-        inventory = Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk)
-        cfg.teacher.placement.check(len(inventory.gpus))  # cuda:3 on --gpus 2 is an error
-    else:
-        inventory = Inventory.detect(cfg.teacher.offload_folder or cfg.cache.path)
-        inventory, line = machine_for(
-            full, recipe, inventory, gpus_needed=cfg.teacher.placement.needs_cuda
-        )
-        if line:
-            err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
-            what_if = True
-    return inventory, what_if
+    if any(v is not None for v in machine):
+        return Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk), True
+    inventory, line = machine_for(full, recipe, Inventory.detect(here), gpus_needed=gpus_needed)
+    if line:
+        err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
+    return inventory, bool(line)
 
 
 def _teacher_plan(cfg: PrecomputeConfig, config: str | None, inventory: Inventory) -> Plan:
@@ -256,20 +255,12 @@ def _plan_train(
 ) -> None:
     """`plan --train`: the student's memory per rank for each way to train it."""
     from wandistill.config import load_recipe
-    from wandistill.placement.inventory import Inventory
-    from wandistill.placement.train_inputs import machine_for, train_inputs
+    from wandistill.placement.train_inputs import train_inputs
     from wandistill.placement.train_plan import choice_of, make_train_plan, render_train_plan
 
     full = load_recipe(recipe, overrides or [], stage="train")
-    gpus, gpu_mem, cpu_mem, disk = machine
-    if any(v is not None for v in machine):
-        inventory = Inventory.described(gpus=gpus, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk=disk)
-    else:
-        here = Inventory.detect(full.train.out or ".")
-        wants_gpu = full.train.device != "cpu"
-        inventory, line = machine_for(full, recipe, here, gpus_needed=wants_gpu)
-        if line:
-            err.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
+    wants_gpu = full.train.device != "cpu"
+    inventory, _ = _machine(full, recipe, machine, full.train.out or ".", gpus_needed=wants_gpu)
     tconf, label = _teacher_transformer_config(teacher, config, full)
     inputs = train_inputs(full, tconf, label)
     plan = make_train_plan(

@@ -148,14 +148,15 @@ def _print_prompt_report(location: str) -> None:
 def _show_recording(recipe: Recipe) -> None:
     """precompute --dry-run and plan: the steps the recipe records and, against them, the steps
     each of its train objectives would use (problems shown, not raised: nothing runs here)."""
-    from wandistill.precompute.header import inspect_teacher, recorded_steps
+    from wandistill.precompute.header import recorded_steps
     from wandistill.student.schedule import TeacherSchedule, plan_objectives
+    from wandistill.teacher.folder import TeacherFolder
 
     cfg = recipe.precompute
     if not cfg.teacher.path or not Path(cfg.teacher.path).is_dir():
         out.print("(pass --teacher to place the recorded steps on the teacher's schedule)")
         return
-    teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
+    teacher = TeacherFolder.open(cfg.teacher.path, flow_shift=cfg.sampler.flow_shift)
     steps = recorded_steps(teacher, cfg)
     n = cfg.sampler.num_inference_steps
     out.print(f"precompute records {len(steps)} of {n} steps: {steps}", highlight=False)

@@ -44,12 +44,9 @@ def teacher_make_tiny(
     ] = False,
 ) -> None:
     """Write a tiny random-weight Wan teacher that WanPipeline loads and runs on CPU."""
-    from wandistill.checks.bounds import SEED, flag_problem
     from wandistill.teacher.tiny import make_tiny_teacher
 
-    if (problem := flag_problem("--seed", seed, SEED)) is not None:
-        raise UsageError(problem)
-    with _teacher_target(path):
+    with _teacher_target(path, seed):
         made = make_tiny_teacher(path, wan22=wan22, seed=seed, overwrite=overwrite)
     out.print(f"wrote tiny {'Wan 2.2 A14B' if wan22 else 'Wan 2.1'} teacher to {made}")
 
@@ -82,20 +79,22 @@ def teacher_make_trained(
 
     Prompts like "a red circle at the top" give matching patterns: its samples have structure
     and few-step sampling visibly degrades."""
-    from wandistill.checks.bounds import SEED, flag_problem
     from wandistill.teacher.trained import make_trained_teacher
 
-    if (problem := flag_problem("--seed", seed, SEED)) is not None:
-        raise UsageError(problem)
-    _positive(steps=steps)
-    with _teacher_target(path):
+    with _teacher_target(path, seed, steps):
         made = make_trained_teacher(path, seed=seed, steps=steps, overwrite=overwrite)
     out.print(f"wrote trained tiny Wan 2.1 teacher to {made}")
 
 
 @contextlib.contextmanager
-def _teacher_target(path: Path) -> Iterator[None]:
-    """One line for a PATH under a file or an existing folder, for every teacher builder."""
+def _teacher_target(path: Path, seed: int, steps: int | None = None) -> Iterator[None]:
+    """One line for a bad --seed or --steps, a PATH under a file or an existing folder, for
+    every teacher builder."""
+    from wandistill.checks.bounds import SEED, flag_problem
+
+    if (problem := flag_problem("--seed", seed, SEED)) is not None:
+        raise UsageError(problem)
+    _positive(steps=steps)
     blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise UsageError(

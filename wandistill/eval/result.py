@@ -90,9 +90,7 @@ class EvalResult:
         return self.student.image_psnr
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.update(latent_mse=self.latent_mse, latent_psnr=self.latent_psnr)
-        return out
+        return asdict(self) | {"latent_mse": self.latent_mse, "latent_psnr": self.latent_psnr}
 
     def rows(self) -> list[list[str]]:
         """The header, then one row per column (what eval.md and the terminal table show)."""

@@ -38,7 +38,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from wandistill.cache.contract import Record, is_holdout, pad_embeds
@@ -370,14 +369,8 @@ def _device_placement(
     from wandistill.placement.estimate import SamplerSizes, dtype_from_name
 
     if folder is not None:
-        sizes = SamplerSizes(
-            int(settings.height),
-            int(settings.width),
-            int(settings.num_frames),
-            1,
-            int(settings.max_sequence_length),
-            previews=True,
-        )
+        keys = ("height", "width", "num_frames", "max_sequence_length")
+        sizes = SamplerSizes(**{k: int(getattr(settings, k)) for k in keys}, previews=True)
         return pl.resolve_placement(
             device,
             folder=folder,
@@ -398,8 +391,4 @@ def _decoder(teacher: TeacherFolder, placement: Placement) -> Decoder:
     from wandistill.teacher.decode import decode_latents
 
     vae = pl.load_component(teacher, "vae", dtype=torch.float32, placement=placement)
-
-    def decode(finals: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-        return {c: decode_latents(vae, latents) for c, latents in finals.items()}
-
-    return decode
+    return lambda finals: {c: decode_latents(vae, latents) for c, latents in finals.items()}

@@ -16,6 +16,7 @@ the export's marker); the teacher with `--cache`'s settings, else WanPipeline's 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,10 @@ def _pipeline(
     device: Placement | None,
 ) -> tuple[Any, dict[str, Any]]:
     """The pipeline to call (on `device`) and the call's arguments."""
+    from diffusers import WanPipeline
+
+    from wandistill.io.modelfolder import load_pretrained
+
     if student is not None:
         call = _student_call(student, opts)
         if student.kind == "export":
@@ -92,7 +97,7 @@ def _pipeline(
                 )
             folder = TeacherFolder.open(student.path)  # the teacher-folder checks, typed configs
             placement = _placement(device, folder, call)
-            pipe = _export_pipeline(student).to(placement.execution_device())
+            pipe = load_pretrained(WanPipeline, student.path).to(placement.execution_device())
         else:
             folder = _need_teacher(teacher, student)
             placement = _placement(device, folder, call)
@@ -108,7 +113,12 @@ def _pipeline(
 # --------------------------------------------------------------------------- call arguments
 
 
-def _given(**values: Any) -> dict[str, Any]:
+_SIZES = ("height", "width", "num_frames", "max_sequence_length")
+
+
+def _given(source: Any, keys: tuple[str, ...] = _SIZES) -> dict[str, Any]:
+    """The `keys` that `source` sets (None: not given; no source: none of them)."""
+    values = {k: getattr(source, k) for k in keys} if source is not None else {}
     return {k: v for k, v in values.items() if v is not None}
 
 
@@ -120,46 +130,20 @@ def _student_call(student: FinishedStudent, opts: SampleOptions) -> dict[str, An
             "samples with guidance 1.0 (one forward per step)",
             fix="leave --guidance-scale out when sampling a student",
         )
-    s = student.sizes
-    return {
-        "num_inference_steps": student.check_steps(opts.steps),
-        "guidance_scale": 1.0,
-        **_given(
-            height=s.height if s else None,
-            width=s.width if s else None,
-            num_frames=s.num_frames if s else None,
-            max_sequence_length=s.max_sequence_length if s else None,
-        ),
-        **_given(
-            height=opts.height,
-            width=opts.width,
-            num_frames=opts.num_frames,
-            max_sequence_length=opts.max_sequence_length,
-        ),
-    }
+    steps = student.check_steps(opts.steps)
+    return (
+        {"num_inference_steps": steps, "guidance_scale": 1.0} | _given(student.sizes) | _given(opts)
+    )
 
 
 def _teacher_call(
     opts: SampleOptions, sizes: SamplerSizes | None, steps: int | None
 ) -> dict[str, Any]:
     """The flags over the cache's settings over WanPipeline's defaults (left out here)."""
-    base = _given(num_inference_steps=steps)
-    if sizes is not None:
-        base |= {
-            "height": sizes.height,
-            "width": sizes.width,
-            "num_frames": sizes.num_frames,
-            "max_sequence_length": sizes.max_sequence_length,
-            "guidance_scale": sizes.teacher_guidance_scale,
-        }
-    return base | _given(
-        num_inference_steps=opts.steps,
-        guidance_scale=opts.guidance_scale,
-        height=opts.height,
-        width=opts.width,
-        num_frames=opts.num_frames,
-        max_sequence_length=opts.max_sequence_length,
-    )
+    call = {} if sizes is None else _given(sizes) | {"guidance_scale": sizes.teacher_guidance_scale}
+    for n in (steps, opts.steps):
+        call |= {} if n is None else {"num_inference_steps": n}
+    return call | _given(opts, ("guidance_scale", *_SIZES))
 
 
 # --------------------------------------------------------------------------- pipelines
@@ -185,29 +169,11 @@ def _placement(device: Placement | None, folder: TeacherFolder, call: dict[str, 
     from wandistill.placement import load as pl
     from wandistill.placement.estimate import SamplerSizes as PlanSizes
 
-    d = PlanSizes()
-    sizes = PlanSizes(
-        int(call.get("height", 480)),
-        int(call.get("width", 832)),
-        int(call.get("num_frames", 81)),
-        1,
-        int(call.get("max_sequence_length", d.max_sequence_length)),
-        cfg=float(call.get("guidance_scale", 5.0)) > 1.0,
-        previews=True,
-    )
+    given = {k: int(call[k]) for k in _SIZES if k in call}  # the rest: WanPipeline's defaults
+    sizes = PlanSizes(**given, cfg=float(call.get("guidance_scale", 5.0)) > 1.0, previews=True)
     return pl.resolve_placement(
         device or Cpu(), folder=folder, dtype=torch.float32, sizes=sizes, only=(Cuda, Cpu)
     )
-
-
-def _export_pipeline(student: FinishedStudent) -> Any:
-    """`WanPipeline.from_pretrained(export)`, once the folder passed the teacher-folder checks
-    (no custom code, safetensors only, configs typed)."""
-    from diffusers import WanPipeline
-
-    from wandistill.io.modelfolder import load_pretrained
-
-    return load_pretrained(WanPipeline, student.path)
 
 
 def _run_pipeline(student: FinishedStudent, teacher: TeacherFolder, placement: Placement) -> Any:
@@ -250,10 +216,7 @@ def _loader(teacher: TeacherFolder, placement: Placement) -> Any:
     """Components loaded like precompute loads them: safetensors only, fp32, with `placement`."""
     from wandistill.placement import load as pl
 
-    def load(name: str) -> torch.nn.Module:
-        return pl.load_component(teacher, name, dtype=torch.float32, placement=placement)
-
-    return load
+    return functools.partial(pl.load_component, teacher, dtype=torch.float32, placement=placement)
 
 
 # --------------------------------------------------------------------------- output
@@ -276,12 +239,8 @@ def _sample_into(
         save_png(image, path)
         paths.append(path)
         images.append(np.asarray(image))
-    cols = min(4, len(images))
-    rows = -(-len(images) // cols)
-    h, w = images[0].shape[:2]
-    grid = np.full((rows * h, cols * w, 3), 255, np.uint8)
-    for i, img in enumerate(images):
-        r, c = divmod(i, cols)
-        grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = img
-    save_png(Image.fromarray(grid), out / "grid.png")
+    cols = min(4, len(images))  # rows of 4, the last one filled out in white
+    tiles = images + [np.full_like(images[0], 255)] * (-len(images) % cols)
+    rows = [np.hstack(tiles[i : i + cols]) for i in range(0, len(tiles), cols)]
+    save_png(Image.fromarray(np.vstack(rows)), out / "grid.png")
     return paths

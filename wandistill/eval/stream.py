@@ -37,10 +37,6 @@ class Leg:
     """(batch, steps) -> latents; steps = column.steps (1 for the warm-up)."""
 
 
-def _first(batch: Batch) -> Batch:
-    return Batch(batch.records[:1], batch.noise[:1], batch.embeds[:1], batch.negative[:1])
-
-
 Decoder = Callable[[dict[str, torch.Tensor]], dict[str, np.ndarray]]
 """Final latents per column -> uint8 frames per column (the teacher's VAE, --decode)."""
 
@@ -123,8 +119,9 @@ def _run(stream: Stream, settings: SettingsBlock) -> EvalResult:
     loss = 0.0
     for i, b in enumerate(stream.batches):
         if i == 0:
+            first = Batch(b.records[:1], b.noise[:1], b.embeds[:1], b.negative[:1])
             for leg in stream.legs:  # warm-up: lazy inits stay out of the timing
-                leg.sample(_first(b), 1)
+                leg.sample(first, 1)
         loss += _step_loss_sum(stream.model, b, stream.device)
         finals = _sample_batch(stream.legs, b, names[1], sums)
         rows = [{"key": r.key, "prompt": r.prompt, "latent_mse": {}} for r in b.records]
@@ -150,15 +147,13 @@ def _run(stream: Stream, settings: SettingsBlock) -> EvalResult:
             known = {c.steps: finals[c.name] for c in teacher}
             _curve_batch(stream.curve, known, b, ref, rows, curve_sums)
         per_record += rows
-    count = len(per_record)
+    count, seen = len(per_record), tally.scores(names[1])
     for c in columns:
         c.latent_mse, c.latent_psnr = sums[c.name].mse / count, sums[c.name].psnr / count
         if c.seconds_per_sample is not None:
             c.seconds_per_sample = sums[c.name].seconds / count
         if stream.decoder is not None:
             c.image_psnr = sums[c.name].image_psnr / count
-    seen = tally.scores(names[1])
-    for c in columns:
         c.viewer = seen.get(c.name)
     result = _summary(columns, count, n, loss / count, per_record)
     _place_on_curve(result, {s: m / count for s, m in sorted(curve_sums.items())})

@@ -167,11 +167,24 @@ def read(latents_BCFHW: torch.Tensor) -> list[Reading]:
         f_NP, ff_N = _templates(fine, hw)
         j, resid = _best(p_P3, f_NP, ff_N)
         shape, cx, cy, r = fine[j].tolist()
-        rgb = (f_NP[j] @ p_P3 / ff_N[j]).tolist()
+        rgb_3 = f_NP[j] @ p_P3 / ff_N[j]
         energy = float(p_P3.square().sum())
         fit = 1.0 - resid / energy if energy > 0 else 0.0
-        size = _size(p_P3, f_NP[j] @ p_P3 / ff_N[j], int(shape), (cx, cy), hw)
-        out.append(_name(rgb, int(shape), (cx / scale, cy / scale), r / scale, fit, size))
+        clear = fit >= CLEAR_FIT
+        centre = (cx / scale, cy / scale)
+        away = {k: math.dist(xy, centre) for k, xy in POSITIONS.items()}
+        out.append(
+            Reading(
+                colour=nearest_colour(rgb_3.tolist()),
+                shape=SHAPES[int(shape)] if clear else None,
+                size=_size(p_P3, rgb_3, int(shape), (cx, cy), hw) if clear else None,
+                position=min(away, key=away.__getitem__),
+                rgb=tuple(rgb_3.tolist()),
+                centre=centre,
+                radius=r / scale,
+                fit=fit,
+            )
+        )
     return out
 
 
@@ -214,27 +227,6 @@ def half_peak_extent(level_BHW: torch.Tensor, shape: str) -> torch.Tensor:
     if shape == "column":
         return along_y
     return (along_x + along_y) / 2
-
-
-def _name(
-    rgb: list[float],
-    shape: int,
-    centre: tuple[float, float],
-    radius: float,
-    fit: float,
-    size: str,
-) -> Reading:
-    clear = fit >= CLEAR_FIT
-    return Reading(
-        colour=nearest_colour(rgb),
-        shape=SHAPES[shape] if clear else None,
-        size=size if clear else None,
-        position=min(POSITIONS, key=lambda k: math.dist(POSITIONS[k], centre)),
-        rgb=(rgb[0], rgb[1], rgb[2]),
-        centre=centre,
-        radius=radius,
-        fit=fit,
-    )
 
 
 def nearest_colour(rgb: list[float] | tuple[float, ...]) -> str:

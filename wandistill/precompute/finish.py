@@ -7,22 +7,19 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wandistill.cache import manifest as mf
-from wandistill.config import PrecomputeConfig
 from wandistill.errors import UsageError, WandistillError
 from wandistill.io import storage
-from wandistill.precompute.prompts import Prompt, PromptReport
+from wandistill.precompute.prompts import PromptReport
 from wandistill.runtime import dist
 from wandistill.runtime.failures import Stopped, StopSignals, first_line
 from wandistill.runtime.progress import SUMMARY_WIDTH, human_bytes, plural, summary_lines
 
 if TYPE_CHECKING:
-    from wandistill.precompute.header import Teacher
     from wandistill.precompute.run import Encoded, Work
 
 
@@ -81,7 +78,7 @@ def _finalise(w: Work, enc: Encoded, report: PromptReport, stop: StopSignals, t0
     if writer is not None:
         writer.close()
         if w.cfg.previews > 0:
-            _previews(w.cfg, w.teacher, w.prompts, w.keys, w.load_kw, info)
+            _previews(w)
     _barrier(info, stop, writer.records_written if writer else 0)
     views = dist.all_gather_json(info, _rank_counts(w, enc))  # a collective: every rank
     cut = {k for v in views for k in v["truncated"]}
@@ -169,27 +166,20 @@ def _barrier(info: dist.DistInfo, stop: StopSignals, records: int) -> None:
         raise _stopped(stop.signum, records, info)
 
 
-def _previews(
-    cfg: PrecomputeConfig,
-    teacher: Teacher,
-    prompts: Sequence[Prompt],
-    keys: Sequence[str],
-    load_kw: dict[str, Any],
-    info: dist.DistInfo,
-) -> None:
+def _previews(w: Work) -> None:
     """Decode the first `previews` prompts' final latents (whichever rank wrote them)."""
     from wandistill.cache.reader import CacheReader
     from wandistill.placement import load as pl
     from wandistill.teacher.decode import decode_to_png
 
-    out = Path(cfg.cache.path) / "previews"
-    wanted = [k for k in keys[: cfg.previews] if not (out / f"{k}.png").exists()]
-    with CacheReader(cfg.cache.path) as store:
+    out = Path(w.cfg.cache.path) / "previews"
+    wanted = [k for k in w.keys[: w.cfg.previews] if not (out / f"{k}.png").exists()]
+    with CacheReader(w.cfg.cache.path) as store:
         located = store.locate()
-        mine = [k for k in wanted if k in located and located[k][0].rank == info.rank]
+        mine = [k for k in wanted if k in located and located[k][0].rank == w.info.rank]
         if not mine:
             return
-        vae = pl.load_component(teacher, "vae", **load_kw)
+        vae = pl.load_component(w.teacher, "vae", **w.load_kw)
         try:
             for k in mine:
                 rec = store.read_record(*located[k])

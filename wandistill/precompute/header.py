@@ -5,7 +5,6 @@ and the dims block. Precompute writes them; `plan` and `precompute --dry-run` sh
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,23 +24,7 @@ if TYPE_CHECKING:
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-Teacher = TeacherFolder
-"""What precompute knows of a teacher before loading weights: the folder, opened once."""
-
-
-def inspect_teacher(path: str | Path, flow_shift: float | None) -> Teacher:
-    """The teacher folder, validated (custom code, pickles, bad configs refused), with the
-    recipe's flow_shift override applied to its scheduler."""
-    return TeacherFolder.open(path, flow_shift=flow_shift)
-
-
-def latent_shape(teacher: Teacher, cfg: PrecomputeConfig) -> tuple[int, int, int, int]:
-    s = cfg.sampler
-    c, f, h, w = teacher.latent_shape(num_frames=s.num_frames, height=s.height, width=s.width)
-    return c, f, h, w
-
-
-def sampler_settings(teacher: Teacher, cfg: PrecomputeConfig) -> dict[str, Any]:
+def sampler_settings(teacher: TeacherFolder, cfg: PrecomputeConfig) -> dict[str, Any]:
     """Everything that changes the teacher's output for a prompt and seed (the cache key)."""
     s = cfg.sampler
     g2 = s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale
@@ -67,7 +50,7 @@ def sampler_settings(teacher: Teacher, cfg: PrecomputeConfig) -> dict[str, Any]:
     }
 
 
-def recorded_steps(teacher: Teacher, cfg: PrecomputeConfig) -> list[int]:
+def recorded_steps(teacher: TeacherFolder, cfg: PrecomputeConfig) -> list[int]:
     """The steps to record; `sampler.record_for_student_steps` is placed by the teacher's own
     scheduler (wandistill.student.schedule), so it names what the student will sample at."""
     from wandistill.student.schedule import student_steps_for
@@ -79,7 +62,7 @@ def recorded_steps(teacher: Teacher, cfg: PrecomputeConfig) -> list[int]:
 
 
 def _header(
-    cfg: PrecomputeConfig, teacher: Teacher, info: dist.DistInfo, settings: dict[str, Any]
+    cfg: PrecomputeConfig, teacher: TeacherFolder, info: dist.DistInfo, settings: dict[str, Any]
 ) -> mf.Manifest:
     """The manifest this run writes under (or must be compatible with)."""
     dtype = DTYPES[cfg.teacher.dtype]
@@ -100,27 +83,24 @@ def _header(
 
 
 def _spec(w: Work) -> SamplerSpec:
-    cfg, teacher, shape = w.cfg, w.teacher, w.shape
-    s = cfg.sampler
-    boundary = (
-        teacher.boundary_ratio * teacher.scheduler.config.num_train_timesteps
-        if teacher.boundary_ratio is not None
-        else None
-    )
+    s, ratio = w.cfg.sampler, w.teacher.boundary_ratio
+    train_steps = w.teacher.scheduler.config.num_train_timesteps
     return SamplerSpec(
         num_inference_steps=s.num_inference_steps,
         guidance_scale=s.guidance_scale,
         guidance_scale_2=s.guidance_scale_2 if s.guidance_scale_2 is not None else s.guidance_scale,
-        boundary_timestep=boundary,
-        expand_timesteps=teacher.expand_timesteps,
-        record_steps=tuple(recorded_steps(teacher, cfg)),
+        boundary_timestep=None if ratio is None else ratio * train_steps,
+        expand_timesteps=w.teacher.expand_timesteps,
+        record_steps=tuple(w.settings["record_steps"]),
         features=tuple(s.features),
-        latent_shape=shape,
+        latent_shape=w.shape,
         max_sequence_length=s.max_sequence_length,
     )
 
 
-def _dims(teacher: Teacher, shape: tuple[int, ...], settings: dict[str, Any]) -> dict[str, Any]:
+def _dims(
+    teacher: TeacherFolder, shape: tuple[int, ...], settings: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "text_dim": int(teacher.transformer_config["text_dim"]),
         "latent_channels": int(shape[0]),

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from wandistill.config import PrecomputeConfig, to_dict
 from wandistill.io import storage
-from wandistill.placement.strategies import Placement
 from wandistill.runtime import dist
 
 if TYPE_CHECKING:
@@ -27,27 +26,17 @@ def for_part(cfg: PrecomputeConfig, part: Part | None) -> PrecomputeConfig:
     """`cfg` writing part `part`'s own cache under `cache.path` (precompute/parts.py)."""
     if part is None:
         return cfg
-    from wandistill.precompute import parts
-
-    path = parts.part_cache(storage.describe(cfg.cache.path), part)
+    path = storage.join(storage.describe(cfg.cache.path), part.dirname)
     return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, path=path))
 
 
 def join(cfg: PrecomputeConfig) -> dist.DistInfo:
     """This rank in the job (`dist.init`): every rank must run the same config on the same
-    prompt file."""
-    return dist.init(
-        device_kind(cfg.teacher.placement), timeout_s=cfg.dist_timeout, config=run_identity(cfg)
-    )
-
-
-def device_kind(placement: Placement) -> str:
-    """The device torchrun ranks bind to: CPU placements use gloo, the rest the rank's GPU."""
+    prompt file. CPU placements bind ranks to gloo, the rest to the rank's GPU."""
     import torch
 
-    if placement.cpu_only or not torch.cuda.is_available():
-        return "cpu"
-    return "auto"
+    cpu = cfg.teacher.placement.cpu_only or not torch.cuda.is_available()
+    return dist.init("cpu" if cpu else "auto", timeout_s=cfg.dist_timeout, config=run_identity(cfg))
 
 
 def run_identity(cfg: PrecomputeConfig) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from wandistill.cache import manifest as mf
 from wandistill.checks.validate import parse_json
 from wandistill.errors import CacheError, UsageError
-from wandistill.io.storage import Storage, join, open_storage
+from wandistill.io.storage import Storage, open_storage
 
 PARTS_NAME = "parts.json"
 PARTS_FORMAT = "wandistill-parts"
@@ -140,11 +140,6 @@ def _from_slurm(env: Mapping[str, str]) -> Part:
 
 
 # --------------------------------------------------------------------------- the parts folder
-
-
-def part_cache(root: str, part: Part) -> str:
-    """Where the part's own cache lives under the shared `--out` folder."""
-    return join(root, part.dirname)
 
 
 def check_and_record(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,6 @@ class PromptReport:
     truncated_keys: list[str] = field(default_factory=list)
     """Their record keys: a later run of the same cache (its embeddings gone) keeps them."""
 
-    def lines_of(self, items: list[int], limit: int = 8) -> str:
-        shown = ", ".join(map(str, items[:limit]))
-        return shown + (f", ... ({len(items)} in all)" if len(items) > limit else "")
-
     def summary(self) -> list[str]:
         """Human lines for everything that was not used as written."""
         out = [f"{self.kept} prompts from {self.lines} lines of {self.path}"]
@@ -61,22 +57,13 @@ class PromptReport:
             ("prompts truncated to max_sequence_length tokens", self.truncated),
         ):
             if items:
-                out.append(f"{len(items)} {label}: lines {self.lines_of(items)}")
+                shown = ", ".join(map(str, items[:8]))
+                more = f", ... ({len(items)} in all)" if len(items) > 8 else ""
+                out.append(f"{len(items)} {label}: lines {shown}{more}")
         return out
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "path": self.path,
-            "lines": self.lines,
-            "kept": self.kept,
-            "empty": self.empty,
-            "duplicate": self.duplicate,
-            "bad_utf8": self.bad_utf8,
-            "bad_json": self.bad_json,
-            "control": self.control,
-            "truncated": self.truncated,
-            "truncated_keys": self.truncated_keys,
-        }
+        return asdict(self)
 
 
 def only_control(text: str) -> bool:
@@ -90,14 +77,10 @@ def _parse_jsonl(line: str, lineno: int, base_seed: int) -> Prompt | None:
         raise ValueError("needs a string 'prompt'")
     seed = obj.get("seed", base_seed + lineno - 1)
     neg = obj.get("negative_prompt")
-    if (
-        not isinstance(seed, int)
-        or isinstance(seed, bool)
-        or (neg is not None and not isinstance(neg, str))
-    ):
+    if type(seed) is not int or not isinstance(neg, str | None):  # (a bool is not a seed)
         raise ValueError("'seed' must be an integer and 'negative_prompt' a string")
-    if PROMPT_SEED.problem("seed", seed) is not None:  # negative or beyond 64 bits: torch would
-        raise ValueError(PROMPT_SEED.problem("seed", seed))  # alias or overflow; a bad line
+    if problem := PROMPT_SEED.problem("seed", seed):  # negative or beyond 64 bits: torch would
+        raise ValueError(problem)  # alias or overflow; a bad line
     text = obj["prompt"].strip()
     return Prompt(text, seed, lineno, neg) if text else None
 
@@ -133,23 +116,19 @@ def read_prompts(
 
     `into`: where the prompts go (anything with `append` and `len`; default a new list), e.g.
     precompute's compact `PromptTable`, so 100k prompts are never 100k objects at once."""
-    p = Path(path)
+    p, fix = Path(path), "pass --prompts FILE (.txt or .jsonl)"
     if not str(path):
-        raise UsageError("no prompt file given", fix="pass --prompts FILE (.txt or .jsonl)")
+        raise UsageError("no prompt file given", fix=fix)
     if p.is_dir():
-        raise UsageError(
-            f"prompt file {str(p)!r} is a directory", fix="pass --prompts FILE (.txt or .jsonl)"
-        )
+        raise UsageError(f"prompt file {str(p)!r} is a directory", fix=fix)
     if not p.is_file():
-        raise UsageError(
-            f"prompt file {str(p)!r} does not exist", fix="pass --prompts FILE (.txt or .jsonl)"
-        )
+        raise UsageError(f"prompt file {str(p)!r} does not exist", fix=fix)
     if p.suffix not in (".txt", ".jsonl"):
         raise UsageError(
             f"prompt file {str(p)!r} must end in .txt or .jsonl",
             fix="one prompt per line (.txt) or one JSON object per line (.jsonl)",
         )
-    report = PromptReport(path=str(p))
+    report, jsonl = PromptReport(path=str(p)), p.suffix == ".jsonl"
     prompts = [] if into is None else into
     seen: set[tuple[str, int, str | None] | str] = set()
     try:
@@ -162,18 +141,14 @@ def read_prompts(
     with f:
         for lineno, raw in enumerate(f, start=1):
             report.lines = lineno
-            prompt = _parse_line(raw, lineno, p.suffix == ".jsonl", base_seed, report)
+            prompt = _parse_line(raw, lineno, jsonl, base_seed, report)
             if isinstance(prompt, list):  # the report's list for this bad line
                 prompt.append(lineno)
                 continue
             # A .txt seed is implicit (its line), so a repeated line is a duplicate; a .jsonl line
             # with the same prompt and an explicit other seed is another sample.
             # (A .txt line's identity is its text: the string itself, no tuple per line.)
-            ident = (
-                (prompt.text, prompt.seed, prompt.negative_prompt)
-                if p.suffix == ".jsonl"
-                else prompt.text
-            )
+            ident = (prompt.text, prompt.seed, prompt.negative_prompt) if jsonl else prompt.text
             if ident in seen:
                 report.duplicate.append(lineno)
                 continue

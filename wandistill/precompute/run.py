@@ -50,13 +50,10 @@ from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_ph
 from wandistill.precompute.finish import Summary, _finalise, _stopped
 from wandistill.precompute.header import (
     DTYPES,
-    Teacher,
     _dims,
     _header,
     _recorded_experts,
     _spec,
-    inspect_teacher,
-    latent_shape,
     recorded_steps,
     sampler_settings,
 )
@@ -68,6 +65,7 @@ from wandistill.precompute.table import KeyTable, PromptTable
 from wandistill.runtime import dist, faults
 from wandistill.runtime.failures import StopRequested, StopSignals
 from wandistill.runtime.progress import Progress
+from wandistill.teacher.folder import TeacherFolder
 from wandistill.teacher.sampler import Job, RecordingSampler
 
 
@@ -90,7 +88,7 @@ def run(
     t0 = time.perf_counter()
     root = storage.describe(cfg.cache.path)
     cfg = job.for_part(cfg, part)
-    teacher = inspect_teacher(cfg.teacher.path, cfg.sampler.flow_shift)
+    teacher = TeacherFolder.open(cfg.teacher.path, flow_shift=cfg.sampler.flow_shift)
     recorded_steps(teacher, cfg)  # a K off the teacher's schedule fails before any work
     prompts, report = read_prompts(cfg.prompts, base_seed=cfg.sampler.seed, into=PromptTable())
     with StopSignals.install() as stop, contextlib.ExitStack() as owned:
@@ -129,13 +127,13 @@ class Work:
     before any weights load (a bad input fails here, with nothing written)."""
 
     cfg: PrecomputeConfig
-    teacher: Teacher
+    teacher: TeacherFolder
     info: dist.DistInfo
     prompts: PromptTable
     keys: KeyTable
     settings: dict[str, Any]
     header: mf.Manifest
-    shape: tuple[int, int, int, int]
+    shape: tuple[int, ...]
     mine: list[range]
     """This rank's batches (indices into prompts)."""
     todo: list[range]
@@ -157,18 +155,10 @@ class Work:
         """A local folder or an fsspec URL (as text: a Path would fold `s3://` to `s3:/`)."""
         return storage.describe(self.cfg.cache.path)
 
-    @property
-    def remote(self) -> bool:
-        return storage.is_url(self.cache)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return DTYPES[self.cfg.teacher.dtype]
-
 
 def _plan(
     cfg: PrecomputeConfig,
-    teacher: Teacher,
+    teacher: TeacherFolder,
     prompts: PromptTable,
     info: dist.DistInfo,
     *,
@@ -180,19 +170,27 @@ def _plan(
     """This rank's work: the cache header, which batches are still to do, the placement."""
     from wandistill.placement import load as pl
 
-    dtype = DTYPES[cfg.teacher.dtype]
+    dtype, sm = DTYPES[cfg.teacher.dtype], cfg.sampler
     settings = sampler_settings(teacher, cfg)
     cache = storage.describe(cfg.cache.path)
     st = None if null_sink else storage.open_storage(cache)
-    threads_note = None if st is None else _follow_cache_threads(st, info.device)
+    existing = None if st is None else _with_records(st)
+    # A cache with records fixes the CPU thread count new records are computed with.
+    recorded = (existing.numerics or {}) if existing is not None else {}
+    threads_note = follow_recorded_threads(recorded, info.device)
     header = _header(cfg, teacher, info, settings)
     if part is not None and not null_sink:  # before anything of the part is read or written
-        _check_part(cfg, teacher, header, part, root)
+        if not storage.is_url(cache):  # (a URL is checked by the claim itself)
+            inputs = {"--teacher": teacher.path, "--prompts": cfg.prompts}
+            outputs.check(cache, "cache", inputs=inputs)
+        parts.check_and_record(root, part, header, prompt_sha256(cfg.prompts), cfg.prompts)
     if storage.is_url(cache) and cfg.previews > 0:  # PNG previews need a local folder
         if info.is_main and not quiet:
             print(f"precompute: previews off: {cache} is not a local folder (PNG previews are)")
         cfg = dataclasses.replace(cfg, previews=0)
-    done = set() if st is None else _committed_keys(st, header)
+    if st is not None and existing is not None:  # checked before loading any weights
+        mf.check_compatible(st, existing, header)
+    done = set() if existing is None else {k for s in existing.shards for k in s.keys}
     if threads_note and info.is_main and not quiet:  # said once the cache accepted this run
         print(threads_note, flush=True)
     keys = KeyTable(_key(p, settings) for p in prompts)
@@ -209,7 +207,10 @@ def _plan(
         world_size=info.world_size,
         local_rank=info.local_rank,
     )
-    offload = Path(cfg.teacher.offload_folder or _scratch(cache, ".offload.tmp"))
+    scratch = Path(cache, ".offload.tmp")  # in a local cache: the next claim cleans its temps
+    if storage.is_url(cache):
+        scratch = Path(tempfile.gettempdir(), "wandistill.offload.tmp")
+    offload = Path(cfg.teacher.offload_folder or scratch)
     load_kw = {"dtype": dtype, "placement": placement, "offload_dir": offload / f"rank{info.rank}"}
     return Work(
         cfg=cfg,
@@ -219,7 +220,7 @@ def _plan(
         keys=keys,
         settings=settings,
         header=header,
-        shape=latent_shape(teacher, cfg),
+        shape=teacher.latent_shape(num_frames=sm.num_frames, height=sm.height, width=sm.width),
         mine=mine,
         todo=[b for b in mine if not all(keys[i] in done for i in b)],
         load_kw=load_kw,
@@ -231,39 +232,11 @@ def _plan(
     )
 
 
-def _check_part(
-    cfg: PrecomputeConfig, teacher: Teacher, header: mf.Manifest, part: Part, root: str
-) -> None:
-    """The part's cache folder passes the claim's checks, and the part belongs with the parts
-    already in `root` (`root` is the shared --out; parts.py); only then is `root/parts.json`
-    written, if this is the first part."""
-    cache = storage.describe(cfg.cache.path)
-    if not storage.is_url(cache):  # (a URL is checked by the claim itself)
-        outputs.check(cache, "cache", inputs={"--teacher": teacher.path, "--prompts": cfg.prompts})
-    parts.check_and_record(root, part, header, prompt_sha256(cfg.prompts), cfg.prompts)
-
-
-def _follow_cache_threads(st: storage.Storage, device: torch.device) -> str | None:
-    """A cache with records fixes the CPU thread count new records are computed with
-    (numerics.follow_recorded_threads); returns the note to print, if it changed."""
-    if not mf.has_manifest(st):
-        return None
-    existing = mf.load_committed(st)
-    if not existing.shards:
-        return None
-    return follow_recorded_threads(existing.numerics or {}, device)
-
-
-def _committed_keys(st: storage.Storage, header: mf.Manifest) -> set[str]:
-    """Keys already committed in the cache; a cache with records must match `header` (checked
-    before loading any weights). A cache without records binds nothing: a fixed run takes it
-    over."""
-    if not mf.has_manifest(st):
-        return set()
-    existing = mf.load_committed(st)
-    if existing.shards:
-        mf.check_compatible(st, existing, header)
-    return {k for s in existing.shards for k in s.keys}
+def _with_records(st: storage.Storage) -> mf.Manifest | None:
+    """The cache's manifest if it has records: they bind the run to its header. (A cache
+    without records binds nothing: a fixed run takes it over.)"""
+    existing = mf.load_committed(st) if mf.has_manifest(st) else None
+    return existing if existing is not None and existing.shards else None
 
 
 @dataclass(slots=True)
@@ -286,7 +259,7 @@ def _encode(w: Work, stop: StopSignals) -> Encoded:
     """Phase 1: text embeddings for the prompts still to do, straight to disk (embeds/). The
     cache (manifest, shared tensors) is created first, so embeds/ only ever lives in a cache."""
     info = w.info
-    local = w.null_sink or w.remote
+    local = w.null_sink or storage.is_url(w.cache)
     scratch = Path(tempfile.mkdtemp(prefix="wandistill-embeds-")) if local else Path(w.cache)
     store = EmbedStore(scratch, rank=info.rank, flush_records=w.cfg.cache.shard_records)
     job = EncodeJob(
@@ -296,7 +269,7 @@ def _encode(w: Work, stop: StopSignals) -> Encoded:
         batches=w.todo,
         negative_prompt=w.cfg.sampler.negative_prompt,
         max_sequence_length=w.cfg.sampler.max_sequence_length,
-        dtype=w.dtype,
+        dtype=w.load_kw["dtype"],
         load_kw=w.load_kw,
         rank=info.rank,
         show_progress=info.is_main and not w.quiet,
@@ -377,13 +350,11 @@ def _denoise_and_write(w: Work, enc: Encoded, stop: StopSignals) -> None:
                 stop.check()  # between batches: nothing half-written
             if writer is not None:
                 writer.drain()  # a late write error is raised here, under the handlers below
-    except StopRequested:
-        if writer is not None:
-            writer.close()  # commit the open shard's complete records
-        raise _stopped(stop.signum, writer.records_written if writer else 0, info) from None
-    except NonFiniteError:
-        if writer is not None:
-            writer.close()  # the records before the refused batch are good: commit them
+    except (StopRequested, NonFiniteError) as e:
+        if writer is not None:  # commit the complete records (before the refused batch)
+            writer.close()
+        if isinstance(e, StopRequested):
+            raise _stopped(stop.signum, writer.records_written if writer else 0, info) from None
         raise
     except BaseException:
         if writer is not None:
@@ -457,11 +428,3 @@ class _Denoiser:
 
         for other in list(self.resident):
             pl.unload(self.resident.pop(other))
-
-
-def _scratch(cache: str, name: str) -> Path:
-    """A local scratch folder for the run: inside a local cache (its temps are cleaned by the
-    next claim), in the system temp folder for a cache at a URL."""
-    if storage.is_url(cache):
-        return Path(tempfile.gettempdir()) / f"wandistill{name}"
-    return Path(cache) / name
