@@ -79,13 +79,6 @@ def check_config(config: dict[str, Any], where: str, fix: str = FIX_CONFIG) -> d
     return data
 
 
-def estimated_params(config: dict[str, Any]) -> float:
-    """Rough parameter count of a Wan transformer (attention + cross-attention + FFN per block)."""
-    w = int(config.get("num_attention_heads", 40)) * int(config.get("attention_head_dim", 128))
-    ffn = int(config.get("ffn_dim", 13824))
-    return float(config.get("num_layers", 40)) * (8.0 * w * w + 2.0 * w * ffn)
-
-
 def check_saved_config(folder: str | Path) -> None:
     """A student folder's config.json (what `train` exported), checked before diffusers reads
     it: bad JSON, wrong types or an absurd size are one error naming the file, not a traceback
@@ -100,19 +93,16 @@ def check_saved_config(folder: str | Path) -> None:
 
 
 def _check_size(config: dict[str, Any], where: str) -> None:
-    n = estimated_params(config)
+    """A rough parameter count (attention + cross-attention + FFN per block) below MAX_PARAMS."""
+    w = int(config.get("num_attention_heads", 40)) * int(config.get("attention_head_dim", 128))
+    ffn = int(config.get("ffn_dim", 13824))
+    n = float(config.get("num_layers", 40)) * (8.0 * w * w + 2.0 * w * ffn)
     if n > MAX_PARAMS:
         raise UsageError(
             f"{where} describes a model of ~{n / 1e9:.0f}B parameters, more than the "
             f"{MAX_PARAMS / 1e9:.0f}B any distillation target has",
             fix="check num_layers / num_attention_heads / attention_head_dim / ffn_dim",
         )
-
-
-def _read_config_file(path: str) -> dict[str, Any]:
-    where = f"student.config_file {path!r}"
-    data, _ = load_json_file(path, dict[str, Any], what="student.config_file", fix=FIX_CONFIG)
-    return check_config(data, where)
 
 
 def resolve_student_config(
@@ -129,7 +119,9 @@ def resolve_student_config(
         }
         base = {k: v for k, v in base.items() if v is not None}
     if cfg.config_file:
-        base.update(_read_config_file(cfg.config_file))
+        path = cfg.config_file
+        data, _ = load_json_file(path, dict[str, Any], what="student.config_file", fix=FIX_CONFIG)
+        base.update(check_config(data, f"student.config_file {path!r}"))
     base.update({k: getattr(cfg, k) for k in SIZE_KEYS if getattr(cfg, k) is not None})
     missing = [k for k in SIZE_KEYS if k not in base]
     if missing:

@@ -66,10 +66,6 @@ def is_high(timestep: torch.Tensor | float, boundary_timestep: float) -> Any:
     return timestep >= boundary_timestep
 
 
-def boundary_timestep(boundary_ratio: float, num_train_timesteps: int | float) -> float:
-    return float(boundary_ratio) * float(num_train_timesteps)
-
-
 # --------------------------------------------------------------------------- the module
 
 
@@ -91,7 +87,7 @@ class ExpertPair(nn.Module):
 
     @property
     def boundary_timestep(self) -> float:
-        return boundary_timestep(self.boundary_ratio, self.num_train_timesteps)
+        return self.boundary_ratio * float(self.num_train_timesteps)
 
     @property
     def config(self) -> Any:
@@ -206,20 +202,13 @@ def recorded_experts(
 
 @dataclass(frozen=True, slots=True)
 class ExpertSplit:
-    """The K student steps each expert samples (indices into the K-step schedule)."""
+    """The K student steps each expert samples (indices into the K-step schedule); as
+    `dataclasses.asdict`, sampling.json's `experts`."""
 
     boundary_ratio: float
     boundary_timestep: float
-    high: tuple[int, ...]
-    low: tuple[int, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "boundary_ratio": self.boundary_ratio,
-            "boundary_timestep": self.boundary_timestep,
-            "transformer_steps": list(self.high),
-            "transformer_2_steps": list(self.low),
-        }
+    transformer_steps: tuple[int, ...]
+    transformer_2_steps: tuple[int, ...]
 
 
 def split_steps(timesteps: tuple[float, ...], boundary: float) -> tuple[tuple[int, ...], ...]:
@@ -382,17 +371,13 @@ def build(
     from wandistill.student.model import build_student
 
     init = base_init(student, config)
-    if student.experts != PER_EXPERT:
-        model = build_student(config, seed=seed)
-        if init.path:
-            init_from_teacher(model, init)
-        return model
     made = []
-    for name in EXPERTS:
-        model = build_student(config, seed=seed)
+    for name in EXPERTS if student.experts == PER_EXPERT else (None,):
+        made.append(build_student(config, seed=seed))
         if init.path:
-            init_from_teacher(model, replace(init, component=name))
-        made.append(model)
+            init_from_teacher(made[-1], replace(init, component=name) if name else init)
+    if len(made) == 1:
+        return made[0]
     steps = int((settings.scheduler_config or {}).get("num_train_timesteps", 1000))  # type: ignore[arg-type]
     assert settings.boundary_ratio is not None, "check() refuses caches without a boundary"
     return ExpertPair(made[0], made[1], settings.boundary_ratio, steps)

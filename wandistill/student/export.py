@@ -58,20 +58,20 @@ import torch
 from safetensors import safe_open
 
 from wandistill import __version__
+from wandistill.checks.finite import is_finite
 from wandistill.errors import UsageError
 from wandistill.io import outputs
 from wandistill.io.fsutil import atomic_write_json, copy_tree, fsync_dir, make_temp_dir
 from wandistill.student import experts
-from wandistill.student.folders import EXPORT_MARKER, SAMPLING, FinishedStudent, read_run
+from wandistill.student.folders import EXPORT_MARKER, FinishedStudent, read_run
 from wandistill.student.lora import LORA_FILE
 from wandistill.student.schedule import StudentSchedule, build_scheduler
 
-MARKER = EXPORT_MARKER
 LINKED = ("tokenizer", "text_encoder", "vae")
 """Teacher components the export reuses as they are."""
 INDEX = "model_index.json"
 
-__all__ = ["LINKED", "MARKER", "SAMPLING", "ExportResult", "check_teacher", "export"]
+__all__ = ["LINKED", "ExportResult", "check_teacher", "export"]
 
 
 class TeacherFolder(Protocol):
@@ -92,9 +92,6 @@ class ExportResult:
     weights: Path
     lora: bool = False
     """OUT holds a LoRA file for the teacher folder, not a pipeline."""
-    scheduler: str = ""
-    """The K-step scheduler's diffusers class (what a LoRA export's user loads OUT/scheduler
-    with)."""
     usage: str = ""
     """A LoRA export: the stock diffusers lines that sample it (also in the marker)."""
 
@@ -120,40 +117,40 @@ def export(
     if finished.lora is not None:
         check_lora_base(teacher, finished)
     lora_file = finished.lora is not None and not merge_lora
-    if lora_file:
-        check_lora_boundary(teacher, finished)
     last = INDEX
     if lora_file:
+        check_lora_boundary(teacher, finished)
         last = experts.LOW if finished.boundary_ratio is not None else LORA_FILE
     inputs = {"--run": run, "--teacher": teacher.path}
     with outputs.claim(out, "export", inputs=inputs) as claimed:
         tmp = make_temp_dir(claimed.path, "export")
         try:
-            if lora_file:
-                scheduler, usage = _build_lora(tmp, finished, teacher)
-            else:
-                scheduler, usage = _build(tmp, finished, teacher, copy=copy), ""
-            _fsync_tree(tmp)
+            scheduler = _scheduler(finished.schedule, teacher)  # the K-step one
+            scheduler.save_pretrained(tmp / "scheduler")
+            name = type(scheduler).__name__
+            usage = _build_lora(tmp, finished, teacher, name) if lora_file else ""
+            if not lora_file:
+                _build(tmp, finished, teacher, name, copy=copy)
+            fsync_tree(tmp)
             _install(tmp, claimed.path, last=last)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return ExportResult(
-        Path(out),
-        finished.num_inference_steps,
-        not copy,
-        finished.weights,
-        lora=lora_file,
-        scheduler=scheduler,
-        usage=usage,
-    )
+    k = finished.num_inference_steps
+    return ExportResult(Path(out), k, not copy, finished.weights, lora=lora_file, usage=usage)
 
 
 # --------------------------------------------------------------------------- checks
 
 
 def refuse_non_finite(run: FinishedStudent) -> None:
-    """A student whose weights hold NaN or inf samples garbage: refuse it by name."""
-    bad = _non_finite(sorted(run.weights.rglob("*.safetensors")))
+    """A student whose weights hold NaN or inf samples garbage: refuse it by name (its tensors
+    read one at a time)."""
+    bad = []
+    for f in sorted(run.weights.rglob("*.safetensors")):
+        with safe_open(f, framework="pt") as sf:
+            for key in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if not is_finite(sf.get_tensor(key)):
+                    bad.append(key)
     if bad:
         raise UsageError(
             f"{run.label}: the {run.weights.name} weights hold NaN or inf "
@@ -161,18 +158,6 @@ def refuse_non_finite(run: FinishedStudent) -> None:
             fix="resume from an earlier checkpoint with a lower optim.lr, or export the other "
             "weights (--ema / --no-ema)",
         )
-
-
-def _non_finite(files: list[Path]) -> list[str]:
-    """Names of tensors with a NaN or inf, read one tensor at a time."""
-    bad = []
-    for f in files:
-        with safe_open(f, framework="pt") as sf:
-            for key in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
-                t = sf.get_tensor(key)
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    bad.append(key)
-    return bad
 
 
 def check_teacher(folder: TeacherFolder, run: FinishedStudent) -> TeacherFolder:
@@ -243,29 +228,23 @@ def lora_usage(teacher: Path, out: Path, run: FinishedStudent, scheduler: str, w
     with the adapted expert as `transformer`; per-expert LoRAs go one into each expert of the
     teacher's own pipeline."""
     assert run.lora is not None
+    kw, loads = "", [f"pipe.load_lora_weights({str(out)!r})"]
     if run.boundary_ratio is not None:
-        return "\n".join(
-            [
-                f"pipe = WanPipeline.from_pretrained({str(teacher)!r})",
-                f"pipe.load_lora_weights({str(out / experts.HIGH)!r})",
-                f"pipe.load_lora_weights({str(out / experts.LOW)!r}, load_into_transformer_2=True)",
-                f"pipe.scheduler = diffusers.{scheduler}.from_pretrained({str(out)!r}, "
-                "subfolder='scheduler')",
-                f"pipe(prompt, num_inference_steps={run.num_inference_steps}, guidance_scale=1.0)",
-            ]
-        )
-    kw = ""
-    if run.lora.component != "transformer":
+        loads = [
+            f"pipe.load_lora_weights({str(out / experts.HIGH)!r})",
+            f"pipe.load_lora_weights({str(out / experts.LOW)!r}, load_into_transformer_2=True)",
+        ]
+    elif run.lora.component != "transformer":
         kw += (
             f", transformer=WanTransformer3DModel.from_pretrained({str(teacher)!r}, "
             f"subfolder={run.lora.component!r})"
         )
-    if wan22:
+    if wan22 and run.boundary_ratio is None:
         kw += ", transformer_2=None, boundary_ratio=None"
     return "\n".join(
         [
             f"pipe = WanPipeline.from_pretrained({str(teacher)!r}{kw})",
-            f"pipe.load_lora_weights({str(out)!r})",
+            *loads,
             f"pipe.scheduler = diffusers.{scheduler}.from_pretrained({str(out)!r}, "
             "subfolder='scheduler')",
             f"pipe(prompt, num_inference_steps={run.num_inference_steps}, guidance_scale=1.0)",
@@ -273,32 +252,22 @@ def lora_usage(teacher: Path, out: Path, run: FinishedStudent, scheduler: str, w
     )
 
 
-def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder) -> tuple[str, str]:
-    """The adapter file as train wrote it (per expert: `transformer/`, `transformer_2/`), the
-    K-step scheduler, the marker; returns the scheduler's class name and the usage lines."""
+def _build_lora(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, scheduler: str) -> str:
+    """The adapter file as train wrote it (per expert: `transformer/`, `transformer_2/`) and
+    the marker; returns the usage lines (`scheduler`: the K-step scheduler's class)."""
     if run.boundary_ratio is None:
         shutil.copyfile(run.weights / LORA_FILE, tmp / LORA_FILE)
     else:
         for name, folder in run.expert_folders.items():
             (tmp / name).mkdir()
             shutil.copyfile(folder / LORA_FILE, tmp / name / LORA_FILE)
-    scheduler = _scheduler(run.schedule, teacher)
-    scheduler.save_pretrained(tmp / "scheduler")
     assert run.lora is not None
     wan22 = bool(teacher.index.present("transformer_2"))
     out = tmp.parent.resolve()  # the claimed OUT the entries move into
-    usage = lora_usage(teacher.path.resolve(), out, run, type(scheduler).__name__, wan22)
-    marker = _marker(
-        "lora",
-        run,
-        teacher,
-        lora=run.lora.model_dump(),
-        scheduler_class=type(scheduler).__name__,
-        wan22_teacher=wan22,
-        usage=usage,
-    )
-    atomic_write_json(tmp / MARKER, marker)
-    return type(scheduler).__name__, usage
+    usage = lora_usage(teacher.path.resolve(), out, run, scheduler, wan22)
+    own = {"lora": run.lora.model_dump(), "scheduler_class": scheduler, "wan22_teacher": wan22}
+    atomic_write_json(tmp / EXPORT_MARKER, _marker("lora", run, teacher, **own, usage=usage))
+    return usage
 
 
 def _merged_transformers(run: FinishedStudent, teacher: TeacherFolder, tmp: Path) -> None:
@@ -314,7 +283,9 @@ def _merged_transformers(run: FinishedStudent, teacher: TeacherFolder, tmp: Path
         expert.save_pretrained(tmp / name, safe_serialization=True)  # type: ignore[operator]
 
 
-def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: bool) -> str:
+def _build(
+    tmp: Path, run: FinishedStudent, teacher: TeacherFolder, scheduler: str, *, copy: bool
+) -> None:
     if run.lora is not None:
         _merged_transformers(run, teacher, tmp)
     else:
@@ -323,19 +294,15 @@ def _build(tmp: Path, run: FinishedStudent, teacher: TeacherFolder, *, copy: boo
             for f in sorted(folder.iterdir()):
                 if f.is_file():
                     shutil.copyfile(f, tmp / name / f.name)  # copyfile: umask, not 0600
-    scheduler = _scheduler(run.schedule, teacher)
-    scheduler.save_pretrained(tmp / "scheduler")
     for name in LINKED:
         source = (teacher.path / name).resolve()
         if copy:
             copy_tree(source, tmp / name)  # a failure is that file's one error
         else:
             os.symlink(source, tmp / name, target_is_directory=True)
-    index = _model_index(teacher, type(scheduler).__name__, run.boundary_ratio)
-    atomic_write_json(tmp / INDEX, index)
+    atomic_write_json(tmp / INDEX, _model_index(teacher, scheduler, run.boundary_ratio))
     components = "copied" if copy else "symlinked"
-    atomic_write_json(tmp / MARKER, _marker("export", run, teacher, components=components))
-    return type(scheduler).__name__
+    atomic_write_json(tmp / EXPORT_MARKER, _marker("export", run, teacher, components=components))
 
 
 def _marker(kind: str, run: FinishedStudent, teacher: TeacherFolder, **own: Any) -> dict:
@@ -388,8 +355,9 @@ def _model_index(
     return index
 
 
-def _fsync_tree(folder: Path) -> None:
-    """fsync every file we wrote (not through the teacher symlinks), then every directory."""
+def fsync_tree(folder: Path) -> None:
+    """fsync every file we wrote (not through the teacher symlinks), then every directory
+    (train's result folders too)."""
     for root, dirs, files in os.walk(folder):  # os.walk does not follow directory symlinks
         for name in files:
             path = Path(root) / name

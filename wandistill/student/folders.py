@@ -289,7 +289,7 @@ def read_run(run: str | Path, *, ema: bool = True, flag: str = "--run") -> Finis
             fix="pass the --out folder of a finished `wandistill train`, or finish it with "
             "--resume",
         )
-    sampling = _read(run / SAMPLING, SamplingFile, "run file", _RESUME_FIX)
+    sampling, _ = load_json_file(run / SAMPLING, SamplingFile, what="run file", fix=_RESUME_FIX)
     ratio = _check_student(
         weights,
         f"{label}: {name}/",
@@ -348,7 +348,9 @@ def read_export(folder: str | Path, *, flag: str = "--export") -> FinishedStuden
     missing = [p for p in PIPELINE_PIECES if not (folder / p).exists()]
     if missing:
         raise UsageError(f"{label} is incomplete: {', '.join(missing)} missing", fix=fix)
-    marker = _read(folder / EXPORT_MARKER, ExportMarker, "export file", _EXPORT_FIX)
+    marker, _ = load_json_file(
+        folder / EXPORT_MARKER, ExportMarker, what="export file", fix=_EXPORT_FIX
+    )
     names = experts.EXPERTS if marker.boundary_ratio is not None else (experts.HIGH,)
     for name in names:
         _check_weights(folder / name, f"{label}: {name}/", fix)
@@ -362,15 +364,6 @@ def read_export(folder: str | Path, *, flag: str = "--export") -> FinishedStuden
         flag=flag,
         boundary_ratio=marker.boundary_ratio,
     )
-
-
-def _read(path: Path, model: type[Any], what: str, fix: str) -> Any:
-    parsed, _ = load_json_file(path, model, what=what, fix=fix)
-    return parsed
-
-
-def _has_weights(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
 def _check_student(folder: Path, label: str, fix: str, *, lora: bool = False) -> float | None:
@@ -418,7 +411,7 @@ def _check_weights(folder: Path, label: str, fix: str, *, lora: bool = False) ->
         read_safetensors(folder / LORA_FILE, what="student LoRA file")  # a valid header
         return
     require_safetensors(folder, "student")
-    if not _has_weights(folder):
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         raise UsageError(f"{label} is not a student folder (config.json + safetensors)", fix=fix)
     check_saved_config(folder)
     # Every weight file's header, size and offsets, as `from_pretrained` will read them: a

@@ -61,18 +61,6 @@ def _teacher_tensors(
     return tensors, config if isinstance(config, dict) else {}
 
 
-def plan_copy(student: nn.Module, blocks: list[int]) -> dict[str, str]:
-    """Student tensor name -> teacher tensor name, for every tensor the init touches."""
-    plan: dict[str, str] = {}
-    for name in student.state_dict():
-        m = _BLOCK.match(name)
-        if m is None:
-            plan[name] = name
-        elif int(m.group(1)) < len(blocks):
-            plan[name] = f"blocks.{blocks[int(m.group(1))]}.{m.group(2)}"
-    return plan
-
-
 def init_from_teacher(student: nn.Module, cfg: TeacherInitConfig) -> int:
     """Copy teacher tensors into `student` in place; returns how many were copied. Refused
     before anything is copied: block init the teacher's config rules out (`block_problems`,
@@ -84,8 +72,14 @@ def init_from_teacher(student: nn.Module, cfg: TeacherInitConfig) -> int:
     problems = block_problems(cfg.blocks, student_config, teacher_config)
     if problems:
         raise UsageError(f"cannot initialise the student from {cfg.path!r}: {'; '.join(problems)}")
-    plan = plan_copy(student, cfg.blocks)
     params = student.state_dict()
+    plan: dict[str, str] = {}  # student tensor -> teacher tensor, every one the init touches
+    for name in params:
+        m = _BLOCK.match(name)
+        if m is None:
+            plan[name] = name
+        elif int(m.group(1)) < len(cfg.blocks):
+            plan[name] = f"blocks.{cfg.blocks[int(m.group(1))]}.{m.group(2)}"
     for mine, theirs in plan.items():
         if theirs not in where:
             problems.append(f"{theirs} is not in the teacher (for student {mine})")

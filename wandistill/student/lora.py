@@ -66,16 +66,15 @@ def lora_config(cfg: StudentLoraConfig) -> Any:
     )
 
 
-def linear_names(model: nn.Module) -> list[str]:
-    """Names of the model's nn.Linear modules: what LoRA can adapt."""
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-
-
 def check_targets(model: nn.Module, targets: list[str]) -> None:
     """Every target names at least one nn.Linear of `model` (peft's rule: the full name or a
     suffix at a dot); otherwise one error naming the nearest module names. Runs on a meta-device
     model in validation, before anything is written."""
-    names = [n for n in linear_names(model) if ".lora_" not in n and not n.endswith("base_layer")]
+    names = [  # the model's own nn.Linear modules: what LoRA can adapt
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and ".lora_" not in n and not n.endswith("base_layer")
+    ]
     parts = [n.split(".") for n in names]
     suffixes = sorted({".".join(p[i:]) for p in parts for i in range(len(p)) if not p[i].isdigit()})
     problems = []
@@ -165,12 +164,6 @@ def adapter_state_dict(
     return {k: v.detach().cpu().contiguous() for k, v in sd.items()}
 
 
-def adapter_metadata(model: nn.Module) -> dict[str, Any]:
-    """The LoraConfig as diffusers stores it in the file's metadata (rank, alpha, targets), so
-    load_lora_weights rebuilds the very adapter instead of guessing alpha from shapes."""
-    return model.peft_config[ADAPTER].to_dict()  # type: ignore[index,union-attr,operator]
-
-
 def save_lora_folder(
     model: nn.Module, folder: Path, state: dict[str, torch.Tensor] | None = None
 ) -> Path:
@@ -196,10 +189,13 @@ def save_lora_folder(
 def _save_lora_file(model: nn.Module, folder: Path, state: dict[str, torch.Tensor] | None) -> Path:
     from diffusers import WanPipeline
 
+    # The LoraConfig as diffusers stores it in the file's metadata (rank, alpha, targets), so
+    # load_lora_weights rebuilds the very adapter instead of guessing alpha from shapes
+    config = model.peft_config[ADAPTER].to_dict()  # type: ignore[index,union-attr,operator]
     WanPipeline.save_lora_weights(
         folder,
         transformer_lora_layers=adapter_state_dict(model, state),
-        transformer_lora_adapter_metadata=adapter_metadata(model),
+        transformer_lora_adapter_metadata=config,
         weight_name=LORA_FILE,
         safe_serialization=True,
     )

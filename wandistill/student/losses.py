@@ -57,9 +57,7 @@ class SigmaTable:
     @classmethod
     def from_cache(cls, settings: SettingsBlock, shared: dict[str, torch.Tensor]) -> SigmaTable:
         sigmas = shared.get("sigmas")
-        steps = list(settings.record_steps or [])
-        if not steps:
-            steps = list(range(settings.num_inference_steps or 0))
+        steps = list(settings.record_steps or range(settings.num_inference_steps or 0))
         if sigmas is None or not steps or max(steps) >= sigmas.numel():
             return cls(None)
         return cls(sigmas.float().flatten()[torch.tensor(steps)])

@@ -60,20 +60,17 @@ def sample_latents(
     A student samples with guidance off (the defaults). eval runs the teacher through the same
     call with the cache's CFG (`negative_BLD`, `guidance_scale`, `guidance_scale_2`)."""
     _, _, frames, height, width = noise_BCFHW.shape
-    cfg = {}
-    if guidance_scale_2 is not None:
-        cfg["guidance_scale_2"] = guidance_scale_2
     out = pipe(
         prompt_embeds=embeds_BLD,
         negative_prompt_embeds=negative_BLD,
         latents=noise_BCFHW.float(),
         num_inference_steps=num_inference_steps,
         guidance_scale=guidance_scale,
+        guidance_scale_2=guidance_scale_2,  # None: WanPipeline's default
         height=height * VAE_SPATIAL,
         width=width * VAE_SPATIAL,
         num_frames=(frames - 1) * VAE_TEMPORAL + 1,
         max_sequence_length=embeds_BLD.shape[1],
         output_type="latent",
-        **cfg,
     )
     return out.frames

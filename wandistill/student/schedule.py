@@ -87,9 +87,7 @@ class TeacherSchedule:
         config = settings.scheduler_config or {}
         train_steps = float(config.get("num_train_timesteps", 1000))
         timesteps = t.flatten().tolist() if t is not None else (sigmas[:-1] * train_steps).tolist()
-        spec = None
-        if settings.scheduler:
-            spec = {"_class_name": settings.scheduler, **config}
+        spec = {"_class_name": settings.scheduler, **config} if settings.scheduler else None
         ratio = settings.boundary_ratio
         return cls(
             num_inference_steps=n,
@@ -109,7 +107,8 @@ class TeacherSchedule:
         boundary_ratio: float | None = None,
     ) -> TeacherSchedule:
         """The schedule precompute will record with `scheduler` (a configured diffusers one)."""
-        spec = _spec_of(scheduler)
+        config = json.loads(json.dumps(dict(scheduler.config), default=str))  # JSON values
+        spec = {"_class_name": type(scheduler).__name__, **config}
         train_steps = float(spec.get("num_train_timesteps", 1000))
         timesteps, sigmas = _set_timesteps(build_scheduler(spec), num_inference_steps)
         return cls(
@@ -171,11 +170,6 @@ class StudentSchedule:
 # --------------------------------------------------------------------------- schedulers
 
 
-def _spec_of(scheduler: Any) -> dict[str, Any]:
-    config = json.loads(json.dumps(dict(scheduler.config), default=str))
-    return {"_class_name": type(scheduler).__name__, **config}
-
-
 def build_scheduler(spec: dict[str, Any]) -> Any:
     """A stock diffusers scheduler from {"_class_name": ..., **config} (scheduler classes only)."""
     import diffusers
@@ -232,10 +226,12 @@ def first_order_spec(teacher: dict[str, Any], k: int) -> dict[str, Any]:
     )
 
 
-def match_steps(teacher: TeacherSchedule, spec: dict[str, Any], k: int) -> list[int] | None:
-    """Teacher step index of each sigma of the K-step schedule, or None if one is off-grid."""
+def match_steps(teacher: TeacherSchedule, k: int) -> StudentSchedule | None:
+    """The first-order K-step schedule, if each of its sigmas is one of the teacher's steps."""
+    assert teacher.scheduler is not None
+    spec = first_order_spec(teacher.scheduler, k)
     try:
-        _, sigmas = _set_timesteps(build_scheduler(spec), k)
+        timesteps, sigmas = _set_timesteps(build_scheduler(spec), k)
     except (ValueError, RuntimeError, TypeError):  # e.g. dynamic shifting without mu
         return None
     if len(sigmas) != k + 1 or abs(sigmas[-1] - teacher.sigmas[-1]) > SIGMA_TOLERANCE:
@@ -250,7 +246,7 @@ def match_steps(teacher: TeacherSchedule, spec: dict[str, Any], k: int) -> list[
         if not hit:
             return None
         steps.append(hit[0])
-    return steps
+    return StudentSchedule(k, tuple(steps), sigmas, timesteps, spec, first_order=True)
 
 
 def student_schedule(
@@ -260,14 +256,8 @@ def student_schedule(
     one whose steps land on the teacher's schedule. `key` names the setting in messages."""
     n = teacher.num_inference_steps
     if not few_step:
-        return StudentSchedule(
-            num_inference_steps=n,
-            steps=tuple(range(n)),
-            sigmas=teacher.sigmas,
-            timesteps=teacher.timesteps,
-            scheduler=teacher.scheduler,
-            first_order=False,
-        )
+        own = (teacher.sigmas, teacher.timesteps, teacher.scheduler)
+        return StudentSchedule(n, tuple(range(n)), *own, first_order=False)
     k = n if k is None else k
     if teacher.scheduler is None or len(teacher.sigmas) != n + 1:
         raise UsageError(
@@ -281,28 +271,15 @@ def student_schedule(
             "as the teacher's schedule has",
             fix=f"choose K <= {n}",
         )
-    steps = match_steps(teacher, first_order_spec(teacher.scheduler, k), k)
-    if steps is None:
-        valid = [
-            j
-            for j in range(1, n + 1)
-            if match_steps(teacher, first_order_spec(teacher.scheduler, j), j)
-        ]
+    found = match_steps(teacher, k)
+    if found is None:
+        valid = [j for j in range(1, n + 1) if match_steps(teacher, j)]
         raise UsageError(
             f"{key}={k}: the {teacher.scheduler['_class_name']} {k}-step schedule does not land "
             f"on the teacher's {n}-step one (for UniPC, K must divide N)",
             fix=f"choose K from {valid}",
         )
-    spec = first_order_spec(teacher.scheduler, k)
-    timesteps, sigmas = _set_timesteps(build_scheduler(spec), k)
-    return StudentSchedule(
-        num_inference_steps=k,
-        steps=tuple(steps),
-        sigmas=sigmas,
-        timesteps=timesteps,
-        scheduler=spec,
-        first_order=True,
-    )
+    return found
 
 
 def student_steps_for(scheduler: Any, num_inference_steps: int) -> Any:

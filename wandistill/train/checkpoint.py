@@ -205,7 +205,7 @@ def flatten_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict
     for idx, entry in sd["state"].items():
         for name, value in entry.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"state.{idx}.{name}"] = value.detach().cpu().contiguous()
+                tensors[f"state.{idx}.{name}"] = value.detach()
             else:
                 scalars.setdefault(str(idx), {})[name] = value
     groups = [
@@ -231,7 +231,9 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) 
 # --------------------------------------------------------------------------- write
 
 
-def _write(path: Path, data: bytes, sums: dict[str, dict[str, int]] | None = None) -> None:
+def write_file(path: Path, data: bytes, sums: dict[str, dict[str, int]] | None = None) -> None:
+    """Write and fsync one checkpoint file (also train/dcp.py's), its size and crc32c into
+    `sums`."""
     with writing(path), open(path, "wb") as f:  # a full disk names this file
         f.write(data)
         f.flush()
@@ -240,7 +242,16 @@ def _write(path: Path, data: bytes, sums: dict[str, dict[str, int]] | None = Non
         sums[path.name] = {"bytes": len(data), "crc32c": int(google_crc32c.value(data))}
 
 
-def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def file_sum(path: Path) -> dict[str, int]:
+    """A file's state.json entry (`FileSum`), streamed: a large student is never held twice."""
+    crc, size = 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(16 * MiB):
+            crc, size = google_crc32c.extend(crc, chunk), size + len(chunk)
+    return {"bytes": size, "crc32c": crc}
+
+
+def cpu_contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
 
 
@@ -249,14 +260,16 @@ def save_checkpoint(root: Path, ckpt: Checkpoint, *, keep: int) -> Path:
     tmp = start_checkpoint(root, ckpt.step)
     sums: dict[str, dict[str, int]] = {}
     try:
-        _write(tmp / "student.safetensors", save(_contiguous(ckpt.student)), sums)
-        _write(tmp / "ema.safetensors", save(_contiguous(ckpt.ema)), sums)
+        write_file(tmp / "student.safetensors", save(cpu_contiguous(ckpt.student)), sums)
+        write_file(tmp / "ema.safetensors", save(cpu_contiguous(ckpt.ema)), sums)
         if ckpt.projections:
-            _write(tmp / "projections.safetensors", save(_contiguous(ckpt.projections)), sums)
+            write_file(
+                tmp / "projections.safetensors", save(cpu_contiguous(ckpt.projections)), sums
+            )
         opt_tensors, opt_rest = flatten_optimizer(ckpt.optimizer)
-        _write(tmp / "optimizer.safetensors", save(opt_tensors), sums)
-        _write(tmp / OPTIMIZER_JSON, json.dumps(opt_rest).encode(), sums)
-        _write(tmp / "rng.safetensors", save(_contiguous(ckpt.rng)), sums)
+        write_file(tmp / "optimizer.safetensors", save(cpu_contiguous(opt_tensors)), sums)
+        write_file(tmp / OPTIMIZER_JSON, json.dumps(opt_rest).encode(), sums)
+        write_file(tmp / "rng.safetensors", save(cpu_contiguous(ckpt.rng)), sums)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -288,7 +301,7 @@ def seal_and_publish(
         state = {k: v for k, v in state.items() if k not in ("files", "sha256")}
         state["files"] = sums
         state["sha256"] = seal(state)
-        _write(tmp / STATE, (json.dumps(state, indent=1) + "\n").encode())
+        write_file(tmp / STATE, (json.dumps(state, indent=1) + "\n").encode())
         fsync_dir(tmp)
         final = root / name
         if final.exists():  # re-saving a step (a run extended with a larger --steps)
@@ -298,7 +311,8 @@ def seal_and_publish(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     atomic_write_bytes(root / LATEST, f"{name}\n".encode())
-    prune(root, keep)
+    for _, old in list_checkpoints(root)[:-keep]:  # prune
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -310,18 +324,8 @@ def step_of(path: Path) -> int | None:
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints (those with state.json), oldest first."""
-    found = []
-    if root.is_dir():
-        for p in root.glob(f"{PREFIX}*"):
-            step = step_of(p)
-            if step is not None and (p / STATE).is_file():
-                found.append((step, p))
-    return sorted(found)
-
-
-def prune(root: Path, keep: int) -> None:
-    for _, path in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+    named = ((step_of(p), p) for p in root.glob(f"{PREFIX}*"))  # none if root is missing
+    return sorted((s, p) for s, p in named if s is not None and (p / STATE).is_file())
 
 
 def resolve_latest(root: Path) -> Path | None:
@@ -346,8 +350,3 @@ def resolve_latest(root: Path) -> Path | None:
 
 
 _FIX_LATEST = "delete it: --resume then takes the highest complete checkpoint"
-
-
-# Public name for the sharded (FSDP) checkpoints of train/dcp.py, which share this folder
-# contract (their reading side: `train.checkpoint_read`).
-write_file = _write

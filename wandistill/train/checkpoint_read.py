@@ -10,12 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import torch
 from safetensors.torch import load_file
 
 from wandistill.checks.validate import (
-    MiB,
     check,
     json_kind,
     parse_json,
@@ -34,13 +32,18 @@ from wandistill.train.checkpoint import (
     Checkpoint,
     CheckpointState,
     OptimizerRest,
+    file_sum,
     step_of,
     unflatten_optimizer,
 )
 
 
-class _Error(WandistillError):
-    """An unreadable checkpoint (exit 1)."""
+class CheckpointError(WandistillError):
+    """An unreadable checkpoint (exit 1); train/dcp.py's sharded checkpoints raise it too."""
+
+
+def unreadable(message: str) -> CheckpointError:
+    return CheckpointError(message, fix=FIX)
 
 
 def _state_where(path: Path) -> str:
@@ -54,82 +57,78 @@ def check_state(path: Path) -> tuple[CheckpointState, dict[str, Any], dict[str, 
     anything, on every rank."""
     where = _state_where(path)
     data = read_capped(
-        path / STATE, max_bytes=MAX_JSON_BYTES, what="checkpoint state", fix=FIX, error=_Error
+        path / STATE,
+        max_bytes=MAX_JSON_BYTES,
+        what="checkpoint state",
+        fix=FIX,
+        error=CheckpointError,
     )
-    obj = parse_json(data, where, fix=FIX, error=_Error)
-    state = check(CheckpointState, obj, where, fix=FIX, error=_Error)
+    obj = parse_json(data, where, fix=FIX, error=CheckpointError)
+    state = check(CheckpointState, obj, where, fix=FIX, error=CheckpointError)
     if step_of(path) != state.step:
-        raise _Error(f"{where}: step = {state.step} but the folder is {path.name!r}", fix=FIX)
+        raise unreadable(f"{where}: step = {state.step} but the folder is {path.name!r}")
     if state.sha256 is not None:
         body = {k: v for k, v in obj.items() if k != "sha256"}
         if seal(body) != state.sha256:
-            raise _Error(
-                f"{where}: its content changed after it was written (sha256 does not match)",
-                fix=FIX,
+            raise unreadable(
+                f"{where}: its content changed after it was written (sha256 does not match)"
             )
         for name, want in (state.files or {}).items():
             f = path / name
             size = f.stat().st_size if f.is_file() else None
             if size != want.bytes:
                 got = "missing" if size is None else f"{size} bytes"
-                raise _Error(
-                    f"checkpoint file {str(f)!r} is {got}, state.json says {want.bytes} bytes",
-                    fix=FIX,
+                raise unreadable(
+                    f"checkpoint file {str(f)!r} is {got}, state.json says {want.bytes} bytes"
                 )
     if "target.safetensors" in (state.files or {}) or (path / "target.safetensors").is_file():
-        raise _Error(f"checkpoint {str(path)!r} {REMOVED_TARGET}", fix=REMOVED_FIX)
+        raise CheckpointError(f"checkpoint {str(path)!r} {REMOVED_TARGET}", fix=REMOVED_FIX)
     where = f"checkpoint file {str(path / OPTIMIZER_JSON)!r}"
     data = read_capped(
-        _check_file(path, OPTIMIZER_JSON, state),
+        check_file(path, OPTIMIZER_JSON, state),
         max_bytes=MAX_JSON_BYTES,
         what="checkpoint file",
         fix=FIX,
-        error=_Error,
+        error=CheckpointError,
     )
-    opt_obj = parse_json(data, where, fix=FIX, error=_Error)
-    check(OptimizerRest, opt_obj, where, fix=FIX, error=_Error)
+    opt_obj = parse_json(data, where, fix=FIX, error=CheckpointError)
+    check(OptimizerRest, opt_obj, where, fix=FIX, error=CheckpointError)
     return state, obj, opt_obj
 
 
-def _check_file(path: Path, name: str, state: CheckpointState) -> Path:
+def check_file(path: Path, name: str, state: CheckpointState) -> Path:
     """A checkpoint file, checked against the size and crc32c state.json lists (streamed, so a
     large student is never held twice in memory)."""
     f = path / name
     want = (state.files or {}).get(name)  # type: ignore[call-overload]
     if state.files is not None and want is None:
-        raise _Error(f"checkpoint file {str(f)!r} is not listed in state.json.files", fix=FIX)
+        raise unreadable(f"checkpoint file {str(f)!r} is not listed in state.json.files")
     if not f.is_file():
-        raise _Error(f"checkpoint file {str(f)!r} is missing", fix=FIX)
-    if want is not None:
-        crc, size = 0, 0
-        with open(f, "rb") as fh:
-            while chunk := fh.read(16 * MiB):
-                crc, size = google_crc32c.extend(crc, chunk), size + len(chunk)
-        if (size, crc) != (want.bytes, want.crc32c):
-            raise _Error(
-                f"checkpoint file {str(f)!r} fails its crc32c check (changed after it was written)",
-                fix=FIX,
-            )
+        raise unreadable(f"checkpoint file {str(f)!r} is missing")
+    if want is not None and file_sum(f) != want.model_dump():
+        raise unreadable(
+            f"checkpoint file {str(f)!r} fails its crc32c check (changed after it was written)"
+        )
     return f
 
 
-def _tensors(path: Path, name: str, state: CheckpointState) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path, name: str, state: CheckpointState) -> dict[str, torch.Tensor]:
     """One safetensors file of the checkpoint: names, dtypes and finite values checked."""
     where = f"checkpoint file {str(path / name)!r}"
     try:
-        tensors = load_file(_check_file(path, name, state))
+        tensors = load_file(check_file(path, name, state))
     except WandistillError:
         raise
     except Exception as e:  # safetensors raises its own error types on a bad header
-        raise _Error(f"{where} is not a readable safetensors file ({e})", fix=FIX) from None
+        raise unreadable(f"{where} is not a readable safetensors file ({e})") from None
     pattern = _TENSOR_NAMES.get(name)
     for key, t in tensors.items():
         if pattern is not None and not pattern.fullmatch(key):
-            raise _Error(f"{where}: unexpected tensor {key[:80]!r}", fix=FIX)
+            raise unreadable(f"{where}: unexpected tensor {key[:80]!r}")
         if name == "rng.safetensors" and (t.dtype != torch.uint8 or t.dim() != 1):
-            raise _Error(f"{where}: {key} must be a 1-D uint8 RNG state", fix=FIX)
+            raise unreadable(f"{where}: {key} must be a 1-D uint8 RNG state")
         if t.is_floating_point() and not bool(t.isfinite().all()):
-            raise _Error(f"{where}: {key} holds NaN or inf values", fix=FIX)
+            raise unreadable(f"{where}: {key} holds NaN or inf values")
     return tensors
 
 
@@ -142,13 +141,13 @@ def load_checkpoint(path: Path) -> Checkpoint:
 
     return Checkpoint(
         step=state.step,
-        student=_tensors(path, "student.safetensors", state),
-        ema=_tensors(path, "ema.safetensors", state),
-        projections=_tensors(path, "projections.safetensors", state)
+        student=read_tensors(path, "student.safetensors", state),
+        ema=read_tensors(path, "ema.safetensors", state),
+        projections=read_tensors(path, "projections.safetensors", state)
         if has("projections.safetensors")
         else {},
-        optimizer=unflatten_optimizer(_tensors(path, "optimizer.safetensors", state), opt_obj),
-        rng=_tensors(path, "rng.safetensors", state),
+        optimizer=unflatten_optimizer(read_tensors(path, "optimizer.safetensors", state), opt_obj),
+        rng=read_tensors(path, "rng.safetensors", state),
         state=raw,
     )
 
@@ -161,19 +160,19 @@ def check_like(saved: Any, live: Any, where: str) -> None:
     values of the same JSON kind, so load_state_dict cannot set an unexpected attribute."""
     if isinstance(live, dict):
         if not isinstance(saved, dict):
-            raise _Error(f"{where} must be a JSON object, not {json_kind(saved)}", fix=FIX)
+            raise unreadable(f"{where} must be a JSON object, not {json_kind(saved)}")
         if set(saved) != set(live):
             extra, gone = sorted(set(saved) - set(live)), sorted(set(live) - set(saved))
             detail = f"unexpected {extra[:3]}" if extra else f"missing {gone[:3]}"
-            raise _Error(f"{where} does not fit this run ({detail})", fix=FIX)
+            raise unreadable(f"{where} does not fit this run ({detail})")
         for k in live:
             check_like(saved[k], live[k], f"{where}.{k}")
     elif isinstance(live, list | tuple):
         if not isinstance(saved, list | tuple) or len(saved) != len(live):
-            raise _Error(f"{where} must be a list of {len(live)}, not {json_kind(saved)}", fix=FIX)
+            raise unreadable(f"{where} must be a list of {len(live)}, not {json_kind(saved)}")
     elif live is not None and saved is not None and _kind(saved) != _kind(live):
         want = {"bool": "true or false", "number": "a number", "str": "a string"}.get(_kind(live))
-        raise _Error(f"{where} must be {want or _kind(live)}, not {json_kind(saved)}", fix=FIX)
+        raise unreadable(f"{where} must be {want or _kind(live)}, not {json_kind(saved)}")
 
 
 def _kind(value: Any) -> str:
@@ -197,13 +196,12 @@ def check_restorable(
         where = f"checkpoint file {str(path / name)!r}"
         if set(saved) != set(live):
             diff = sorted(set(saved) ^ set(live))
-            raise _Error(f"{where} does not fit this student (tensors {diff[:3]})", fix=FIX)
+            raise unreadable(f"{where} does not fit this student (tensors {diff[:3]})")
         for key, t in live.items():
             if saved[key].shape != t.shape or saved[key].dtype != t.dtype:
-                raise _Error(
+                raise unreadable(
                     f"{where}: {key} is {saved[key].dtype} {list(saved[key].shape)}, this "
-                    f"student has {t.dtype} {list(t.shape)}",
-                    fix=FIX,
+                    f"student has {t.dtype} {list(t.shape)}"
                 )
     where = f"checkpoint file {str(path / OPTIMIZER_JSON)!r}"
     live_groups = optimizer.state_dict()["param_groups"]
@@ -213,38 +211,26 @@ def check_restorable(
         check_like(g, live, f"{where}: param_groups[{i}]")
         for key, value in live.items():  # torch's tri-state flags (foreach, fused: None)
             if value is None and g[key] is not None and not isinstance(g[key], bool):
-                raise _Error(
+                raise unreadable(
                     f"{where}: param_groups[{i}].{key} must be true, false or null, not "
-                    f"{json_kind(g[key])}",
-                    fix=FIX,
+                    f"{json_kind(g[key])}"
                 )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for idx, entry in ck.optimizer["state"].items():
         if not 0 <= idx < len(params):
-            raise _Error(
-                f"{where}: state for parameter {idx}, this student has {len(params)}", fix=FIX
-            )
+            raise unreadable(f"{where}: state for parameter {idx}, this student has {len(params)}")
         for key, value in entry.items():
             if key.startswith("exp_avg") and value.shape != params[idx].shape:
-                raise _Error(
+                raise unreadable(
                     f"checkpoint file {str(path / 'optimizer.safetensors')!r}: state.{idx}."
-                    f"{key} is {list(value.shape)}, the parameter is {list(params[idx].shape)}",
-                    fix=FIX,
+                    f"{key} is {list(value.shape)}, the parameter is {list(params[idx].shape)}"
                 )
     where = f"{_state_where(path)}: scheduler"
     check_like(ck.state["scheduler"], scheduler.state_dict(), where)
     cpu = torch.get_rng_state().numel()
     for key, t in ck.rng.items():
         if key.endswith(".cpu") and t.numel() != cpu:
-            raise _Error(
+            raise unreadable(
                 f"checkpoint file {str(path / 'rng.safetensors')!r}: {key} holds {t.numel()} "
-                f"bytes, a CPU RNG state is {cpu}",
-                fix=FIX,
+                f"bytes, a CPU RNG state is {cpu}"
             )
-
-
-# Public names for the sharded (FSDP) checkpoints of train/dcp.py, which share this folder
-# contract: the same state.json seal, file sums, error type and RNG file.
-CheckpointError = _Error
-check_file = _check_file
-read_tensors = _tensors

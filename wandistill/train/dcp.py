@@ -42,21 +42,25 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import torch
 import torch.distributed.checkpoint as torch_dcp
 from safetensors.torch import save
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor
 
-from wandistill.checks.validate import MiB
 from wandistill.io.fsutil import fsync_dir
 from wandistill.placement.train_plan import SHARD_FILE_BYTES
 from wandistill.runtime import dist
 from wandistill.runtime.dist import DistInfo
 from wandistill.runtime.faults import at
 from wandistill.train import checkpoint as ckpt_io
-from wandistill.train import checkpoint_read as ckpt_read
+from wandistill.train.checkpoint_read import (
+    CheckpointError,
+    check_file,
+    check_state,
+    read_tensors,
+    unreadable,
+)
 
 SHARDS = "shards"
 OPT_PREFIX = "optimizer.state."
@@ -86,7 +90,6 @@ class _ShardWriter(HuggingFaceStorageWriter):
     def __init__(self, path: Path, rank: int) -> None:
         super().__init__(str(path), save_distributed=True)
         self._shard_rank = rank  # not `rank`: set_up_storage_writer sets that to DCP's own
-        self._file_bytes = SHARD_FILE_BYTES
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         return [
@@ -94,7 +97,7 @@ class _ShardWriter(HuggingFaceStorageWriter):
                 p,
                 storage_data={
                     "shard_index": self._shard_rank + 1,
-                    "fqn_to_index_mapping": file_of(p.items, self._file_bytes),
+                    "fqn_to_index_mapping": file_of(p.items, SHARD_FILE_BYTES),
                 },
             )
             for p in plans
@@ -108,25 +111,9 @@ def _quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
 
-def flat_tensors(
-    parts: dict[str, dict[str, torch.Tensor]], optimizer_state: dict[int, dict[str, Any]]
-) -> dict[str, torch.Tensor]:
-    """One flat name -> tensor dict of everything sharded: `<part>.<name>` and the optimizer's
-    tensors as `optimizer.state.<param index>.<name>` (the numbering of DDP checkpoints)."""
-    out = {f"{p}.{k}": v.detach() for p, named in parts.items() for k, v in named.items()}
-    for idx, entry in optimizer_state.items():
-        for name, value in entry.items():
-            if torch.is_tensor(value):
-                out[f"{OPT_PREFIX}{idx}.{name}"] = value.detach()
-    return out
-
-
-def _file_sum(path: Path) -> dict[str, int]:
-    crc, size = 0, 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(16 * MiB):
-            crc, size = google_crc32c.extend(crc, chunk), size + len(chunk)
-    return {"bytes": size, "crc32c": crc}
+def flat_tensors(parts: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One flat name -> tensor dict of the sharded parts: `<part>.<name>`."""
+    return {f"{p}.{k}": v.detach() for p, named in parts.items() for k, v in named.items()}
 
 
 def save_checkpoint(
@@ -144,15 +131,16 @@ def save_checkpoint(
     checkpoint once every rank has written (a collective: every rank calls it)."""
     tmp = ckpt_io.start_checkpoint(root, step) if info.is_main else None
     tmp = root / dist.broadcast_json(info, tmp.name if tmp is not None else None)
-    opt_sd = optimizer.state_dict()
-    tensors = flat_tensors(parts, opt_sd["state"])
+    # the optimizer's tensors as `optimizer.state.<param index>.<name>` (as DDP numbers them)
+    opt_tensors, rest = ckpt_io.flatten_optimizer(optimizer.state_dict())
+    tensors = flat_tensors(parts) | {f"optimizer.{k}": v for k, v in opt_tensors.items()}
     if not info.is_main:  # a tensor every rank holds whole (e.g. AdamW's step) is written once
         tensors = {k: v for k, v in tensors.items() if isinstance(v, DTensor)}
     _quiet(
         torch_dcp.save, tensors, storage_writer=_ShardWriter(tmp / SHARDS, info.rank), no_dist=True
     )
     mine = {
-        f"{SHARDS}/{f.name}": _file_sum(f)
+        f"{SHARDS}/{f.name}": ckpt_io.file_sum(f)
         for f in (tmp / SHARDS).glob(f"shard-{info.rank + 1:05d}-*")
     }
     at("train", "shard", step, info.rank)  # test-only: a kill between shard and publish
@@ -160,15 +148,8 @@ def save_checkpoint(
     if not info.is_main:
         return
     sums = {name: s for view in views for name, s in view.items()}
-    _, rest = ckpt_io.flatten_optimizer({"state": {}, "param_groups": opt_sd["param_groups"]})
-    rest["scalars"] = {
-        str(i): {k: v for k, v in e.items() if not torch.is_tensor(v)}
-        for i, e in opt_sd["state"].items()
-        if any(not torch.is_tensor(v) for v in e.values())
-    }
     ckpt_io.write_file(tmp / ckpt_io.OPTIMIZER_JSON, json.dumps(rest).encode(), sums)
-    cpu_rng = {k: v.detach().cpu().contiguous() for k, v in rng.items()}
-    ckpt_io.write_file(tmp / "rng.safetensors", save(cpu_rng), sums)
+    ckpt_io.write_file(tmp / "rng.safetensors", save(ckpt_io.cpu_contiguous(rng)), sums)
     fsync_dir(tmp / SHARDS)
     ckpt_io.seal_and_publish(root, tmp, step, state, sums, keep=keep)
 
@@ -182,20 +163,18 @@ def load_checkpoint(
     """Load a sharded checkpoint into the live `parts` (their tensors, DTensors of this run's
     layout, are filled in place) and `optimizer`, on any number of ranks; return the RNG
     states. Every shard is checked against state.json's size and crc32c first (a collective)."""
-    state, _, opt_obj = ckpt_read.check_state(path)
+    state, _, opt_obj = check_state(path)
     check_shards(path, state, info)
     reader = HuggingFaceStorageReader(str(path / SHARDS))
     saved = reader.read_metadata().state_dict_metadata
-    target = flat_tensors(parts, {})
+    target = flat_tensors(parts)
     _check_fits(path, saved, target)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     opt = _optimizer_targets(path, saved, params)
     _quiet(torch_dcp.load, {**target, **opt}, storage_reader=reader, no_dist=True)
-    by_index: dict[str, torch.Tensor] = {
-        f"state.{k.removeprefix(OPT_PREFIX)}": v for k, v in opt.items()
-    }
+    by_index = {k.removeprefix("optimizer."): v for k, v in opt.items()}  # state.<i>.<name>
     optimizer.load_state_dict(ckpt_io.unflatten_optimizer(by_index, opt_obj))
-    return ckpt_read.read_tensors(path, "rng.safetensors", state)
+    return read_tensors(path, "rng.safetensors", state)
 
 
 def check_shards(path: Path, state: ckpt_io.CheckpointState, info: DistInfo) -> None:
@@ -206,20 +185,19 @@ def check_shards(path: Path, state: ckpt_io.CheckpointState, info: DistInfo) -> 
     present = sorted(f"{SHARDS}/{f.name}" for f in (path / SHARDS).iterdir())
     if present != listed:
         extra = sorted(set(present) - set(listed)) or sorted(set(listed) - set(present))
-        raise ckpt_read.CheckpointError(
+        raise unreadable(
             f"sharded checkpoint {str(path / SHARDS)!r} holds {len(present)} files, state.json "
-            f"lists {len(listed)} (e.g. {extra[0]!r})",
-            fix=ckpt_io.FIX,
+            f"lists {len(listed)} (e.g. {extra[0]!r})"
         )
     problems = []
     for name in listed[info.rank :: info.world_size]:
         try:
-            ckpt_read.check_file(path, name, state)
-        except ckpt_read.CheckpointError as e:
+            check_file(path, name, state)
+        except CheckpointError as e:
             problems.append(e.message)
     seen = [p for view in dist.all_gather_json(info, problems) for p in view]
     if seen:
-        raise ckpt_read.CheckpointError(seen[0], fix=ckpt_io.FIX)
+        raise unreadable(seen[0])
 
 
 def _check_fits(path: Path, saved: dict[str, Any], live: dict[str, torch.Tensor]) -> None:
@@ -227,19 +205,14 @@ def _check_fits(path: Path, saved: dict[str, Any], live: dict[str, torch.Tensor]
     names = {k for k in saved if not k.startswith(OPT_PREFIX)}
     where = f"sharded checkpoint {str(path / SHARDS)!r}"
     if any(k.startswith("target.") for k in names):
-        raise ckpt_read.CheckpointError(
-            f"{where} {ckpt_io.REMOVED_TARGET}", fix=ckpt_io.REMOVED_FIX
-        )
+        raise CheckpointError(f"{where} {ckpt_io.REMOVED_TARGET}", fix=ckpt_io.REMOVED_FIX)
     if names != set(live):
         diff = sorted(names ^ set(live))
-        raise ckpt_read.CheckpointError(
-            f"{where} does not fit this student (tensors {diff[:3]})", fix=ckpt_io.FIX
-        )
+        raise unreadable(f"{where} does not fit this student (tensors {diff[:3]})")
     for key, t in live.items():
         if tuple(saved[key].size) != tuple(t.shape):
-            raise ckpt_read.CheckpointError(
-                f"{where}: {key} is {list(saved[key].size)}, this student has {list(t.shape)}",
-                fix=ckpt_io.FIX,
+            raise unreadable(
+                f"{where}: {key} is {list(saved[key].size)}, this student has {list(t.shape)}"
             )
 
 
@@ -255,10 +228,9 @@ def _optimizer_targets(
         idx_text, _, name = key.removeprefix(OPT_PREFIX).partition(".")
         idx = int(idx_text) if idx_text.isdigit() else -1
         if not 0 <= idx < len(params) or not name:
-            raise ckpt_read.CheckpointError(
+            raise unreadable(
                 f"sharded checkpoint {str(path / SHARDS)!r}: optimizer tensor {key[:80]!r} "
-                f"names no parameter of this student ({len(params)} parameters)",
-                fix=ckpt_io.FIX,
+                f"names no parameter of this student ({len(params)} parameters)"
             )
         p = params[idx].detach()
         if tuple(md.size) == tuple(p.shape) and p.dim() > 0:

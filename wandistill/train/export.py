@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from wandistill.io.fsutil import atomic_write_json, fsync_dir, make_temp_dir, publish
+from wandistill.io.fsutil import atomic_write_json, make_temp_dir, publish
 from wandistill.runtime.dist import DistInfo, barrier
 from wandistill.student import experts, lora
+from wandistill.student.export import fsync_tree
 from wandistill.train.ema import EMA
-from wandistill.train.parallel import gather_to_main, is_sharded, unwrapped_class
+from wandistill.train.parallel import gather_to_main
 
 STUDENT = "student"
 STUDENT_EMA = "student_ema"
@@ -45,13 +47,7 @@ def _save_folder(
             lora.save_lora_folder(model, tmp, adapter)
         else:
             model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
-        for f in sorted(tmp.rglob("*")):  # per-expert students: transformer/, transformer_2/
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-            else:
-                fsync_dir(f)
-        fsync_dir(tmp)
+        fsync_tree(tmp)  # per-expert students: transformer/, transformer_2/ too
         if final.exists():  # park the old result, swap, then delete it
             old = make_temp_dir(final.parent, f"{final.name}.old")  # a temp name: see outputs
             os.replace(final, old)
@@ -72,7 +68,7 @@ def export_pretrained(
     for the second save: training is over, and no second copy of the model is needed), then
     sampling.json."""
     paths = (out / STUDENT, out / STUDENT_EMA)
-    if is_sharded(student):
+    if experts.is_sharded(student):
         _export_sharded(student, ema, paths, info)
         if info.is_main:
             atomic_write_json(out / SAMPLING, sampling)
@@ -120,4 +116,6 @@ def _meta_copy(student: nn.Module) -> nn.Module:
                 student.boundary_ratio,
                 student.num_train_timesteps,
             )
-        return unwrapped_class(student).from_config(student.config)  # type: ignore[attr-defined]
+        # the model's own class (fully_shard swaps in an `FSDP<name>` subclass)
+        own = next(c for c in type(student).__mro__ if not issubclass(c, FSDPModule))
+        return own.from_config(student.config)  # type: ignore[attr-defined]

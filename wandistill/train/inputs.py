@@ -33,6 +33,7 @@ from wandistill.train import checkpoint as ckpt_io
 from wandistill.train import checkpoint_read as ckpt_read
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
+"""train's progress lines (loop and resume print with it too)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,7 @@ class Plan:
     """What validation resolved from the recipe and the cache manifest."""
 
     caches: tuple[CacheReader, ...]
-    """Each --cache opened once for the whole process, the primary first (`open_caches`): its
+    """Each --cache opened once for the whole process, the primary first (`validate`): its
     `Storage` and committed manifest, which the objective plan, the training reader and the
     run's records all take (`url` where text is needed). `close` ends them."""
     out: Path
@@ -70,69 +71,49 @@ def run_inputs(cfg: TrainConfig) -> dict[str, str]:
     }
 
 
-def _cache_started(st: Storage) -> bool:
-    """The manifest exists and so does the shared schedule it lists (the writer creates the
-    manifest first, then shared.safetensors: the steps plan needs both)."""
-    if not has_manifest(st):
-        return False
-    listed = bool(read_manifest(st).shared)
-    return not listed or st.exists(SHARED_NAME)
-
-
 def wait_for_manifest(cfg: TrainConfig) -> list[Storage]:
     """--follow may start before precompute has created the cache: wait for its manifest (each
     cache's, with several). Returns the storages it polled, for `validate` to read on."""
-    return [_wait_for_cache(cfg, storage_at(cache)) for cache in cfg.caches]
+    opened = [storage_at(cache) for cache in cfg.caches]
+    for st in opened:
+        path = manifest_name(st)
+        start = time.monotonic()
+        told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
+        # The manifest and the shared schedule it lists (the writer creates the manifest
+        # first, then shared.safetensors: the steps plan needs both)
+        while not has_manifest(st) or (read_manifest(st).shared and not st.exists(SHARED_NAME)):
+            if not told:
+                console.print(f"train: waiting for {path} (has precompute started?)")
+                told = True
+            if cfg.follow_timeout and time.monotonic() - start > cfg.follow_timeout:
+                raise CacheError(
+                    f"--follow: {str(path)!r} did not appear within {cfg.follow_timeout:.0f} s",
+                    fix="start `wandistill precompute` with --out pointing at this cache",
+                )
+            time.sleep(cfg.follow_poll_interval)
+    return opened
 
 
-def _wait_for_cache(cfg: TrainConfig, st: Storage) -> Storage:
-    path = manifest_name(st)
-    start = time.monotonic()
-    told = os.environ.get("RANK", "0") != "0"  # rank 0 says it once
-    while not _cache_started(st):
-        if not told:
-            console.print(f"train: waiting for {path} (has precompute started?)")
-            told = True
-        if cfg.follow_timeout and time.monotonic() - start > cfg.follow_timeout:
-            raise CacheError(
-                f"--follow: {str(path)!r} did not appear within {cfg.follow_timeout:.0f} s",
-                fix="start `wandistill precompute` with --out pointing at this cache",
-            )
-        time.sleep(cfg.follow_poll_interval)
-    return st
-
-
-def open_caches(cfg: TrainConfig, opened: list[Storage] | None = None) -> tuple[CacheReader, ...]:
-    """Each --cache opened once for the whole run (the storages `wait_for_manifest` polled, if
-    it ran), its committed manifest loaded once, and several checked to agree (cache/multi.py)."""
+def validate(cfg: TrainConfig, *, resume: bool, follow: bool = False) -> Plan:
+    """Every check that needs only the recipe and the manifest, all problems in one error.
+    Each --cache is opened here, once (with `follow`, the storages `wait_for_manifest` polled),
+    its committed manifest loaded once and several checked to agree (cache/multi.py); the
+    `Plan` holds them and the caller closes it (`Plan.close`), or they close on a refusal."""
+    opened = wait_for_manifest(cfg) if follow else None
+    if not cfg.caches:
+        raise UsageError("train needs a cache", fix="pass --cache DIR (or set train.cache)")
+    if not cfg.out:
+        raise UsageError("train needs an output directory", fix="pass --out DIR (or train.out)")
     readers: list[CacheReader] = []
     try:
         for st in opened if opened is not None else [storage_at(c) for c in cfg.caches]:
             readers.append(CacheReader(st))
         if len(readers) > 1:
             check_caches(readers)
+        return _resolve(cfg, tuple(readers), resume=resume)
     except BaseException:
         for r in readers:
             r.close()
-        raise
-    return tuple(readers)
-
-
-def validate(cfg: TrainConfig, *, resume: bool, follow: bool = False) -> Plan:
-    """Every check that needs only the recipe and the manifest, all problems in one error.
-    The caches are opened here, once (with `follow`, after waiting for them), and the `Plan`
-    holds them; the caller closes it (`Plan.close`)."""
-    opened = wait_for_manifest(cfg) if follow else None
-    if not cfg.caches:
-        raise UsageError("train needs a cache", fix="pass --cache DIR (or set train.cache)")
-    if not cfg.out:
-        raise UsageError("train needs an output directory", fix="pass --out DIR (or train.out)")
-    caches = open_caches(cfg, opened)
-    try:
-        return _resolve(cfg, caches, resume=resume)
-    except BaseException:
-        for c in caches:
-            c.close()
         raise
 
 

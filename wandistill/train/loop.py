@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 from torch import nn
 
 from wandistill.cache.reader import CacheReader
@@ -55,14 +54,12 @@ from wandistill.train import job, parallel
 from wandistill.train.build import build_model, build_reader, objective_masks
 from wandistill.train.ema import EMA
 from wandistill.train.export import export_pretrained
-from wandistill.train.inputs import Plan, run_inputs, validate
+from wandistill.train.inputs import Plan, console, run_inputs, validate
 from wandistill.train.metrics import MetricsLog, Window, log_window
 from wandistill.train.oom import oom_error
 from wandistill.train.optim import build_optimizer, build_scheduler
 from wandistill.train.records import experts_record, run_meta, sampling_record, write_run_settings
 from wandistill.train.resume import restore, save
-
-console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 @dataclass(slots=True)
@@ -136,7 +133,8 @@ def run(
         student, ema = export_pretrained(
             trainer.model.student, trainer.ema, plan.out, info, sampling
         )
-        corrupt = gather_corrupt(trainer)
+        views = dist.all_gather_json(info, trainer.reader.corrupt)  # reported once, by rank 0
+        corrupt = [m for view in views for m in view]
         trainer.metrics.write({"event": "end", "step": steps, "corrupt": len(corrupt)})
         if info.is_main:
             plot_loss(trainer.metrics.path, plan.out / LOSS_PNG)
@@ -247,20 +245,16 @@ def announce(t: Trainer, store: CacheReader, follow: bool) -> None:
         ),
         *([f"weights {t.reader.weights}"] if t.reader.weights else []),
     ]
-    for line in summary_lines(phrases):  # short lines: readable at 80 columns and in logs
-        console.print(line, soft_wrap=True)
-    if cfg.parallel == "fsdp":
-        for line in summary_lines(parallel.describe(cfg, info)):
-            console.print(line, soft_wrap=True)
-    for line in summary_lines(f"train: {t.plan.objectives.describe()[0]}".split(" ")):
-        console.print(line, soft_wrap=True)
+    groups = [phrases, parallel.describe(cfg, info) if cfg.parallel == "fsdp" else []]
+    groups.append(f"train: {t.plan.objectives.describe()[0]}".split(" "))
+    for line in (line for g in groups for line in summary_lines(g)):  # short lines: 80 columns
+        console.print(line)
     split = experts_record(t)
     if split is not None:
         high, low = (split[f"{n}_steps"] for n in experts.EXPERTS)
         console.print(
             f"train: per-expert students split at t = {split['boundary_timestep']:g}: K-step "
-            f"steps {high} -> transformer, {low} -> transformer_2",
-            soft_wrap=True,
+            f"steps {high} -> transformer, {low} -> transformer_2"
         )
     if not store.complete and not follow:
         console.print(
@@ -288,9 +282,7 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
             signum = stop.agreed(info) if stop is not None else 0
             if signum:  # every rank stops here, at the same step, after the same checkpoint
                 if step != saved:
-                    if window.steps:
-                        log_window(t, step, window, samples_per_step)
-                    save(t, step)
+                    _last_save(t, step, window, samples_per_step)
                 raise stopped(signum, step, info)
             t0 = time.perf_counter()
             wait = 0.0
@@ -302,8 +294,7 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
                 wait += time.perf_counter() - w0
                 if batch is None:
                     break
-                last = micro == cfg.grad_accum - 1
-                no_sync = info.distributed and not last
+                no_sync = info.distributed and micro < cfg.grad_accum - 1  # not the last
                 with parallel.no_sync(t.ddp) if no_sync else contextlib.nullcontext():
                     losses, counts = forward(t, batch)
                     if at("train", "loss", step + 1, info.rank):  # test-only NaN
@@ -340,10 +331,15 @@ def fit(t: Trainer, stop: StopSignals | None = None) -> int:
                 saved = step
                 at("train", "saved", step, info.rank)
     if step != saved:
-        if window.steps:
-            log_window(t, step, window, samples_per_step)
-        save(t, step)
+        _last_save(t, step, window, samples_per_step)
     return step
+
+
+def _last_save(t: Trainer, step: int, window: Window, samples_per_step: int) -> None:
+    """A checkpoint at an unsaved last step (the run's end, or a stop), its metrics row first."""
+    if window.steps:
+        log_window(t, step, window, samples_per_step)
+    save(t, step)
 
 
 def forward(
@@ -406,14 +402,6 @@ def _unroll(
         )
         out = out.index_put((rows,), final.float())
     return out
-
-
-# --------------------------------------------------------------------------- logging
-
-
-def gather_corrupt(t: Trainer) -> list[str]:
-    """Every rank's skipped records (reported once, by rank 0)."""
-    return [m for view in dist.all_gather_json(t.info, t.reader.corrupt) for m in view]
 
 
 # --------------------------------------------------------------------------- failures

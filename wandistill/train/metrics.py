@@ -11,6 +11,7 @@ over the ranks (`log_window`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
@@ -39,12 +40,10 @@ class MetricsLog:
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None  # noqa: SIM115
         self._tb: Any = None
         if enabled and tensorboard:
-            try:
+            with contextlib.suppress(ImportError):  # tensorboard is optional
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(out / "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                self._tb = None
 
     def write(self, row: dict[str, Any]) -> None:
         if self._file is None:

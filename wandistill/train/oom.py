@@ -35,25 +35,6 @@ def _inventory(info: DistInfo) -> Inventory:
     return Inventory((gpu,) * local, ram, 0, f"this machine ({props.name})")
 
 
-def train_plan_for(
-    cfg: TrainConfig, info: DistInfo, student_config: dict[str, Any], dims: DimsBlock
-) -> TrainPlan | None:
-    """The plan for this run on this machine (None where the cache's shape is unknown)."""
-    shape_dims = dims.latent_shape or []
-    if len(shape_dims) != 4:
-        return None
-    _, f, h, w = (int(v) for v in shape_dims)
-    shape = TrainShape(f, h, w, 512, cfg.batch_size)  # the dims block records no text length
-    return make_train_plan(
-        student_config,
-        choice_of(cfg),
-        shape,
-        _inventory(info),
-        world_size=info.world_size,
-        lora_targets=tuple(cfg.student.lora.target_modules),
-    )
-
-
 def _lever_line(plan: TrainPlan) -> str:
     """The plan's figures for this run, and its first lever that fits."""
     req = plan.requested
@@ -96,12 +77,21 @@ def oom_error(
         f"parallel={cfg.parallel}",
     ]
     levers = []
-    plan = None
-    if student_config is not None:
+    shape_dims = (dims or DimsBlock()).latent_shape or []
+    if student_config is not None and len(shape_dims) == 4:  # else the cache's shape is unknown
+        _, f, h, w = (int(v) for v in shape_dims)
+        shape = TrainShape(f, h, w, 512, cfg.batch_size)  # the dims block records no text length
+        targets = tuple(cfg.student.lora.target_modules)
         with contextlib.suppress(Exception):  # advice must never hide the OOM itself
-            plan = train_plan_for(cfg, info, student_config, dims or DimsBlock())
-    if plan is not None:
-        levers.append(_lever_line(plan))
+            plan = make_train_plan(
+                student_config,
+                choice_of(cfg),
+                shape,
+                _inventory(info),
+                world_size=info.world_size,
+                lora_targets=targets,
+            )
+            levers.append(_lever_line(plan))
     if cfg.batch_size > 1:
         half = max(1, cfg.batch_size // 2)
         levers.append(

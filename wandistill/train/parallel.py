@@ -81,18 +81,6 @@ def broadcast_trained(model: nn.Module) -> None:
         torch_dist.broadcast(b, src=0)
 
 
-def _one_rank_group(info: DistInfo, cpu_backend: bool) -> None:
-    """fully_shard needs a process group; one process gets its own 1-rank group (no peers)."""
-    if torch_dist.is_initialized():
-        return
-    backend = "gloo"
-    if info.device.type == "cuda":
-        backend = cuda_and_cpu("nccl") if cpu_backend else "nccl"
-    torch_dist.init_process_group(
-        backend, store=torch_dist.HashStore(), rank=0, world_size=1, device_id=None
-    )
-
-
 def blocks(module: nn.Module) -> list[nn.Module]:
     """The transformer blocks FSDP shards one by one: the classes `_no_split_modules` names, in
     each transformer of the student (a per-expert `ExpertPair` has none itself: both experts'
@@ -113,7 +101,12 @@ def shard(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> int:
     count (the world size)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    _one_rank_group(info, cpu_backend=cfg.fsdp.cpu_offload)
+    if not torch_dist.is_initialized():  # one process: its own 1-rank group (no peers)
+        backend = "gloo"
+        if info.device.type == "cuda":
+            backend = cuda_and_cpu("nccl") if cfg.fsdp.cpu_offload else "nccl"
+        store = torch_dist.HashStore()
+        torch_dist.init_process_group(backend, store=store, rank=0, world_size=1, device_id=None)
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
@@ -133,10 +126,6 @@ def shard(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> int:
         model, mesh=mesh, mp_policy=root_mp, offload_policy=offload, reshard_after_forward=False
     )
     return info.world_size
-
-
-def is_sharded(module: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 @contextlib.contextmanager
@@ -176,11 +165,6 @@ def gather_to_main(named: Iterable[tuple[str, torch.Tensor]], info: DistInfo) ->
             out[name] = whole.cpu()
         del whole
     return out
-
-
-def unwrapped_class(module: nn.Module) -> type[nn.Module]:
-    """The model's own class (fully_shard swaps in an `FSDP<name>` subclass)."""
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 def describe(cfg: TrainConfig, info: DistInfo) -> list[str]:

@@ -4,16 +4,17 @@ experts), which eval, sample and export read back."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wandistill.cache.files import SettingsBlock
 from wandistill.config import TrainConfig
 from wandistill.io import folderkind
 from wandistill.io.fsutil import atomic_write_json
 from wandistill.runtime import dist
 from wandistill.student import experts, lora
 from wandistill.student.export import LINKED
+from wandistill.student.folders import sizes_from_settings
 
 if TYPE_CHECKING:
     from wandistill.train.inputs import Plan
@@ -65,7 +66,7 @@ def sampling_record(t: Trainer, steps: int) -> dict[str, Any]:
             "components": {n: m.teacher.components.get(n) for n in LINKED},
         },
         "cache": t.plan.primary.storage.url,
-        "sampler": _sampler_sizes(m.settings),
+        "sampler": sizes.model_dump() if (sizes := sizes_from_settings(m.settings)) else None,
         "experts": experts_record(t),
         "lora": lora.sampling_entry(t.cfg.student, m.teacher.components),
     }
@@ -76,17 +77,4 @@ def experts_record(t: Trainer) -> dict[str, Any] | None:
     if t.cfg.student.experts != experts.PER_EXPERT:
         return None
     o = t.plan.objectives
-    return experts.split_for(o, t.plan.manifest.dims, t.cfg.student.num_inference_steps).to_json()
-
-
-def _sampler_sizes(settings: SettingsBlock) -> dict[str, Any] | None:
-    """What sample / eval default to (wandistill.student.folders.SamplerSizes); None when the
-    cache lacks one of them."""
-    sizes = {
-        "height": settings.height,
-        "width": settings.width,
-        "num_frames": settings.num_frames,
-        "max_sequence_length": settings.max_sequence_length,
-        "teacher_guidance_scale": settings.guidance_scale,
-    }
-    return None if None in sizes.values() else sizes
+    return asdict(experts.split_for(o, t.plan.manifest.dims, t.cfg.student.num_inference_steps))

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.console import Console
 
 from wandistill.cache.training import TrainingReader
 from wandistill.checks.finite import check_weights
@@ -24,13 +23,12 @@ from wandistill.train import checkpoint_read as ckpt_read
 from wandistill.train import dcp as sharded
 from wandistill.train import parallel
 from wandistill.train.ema import EMA
+from wandistill.train.inputs import console
 from wandistill.train.metrics import truncate_after
 
 if TYPE_CHECKING:
     from wandistill.train.inputs import Plan
     from wandistill.train.loop import Trainer
-
-console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def restore(
@@ -59,15 +57,14 @@ def restore(
     step, state, rng = _load(root / name, info, meta, model, ema, optimizer, scheduler)
     scheduler.load_state_dict(state["scheduler"])
     reader.load_state_dict(state["reader"])
-    set_rng(rng, info)
+    rank = info.rank if f"rank{info.rank}.cpu" in rng else 0  # more ranks now: rank 0's
+    torch.set_rng_state(rng[f"rank{rank}.cpu"])
+    if info.device.type == "cuda" and f"rank{rank}.cuda" in rng:
+        torch.cuda.set_rng_state(rng[f"rank{rank}.cuda"], info.device)
     if info.is_main:
         truncate_after(plan.out, step)
         console.print(f"train: resumed from {root / name} at step {step}")
     return step
-
-
-Loaded = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
-"""A checkpoint's step, its state.json as read (scheduler, reader) and this rank's RNG states."""
 
 
 def _load(
@@ -78,8 +75,9 @@ def _load(
     ema: EMA,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> Loaded:
-    """The checkpoint's tensors into the live modules: a sharded (FSDP) checkpoint on any
+) -> tuple[int, dict[str, Any], dict[str, torch.Tensor]]:
+    """The checkpoint's tensors into the live modules; returns its step, its state.json as read
+    (scheduler, reader) and this rank's RNG states. A sharded (FSDP) checkpoint on any
     number of ranks (train/dcp.py), or a DDP one (whole tensors in safetensors files)."""
     if meta["parallel"] == "fsdp":
         state, raw, _ = ckpt_read.check_state(path)
@@ -143,13 +141,6 @@ def rng_states(info: dist.DistInfo) -> dict[str, torch.Tensor]:
     return out
 
 
-def set_rng(states: dict[str, torch.Tensor], info: dist.DistInfo) -> None:
-    rank = info.rank if f"rank{info.rank}.cpu" in states else 0
-    torch.set_rng_state(states[f"rank{rank}.cpu"])
-    if info.device.type == "cuda" and f"rank{rank}.cuda" in states:
-        torch.cuda.set_rng_state(states[f"rank{rank}.cuda"], info.device)
-
-
 def save(t: Trainer, step: int) -> None:
     weights = {
         "student": [parallel.local(p) for _, p in lora.trainable_parameters(t.model)],
@@ -157,35 +148,18 @@ def save(t: Trainer, step: int) -> None:
     }
     check_weights(t.info, step, weights)  # never a checkpoint (or final student) of NaN weights
     rng = rng_states(t.info)  # a collective: every rank takes part
+    state = {
+        "step": step,
+        "scheduler": t.scheduler.state_dict(),
+        "reader": t.reader.state_dict(),
+        "meta": t.meta,
+    }
+    root, keep = t.plan.out / "checkpoints", t.cfg.keep_checkpoints
     if t.cfg.parallel == "fsdp":  # every rank writes its shard
-        state = {
-            "step": step,
-            "scheduler": t.scheduler.state_dict(),
-            "reader": t.reader.state_dict(),
-            "meta": {**t.meta, "shards": t.info.world_size},
-        }
+        state["meta"] = {**t.meta, "shards": t.info.world_size}
         parts = checkpoint_parts(t.model, t.ema)
-        root = t.plan.out / "checkpoints"
-        keep = t.cfg.keep_checkpoints
         sharded.save_checkpoint(root, step, parts, t.optimizer, rng, state, t.info, keep=keep)
-        return
-    if not t.info.is_main:
-        return
-    ckpt_io.save_checkpoint(
-        t.plan.out / "checkpoints",
-        ckpt_io.Checkpoint(
-            step=step,
-            student=lora.trainable_state_dict(t.model.student),
-            ema=t.ema.state_dict(),
-            projections=t.model.projection_state(),
-            optimizer=t.optimizer.state_dict(),
-            rng=rng,
-            state={
-                "step": step,
-                "scheduler": t.scheduler.state_dict(),
-                "reader": t.reader.state_dict(),
-                "meta": t.meta,
-            },
-        ),
-        keep=t.cfg.keep_checkpoints,
-    )
+    elif t.info.is_main:
+        own = (lora.trainable_state_dict(t.model.student), t.ema.state_dict())
+        tensors = (*own, t.model.projection_state(), t.optimizer.state_dict(), rng)
+        ckpt_io.save_checkpoint(root, ckpt_io.Checkpoint(step, *tensors, state), keep=keep)
