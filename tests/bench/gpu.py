@@ -468,13 +468,13 @@ def placement_api() -> SimpleNamespace:
 
 def plan_estimate(ctx: Ctx, cfg: Any) -> tuple[str, dict[str, int]]:
     """The strategy `wandistill plan` would use for this config and its peak bytes per device."""
-    from wandistill.precompute.header import DTYPES
+    from wandistill.placement.estimate import dtype_from_name
 
     api = placement_api()
     placement = cfg.teacher.placement
     plan = api.make_plan(
         ctx.teacher,
-        dtype=DTYPES[cfg.teacher.dtype],
+        dtype=dtype_from_name(cfg.teacher.dtype),
         sizes=api.SamplerSizes.from_config(cfg),
         inventory=api.Inventory.detect(ctx.work),
         placement=placement,

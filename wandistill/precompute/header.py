@@ -12,6 +12,7 @@ import torch
 from wandistill.cache import manifest as mf
 from wandistill.cache.contract import dtype_name, field_specs
 from wandistill.config import PrecomputeConfig
+from wandistill.placement.estimate import dtype_from_name
 from wandistill.precompute.numerics import record_numerics
 from wandistill.runtime import dist
 from wandistill.teacher.folder import TeacherFolder
@@ -19,9 +20,6 @@ from wandistill.teacher.sampler import CFG_FORMULA, RecordingSampler, SamplerSpe
 
 if TYPE_CHECKING:
     from wandistill.precompute.run import Work
-
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def sampler_settings(teacher: TeacherFolder, cfg: PrecomputeConfig) -> dict[str, Any]:
@@ -65,7 +63,7 @@ def _header(
     cfg: PrecomputeConfig, teacher: TeacherFolder, info: dist.DistInfo, settings: dict[str, Any]
 ) -> mf.Manifest:
     """The manifest this run writes under (or must be compatible with)."""
-    dtype = DTYPES[cfg.teacher.dtype]
+    dtype = dtype_from_name(cfg.teacher.dtype)
     return mf.new_manifest(
         backend=cfg.cache.backend,
         teacher={**teacher.fingerprint, "transformer_config": teacher.transformer_config},
@@ -106,7 +104,7 @@ def _dims(
         "latent_channels": int(shape[0]),
         "latent_shape": list(shape),
         "num_recorded_steps": len(settings["record_steps"]),
-        "teacher_dtype": dtype_name(DTYPES[settings["dtype"]]),
+        "teacher_dtype": dtype_name(dtype_from_name(settings["dtype"])),
     }
 
 

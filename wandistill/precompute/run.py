@@ -44,12 +44,11 @@ from wandistill.cache.writer import CacheWriter
 from wandistill.checks.finite import NonFiniteError
 from wandistill.config import PrecomputeConfig
 from wandistill.io import outputs, storage
-from wandistill.placement.estimate import SamplerSizes
+from wandistill.placement.estimate import SamplerSizes, dtype_from_name
 from wandistill.precompute import job, parts
 from wandistill.precompute.encode_phase import EncodeJob, TextEncoder, encode_phase, recipe_negative
 from wandistill.precompute.finish import Summary, _finalise, _stopped
 from wandistill.precompute.header import (
-    DTYPES,
     _dims,
     _header,
     _recorded_experts,
@@ -170,7 +169,7 @@ def _plan(
     """This rank's work: the cache header, which batches are still to do, the placement."""
     from wandistill.placement import load as pl
 
-    dtype, sm = DTYPES[cfg.teacher.dtype], cfg.sampler
+    dtype, sm = dtype_from_name(cfg.teacher.dtype), cfg.sampler
     settings = sampler_settings(teacher, cfg)
     cache = storage.describe(cfg.cache.path)
     st = None if null_sink else storage.open_storage(cache)
