@@ -8,7 +8,9 @@ files in the stock teacher pipeline (`load_lora_weights`, the second with
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 from pathlib import Path
 
@@ -70,8 +72,15 @@ def world(tiny_teacher_wan22: Path, tmp_path_factory: pytest.TempPathFactory) ->
     precompute(load_recipe(tiny, sets, stage="precompute").precompute, quiet=True)
     init = [f'student.init_from_teacher.path="{teacher}"', "student.ffn_dim=32"]
     where = [f'cache="{root / "cache"}"', f'out="{root / "run"}"']
-    train(load_recipe(tiny, [*TRAIN, *init, *where], stage="train").train)
-    return {"root": root, "teacher": teacher, "cache": root / "cache", "run": root / "run"}
+    with contextlib.redirect_stderr(io.StringIO()) as said:
+        train(load_recipe(tiny, [*TRAIN, *init, *where], stage="train").train)
+    return {
+        "root": root,
+        "teacher": teacher,
+        "cache": root / "cache",
+        "run": root / "run",
+        "said": " ".join(said.getvalue().split()),  # type: ignore[dict-item]
+    }
 
 
 def _snapshot(path: Path) -> dict[str, str]:
@@ -100,6 +109,10 @@ def test_the_cache_says_which_expert_made_each_point_and_the_run_splits_k_at_the
     assert prefixes == {"transformer", "transformer_2"}
     rows = [r for r in read_metrics(world["run"]) if "loss" in r]
     assert rows and all(r["loss_perflow"] > 0 for r in rows)
+    assert (
+        "train: per-expert students split at t = 875: K-step steps [0] -> transformer, "
+        "[1] -> transformer_2"
+    ) in world["said"]
 
 
 def test_each_expert_starts_from_its_own_teacher_expert(world: dict[str, Path]) -> None:

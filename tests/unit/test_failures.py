@@ -78,3 +78,21 @@ def test_a_stop_re_typed_by_library_code_in_an_interruptible_section_is_still_th
         stop.restore()
     with StopSignals.install() as quiet, pytest.raises(ValueError), quiet.interruptible():
         raise ValueError("a real error, no signal: passes through as it is")
+
+
+def test_first_line_drops_library_source_tags_but_keeps_the_peer_address():
+    from wandistill.runtime.dist import first_line
+
+    c10d = RuntimeError(
+        "[c10d] The client socket has failed to connect to [node-0.cluster]:29500 (errno: 110)"
+        "\nmore"
+    )
+    gloo = RuntimeError(
+        "[../third_party/gloo/transport/tcp/pair.cc:537] Connection closed by peer [10.0.0.2]:1234"
+    )
+    assert first_line(c10d) == (
+        "The client socket has failed to connect to [node-0.cluster]:29500 (errno: 110)"
+    )
+    assert first_line(gloo) == "Connection closed by peer [10.0.0.2]:1234"
+    assert first_line(ValueError("")) == "ValueError"
+    assert len(first_line(RuntimeError("x" * 1000))) == 300

@@ -180,6 +180,8 @@ def test_a_bad_placement_in_a_recipe_names_the_key_and_the_nearest(text: str, ma
         ("512MiB", 512 << 20),
         ("2TiB", 2048 * GiB),
         ("1.5TB", 1_500 * 10**9),
+        (".5TiB", 512 * GiB),
+        ("1e1TB", 10_000 * 10**9),
         (10**9, 10**9),
     ],
 )
@@ -199,6 +201,8 @@ def test_memory_sizes_take_the_forms_accelerate_takes(text: object, size: int) -
         ("0GiB", "GiB"),
         ("infGiB", "80GiB"),
         ("nanGiB", "80GiB"),
+        ("1,5TB", "2TiB"),
+        ("twoTiB", "2TiB"),
     ],
 )
 def test_bad_memory_sizes_are_refused_with_the_nearest_spelling(text: str, nearest: str) -> None:

@@ -76,13 +76,14 @@ class Encoding:
         return out
 
 
-def stored_as(spec: FieldSpec) -> str:
-    """How a field is stored, in words: its dtype, what it decodes to, its compression."""
+def stored_as(spec: FieldSpec, sep: str = ", ") -> str:
+    """How a field is stored, in words: its dtype, what it decodes to, its compression (after
+    `sep`: a list of fields joined by ", " passes " ", so each field stays one item)."""
     text = spec.dtype
     if spec.decoded:
         text += f" (of {spec.decoded}{' + scale' if spec.scaled else ''})"
     if spec.compression:
-        text += f", {spec.compression}-{spec.compression_level}"
+        text += f"{sep}{spec.compression}-{spec.compression_level}"
     return text
 
 

@@ -10,7 +10,7 @@ a list.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, TypeVar, get_args, overload
 
 from pydantic_core import PydanticCustomError, core_schema
 
@@ -68,7 +68,13 @@ class Entries(Sequence[E]):
     def __len__(self) -> int:
         return len(self._raw)
 
-    def __getitem__(self, i: int) -> E:  # type: ignore[override]  # no slices: nothing takes one
+    @overload
+    def __getitem__(self, i: int) -> E: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[E]: ...
+    def __getitem__(self, i: int | slice) -> E | list[E]:
+        if isinstance(i, slice):  # a Sequence slices: validated models, never raw rows
+            return [self[j] for j in range(*i.indices(len(self)))]
         got = self._models[i]
         if got is None:
             got = self._models[i] = self._validate(i if i >= 0 else i + len(self))

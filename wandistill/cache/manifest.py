@@ -264,7 +264,7 @@ def mismatches(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> li
 
 
 def _stored(spec: FieldSpec) -> str:
-    return f"{spec.name}:{stored_as(spec)}"
+    return f"{spec.name}:{stored_as(spec, sep=' ')}"
 
 
 def check_compatible(st: Storage, existing: Manifest, new: Manifest) -> None:

@@ -62,10 +62,13 @@ def parse_size(value: Any, what: str) -> int:
             return value
         raise UsageError(f"{what} {value} must be positive", fix=f"e.g. {what} 80GiB")
     text = str(value).strip()
-    scaled = re.fullmatch(r"(\d+(?:\.\d+)?)\s*[tT](i?)([bB])", text)
+    scaled = re.fullmatch(r"(.*?)\s*[tT](i?)([bB])", text)
     if scaled:  # accelerate stops at GB/GiB: express TB/TiB in GB/GiB for it
         num, i, b = scaled.groups()
-        text = f"{float(num) * (1024 if i else 1000)}G{i}{b}"
+        try:  # any float, as accelerate reads GB: ".5TiB", "1e1TB"
+            text = f"{float(num) * (1024 if i else 1000)}G{i}{b}"
+        except ValueError:
+            raise UsageError(f"{what} {value!r} is not a memory size", fix="e.g. 2TiB") from None
     from accelerate.utils import convert_file_size_to_int
 
     try:

@@ -11,7 +11,7 @@ name the arithmetic it was done with.
 from __future__ import annotations
 
 import os
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
@@ -22,14 +22,22 @@ level); recorded as set ("" when unset)."""
 CUDA_ENV = ("CUBLAS_WORKSPACE_CONFIG", "NVIDIA_TF32_OVERRIDE")
 
 
+def _version(package: str) -> str:
+    """The installed version; "" for a source tree on the path without package metadata."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return ""
+
+
 def record_numerics(*, batch_size: int, device: torch.device) -> dict[str, Any]:
     """The numerics block for records computed in batches of `batch_size` on `device`."""
     out: dict[str, Any] = {
         "batch_size": batch_size,
         "device": device.type,
         "torch": torch.__version__,
-        "diffusers": version("diffusers"),
-        "transformers": version("transformers"),
+        "diffusers": _version("diffusers"),
+        "transformers": _version("transformers"),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
     }

@@ -270,10 +270,15 @@ def ranks_text(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+_SOURCE_TAG = re.compile(r"\[(?:c10d|[^\]\s]*\.(?:cc|cpp|h|hpp|py):\d+)\]:?\s*")
+"""gloo's "[../gloo/transport/tcp/pair.cc:537]" and c10d's "[c10d]" tags; a peer's
+"[10.0.0.2]:29500" is kept, it names the host."""
+
+
 def first_line(e: BaseException) -> str:
-    """An error's first line without gloo's "[.../pair.cc:537]" source tags, at most 300 chars."""
+    """An error's first line without the libraries' source tags, at most 300 chars."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return re.sub(r"\[[^\]]*\]:?\s*", "", first)[:300]
+    return _SOURCE_TAG.sub("", first)[:300]
 
 
 # --------------------------------------------------------------------------- heartbeat

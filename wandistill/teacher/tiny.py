@@ -323,7 +323,8 @@ def write_teacher(
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # an unfinished build by a dead process with our pid
+    if tmp.exists():  # an unfinished build by a dead process with our pid: gone, or we stop
+        shutil.rmtree(tmp)
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
         _normalise_model_index(tmp)

@@ -251,7 +251,7 @@ def announce(t: Trainer, store: CacheReader, follow: bool) -> None:
         console.print(line)
     split = experts_record(t)
     if split is not None:
-        high, low = (split[f"{n}_steps"] for n in experts.EXPERTS)
+        high, low = (list(split[f"{n}_steps"]) for n in experts.EXPERTS)
         console.print(
             f"train: per-expert students split at t = {split['boundary_timestep']:g}: K-step "
             f"steps {high} -> transformer, {low} -> transformer_2"
