@@ -67,20 +67,14 @@ def _torchrun(*args: str) -> list[str]:
 class Job:
     """A command in its own session, output in files (so a test can watch them while it runs)."""
 
-    def __init__(
-        self, cmd: list[str], log: Path, *, zygote: Zygote | None = None, **env: str
-    ) -> None:
-        """`zygote`: start `cmd` (a `python ...` line) and torchrun's ranks as its forks, for a
-        run that no signal is sent to (a reference or a plain resume)."""
+    def __init__(self, cmd: list[str], log: Path, **env: str) -> None:
         self.log = log
         self._out = open(log.with_suffix(".out"), "w")  # noqa: SIM115 - closed in wait()
         self._err = open(log.with_suffix(".err"), "w")  # noqa: SIM115
-        if zygote is not None:
-            cmd = [zygote.python, *cmd[1:]]
         self.proc = subprocess.Popen(
             cmd,
             cwd=REPO,
-            env=_env(**env) if zygote is None else zygote.env(_env(**env)),
+            env=_env(**env),
             stdout=self._out,
             stderr=self._err,
             start_new_session=True,
@@ -407,12 +401,9 @@ def test_train_under_torchrun_every_rank_stops_at_the_same_step(
     write_cache(tmp_path / "c", range(8))
     # The reference and the final resume get no signal: torchrun and its ranks are forks of the
     # zygote there; the two runs that are stopped are real torchrun jobs.
-    ref = Job(
-        _torchrun(*_train_argv(_train_sets(tmp_path / "c", tmp_path / "ref", 60, 20))),
-        tmp_path / "ref",
-        zygote=zygote,
-    )
-    assert ref.wait() == 0, ref.err[-3000:]
+    ref_sets = _train_sets(tmp_path / "c", tmp_path / "ref", 60, 20)
+    ref = zygote.torchrun(["-m", "wandistill", *_train_argv(ref_sets)], env=_env())
+    assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "run"
     sets = _train_sets(tmp_path / "c", out, 60, 20)
 
@@ -436,8 +427,8 @@ def test_train_under_torchrun_every_rank_stops_at_the_same_step(
     assert len({s for s, _ in steps}) == 1, f"the ranks stopped at different steps: {steps}"
     assert _latest(out) == f"checkpoint-{steps[0][0]}"
 
-    last = Job(_torchrun(*_train_argv(sets, "--resume")), tmp_path / "last", zygote=zygote)
-    assert last.wait() == 0, last.err[-3000:]
+    last = zygote.torchrun(["-m", "wandistill", *_train_argv(sets, "--resume")], env=_env())
+    assert last.returncode == 0, last.stderr[-3000:]
     assert _same_weights(out, tmp_path / "ref")
 
 
