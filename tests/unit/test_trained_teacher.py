@@ -226,7 +226,7 @@ def test_an_interrupted_build_leaves_nothing_and_the_next_one_finishes(
         raise KeyboardInterrupt
 
     with monkeypatch.context() as mp:
-        mp.setattr(tiny, "fsync_dir", interrupted)  # after save_pretrained, before the rename
+        mp.setattr(tiny, "fsync_tree", interrupted)  # after save_pretrained, before the rename
         with pytest.raises(KeyboardInterrupt):
             ensure_trained_teacher(tmp_path, steps=1, progress=False)
     teachers = tmp_path / "teachers"

@@ -33,6 +33,21 @@ def fsync_dir(path: str | Path) -> None:
             os.close(fd)
 
 
+def fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder` (not through symlinks: an export's links to the
+    teacher), then every directory, then `folder`: a tree about to be renamed into place."""
+    for root, dirs, files in os.walk(folder):  # os.walk does not follow directory symlinks
+        for name in files:
+            path = Path(root) / name
+            if not path.is_symlink():
+                with open(path, "rb") as fh:
+                    os.fsync(fh.fileno())
+        for name in dirs:
+            if not (Path(root) / name).is_symlink():
+                fsync_dir(Path(root) / name)
+    fsync_dir(folder)
+
+
 def temp_name(path: Path) -> Path:
     """A sibling temp name that readers ignore (leading dot, `.tmp` suffix, pid-unique)."""
     return path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")

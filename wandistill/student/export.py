@@ -61,7 +61,13 @@ from wandistill import __version__
 from wandistill.checks.finite import is_finite
 from wandistill.errors import UsageError
 from wandistill.io import outputs
-from wandistill.io.fsutil import atomic_write_json, copy_tree, fsync_dir, make_temp_dir
+from wandistill.io.fsutil import (
+    atomic_write_json,
+    copy_tree,
+    fsync_dir,
+    fsync_tree,
+    make_temp_dir,
+)
 from wandistill.student import experts
 from wandistill.student.folders import EXPORT_MARKER, FinishedStudent, read_run
 from wandistill.student.lora import LORA_FILE
@@ -353,21 +359,6 @@ def _model_index(
     if boundary_ratio is not None:
         index["boundary_ratio"] = boundary_ratio
     return index
-
-
-def fsync_tree(folder: Path) -> None:
-    """fsync every file we wrote (not through the teacher symlinks), then every directory
-    (train's result folders too)."""
-    for root, dirs, files in os.walk(folder):  # os.walk does not follow directory symlinks
-        for name in files:
-            path = Path(root) / name
-            if not path.is_symlink():
-                with open(path, "rb") as fh:
-                    os.fsync(fh.fileno())
-        for name in dirs:
-            if not (Path(root) / name).is_symlink():
-                fsync_dir(Path(root) / name)
-    fsync_dir(folder)
 
 
 def _install(tmp: Path, out: Path, *, last: str = INDEX) -> None:

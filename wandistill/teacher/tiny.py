@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from wandistill.io.fsutil import fsync_dir
+from wandistill.io.fsutil import fsync_dir, fsync_tree
 from wandistill.runtime.workarounds import t5_tokenizer_class
 
 __all__ = [
@@ -330,9 +330,7 @@ def write_teacher(
         _normalise_model_index(tmp)
         for name, obj in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-        # every file, then every directory (deepest first), then tmp itself
-        for p in [*sorted(tmp.rglob("*"), key=lambda p: (p.is_dir(), -len(p.parts))), tmp]:
-            fsync_dir(p)
+        fsync_tree(tmp)
 
         check_target(path, overwrite)  # again: another writer may have finished meanwhile
         if path.is_dir() and any(path.iterdir()):

@@ -25,10 +25,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from wandistill.io.fsutil import atomic_write_json, make_temp_dir, publish
+from wandistill.io.fsutil import atomic_write_json, fsync_tree, make_temp_dir, publish
 from wandistill.runtime.dist import DistInfo, barrier
 from wandistill.student import experts, lora
-from wandistill.student.export import fsync_tree
 from wandistill.train.ema import EMA
 from wandistill.train.parallel import gather_to_main
 
