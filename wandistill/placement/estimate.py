@@ -96,13 +96,19 @@ class SamplerSizes:
         )
 
     @property
+    def latent(self) -> TrainShape:
+        """The latent these sizes give (VAE strides 4 x 8 x 8): one formula, train_size's."""
+        return TrainShape.from_video(
+            num_frames=self.num_frames, height=self.height, width=self.width
+        )
+
+    @property
     def latent_frames(self) -> int:
-        return (self.num_frames - 1) // 4 + 1
+        return self.latent.latent_frames
 
     def tokens(self, patch: tuple[int, int, int] = (1, 2, 2)) -> int:
         """Transformer sequence length: latent frames x (h / 16) x (w / 16) for Wan."""
-        video = {"num_frames": self.num_frames, "height": self.height, "width": self.width}
-        return TrainShape.from_video(**video).tokens(patch)
+        return self.latent.tokens(patch)
 
     @property
     def denoise_batch(self) -> int:
