@@ -141,8 +141,8 @@ def _teacher_call(
 ) -> dict[str, Any]:
     """The flags over the cache's settings over WanPipeline's defaults (left out here)."""
     call = {} if sizes is None else _given(sizes) | {"guidance_scale": sizes.teacher_guidance_scale}
-    for n in (steps, opts.steps):
-        call |= {} if n is None else {"num_inference_steps": n}
+    if (n := opts.steps if opts.steps is not None else steps) is not None:
+        call["num_inference_steps"] = n  # --steps, else the cache's or recipe's N
     return call | _given(opts, ("guidance_scale", *_SIZES))
 
 

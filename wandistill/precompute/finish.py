@@ -83,7 +83,7 @@ def _finalise(w: Work, enc: Encoded, report: PromptReport, stop: StopSignals, t0
     views = dist.all_gather_json(info, _rank_counts(w, enc))  # a collective: every rank
     cut = {k for v in views for k in v["truncated"]}
     if writer is not None and info.is_main:
-        store = writer.writer.store  # the cache as the writer opened it
+        store = w.store  # the cache as the writer opened it
         mf.finalize(store, complete=True)
         cut |= set(_earlier_truncations(store))
         report.truncated_keys = [k for k in w.keys if k in cut]
