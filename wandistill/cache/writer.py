@@ -131,10 +131,10 @@ class CacheWriter:
             numerics=numerics or {},
         )
         self.sink = _make_sink(backend, self.store, shard_records, header.fields)
-        self._open_cache(header, blob)
+        journals = jn.CommitMemo()  # each journal is read once for the three uses below
+        self._open_cache(header, blob, journals)
         self.codec = RecordCodec(self.manifest.fields)
         """Converts each record to the stored dtypes the fields declare (encoding.py)."""
-        journals = jn.CommitMemo()  # the journals are read once for both uses below
         committed = mf.committed_shards(self.store, self.manifest, journals)
         self._keys = NameIndex()  # compact: memory must not grow with the prompt file
         for s in committed:
@@ -160,8 +160,9 @@ class CacheWriter:
         self.records_skipped = 0
         self.bytes_written = 0
 
-    def _open_cache(self, new: Manifest, blob: bytes) -> None:
-        """Create the cache (or join it: the header must match); `blob`: shared.safetensors."""
+    def _open_cache(self, new: Manifest, blob: bytes, journals: jn.CommitMemo) -> None:
+        """Create the cache (or join it: the header must match); `blob`: shared.safetensors;
+        `journals`: the memo the writer reads the journals through afterwards."""
         try:
             self.store.makedirs(SHARD_DIR)
         except OSError as e:
@@ -172,7 +173,7 @@ class CacheWriter:
         fresh = True
         if mf.has_manifest(self.store) or not mf.create_manifest_exclusive(self.store, new):
             existing = mf.read_manifest(self.store)
-            if mf.committed_shards(self.store, existing):  # records bind the header
+            if mf.committed_shards(self.store, existing, journals):  # records bind the header
                 mf.check_compatible(self.store, existing, new)
                 self.manifest, fresh = existing, False
             else:  # a run that failed before its first record: this run's header replaces it
