@@ -280,7 +280,7 @@ class _Merger:
             from wandistill.cache.zarr.merge import ZarrLinker
 
             self._linker = ZarrLinker(self.out, self.put)
-        return self._linker.add(store.storage, src)
+        return self._linker.add(store.source, src)  # type: ignore[arg-type]  # zarr: a ZarrSource
 
     def shard(self, seq: int, step: _Step) -> dict[str, Any]:
         """Write M's shard `seq` from `step`; its committed (sealed) entry."""

@@ -36,6 +36,7 @@ from wandistill.cache.zarr.layout import (
     group_arrays,
     zarr_store,
 )
+from wandistill.cache.zarr.reader import ZarrSource
 from wandistill.cache.zarr.store import _SealingStore
 from wandistill.cache.zarr.writer import entry_json
 from wandistill.io.storage import Storage
@@ -61,9 +62,6 @@ class ZarrLinker:
         self._arrays: dict[str, Any] = {}
         """M's arrays by path, read once per entry (`_open_arrays`): within an entry this
         linker is M's only writer and `resize` updates an array's shape in place."""
-        self._sources: dict[str, tuple[Any, dict[str, Any]]] = {}
-        """Input url -> (its group, its arrays by path), opened once: an input is read-only,
-        and re-reading each zarr.json per entry was most of a merge's requests on S3."""
 
     def _target(self, layout: dict[str, Any]) -> Any:
         """M's group, created with `layout` when new; None if its layout differs."""
@@ -85,13 +83,6 @@ class ZarrLinker:
         """M's record-indexed arrays (`group_arrays`: all but the ragged values)."""
         return [arr for path, arr in self._arrays.items() if not path.endswith("/values")]
 
-    def _source(self, cache: Storage, path: str) -> Any:
-        """Input `cache`'s array `path`, opened once per merge."""
-        group, arrays = self._sources[cache.url]
-        if path not in arrays:
-            arrays[path] = group[path]
-        return arrays[path]
-
     def _like(self, group: Any, path: str, src: Any) -> Any:
         """M's array `path` (created like `src`, zero rows, when new), or None if it differs."""
         if path not in self._arrays:
@@ -112,13 +103,12 @@ class ZarrLinker:
         arr = self._arrays[path]
         return arr if _shape_free(arr) == _shape_free(src) else None
 
-    def add(self, cache: Storage, e: ZarrEntry) -> tuple[dict[str, Any], set[str]] | None:
-        """Link (or copy) entry `e` of input `cache` into M: (M's entry without name/keys,
-        how its files got there), or None when the layouts differ (nothing was linked)."""
-        if cache.url not in self._sources:
-            src = zarr.open_group(store=zarr_store(cache, read_only=True), mode="r", zarr_format=3)
-            self._sources[cache.url] = (src, {})
-        layout = dict(self._sources[cache.url][0].attrs[GROUP_ATTR])
+    def add(self, source: ZarrSource, e: ZarrEntry) -> tuple[dict[str, Any], set[str]] | None:
+        """Link (or copy) entry `e` of the input read by `source` into M: (M's entry without
+        name/keys, how its files got there), or None when the layouts differ (nothing was
+        linked). The input's group, arrays and offsets come through `source`, which opened
+        and verified them (re-reading each zarr.json was most of a merge's requests on S3)."""
+        layout = dict(source.open_group().attrs[GROUP_ATTR])
         group = self._target(layout)
         if group is None:
             return None
@@ -126,7 +116,7 @@ class ZarrLinker:
         ragged = [f for f in e.fields if f in RAGGED]
         paths = [f for f in e.fields if f not in RAGGED]
         paths += [f"{r}/{part}" for r in ragged for part in ("values", "offsets")]
-        arrays = {p: self._like(group, p, self._source(cache, p)) for p in paths}
+        arrays = {p: self._like(group, p, source.array(p)) for p in paths}
         if any(a is None for a in arrays.values()):
             return None
         block, tblock = int(layout["block_records"]), int(layout["token_block"])
@@ -154,14 +144,14 @@ class ZarrLinker:
                 continue  # absolute token starts: written anew below
             first, _, rest = coords.partition("/")
             new = f"{path}/c/{int(first) + shift[path]}" + (f"/{rest}" if rest else "")
-            how, size = self.put(cache, f"{DATA_NAME}/{rel}", f"{DATA_NAME}/{new}")
+            how, size = self.put(source.storage, f"{DATA_NAME}/{rel}", f"{DATA_NAME}/{new}")
             ways.add(how)
             sha[new] = digest
             nbytes += size
         self.store.sealed.clear()  # from here on: this entry's offsets files only
         n = e.records
         for r in ragged:
-            offs = np.asarray(self._source(cache, f"{r}/offsets")[e.rows[0] : e.rows[1]])
+            offs = source.offsets(e, r)
             moved = offs[:, 0] - e.token_rows[r][0] + token_rows[r][0]
             offs = np.where(offs[:, 1:] >= 0, np.stack([moved, offs[:, 1]], axis=1), -1)
             arrays[f"{r}/offsets"][start : start + n] = offs.astype(np.int64)

@@ -76,6 +76,10 @@ class ZarrSource:
             )
         return self._group
 
+    def array(self, path: str) -> Any:
+        """The zarr array `path` of this cache, opened once (merge links its shard files)."""
+        return self._array(path, 0)[0]
+
     def _array(self, path: str, rows: int) -> tuple[Any, DType]:
         """Array `path` with at least `rows` rows, and its stored dtype."""
         got = self._arrays.get(path)
