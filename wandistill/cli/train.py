@@ -156,9 +156,12 @@ def _dry_run(cfg: TrainConfig, recipe: str | None, sets: list[str]) -> None:
     if not cfg.cache:
         out.print("(pass --cache to see which recorded steps each objective trains at)")
         return
+    from wandistill.cache.reader import CacheReader
     from wandistill.train.inputs import objective_plan
 
-    for line in objective_plan(cfg).describe():
+    with CacheReader(cfg.caches[0]) as store:
+        plan = objective_plan(cfg, store.manifest.settings, store.read_shared())
+    for line in plan.describe():
         out.print(line, highlight=False, soft_wrap=True)
 
 

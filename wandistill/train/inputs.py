@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -32,6 +32,11 @@ from wandistill.student.schedule import ObjectivePlan, TeacherSchedule, plan_obj
 from wandistill.train import checkpoint as ckpt_io
 from wandistill.train import checkpoint_read as ckpt_read
 
+if TYPE_CHECKING:
+    import torch
+
+    from wandistill.cache.files import SettingsBlock
+
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 """train's progress lines (loop and resume print with it too)."""
 
@@ -51,6 +56,9 @@ class Plan:
     fields: list[str]
     objectives: ObjectivePlan
     """K, the student's sampler, and the recorded steps each objective trains at."""
+    shared: dict[str, torch.Tensor]
+    """The primary cache's shared tensors (the teacher's sigmas and timesteps), read once: the
+    objective plan and the loop's sigma table both take them."""
 
     @property
     def primary(self) -> CacheReader:
@@ -129,8 +137,9 @@ def _resolve(cfg: TrainConfig, caches: tuple[CacheReader, ...], *, resume: bool)
         problems += lora.plan_problems(cfg.student, student_config, tconf)
     cached = {f.name for f in manifest.fields}
     objectives = None
+    shared = caches[0].read_shared()
     try:
-        objectives = objective_plan(cfg, caches[0])
+        objectives = objective_plan(cfg, manifest.settings, shared)
     except UsageError as e:
         problems.append(e.message + (f" ({e.fix})" if e.fix else ""))
     problems += experts.check(
@@ -183,7 +192,7 @@ def _resolve(cfg: TrainConfig, caches: tuple[CacheReader, ...], *, resume: bool)
     if problems or objectives is None:
         raise UsageError("; ".join(problems))
     teacher_width = width(tconf) if tconf else width(student_config)
-    return Plan(caches, out, manifest, student_config, teacher_width, fields, objectives)
+    return Plan(caches, out, manifest, student_config, teacher_width, fields, objectives, shared)
 
 
 def unroll_problems(
@@ -218,12 +227,11 @@ def unroll_problems(
     return problems
 
 
-def objective_plan(cfg: TrainConfig, store: CacheReader | None = None) -> ObjectivePlan:
-    """K, the student's scheduler and the recorded steps of each objective, from the cache's
-    manifest and schedule: `validate`'s opened primary cache, or (`train --dry-run`, which
-    prints it) the first --cache opened here."""
-    if store is None:
-        with CacheReader(cfg.caches[0]) as opened:
-            return objective_plan(cfg, opened)
-    teacher = TeacherSchedule.from_cache(store.manifest.settings, store.read_shared())
+def objective_plan(
+    cfg: TrainConfig, settings: SettingsBlock, shared: dict[str, torch.Tensor]
+) -> ObjectivePlan:
+    """K, the student's scheduler and the recorded steps of each objective, from the primary
+    cache's settings and shared schedule (`validate`'s, or `train --dry-run`'s, which prints
+    it)."""
+    teacher = TeacherSchedule.from_cache(settings, shared)
     return plan_objectives(cfg.loss, cfg.student.num_inference_steps, teacher)

@@ -209,7 +209,7 @@ def setup(
         scheduler=scheduler,
         ema=ema,
         reader=reader,
-        sigmas=SigmaTable.from_cache(store.manifest.settings, store.read_shared()),
+        sigmas=SigmaTable.from_cache(store.manifest.settings, plan.shared),
         metrics=MetricsLog(plan.out, enabled=False, tensorboard=False),
         start_step=start,
         meta=meta,
