@@ -271,6 +271,7 @@ def test_two_process_torchrun_writes_the_same_records_as_one_process(
     assert _blobs(tmp_path / "one") == _blobs(tmp_path / "two")
     # One summary for the whole job (rank 0's), every rank's counts and truncations in it.
     assert two.stdout.count("records written") == 1, two.stdout
+    assert two.stdout.count("truncated to max_sequence_length tokens: lines 2, 4") == 1  # rank 0
     said = " ".join(two.stdout.split())
     assert "cache: 9 records written this run, 0 already there" in said, two.stdout
     assert "9 of 9 prompts in the cache, 2 truncated" in said and "on 2 ranks" in said

@@ -127,9 +127,10 @@ def precompute_cmd(
     from wandistill.precompute.entry import launch
 
     s = launch(full.precompute, part=job_part)
-    _print_prompt_report(s.cache)
-    for line in s.lines() if s.is_main else ():  # one summary for the whole job
-        out.print(line, highlight=False, soft_wrap=True)
+    if s.is_main:  # one report and one summary for the whole job: other ranks stay quiet
+        _print_prompt_report(s.cache)
+        for line in s.lines():
+            out.print(line, highlight=False, soft_wrap=True)
 
 
 def _print_prompt_report(location: str) -> None:
