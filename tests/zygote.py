@@ -509,6 +509,18 @@ def kill(pid: int, sig: int) -> None:
         pass
 
 
+def kill_and_wait(pid: int) -> None:
+    """SIGKILL `pid` and return once it has exited: an exited process (even a zombie not yet
+    reaped) has closed its files, so its locks are free. For forks another process reaps (a
+    shim's); `Zygote.wait` for the zygote's own."""
+    kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + HANG_GUARD_S  # a hang guard, not a timing
+    while alive(pid):
+        if time.monotonic() > deadline:
+            pytest.fail(f"pid {pid} still runs {HANG_GUARD_S:.0f} s after SIGKILL")
+        time.sleep(0.005)
+
+
 def logs(log: Path, nproc: int = 1) -> str:
     """Every rank's output of a run started with `Zygote.start` / `Zygote.run`."""
     return "\n".join(

@@ -24,7 +24,7 @@ from wandistill.cli import main
 from wandistill.io.outputs import LOCK, MARKER, claim
 
 from clirun import cli_env, run_cli
-from zygote import HANG_GUARD_S, Zygote, fork_pid, kill, logs
+from zygote import HANG_GUARD_S, Zygote, fork_pid, kill_and_wait, logs
 
 REPO = Path(__file__).parents[2]
 N_PROMPTS = 6
@@ -267,7 +267,7 @@ def test_a_second_train_into_a_live_run_is_refused_and_proceeds_once_it_is_gone(
         assert snapshot(run) == before
     finally:
         if holds is not None:
-            kill(holds, signal.SIGKILL)  # the shim exits once the zygote has reaped it
+            kill_and_wait(holds)  # its lock is free before the retry below, not when the shim ends
         holder.kill()
         holder.wait(timeout=60)
     code, out, err = _cli(capsys, *args)
